@@ -1,0 +1,24 @@
+"""kron_precond: Kronecker-factored preconditioning (K-FAC, PSGD Kron) for any PyTorch optimizer.
+
+    precond = KronPreconditioner(model, method="kfac")
+    loss.backward(); precond.step(); optimizer.step()
+"""
+from kron_precond.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, Method
+from kron_precond.preconditioner import KronPreconditioner
+from kron_precond.schedules import precond_update_prob_schedule
+
+try:  # the standalone optimizer lands separately
+    from kron_precond.optim import Kron
+except ImportError:  # pragma: no cover
+    Kron = None  # type: ignore[assignment]
+
+__all__ = [
+    "KronPreconditioner",
+    "Kron",
+    "Method",
+    "ComputeMethod",
+    "AssignmentStrategy",
+    "DistributedStrategy",
+    "precond_update_prob_schedule",
+]
+__version__ = "0.1.0"

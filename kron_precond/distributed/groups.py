@@ -1,0 +1,80 @@
+"""The grid of gradient-worker and receiver process groups (KAISA).
+
+``R`` ranks, ``W`` gradient workers per layer (``W`` divides ``R``), ``C = R / W``
+columns. Rank ``r`` sits at row ``r // C`` and column ``r % C``:
+
+* the *gradient workers* of a layer are the column of its owner: they hold the layer's
+  refreshed state (the owner broadcasts it to them) and precondition its gradient;
+* every other rank receives that layer's preconditioned gradient from the gradient
+  worker in its own row.
+
+COMM_OPT (``W = R``): one column, no gradient traffic. MEM_OPT (``W = 1``): one row,
+only the owner holds state and broadcasts the preconditioned gradient every step.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+
+class WorkerGrid:
+    def __init__(self, world_size: int, rank: int, grad_workers: int, process_group=None) -> None:
+        if grad_workers < 1 or world_size % grad_workers:
+            raise ValueError(f"the number of gradient workers ({grad_workers}) must divide the "
+                             f"world size ({world_size})")
+        self.world_size = world_size
+        self.rank = rank
+        self.grad_workers = grad_workers
+        self.columns = world_size // grad_workers
+        self.process_group = process_group
+        self._column_groups: dict[int, object] = {}
+        self._row_group = None
+        if world_size > 1:
+            self._create_groups()
+
+    def _create_groups(self) -> None:
+        global_ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
+        self._global_ranks = global_ranks
+        whole = self.process_group
+        # Every rank must create every group, in the same order.
+        if self.grad_workers > 1:
+            for column in range(self.columns):
+                members = [global_ranks[r] for r in range(column, self.world_size, self.columns)]
+                self._column_groups[column] = whole if self.columns == 1 else dist.new_group(members)
+        if self.columns > 1:
+            for row in range(self.grad_workers):
+                members = [global_ranks[row * self.columns + c] for c in range(self.columns)]
+                group = whole if self.grad_workers == 1 else dist.new_group(members)
+                if row == self.row_of(self.rank):
+                    self._row_group = group
+
+    def row_of(self, rank: int) -> int:
+        return rank // self.columns
+
+    def column_of(self, rank: int) -> int:
+        return rank % self.columns
+
+    def is_grad_worker(self, owner: int) -> bool:
+        """Does this rank hold the state of (and precondition) layers owned by ``owner``?"""
+        return self.column_of(self.rank) == self.column_of(owner)
+
+    def state_group(self, owner: int):
+        """Group over which ``owner`` broadcasts refreshed state, or ``None`` when it has no peers."""
+        return self._column_groups.get(self.column_of(owner))
+
+    @property
+    def has_receivers(self) -> bool:
+        return self.columns > 1
+
+    def gradient_source(self, owner: int) -> int:
+        """The gradient worker in this rank's row for layers owned by ``owner``."""
+        return self.row_of(self.rank) * self.columns + self.column_of(owner)
+
+    @property
+    def row_group(self):
+        return self._row_group
+
+    def global_rank(self, rank: int) -> int:
+        """Rank in the default group of ``rank`` (a rank of the preconditioner's group)."""
+        if self.world_size == 1:
+            return rank
+        return self._global_ranks[rank]

@@ -1,0 +1,47 @@
+"""Enumerations accepted (as the enum or its string value) by the public constructors."""
+from __future__ import annotations
+
+import enum
+
+
+class _StrEnum(str, enum.Enum):
+    @classmethod
+    def parse(cls, value, argument: str):
+        """Return the member for ``value`` (member or case-insensitive string)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            for member in cls:
+                if member.value == value.lower():
+                    return member
+        choices = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"{argument}={value!r} is not one of {choices}")
+
+
+class Method(_StrEnum):
+    """Which Kronecker-factored preconditioner a layer uses."""
+
+    KFAC = "kfac"
+    PSGD = "psgd"
+
+
+class ComputeMethod(_StrEnum):
+    """How K-FAC turns its factors into a preconditioner."""
+
+    EIGEN = "eigen"
+    INVERSE = "inverse"
+
+
+class AssignmentStrategy(_StrEnum):
+    """What the placement of per-layer work across ranks balances."""
+
+    COMPUTE = "compute"  # estimated time: n^3 per factor
+    MEMORY = "memory"  # estimated storage: n^2 per factor
+
+
+class DistributedStrategy(enum.Enum):
+    """Preset fractions of the world that act as gradient workers for each layer."""
+
+    COMM_OPT = 1.0  # every rank keeps every layer's state: no traffic on plain steps
+    HYBRID_OPT = 0.5
+    MEM_OPT = 0.0  # stands for 1 / world_size: one rank per layer keeps state

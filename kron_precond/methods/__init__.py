@@ -1,0 +1,1 @@
+"""Per-layer preconditioning methods. None of them knows about torch.distributed."""

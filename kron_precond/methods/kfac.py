@@ -1,0 +1,312 @@
+"""K-FAC for one layer: Kronecker factors A (activations) and G (output gradients).
+
+For a layer with gradient matrix ``∇ = [W | b]`` of shape ``[out, in(+1)]`` the Fisher
+block is approximated by ``G ⊗ A`` with
+
+    A = mean_rows(ã ãᵀ)      ã = activation row with a trailing 1 when there is a bias
+    G = mean_rows(δ δᵀ)      δ = output gradient · batch size · accumulation steps
+
+so that, for a loss averaged over the batch, neither factor depends on the batch size
+(and one damping value means the same at any batch size or world size).
+
+Preconditioning (``compute_method``):
+
+* EIGEN:   ``A = Q_A diag(d_A) Q_Aᵀ``, ``G = Q_G diag(d_G) Q_Gᵀ`` and
+  ``V = Q_G [(Q_Gᵀ ∇ Q_A) / (d_G d_Aᵀ + λ)] Q_Aᵀ``, which is exactly
+  ``(G ⊗ A + λI)⁻¹ vec(∇)``.
+* INVERSE: ``V = (G + γ_G I)⁻¹ ∇ (A + γ_A I)⁻¹`` with the factored-Tikhonov split of
+  Martens & Grosse (2015, §6.3): ``γ_A = π √λ``, ``γ_G = √λ / π`` and
+  ``π = √((tr A / dim A) / (tr G / dim G))`` (π = 1 when either trace is zero). The
+  split keeps the damping proportionate when A and G have very different scales.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from kron_precond.enums import ComputeMethod
+from kron_precond.methods.base import LayerMethod, tensor_bytes
+
+FACTORS = ("A", "G")
+
+
+class KFACLayer(LayerMethod):
+    """Factors, pending statistics and decompositions of one Linear/ConvNd layer.
+
+    Args:
+        name: qualified module name, used in warnings.
+        weight_shape: shape of the module's weight; the gradient matrix is
+            ``weight.reshape(out, -1)`` with the bias (if any) as last column.
+        has_bias: whether the layer has a bias (adds the last row/column of A).
+        compute_method: EIGEN or INVERSE.
+        eigenvalue_outer_product: cache ``1 / (d_G d_Aᵀ + λ)`` at refresh time (EIGEN),
+            trading ``out·in`` memory for a cheaper ``apply``.
+        factor_dtype: dtype of A and G and of the statistics.
+        inv_dtype: dtype of the stored decompositions / inverses.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        weight_shape: torch.Size,
+        has_bias: bool,
+        *,
+        compute_method: ComputeMethod,
+        eigenvalue_outer_product: bool,
+        factor_dtype: torch.dtype,
+        inv_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.name = name
+        self.weight_shape = torch.Size(weight_shape)
+        self.has_bias = has_bias
+        self.compute_method = compute_method
+        self.eigenvalue_outer_product = eigenvalue_outer_product
+        self.factor_dtype = factor_dtype
+        self.inv_dtype = inv_dtype
+        self.g_dim = self.weight_shape[0]
+        self.a_dim = self.weight_shape[1:].numel() + int(has_bias)
+        kw = dict(device=device, dtype=factor_dtype)
+        self.a_factor = torch.zeros(self.a_dim, self.a_dim, **kw)
+        self.g_factor = torch.zeros(self.g_dim, self.g_dim, **kw)
+        # Statistics of the current factor step, summed over rows / micro-batches.
+        self._a_sum = torch.zeros_like(self.a_factor)
+        self._g_sum = torch.zeros_like(self.g_factor)
+        self._a_rows = 0
+        self._g_rows = 0
+        self.factor_updates = {"A": 0, "G": 0}
+        # Count of factor updates skipped for non-finite statistics; read on refresh steps
+        # only, so the per-step path never synchronises with the device.
+        self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
+        # Refreshed state, allocated on first use: ranks that are not gradient workers of
+        # this layer never hold it (MEM_OPT / HYBRID_OPT memory savings).
+        self._device = device
+        self._refreshed: dict[str, list[torch.Tensor]] | None = None
+        self._inverse_denominator: torch.Tensor | None = None
+        self._damping_used: float | None = None
+        # True once a refresh produced usable state; before that ``apply`` is the identity.
+        self.ready = False
+
+    # ------------------------------------------------------------------ observe
+    def observe_activations(self, rows: torch.Tensor) -> None:
+        """Accumulate ``Σ ã ãᵀ`` for activation rows ``[N, in]`` (no bias column)."""
+        rows = rows.to(self.factor_dtype)
+        d = rows.shape[1]
+        self._a_sum[:d, :d].addmm_(rows.t(), rows)
+        if self.has_bias:
+            # The ones column of ã, without materialising it.
+            col_sum = rows.sum(0)
+            self._a_sum[:d, d].add_(col_sum)
+            self._a_sum[d, :d].add_(col_sum)
+            self._a_sum[d, d].add_(rows.shape[0])
+        self._a_rows += rows.shape[0]
+
+    def observe_output_grads(self, rows: torch.Tensor, scale: float) -> None:
+        """Accumulate ``Σ δ δᵀ`` for output-gradient rows ``[N, out]``, ``δ = scale · rows``."""
+        rows = rows.to(self.factor_dtype)
+        self._g_sum.addmm_(rows.t(), rows, alpha=scale * scale)
+        self._g_rows += rows.shape[0]
+
+    @property
+    def has_pending_statistics(self) -> bool:
+        return self._a_rows > 0 or self._g_rows > 0
+
+    def fold_statistics(self, decay: float) -> None:
+        """Fold this step's statistics into the running averages ``F ← d·F + (1−d)·F_new``.
+
+        The first update of a factor takes the statistics as they are. A non-finite
+        update is dropped (the factor keeps its value) without a host synchronisation.
+        """
+        for key, factor, total, rows in (
+            ("A", self.a_factor, self._a_sum, self._a_rows),
+            ("G", self.g_factor, self._g_sum, self._g_rows),
+        ):
+            if rows == 0:
+                continue
+            new = total / rows
+            new = (new + new.t()) * 0.5  # exact symmetry; accumulation rounding can break it
+            finite = torch.isfinite(new).all()
+            if self.factor_updates[key] > 0:
+                new = torch.lerp(factor, new, 1.0 - decay)
+            factor.copy_(torch.where(finite, new, factor))
+            self.nonfinite.add_((~finite).to(self.nonfinite.dtype))
+            self.factor_updates[key] += 1
+            total.zero_()
+        self._a_rows = self._g_rows = 0
+
+    def discard_statistics(self) -> None:
+        self._a_sum.zero_()
+        self._g_sum.zero_()
+        self._a_rows = self._g_rows = 0
+
+    def shared_statistics(self) -> list[torch.Tensor]:
+        return [self.a_factor, self.g_factor]
+
+    # ------------------------------------------------------------------ refresh
+    parts = FACTORS
+
+    def _allocated(self) -> dict[str, list[torch.Tensor]]:
+        if self._refreshed is None:
+            kw = dict(device=self._device, dtype=self.inv_dtype)
+            shapes = {"A": self.a_dim, "G": self.g_dim}
+            if self.compute_method is ComputeMethod.EIGEN:
+                self._refreshed = {k: [torch.zeros(n, n, **kw), torch.zeros(n, **kw)] for k, n in shapes.items()}
+            else:
+                self._refreshed = {k: [torch.zeros(n, n, **kw)] for k, n in shapes.items()}
+        return self._refreshed
+
+    def release_refreshed(self) -> None:
+        """Drop refreshed state (on ranks that only gathered it for a checkpoint)."""
+        self._refreshed = None
+        self._inverse_denominator = None
+        self.ready = False
+
+    def refreshed_tensors(self, factor: str | None = None) -> list[torch.Tensor]:
+        refreshed = self._allocated()
+        if factor is None:
+            return refreshed["A"] + refreshed["G"]
+        return refreshed[factor]
+
+    def refresh(self, factor: str, damping: float) -> None:
+        """Decompose (EIGEN) or invert (INVERSE) one factor; keep the old result on failure."""
+        if self.compute_method is ComputeMethod.EIGEN:
+            matrix = self.a_factor if factor == "A" else self.g_factor
+            result = _robust_eigh(matrix, self.inv_dtype, f"{self.name}.{factor}")
+            if result is not None:
+                for dst, src in zip(self.refreshed_tensors(factor), result):
+                    dst.copy_(src)
+        else:
+            inverse = self._damped_inverse(factor, damping)
+            if inverse is not None:
+                self.refreshed_tensors(factor)[0].copy_(inverse)
+
+    def finalize_refresh(self, damping: float) -> None:
+        """Derive what ``apply`` needs from the refreshed tensors (run by every grad worker)."""
+        if self.compute_method is ComputeMethod.EIGEN and self.eigenvalue_outer_product:
+            d_a = self.refreshed_tensors("A")[1]
+            d_g = self.refreshed_tensors("G")[1]
+            self._inverse_denominator = 1.0 / (torch.outer(d_g, d_a) + damping)
+        self._damping_used = damping
+        self.ready = True
+
+    def _damped_inverse(self, factor: str, damping: float) -> torch.Tensor | None:
+        work_dtype = _decomposition_dtype(self.inv_dtype)
+        a = self.a_factor.to(work_dtype)
+        g = self.g_factor.to(work_dtype)
+        trace_a = torch.trace(a) / self.a_dim
+        trace_g = torch.trace(g) / self.g_dim
+        both_positive = (trace_a > 0) & (trace_g > 0)
+        pi = torch.where(both_positive, torch.sqrt(trace_a / trace_g.clamp_min(1e-30)), 1.0)
+        sqrt_damping = damping**0.5
+        if factor == "A":
+            matrix, gamma = a, pi * sqrt_damping
+        else:
+            matrix, gamma = g, sqrt_damping / pi
+        eye = torch.eye(matrix.shape[0], dtype=work_dtype, device=matrix.device)
+        try:
+            inverse = torch.linalg.inv(matrix + gamma * eye)
+        except RuntimeError as err:  # singular despite damping: keep the previous inverse
+            warnings.warn(f"kron_precond: inverting {self.name}.{factor} failed ({err}); "
+                          "keeping the previous inverse", RuntimeWarning, stacklevel=3)
+            return None
+        return inverse.to(self.inv_dtype)
+
+    # ------------------------------------------------------------------ apply
+    def apply(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        if not self.ready:
+            return grads
+        matrix = self.grads_to_matrix(grads)
+        out = self.precondition_matrix(matrix.to(self.inv_dtype)).to(matrix.dtype)
+        return self.matrix_to_grads(out)
+
+    def precondition_matrix(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.compute_method is ComputeMethod.EIGEN:
+            q_a, d_a = self._refreshed["A"]
+            q_g, d_g = self._refreshed["G"]
+            rotated = q_g.t() @ grad @ q_a
+            if self._inverse_denominator is not None:
+                rotated = rotated * self._inverse_denominator
+            else:
+                rotated = rotated / (torch.outer(d_g, d_a) + self._damping_used)
+            return q_g @ rotated @ q_a.t()
+        a_inv = self._refreshed["A"][0]
+        g_inv = self._refreshed["G"][0]
+        return g_inv @ grad @ a_inv
+
+    def grads_to_matrix(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        weight = grads[0].reshape(self.g_dim, -1)
+        if self.has_bias:
+            return torch.cat([weight, grads[1].reshape(self.g_dim, 1)], dim=1)
+        return weight
+
+    def matrix_to_grads(self, matrix: torch.Tensor) -> list[torch.Tensor]:
+        if self.has_bias:
+            return [matrix[:, :-1].reshape(self.weight_shape), matrix[:, -1].contiguous()]
+        return [matrix.reshape(self.weight_shape)]
+
+    # ------------------------------------------------------------------ estimates
+    def factor_costs(self) -> dict[str, tuple[float, float]]:
+        """Per factor: (compute cost ~ n³, memory cost ~ n²)."""
+        return {"A": (float(self.a_dim) ** 3, float(self.a_dim) ** 2),
+                "G": (float(self.g_dim) ** 3, float(self.g_dim) ** 2)}
+
+    def cost(self) -> float:
+        return sum(c for c, _ in self.factor_costs().values())
+
+    def memory(self) -> int:
+        return tensor_bytes(self.memory_by_kind().values())
+
+    def memory_by_kind(self) -> dict[str, int]:
+        held = [] if self._refreshed is None else self.refreshed_tensors()
+        refreshed = tensor_bytes(held) + tensor_bytes([self._inverse_denominator])
+        return {
+            "factors": tensor_bytes([self.a_factor, self.g_factor]),
+            "statistics": tensor_bytes([self._a_sum, self._g_sum]),
+            "decompositions" if self.compute_method is ComputeMethod.EIGEN else "inverses": refreshed,
+        }
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "a_factor": self.a_factor.clone(),
+            "g_factor": self.g_factor.clone(),
+            "factor_updates": dict(self.factor_updates),
+            "refreshed": {k: [t.clone() for t in v] for k, v in self._allocated().items()},
+            "damping_used": self._damping_used,
+            "ready": self.ready,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.a_factor.copy_(state["a_factor"])
+        self.g_factor.copy_(state["g_factor"])
+        self.factor_updates = dict(state["factor_updates"])
+        for key, tensors in state["refreshed"].items():
+            for dst, src in zip(self.refreshed_tensors(key), tensors):
+                dst.copy_(src)
+        self.discard_statistics()
+        if state["ready"]:
+            self.finalize_refresh(state["damping_used"])
+        else:
+            self.ready = False
+
+
+def _decomposition_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Decompositions run in float32 or better whatever the storage dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _robust_eigh(matrix: torch.Tensor, out_dtype: torch.dtype, label: str):
+    """Eigendecomposition with eigenvalues clamped at 0; float64 retry; ``None`` on failure."""
+    work_dtype = _decomposition_dtype(out_dtype)
+    for dtype in dict.fromkeys((work_dtype, torch.float64)):
+        try:
+            eigenvalues, eigenvectors = torch.linalg.eigh(matrix.to(dtype))
+        except RuntimeError:  # torch.linalg.LinAlgError: no convergence
+            continue
+        eigenvalues = eigenvalues.clamp_min(0.0)
+        return eigenvectors.to(out_dtype), eigenvalues.to(out_dtype)
+    warnings.warn(f"kron_precond: eigendecomposition of {label} failed in float32 and float64; "
+                  "keeping the previous decomposition", RuntimeWarning, stacklevel=3)
+    return None

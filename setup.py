@@ -1,0 +1,16 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="kron_precond",
+    version="0.1.0",
+    description="Kronecker-factored second-order preconditioning (K-FAC, PSGD Kron) for any "
+    "PyTorch optimizer, distributed over torchrun workers.",
+    packages=find_packages(include=["kron_precond", "kron_precond.*"]),
+    python_requires=">=3.9",
+    # torch is deliberately unpinned here: install it first (README) so pip never swaps it.
+    install_requires=["torch>=2.0", "numpy"],
+    extras_require={
+        "test": ["pytest", "scikit-learn"],
+        "examples": ["scikit-learn", "tqdm", "matplotlib"],
+    },
+)
