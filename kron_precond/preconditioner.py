@@ -436,7 +436,7 @@ class KronPreconditioner:
                 continue
             for grad, value in zip(originals[layer.name], new):
                 if grad is not None:
-                    term = (value * grad).sum(dtype=torch.float32)
+                    term = (value * grad).sum(dtype=torch.promote_types(grad.dtype, torch.float32))
                     total = term if total is None else total + term
         if total is None:
             return None

@@ -34,7 +34,7 @@ class WorkerGrid:
     def _create_groups(self) -> None:
         global_ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
         self._global_ranks = global_ranks
-        whole = self.process_group
+        whole = self.process_group if self.process_group is not None else dist.group.WORLD
         # Every rank must create every group, in the same order.
         if self.grad_workers > 1:
             for column in range(self.columns):

@@ -1,0 +1,326 @@
+"""PSGD Kron: Xi-Lin Li's Kronecker-factored whitening preconditioner, per tensor.
+
+For a gradient tensor ``G`` of rank ``r`` we keep one factor ``Q_i`` per dimension,
+upper-triangular ``[n_i, n_i]`` or diagonal ``[n_i]``, and precondition with
+
+    P = Q_1ᵀQ_1 ⊗ … ⊗ Q_rᵀQ_r,      P G = G ×_1 Q_1ᵀQ_1 … ×_r Q_rᵀQ_r.
+
+One Q update with a fitting gradient ``G`` and a probe ``V ~ N(0, I)`` (DESIGN.md §3):
+
+    A = G ×_i Q_i                    B = V ×_i Q_i^{-T}   (triangular solves)
+    T1_i = A_(i) A_(i)ᵀ              T2_i = B_(i) B_(i)ᵀ   (contract all dims but i)
+    diagonal:    q_i ← q_i − lr · (T1 − T2) ⊙ q_i / max|T1 + T2|
+    triangular:  Q_i ← Q_i − lr · triu(T1 − T2) Q_i / ‖T1 + T2‖₂
+
+whose fixed point is ``P = E[g gᵀ]^{-1/2}`` per Kronecker factor. ``X ×_i M`` means
+"apply the matrix ``M`` along dimension ``i``". The code keeps one small function per
+formula and never imports ``torch.distributed``; nothing here synchronises with the
+host except the one-time scale estimate in :meth:`PSGDFactors.initialize_from`.
+"""
+from __future__ import annotations
+
+import math
+import string
+from typing import Any, Callable, Sequence
+
+import torch
+
+MEMORY_SAVE_MODES = (None, "smart_one_diag", "one_diag", "all_diag")
+
+
+# ----------------------------------------------------------------------------- structure
+def check_memory_save_mode(memory_save_mode: str | None) -> None:
+    """Raise ``ValueError`` unless ``memory_save_mode`` is one of :data:`MEMORY_SAVE_MODES`."""
+    if memory_save_mode not in MEMORY_SAVE_MODES:
+        raise ValueError(
+            f"Invalid memory_save_mode: {memory_save_mode!r}; expected one of {MEMORY_SAVE_MODES}"
+        )
+
+
+def factor_is_diagonal(shape: tuple[int, ...], *, max_size_triangular: int,
+                       min_ndim_triangular: int, memory_save_mode: str | None) -> list[bool]:
+    """Per dimension of ``shape``: ``True`` if its factor is diagonal, ``False`` if triangular.
+
+    A dim is diagonal if its size is 1, larger than ``max_size_triangular``, the tensor has
+    fewer than ``min_ndim_triangular`` dims, or ``memory_save_mode`` asks for it:
+    ``'all_diag'`` all dims; ``'one_diag'`` the (first) largest dim; ``'smart_one_diag'``
+    the (first) largest dim only if it is strictly larger than the second largest (so a
+    rank-1 tensor is untouched by it); ``None`` none.
+    """
+    check_memory_save_mode(memory_save_mode)
+    shape = tuple(int(n) for n in shape)
+    rank = len(shape)
+    diag = [n == 1 or n > max_size_triangular or rank < min_ndim_triangular for n in shape]
+    if rank == 0 or memory_save_mode is None:
+        return diag
+    largest = max(range(rank), key=lambda i: (shape[i], -i))  # first index of the max size
+    if memory_save_mode == "all_diag":
+        diag = [True] * rank
+    elif memory_save_mode == "one_diag":
+        diag[largest] = True
+    elif memory_save_mode == "smart_one_diag" and rank > 1:
+        first, second = sorted(shape, reverse=True)[:2]
+        if first > second:
+            diag[largest] = True
+    return diag
+
+
+def most_square_split(shape: Sequence[int]) -> tuple[int, int]:
+    """Merge ``shape`` into 2-D ``(prod(shape[:k]), prod(shape[k:]))`` with the ``k`` (0 < k <
+    rank) that minimises ``|prod(left) − prod(right)|`` (first such ``k`` on ties)."""
+    shape = [int(n) for n in shape]
+    if len(shape) < 2:
+        raise ValueError(f"most_square_split needs at least 2 dims, got shape {tuple(shape)}")
+    total = math.prod(shape)
+    best = min(range(1, len(shape)),
+               key=lambda k: abs(math.prod(shape[:k]) - math.prod(shape[k:])))
+    left = math.prod(shape[:best])
+    return left, total // left
+
+
+def gram_subscripts(rank: int, dim: int, diagonal: bool) -> str:
+    """Einsum subscripts contracting two rank-``rank`` tensors over every dim but ``dim``:
+    ``X_(dim) X_(dim)ᵀ`` (a matrix) or, for a diagonal factor, its diagonal (a vector)."""
+    letters = string.ascii_lowercase[:rank]
+    if rank > 24:
+        raise ValueError(f"tensors of rank {rank} are not supported (at most 24 dims)")
+    left = letters[:dim] + "y" + letters[dim + 1:]
+    if diagonal:
+        return f"{left},{left}->y"
+    right = letters[:dim] + "z" + letters[dim + 1:]
+    return f"{left},{right}->yz"
+
+
+# ----------------------------------------------------------------------------- formulas
+def apply_along_dims(x: torch.Tensor, maps: Sequence[Callable[[torch.Tensor], torch.Tensor]]
+                     ) -> torch.Tensor:
+    """Apply ``maps[i]`` along dim ``i`` of ``x``, for every dim.
+
+    Each map takes a ``[rest, n_i]`` matrix whose rows are the mode-``i`` fibres and returns
+    ``[rest, n_i]``. Contracting the leading dim and appending the result as the trailing
+    dim rotates the dims once per map, so after ``rank`` maps the order is restored with
+    no explicit permutes.
+    """
+    for f in maps:
+        n, rest = x.shape[0], x.shape[1:]
+        x = f(x.reshape(n, -1).T).reshape(*rest, n)
+    return x
+
+
+def apply_q(q: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Map ``x ↦ Q x`` on mode fibres (rows of ``x``): ``x Qᵀ``, or ``x ⊙ q`` if diagonal."""
+    if q.dim() == 1:
+        return lambda x: x * q
+    return lambda x: x @ q.T
+
+
+def apply_q_inv_t(q: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Map ``x ↦ Q^{-T} x`` on mode fibres: ``x Q^{-1}`` by a triangular solve, or ``x / q``."""
+    if q.dim() == 1:
+        return lambda x: x / q
+    return lambda x: torch.linalg.solve_triangular(q, x, upper=True, left=False)
+
+
+def apply_qtq(q: torch.Tensor, fibres: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Map ``x ↦ QᵀQ x`` on mode fibres, forming ``QᵀQ`` first when that is cheaper
+    (``n < fibres``), else two products with ``Q``."""
+    if q.dim() == 1:
+        q2 = q * q
+        return lambda x: x * q2
+    if q.shape[0] < fibres:
+        p = q.T @ q
+        return lambda x: x @ p
+    return lambda x: (x @ q.T) @ q
+
+
+def spectral_norm_lower_bound(s: torch.Tensor) -> torch.Tensor:
+    """A cheap lower bound of ``‖S‖₂`` for a square matrix ``S``: ``‖S y‖`` with the unit
+    vector ``y ∝ Sᵀ S e_j`` started from the column ``j`` of largest norm (two power
+    iterations). Scaled by ``max|S|`` first so the products cannot overflow; 0 for ``S = 0``."""
+    tiny = torch.finfo(s.dtype).tiny
+    scale = s.abs().amax()
+    s = s / (scale + tiny)
+    j = (s * s).sum(0).argmax()
+    x = s.index_select(1, j.reshape(1)).reshape(-1)
+    x = s.T @ x
+    x = x / (x.norm() + tiny)
+    return (s @ x).norm() * scale
+
+
+def diagonal_q_step(q: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor,
+                    lr: float | torch.Tensor) -> torch.Tensor:
+    """New diagonal factor ``q − lr (T1 − T2) ⊙ q / max|T1 + T2|`` (``T`` are vectors)."""
+    norm = (t1 + t2).abs().amax() + torch.finfo(q.dtype).tiny
+    return q - (lr / norm) * (t1 - t2) * q
+
+
+def triangular_q_step(q: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor,
+                      lr: float | torch.Tensor) -> torch.Tensor:
+    """New triangular factor ``Q − lr triu(T1 − T2) Q / ‖T1 + T2‖₂`` (norm: lower bound)."""
+    norm = spectral_norm_lower_bound(t1 + t2) + torch.finfo(q.dtype).tiny
+    return q - (lr / norm) * (torch.triu(t1 - t2) @ q)
+
+
+# ----------------------------------------------------------------------------- factors
+class PSGDFactors:
+    """Kronecker whitening factors ``Q_i`` for one tensor (any rank; a 0-dim tensor is
+    treated as shape ``(1,)``).
+
+    Args:
+        shape: shape of the gradients this preconditions.
+        max_size_triangular, min_ndim_triangular, memory_save_mode: which factors are
+            diagonal, see :func:`factor_is_diagonal`.
+        init_scale: ``s``; every factor starts at ``s^(1/r)·I`` (or ``s^(1/r)·1``), so
+            ``P = s²·I``. ``None`` estimates ``s`` from the first gradient
+            (:meth:`initialize_from`, called automatically by :meth:`update` /
+            :meth:`precondition` if needed).
+        dtype, device: of the factors (all math runs in ``dtype``).
+        merge_dims: view tensors of rank > 2 as the most square 2-D matrix
+            (:func:`most_square_split`), transparently in :meth:`update` / :meth:`precondition`.
+
+    Attributes:
+        q: per (possibly merged) dim, an upper-triangular ``[n, n]`` or diagonal ``[n]`` tensor.
+        initialized: ``False`` only while ``init_scale is None`` and no gradient was seen.
+    """
+
+    def __init__(self, shape: Sequence[int], *, max_size_triangular: int = 8192,
+                 min_ndim_triangular: int = 2, memory_save_mode: str | None = None,
+                 init_scale: float | None = 1.0, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None, merge_dims: bool = False):
+        self.shape = tuple(int(n) for n in shape)
+        work = self.shape or (1,)
+        if merge_dims and len(work) > 2:
+            work = most_square_split(work)
+        self.work_shape: tuple[int, ...] = tuple(work)
+        self.numel = math.prod(self.work_shape)
+        self.diagonal = factor_is_diagonal(
+            self.work_shape, max_size_triangular=max_size_triangular,
+            min_ndim_triangular=min_ndim_triangular, memory_save_mode=memory_save_mode)
+        if init_scale is not None and not (math.isfinite(init_scale) and init_scale > 0):
+            raise ValueError(f"Invalid precond_init_scale: {init_scale!r}; expected a positive "
+                             "finite float or None")
+        self.dtype = dtype
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        rank = len(self.work_shape)
+        self._gram_subscripts = [gram_subscripts(rank, i, d) for i, d in enumerate(self.diagonal)]
+        self.q: list[torch.Tensor] = [
+            torch.ones(n, dtype=dtype, device=self.device) if d
+            else torch.eye(n, dtype=dtype, device=self.device)
+            for n, d in zip(self.work_shape, self.diagonal)]
+        self.initialized = init_scale is not None
+        if self.initialized:
+            self._scale_factors(float(init_scale))
+
+    def __repr__(self) -> str:
+        kinds = ["diag" if d else "tri" for d in self.diagonal]
+        return (f"PSGDFactors(shape={self.shape}, work_shape={self.work_shape}, "
+                f"factors={kinds}, dtype={self.dtype})")
+
+    # -- initialisation --------------------------------------------------------------
+    def _scale_factors(self, scale: float) -> None:
+        per_factor = scale ** (1.0 / len(self.q))
+        for q in self.q:
+            q.mul_(per_factor)
+
+    def initialize_from(self, grad: torch.Tensor) -> None:
+        """Set ``s = (mean |g|⁴)^(-1/8)`` from ``grad`` (so ``P g`` has unit scale) and scale
+        identity factors by ``s^(1/r)``. One host sync; ``ValueError`` if ``s`` is not a
+        positive finite number (zero, infinite or NaN gradient)."""
+        if self.initialized:
+            raise RuntimeError("PSGDFactors.initialize_from: factors are already initialized")
+        g = grad.detach().to(torch.float64)
+        fourth = g.abs().pow(4).mean()
+        scale = float(fourth.pow(-0.125))
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(
+                f"precond_init_scale=None: cannot estimate the initial scale from a gradient "
+                f"with mean|g|^4 = {float(fourth)!r}; pass a positive precond_init_scale")
+        self._scale_factors(scale)
+        self.initialized = True
+
+    # -- the two verbs ---------------------------------------------------------------
+    def _work_view(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        if x.numel() != self.numel:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {self.shape}")
+        return x.reshape(self.work_shape).to(self.dtype)
+
+    def _gram(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        return torch.einsum(self._gram_subscripts[i], x, x)
+
+    def update(self, fit: torch.Tensor, probe: torch.Tensor,
+               lr: float | torch.Tensor) -> torch.Tensor:
+        """One Q update in place with fitting gradient ``fit`` and probe ``probe`` ~ N(0, I)
+        (same shape as ``fit``) and step size ``lr``.
+
+        If ``fit`` or any new factor is non-finite, every factor is left unchanged (chosen
+        with ``torch.where``, no host sync). ``fit`` is never modified. Returns a 0-dim bool
+        tensor: ``True`` if the update was applied.
+        """
+        if not self.initialized:
+            self.initialize_from(fit)
+        g = self._work_view(fit, "fit")
+        v = self._work_view(probe, "probe")
+        a = apply_along_dims(g, [apply_q(q) for q in self.q])
+        b = apply_along_dims(v, [apply_q_inv_t(q) for q in self.q])
+        new = []
+        for i, (q, diag) in enumerate(zip(self.q, self.diagonal)):
+            t1, t2 = self._gram(a, i), self._gram(b, i)
+            step = diagonal_q_step if diag else triangular_q_step
+            new.append(step(q, t1, t2, lr))
+        ok = torch.isfinite(g).all()
+        for q_new in new:
+            ok = ok & torch.isfinite(q_new).all()
+        for q, q_new in zip(self.q, new):
+            q.copy_(torch.where(ok, q_new, q))
+        return ok
+
+    def precondition(self, grad: torch.Tensor) -> torch.Tensor:
+        """Return ``P grad = grad ×_i (Q_iᵀ Q_i)``: a new tensor of ``grad``'s shape and dtype."""
+        if not self.initialized:
+            self.initialize_from(grad)
+        g = self._work_view(grad, "grad")
+        maps = [apply_qtq(q, self.numel // n) for q, n in zip(self.q, self.work_shape)]
+        out = apply_along_dims(g, maps)
+        return out.reshape(grad.shape).to(grad.dtype)
+
+    def balance(self) -> None:
+        """Rescale the factors to equal max-abs (their geometric mean) without changing
+        ``P``; keeps a long run away from under/overflow. No host sync."""
+        if len(self.q) < 2:
+            return
+        norms = torch.stack([q.abs().amax() for q in self.q]).clamp_min(
+            torch.finfo(self.dtype).tiny)
+        factors = norms.log().mean().exp() / norms
+        for q, f in zip(self.q, factors):
+            q.mul_(f)
+
+    # -- bookkeeping -----------------------------------------------------------------
+    def tensors(self) -> list[torch.Tensor]:
+        """The Q tensors themselves (in-place writes, e.g. a broadcast, update the factors)."""
+        return list(self.q)
+
+    def memory(self) -> int:
+        """Bytes held by the factors."""
+        return sum(q.numel() * q.element_size() for q in self.q)
+
+    def cost(self) -> float:
+        """Estimated flops of one update: ``Σ n_i³`` (triangular) + ``Σ n_i`` (diagonal)
+        + ``numel · Σ n_i`` (the mode products)."""
+        factor = sum(n if d else n ** 3 for n, d in zip(self.work_shape, self.diagonal))
+        return float(factor + self.numel * sum(self.work_shape))
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{'q': [tensors], 'initialized': bool}`` (references, as torch modules do)."""
+        return {"q": list(self.q), "initialized": self.initialized}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Copy saved factors in place (dtype/device converted); ``ValueError`` on a mismatch."""
+        qs = list(state_dict["q"])
+        expected = [tuple(q.shape) for q in self.q]
+        got = [tuple(q.shape) for q in qs]
+        if got != expected:
+            raise ValueError(f"PSGDFactors.load_state_dict: factor shapes {got} do not match "
+                             f"{expected} (tensor shape {self.shape})")
+        for q, src in zip(self.q, qs):
+            q.copy_(src)
+        self.initialized = bool(state_dict["initialized"])

@@ -1,0 +1,346 @@
+"""``Kron``: the standalone PSGD Kron optimizer (a ``torch.optim.Optimizer``).
+
+Per step, for every parameter with a gradient (DESIGN.md §3):
+
+1. clip the gradient (``clipvalue`` elementwise, ``clipnorm`` per tensor, or
+   ``global_clipnorm`` over all tensors -- at most one of them, as in Keras);
+2. momentum ``m = b1·m + (1 − b1)·g`` (in ``mu_dtype``), debiased ``m̂ = m / (1 − b1^t)``;
+3. on preconditioner-update steps (one decision per optimizer step, shared by every
+   parameter) one Q update with ``m̂`` (or ``g`` if not ``momentum_into_precond_update``);
+4. ``u = P m̂`` clipped to RMS ≤ 1.1, plus ``weight_decay·p`` for tensors of ≥ 2 dims;
+5. ``p −= lr·u``.
+
+A tensor whose gradient is not finite skips 2–5 (chosen with ``torch.where``-style masks,
+no host sync); a per-parameter counter records it and a warning names the parameter.
+The counters are read once every ``nonfinite_warn_interval`` steps -- the only host sync
+in :meth:`Kron.step` besides the one-time scale estimate of ``precond_init_scale=None``.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .methods.psgd import PSGDFactors, check_memory_save_mode
+from .schedules import UpdateDecider, check_probability
+
+_MASK64 = (1 << 64) - 1
+_RMS_CLIP = 1.1
+
+
+def _probe_seed(seed: int, index: int, step: int) -> int:
+    """A well-mixed 63-bit seed from (seed, parameter index, step) (splitmix64 finaliser)."""
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB
+         + 0x2545F4914F6CDD1D) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & ((1 << 63) - 1)
+
+
+def _check_positive(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    try:
+        ok = math.isfinite(float(value)) and float(value) > 0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"Invalid {name}: {value!r}; expected a positive finite number"
+                         + (" or None" if allow_none else ""))
+
+
+def _check_group(group: dict[str, Any], global_clipnorm: float | None) -> None:
+    """Validate one parameter group's hyperparameters (``ValueError`` naming the argument)."""
+    _check_positive("lr", group["lr"])
+    _check_positive("precond_lr", group["precond_lr"])
+    _check_positive("precond_init_scale", group["precond_init_scale"], allow_none=True)
+    _check_positive("clipnorm", group["clipnorm"], allow_none=True)
+    _check_positive("clipvalue", group["clipvalue"], allow_none=True)
+    wd = group["weight_decay"]
+    if not (isinstance(wd, (int, float)) and math.isfinite(wd) and wd >= 0):
+        raise ValueError(f"Invalid weight_decay: {wd!r}; expected a finite float >= 0")
+    b1 = group["b1"]
+    if not (isinstance(b1, (int, float)) and 0.0 <= b1 < 1.0):
+        raise ValueError(f"Invalid b1: {b1!r}; expected a float in [0, 1)")
+    check_memory_save_mode(group["memory_save_mode"])
+    for name in ("max_size_triangular", "min_ndim_triangular"):
+        if not (isinstance(group[name], int) and group[name] >= 0):
+            raise ValueError(f"Invalid {name}: {group[name]!r}; expected an int >= 0")
+    for name in ("mu_dtype", "precond_dtype"):
+        dtype = group[name]
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point) and not (
+                name == "mu_dtype" and dtype is None):
+            raise ValueError(f"Invalid {name}: {dtype!r}; expected a floating torch.dtype")
+    clips = [n for n in ("clipnorm", "clipvalue") if group[n] is not None]
+    if global_clipnorm is not None:
+        clips.append("global_clipnorm")
+    if len(clips) > 1:
+        raise ValueError(f"Only one of clipnorm, clipvalue and global_clipnorm may be set; "
+                         f"got {clips}")
+
+
+class Kron(torch.optim.Optimizer):
+    """PSGD Kron (Xi-Lin Li): momentum preconditioned by a learned Kronecker-factored
+    whitening preconditioner ``P = ⊗_i Q_iᵀQ_i`` per parameter tensor.
+
+    Args:
+        params: parameters or parameter groups. Every argument below except
+            ``preconditioner_update_probability``, ``global_clipnorm`` and ``seed`` can be
+            set per group (and an LR scheduler may write ``group['lr']``).
+        lr: learning rate (> 0).
+        b1: momentum coefficient in [0, 1).
+        weight_decay: decoupled weight decay (≥ 0), applied to tensors with ≥ 2 dims.
+        preconditioner_update_probability: probability of a Q update per step: a float in
+            [0, 1], a callable of the number of steps so far, or ``None`` for
+            :func:`~kron_precond.schedules.precond_update_prob_schedule` (1 → 0.03).
+            Decided deterministically (:class:`~kron_precond.schedules.UpdateDecider`).
+        max_size_triangular: dims larger than this get a diagonal factor.
+        min_ndim_triangular: tensors with fewer dims get diagonal factors only.
+        memory_save_mode: ``None``, ``'smart_one_diag'``, ``'one_diag'`` or ``'all_diag'``.
+        momentum_into_precond_update: fit Q to the debiased momentum (else the gradient).
+        precond_lr: step size of the Q updates (> 0).
+        precond_init_scale: initial ``P = s²·I``; ``None`` estimates ``s`` from the first
+            finite gradient (one host sync per parameter, once).
+        mu_dtype: dtype of the momentum (default: the parameter's).
+        precond_dtype: dtype of the factors and of the preconditioning math.
+        clipnorm, clipvalue, global_clipnorm: Keras-style gradient clipping (at most one).
+        merge_dims: view tensors of rank > 2 as their most square 2-D matrix.
+        seed: seeds the probe vectors, drawn from ``(seed, parameter index, step)``.
+    """
+
+    nonfinite_warn_interval = 100
+
+    def __init__(self, params: Iterable, lr: float = 3e-4, b1: float = 0.9,
+                 weight_decay: float = 0.0,
+                 preconditioner_update_probability: float | Callable[[int], float] | None = None,
+                 max_size_triangular: int = 8192, min_ndim_triangular: int = 2,
+                 memory_save_mode: str | None = None, momentum_into_precond_update: bool = True,
+                 precond_lr: float = 0.1, precond_init_scale: float | None = 1.0,
+                 mu_dtype: torch.dtype | None = None, precond_dtype: torch.dtype = torch.float32,
+                 clipnorm: float | None = None, clipvalue: float | None = None,
+                 global_clipnorm: float | None = None, merge_dims: bool = False, seed: int = 0):
+        if not callable(preconditioner_update_probability) and (
+                preconditioner_update_probability is not None):
+            check_probability(preconditioner_update_probability)
+        _check_positive("global_clipnorm", global_clipnorm, allow_none=True)
+        self.global_clipnorm = global_clipnorm
+        self.seed = int(seed)
+        self._decider = UpdateDecider(preconditioner_update_probability)
+        self._q_updates = 0
+        self._reported: dict[int, int] = {}
+        self._factors: dict[torch.Tensor, PSGDFactors] = {}
+        self._generators: dict[torch.device, torch.Generator] = {}
+        defaults = dict(lr=lr, b1=b1, weight_decay=weight_decay,
+                        max_size_triangular=max_size_triangular,
+                        min_ndim_triangular=min_ndim_triangular,
+                        memory_save_mode=memory_save_mode,
+                        momentum_into_precond_update=momentum_into_precond_update,
+                        precond_lr=precond_lr, precond_init_scale=precond_init_scale,
+                        mu_dtype=mu_dtype, precond_dtype=precond_dtype, clipnorm=clipnorm,
+                        clipvalue=clipvalue, merge_dims=merge_dims)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (validated like the constructor's arguments)."""
+        _check_group({**self.defaults, **param_group}, self.global_clipnorm)
+        super().add_param_group(param_group)
+
+    @property
+    def steps(self) -> int:
+        """Number of completed :meth:`step` calls."""
+        return self._decider.step
+
+    # -- per-parameter state ---------------------------------------------------------
+    def _make_factors(self, p: torch.Tensor, group: dict[str, Any], init_scale) -> PSGDFactors:
+        return PSGDFactors(
+            p.shape, max_size_triangular=group["max_size_triangular"],
+            min_ndim_triangular=group["min_ndim_triangular"],
+            memory_save_mode=group["memory_save_mode"], init_scale=init_scale,
+            dtype=group["precond_dtype"], device=p.device, merge_dims=group["merge_dims"])
+
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        state = self.state[p]
+        factors = self._make_factors(p, group, group["precond_init_scale"])
+        self._factors[p] = factors
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        state["momentum_buffer"] = torch.zeros_like(
+            p, dtype=group["mu_dtype"] or p.dtype, memory_format=torch.preserve_format)
+        state["Q"] = factors.q
+        state["q_initialized"] = factors.initialized
+        state["nonfinite_steps"] = torch.zeros((), dtype=torch.int32, device=p.device)
+        return state
+
+    def _factors_of(self, p: torch.Tensor, group: dict[str, Any], state) -> PSGDFactors:
+        factors = self._factors.get(p)
+        if factors is None or factors.q is not state["Q"]:  # e.g. after load_state_dict
+            factors = self._make_factors(p, group, 1.0)
+            factors.load_state_dict({"q": state["Q"], "initialized": state["q_initialized"]})
+            state["Q"] = factors.q
+            self._factors[p] = factors
+        return factors
+
+    def _probe(self, p: torch.Tensor, index: int, dtype: torch.dtype) -> torch.Tensor:
+        gen = self._generators.get(p.device)
+        if gen is None:
+            gen = self._generators[p.device] = torch.Generator(device=p.device)
+        gen.manual_seed(_probe_seed(self.seed, index, self._decider.step))
+        return torch.randn(p.shape, generator=gen, dtype=dtype, device=p.device)
+
+    # -- the step --------------------------------------------------------------------
+    @staticmethod
+    def _clip_local(grad: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        if group["clipvalue"] is not None:
+            return grad.clamp(-group["clipvalue"], group["clipvalue"])
+        if group["clipnorm"] is not None:
+            norm = torch.linalg.vector_norm(grad.float())
+            return grad * (group["clipnorm"] / norm.clamp_min(group["clipnorm"])).to(grad.dtype)
+        return grad
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None):
+        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        do_update = self._decider()
+        if do_update:
+            self._q_updates += 1
+        balance = do_update and self._q_updates % 100 == 0
+
+        work = []  # (index, param, group, clipped grad, finite flag)
+        index = -1
+        for group in self.param_groups:
+            for p in group["params"]:
+                index += 1
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("Kron does not support sparse gradients")
+                grad = self._clip_local(p.grad, group)
+                work.append((index, p, group, grad, torch.isfinite(p.grad).all()))
+
+        if self.global_clipnorm is not None and work:
+            sq = [torch.where(fin, torch.linalg.vector_norm(g.float()) ** 2, 0.0)
+                  for _, _, _, g, fin in work]
+            total = torch.stack([s.to(sq[0].device) for s in sq]).sum().sqrt()
+            scale = self.global_clipnorm / total.clamp_min(self.global_clipnorm)
+            work = [(i, p, gr, g * scale.to(g.device, g.dtype), fin)
+                    for i, p, gr, g, fin in work]
+
+        for index, p, group, grad, finite in work:
+            self._update_param(index, p, group, grad, finite, do_update, balance)
+
+        if (self._decider.step - 1) % self.nonfinite_warn_interval == 0:
+            self._report_nonfinite()
+        return loss
+
+    def _update_param(self, index: int, p: torch.Tensor, group: dict[str, Any],
+                      grad: torch.Tensor, finite: torch.Tensor, do_update: bool,
+                      balance: bool) -> None:
+        state = self.state[p]
+        if len(state) == 0:
+            state = self._init_state(p, group)
+        factors = self._factors_of(p, group, state)
+        pdtype = group["precond_dtype"]
+        m = state["momentum_buffer"]
+        keep = finite.to(m.dtype)  # 1: apply this step to this tensor; 0: skip it
+        g = torch.where(finite, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+
+        state["step"].add_(finite.to(state["step"].dtype))
+        state["nonfinite_steps"].add_((~finite).to(torch.int32))
+        m.lerp_(g.to(m.dtype), keep * (1.0 - group["b1"]))
+        bias = (1.0 - torch.pow(group["b1"], state["step"])).clamp_min(1e-30)
+        m_hat = m.to(pdtype) / bias.to(pdtype)
+
+        if not factors.initialized:
+            self._try_initialize(factors, g, state)
+        if factors.initialized:
+            if do_update:
+                fit = m_hat if group["momentum_into_precond_update"] else g.to(pdtype)
+                lr_q = finite.to(pdtype) * group["precond_lr"]
+                factors.update(fit, self._probe(p, index, pdtype), lr_q)
+                if balance:
+                    factors.balance()
+            u = factors.precondition(m_hat)
+        else:
+            u = m_hat  # identity preconditioner until the scale is known
+
+        rms = torch.linalg.vector_norm(u) / math.sqrt(max(u.numel(), 1))
+        u.mul_(torch.clamp(_RMS_CLIP / (rms + 1e-12), max=1.0))
+        if group["weight_decay"] != 0 and p.dim() >= 2:
+            u.add_(p.to(pdtype), alpha=group["weight_decay"])
+        u.mul_(finite.to(pdtype) * group["lr"])
+        p.sub_(u.to(p.dtype))
+
+    @staticmethod
+    def _try_initialize(factors: PSGDFactors, g: torch.Tensor, state: dict[str, Any]) -> None:
+        """``precond_init_scale=None``: estimate the scale from the first usable gradient
+        (``g`` is zero where the gradient was non-finite); one host sync per parameter
+        while it is uninitialized, none after."""
+        try:
+            factors.initialize_from(g)
+        except ValueError:  # e.g. an all-zero gradient: try again on the next step
+            return
+        state["q_initialized"] = True
+
+    def _report_nonfinite(self) -> None:
+        """Warn about parameters whose gradient was non-finite since the last report."""
+        entries = [(i, p, self.state[p]["nonfinite_steps"])
+                   for i, p in enumerate(p for g in self.param_groups for p in g["params"])
+                   if "nonfinite_steps" in self.state.get(p, {})]
+        if not entries:
+            return
+        device = entries[0][2].device
+        counts = torch.stack([c.to(device) for _, _, c in entries]).tolist()  # one host sync
+        lines = []
+        for (i, p, _), total in zip(entries, counts):
+            new = total - self._reported.get(i, 0)
+            if new > 0:
+                lines.append(f"parameter {i} (shape {tuple(p.shape)}): {new} step(s), "
+                             f"{total} in total")
+            self._reported[i] = total
+        if lines:
+            warnings.warn("Kron: non-finite gradients; those steps skipped the momentum, "
+                          "preconditioner and parameter updates of: " + "; ".join(lines),
+                          RuntimeWarning, stacklevel=3)
+
+    # -- checkpoints -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's state dict plus ``'kron'``: the update-schedule counter."""
+        sd = super().state_dict()
+        sd["kron"] = {"decider": self._decider.state_dict(), "q_updates": self._q_updates}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`; keeps the saved dtypes of momentum and factors (torch's
+        default would cast them to the parameter dtype)."""
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("kron", None)
+        saved_state = state_dict.get("state", {})
+        state_dict["state"] = {}
+        super().load_state_dict(state_dict)
+        self._factors.clear()
+        self._reported.clear()
+        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
+            for key, p in zip(saved_group["params"], group["params"]):
+                if key in saved_state:
+                    self.state[p] = self._load_param_state(saved_state[key], p, group)
+        if extra is not None:
+            self._decider.load_state_dict(extra["decider"])
+            self._q_updates = int(extra["q_updates"])
+
+    @staticmethod
+    def _load_param_state(saved: dict[str, Any], p: torch.Tensor,
+                          group: dict[str, Any]) -> dict[str, Any]:
+        dev = p.device
+        return {
+            "step": saved["step"].to(dev, torch.float32, copy=True),
+            "momentum_buffer": saved["momentum_buffer"].to(
+                dev, group["mu_dtype"] or p.dtype, copy=True),
+            "Q": [q.to(dev, group["precond_dtype"], copy=True) for q in saved["Q"]],
+            "q_initialized": bool(saved["q_initialized"]),
+            "nonfinite_steps": saved["nonfinite_steps"].to(dev, torch.int32, copy=True),
+        }

@@ -1,0 +1,119 @@
+"""Hyperparameter schedules: values or callables of the step, and the PSGD update schedule.
+
+Everything here is plain host-side Python: a decision made from these is identical on every
+rank by construction (no random draw), and the counters live in a ``state_dict`` so a
+resumed run continues the schedule where it stopped.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, TypeVar, Union
+
+T = TypeVar("T")
+ValueOrSchedule = Union[T, Callable[[int], T]]
+
+
+def resolve(value: ValueOrSchedule, step: int):
+    """``value(step)`` if ``value`` is callable, else ``value``."""
+    return value(step) if callable(value) else value
+
+
+def precond_update_prob_schedule(max_prob: float = 1.0, min_prob: float = 0.03,
+                                 decay: float = 0.001, flat_start: int = 500
+                                 ) -> Callable[[int], float]:
+    """Probability of a PSGD preconditioner update after ``n`` steps:
+
+        p(n) = clamp(max_prob · exp(−decay · (n − flat_start)), min_prob, max_prob)
+
+    With the defaults: 1.0 for the first 500 steps, then an exponential anneal that reaches
+    0.03 at about step 4000. Returns a picklable callable ``p(n) -> float``.
+    """
+    for name, value in (("max_prob", max_prob), ("min_prob", min_prob)):
+        if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+            raise ValueError(f"Invalid {name}: {value!r}; expected a probability in [0, 1]")
+    if min_prob > max_prob:
+        raise ValueError(f"Invalid min_prob: {min_prob!r} > max_prob {max_prob!r}")
+    if not (isinstance(decay, (int, float)) and math.isfinite(decay) and decay >= 0):
+        raise ValueError(f"Invalid decay: {decay!r}; expected a finite float >= 0")
+    if not (isinstance(flat_start, (int, float)) and math.isfinite(flat_start)):
+        raise ValueError(f"Invalid flat_start: {flat_start!r}; expected a finite number")
+    return _ProbSchedule(float(max_prob), float(min_prob), float(decay), float(flat_start))
+
+
+class _ProbSchedule:
+    """The callable returned by :func:`precond_update_prob_schedule` (a class so it pickles)."""
+
+    def __init__(self, max_prob: float, min_prob: float, decay: float, flat_start: float):
+        self.max_prob, self.min_prob = max_prob, min_prob
+        self.decay, self.flat_start = decay, flat_start
+
+    def __call__(self, n: int) -> float:
+        # exp(-decay·(n − flat_start)) ≥ 1 before flat_start: clamped to max_prob.
+        exponent = min(-self.decay * (n - self.flat_start), 0.0)
+        p = self.max_prob * math.exp(exponent)
+        return min(max(p, self.min_prob), self.max_prob)
+
+    def __repr__(self) -> str:
+        return (f"precond_update_prob_schedule(max_prob={self.max_prob}, "
+                f"min_prob={self.min_prob}, decay={self.decay}, flat_start={self.flat_start})")
+
+
+def check_probability(p: Any, name: str = "preconditioner_update_probability") -> float:
+    """``float(p)`` if it is a probability in [0, 1], else ``ValueError`` naming ``name``."""
+    try:
+        value = float(p)
+    except (TypeError, ValueError):
+        raise ValueError(f"Invalid {name}: {p!r}; expected a float in [0, 1] or a callable "
+                         "of the step") from None
+    if not 0.0 <= value <= 1.0:  # also rejects NaN
+        raise ValueError(f"Invalid {name}: {p!r}; expected a probability in [0, 1]")
+    return value
+
+
+class UpdateDecider:
+    """Deterministic "update with probability p" from a counter.
+
+    Each call advances one step: ``acc += p(step)``; if ``acc >= 1`` then ``acc -= 1`` and the
+    call returns ``True``. A first call with ``p = 1`` updates; ``p = 0.25`` updates on
+    every fourth call exactly. The ``(step, acc)`` pair is the whole state
+    (:meth:`state_dict`), so all ranks agree by construction and a resumed run continues
+    the schedule.
+
+    Args:
+        probability: a float in [0, 1], a callable ``p(step) -> float`` of the number of
+            steps so far, or ``None`` for :func:`precond_update_prob_schedule`'s default.
+    """
+
+    _EPS = 1e-9  # so that e.g. ten additions of 0.1 count as 1
+
+    def __init__(self, probability: float | Callable[[int], float] | None):
+        if probability is None:
+            probability = precond_update_prob_schedule()
+        elif not callable(probability):
+            probability = check_probability(probability)
+        self.probability = probability
+        self.step = 0
+        self.acc = 0.0
+
+    def current_probability(self) -> float:
+        """The probability the next call will use."""
+        return check_probability(resolve(self.probability, self.step))
+
+    def __call__(self) -> bool:
+        """Advance one step; return whether to update on it."""
+        self.acc += self.current_probability()
+        self.step += 1
+        if self.acc >= 1.0 - self._EPS:
+            self.acc = max(self.acc - 1.0, 0.0)
+            return True
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "acc": self.acc}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+        self.acc = float(state_dict["acc"])
+
+    def __repr__(self) -> str:
+        return f"UpdateDecider(probability={self.probability!r}, step={self.step}, acc={self.acc})"
