@@ -17,6 +17,8 @@ from torch import nn
 class KFACAdapter:
     """Rows of activations and output gradients of a Linear-like module."""
 
+    weight_transposed = False  # weight stored [out, in]
+
     def __init__(self, module: nn.Module) -> None:
         self.module = module
 
@@ -30,6 +32,18 @@ class KFACAdapter:
 
     def output_grad_rows(self, g: torch.Tensor) -> torch.Tensor:
         return g.reshape(-1, g.shape[-1])
+
+
+class TransposedLinearAdapter(KFACAdapter):
+    """GPT-2 style ``Conv1D`` (Hugging Face, and look-alikes): ``y = x @ W + b``, W ``[in, out]``."""
+
+    weight_transposed = True
+
+
+def _is_transposed_linear(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int)
+            and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == module.nf)
 
 
 class ConvAdapter(KFACAdapter):
@@ -76,11 +90,14 @@ def kfac_adapter(module: nn.Module) -> tuple[KFACAdapter | None, str]:
     """Adapter for ``module`` under K-FAC, or ``(None, reason)`` when it is not supported."""
     if isinstance(module, nn.Linear):
         return KFACAdapter(module), ""
+    if _is_transposed_linear(module):
+        return TransposedLinearAdapter(module), ""
     if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
         if module.groups != 1:
             return None, f"grouped convolution (groups={module.groups}) is not supported by K-FAC"
         return ConvAdapter(module), ""
-    return None, f"{type(module).__name__} is not a K-FAC layer kind (Linear, Conv1d/2d/3d)"
+    return None, (f"{type(module).__name__} is not a K-FAC layer kind "
+                  "(Linear, Conv1d/2d/3d, GPT-2 style Conv1D)")
 
 
 def compile_skip_patterns(skip_layers) -> list[re.Pattern]:

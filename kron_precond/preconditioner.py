@@ -241,7 +241,7 @@ class KronPreconditioner:
             state = KFACLayer(name, weight.shape, adapter.has_bias, compute_method=self.compute_method,
                               eigenvalue_outer_product=outer,
                               factor_dtype=factor_dtype or weight.dtype, inv_dtype=inv_dtype,
-                              device=device)
+                              device=device, weight_transposed=adapter.weight_transposed)
         else:
             from kron_precond.methods.psgd_layer import PSGDLayer
             use_momentum, b1 = self._psgd_momentum
@@ -414,8 +414,9 @@ class KronPreconditioner:
                 if grad is None:
                     continue
                 if scale is not None:
-                    value = value * scale
-                grad.copy_(value)
+                    torch.mul(value, scale, out=grad)
+                else:
+                    grad.copy_(value)
 
     def _receive_gradients(self, outputs: dict[str, list[torch.Tensor]]) -> None:
         by_source: dict[int, list[torch.Tensor]] = {}

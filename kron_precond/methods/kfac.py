@@ -39,6 +39,7 @@ class KFACLayer(LayerMethod):
         name: qualified module name, used in warnings.
         weight_shape: shape of the module's weight; the gradient matrix is
             ``weight.reshape(out, -1)`` with the bias (if any) as last column.
+        weight_transposed: the weight is stored ``[in, out]`` (GPT-2 style ``Conv1D``).
         has_bias: whether the layer has a bias (adds the last row/column of A).
         compute_method: EIGEN or INVERSE.
         eigenvalue_outer_product: cache ``1 / (d_G d_Aᵀ + λ)`` at refresh time (EIGEN),
@@ -58,16 +59,20 @@ class KFACLayer(LayerMethod):
         factor_dtype: torch.dtype,
         inv_dtype: torch.dtype,
         device: torch.device,
+        weight_transposed: bool = False,
     ) -> None:
         self.name = name
         self.weight_shape = torch.Size(weight_shape)
+        self.weight_transposed = weight_transposed
+        if weight_transposed:  # [in, out] storage: the math below sees [out, in]
+            weight_shape = torch.Size(reversed(self.weight_shape))
         self.has_bias = has_bias
         self.compute_method = compute_method
         self.eigenvalue_outer_product = eigenvalue_outer_product
         self.factor_dtype = factor_dtype
         self.inv_dtype = inv_dtype
-        self.g_dim = self.weight_shape[0]
-        self.a_dim = self.weight_shape[1:].numel() + int(has_bias)
+        self.g_dim = weight_shape[0]
+        self.a_dim = weight_shape[1:].numel() + int(has_bias)
         kw = dict(device=device, dtype=factor_dtype)
         self.a_factor = torch.zeros(self.a_dim, self.a_dim, **kw)
         self.g_factor = torch.zeros(self.g_dim, self.g_dim, **kw)
@@ -236,15 +241,18 @@ class KFACLayer(LayerMethod):
         return g_inv @ grad @ a_inv
 
     def grads_to_matrix(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        weight = grads[0].reshape(self.g_dim, -1)
+        weight = grads[0].t() if self.weight_transposed else grads[0].reshape(self.g_dim, -1)
         if self.has_bias:
             return torch.cat([weight, grads[1].reshape(self.g_dim, 1)], dim=1)
         return weight
 
     def matrix_to_grads(self, matrix: torch.Tensor) -> list[torch.Tensor]:
-        if self.has_bias:
-            return [matrix[:, :-1].reshape(self.weight_shape), matrix[:, -1].contiguous()]
-        return [matrix.reshape(self.weight_shape)]
+        weight = matrix[:, :-1] if self.has_bias else matrix
+        if self.weight_transposed:
+            weight = weight.t().contiguous()
+        else:
+            weight = weight.reshape(self.weight_shape)
+        return [weight, matrix[:, -1].contiguous()] if self.has_bias else [weight]
 
     # ------------------------------------------------------------------ estimates
     def factor_costs(self) -> dict[str, tuple[float, float]]:
