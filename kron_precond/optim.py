@@ -152,6 +152,11 @@ class Kron(torch.optim.Optimizer):
         """Number of completed :meth:`step` calls."""
         return self._decider.step
 
+    @property
+    def update_decider(self) -> UpdateDecider:
+        """The shared preconditioner-update schedule (its counters are in :meth:`state_dict`)."""
+        return self._decider
+
     # -- per-parameter state ---------------------------------------------------------
     def _make_factors(self, p: torch.Tensor, group: dict[str, Any], init_scale) -> PSGDFactors:
         return PSGDFactors(
@@ -200,7 +205,8 @@ class Kron(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
-        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        """One optimization step. ``closure``, if given, re-evaluates the model and returns the
+        loss, which ``step`` returns."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -220,7 +226,8 @@ class Kron(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError("Kron does not support sparse gradients")
                 grad = self._clip_local(p.grad, group)
-                work.append((index, p, group, grad, torch.isfinite(p.grad).all()))
+                finite = torch.isfinite(torch.linalg.vector_norm(p.grad, float("inf")))
+                work.append((index, p, group, grad, finite))
 
         if self.global_clipnorm is not None and work:
             sq = [torch.where(fin, torch.linalg.vector_norm(g.float()) ** 2, 0.0)
@@ -246,34 +253,34 @@ class Kron(torch.optim.Optimizer):
         factors = self._factors_of(p, group, state)
         pdtype = group["precond_dtype"]
         m = state["momentum_buffer"]
-        keep = finite.to(m.dtype)  # 1: apply this step to this tensor; 0: skip it
         g = torch.where(finite, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
 
-        state["step"].add_(finite.to(state["step"].dtype))
+        state["step"].add_(finite.to(torch.float32))  # counts applied steps only
         state["nonfinite_steps"].add_((~finite).to(torch.int32))
-        m.lerp_(g.to(m.dtype), keep * (1.0 - group["b1"]))
-        bias = (1.0 - torch.pow(group["b1"], state["step"])).clamp_min(1e-30)
-        m_hat = m.to(pdtype) / bias.to(pdtype)
+        m.lerp_(g.to(m.dtype), finite.to(m.dtype) * (1.0 - group["b1"]))  # unchanged if skipped
+        bias = (1.0 - torch.pow(group["b1"], state["step"])).clamp_min(1e-30).to(pdtype)
 
         if not factors.initialized:
             self._try_initialize(factors, g, state)
         if factors.initialized:
             if do_update:
-                fit = m_hat if group["momentum_into_precond_update"] else g.to(pdtype)
+                fit = m.to(pdtype) / bias if group["momentum_into_precond_update"] \
+                    else g.to(pdtype)
                 lr_q = finite.to(pdtype) * group["precond_lr"]
                 factors.update(fit, self._probe(p, index, pdtype), lr_q)
                 if balance:
                     factors.balance()
-            u = factors.precondition(m_hat)
+            u = factors.precondition(m.to(pdtype))
         else:
-            u = m_hat  # identity preconditioner until the scale is known
+            u = m.to(pdtype)  # identity preconditioner until the scale is known
 
-        rms = torch.linalg.vector_norm(u) / math.sqrt(max(u.numel(), 1))
-        u.mul_(torch.clamp(_RMS_CLIP / (rms + 1e-12), max=1.0))
-        if group["weight_decay"] != 0 and p.dim() >= 2:
-            u.add_(p.to(pdtype), alpha=group["weight_decay"])
-        u.mul_(finite.to(pdtype) * group["lr"])
-        p.sub_(u.to(p.dtype))
+        # The update P m̂ = u / bias clipped to RMS ≤ 1.1 is u times min(1/bias, 1.1/rms(u)).
+        rms = torch.linalg.vector_norm(u) / math.sqrt(u.numel())
+        scale = torch.minimum(1.0 / bias, _RMS_CLIP / (rms + 1e-12))
+        lr = finite.to(pdtype) * group["lr"]  # 0 skips this tensor
+        if group["weight_decay"] != 0 and p.dim() >= 2:  # p -= lr·(u + wd·p), decoupled
+            p.mul_(1.0 - lr * group["weight_decay"])
+        p.addcmul_(u, -lr * scale)
 
     @staticmethod
     def _try_initialize(factors: PSGDFactors, g: torch.Tensor, state: dict[str, Any]) -> None:

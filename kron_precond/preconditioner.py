@@ -257,8 +257,12 @@ class KronPreconditioner:
         fingerprint = int(hashlib.sha256(description.encode()).hexdigest()[:15], 16)
         device = next(iter(model.parameters())).device
         with torch.no_grad():
-            checksum = sum((p.detach().double().sum() for p in model.parameters()),
-                           torch.zeros((), dtype=torch.float64, device=device))
+            # Position-weighted, so permuted values do not cancel out.
+            checksum = torch.zeros((), dtype=torch.float64, device=device)
+            for i, p in enumerate(model.parameters()):
+                flat = p.detach().double().reshape(-1)
+                weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=device)
+                checksum += (i + 1) * (flat * weights).sum()
         local = torch.tensor([float(fingerprint % 2**52), 0.0], dtype=torch.float64, device=device)
         local[1] = checksum
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
@@ -348,7 +352,9 @@ class KronPreconditioner:
         self._report_nonfinite()
 
     def _psgd_refresh(self, step: int) -> None:
-        grads = {layer.name: self._grads(layer) for layer in self._layers}
+        # Parameters without a gradient this step are left out (None), not zero-filled:
+        # a zero gradient would corrupt the running average and the initial scale.
+        grads = {layer.name: [p.grad for _, p in layer.params] for layer in self._layers}
         for layer in self._layers:
             layer.method.observe_gradients(grads[layer.name])
             if self._holds_state(layer):
@@ -485,27 +491,28 @@ class KronPreconditioner:
         return usage
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume, on any number of ranks (a collective when
-        ``grad_worker_fraction < 1``: call it on every rank)."""
+        """Everything needed to resume, on any number of ranks.
+
+        With ``grad_worker_fraction < 1`` this is a collective (each layer's state comes
+        from its owner): call it on every rank.
+        """
         self._wait_for_statistics()
         layers = {}
         for layer in self._layers:
-            self._gather_state(layer)
-            layers[layer.name] = layer.method.state_dict()
-            if not self._holds_state(layer):
-                layer.method.release_refreshed()
+            layers[layer.name] = self._layer_state(layer)
         return {"steps": self._steps, "method": self.method.value, "decider": self._decider.state_dict(),
                 "layers": layers}
 
-    def _gather_state(self, layer: Layer) -> None:
+    def _layer_state(self, layer: Layer) -> dict[str, Any]:
+        holds = self._holds_state(layer)
         if self.grad_workers == self.world_size:
-            return
-        for part in layer.method.parts:
-            owner = self.assignment.owner(layer.name, part)
-            handle = collectives.broadcast(layer.method.refreshed_tensors(part),
-                                           src=self._grid.global_rank(owner),
-                                           group=self.process_group, cap_bytes=self._bucket_cap_bytes)
-            handle.wait()
+            return layer.method.state_dict()
+        # Only the owner's column holds this layer: its owner sends the whole state
+        # (tensors and flags), moved to the CPU so it unpickles on any device.
+        state = [_to_cpu(layer.method.state_dict()) if holds else None]
+        owner = self._grid.global_rank(self._layer_owner(layer))
+        dist.broadcast_object_list(state, src=owner, group=self.process_group)
+        return state[0]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (saved with any number of ranks)."""
@@ -554,6 +561,16 @@ class KronPreconditioner:
         body = ",\n".join(f"  {k}={v!r}" for k, v in settings.items())
         return (f"KronPreconditioner(method={self.method.value!r}, layers={len(self._layers)}, "
                 f"steps={self._steps},\n{body}\n)")
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
 
 
 # ---------------------------------------------------------------------- validation

@@ -163,7 +163,7 @@ class KFACLayer(LayerMethod):
         return self._refreshed
 
     def release_refreshed(self) -> None:
-        """Drop refreshed state (on ranks that only gathered it for a checkpoint)."""
+        """Drop refreshed state (on ranks that are not gradient workers of this layer)."""
         self._refreshed = None
         self._inverse_denominator = None
         self.ready = False

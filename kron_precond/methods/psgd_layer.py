@@ -75,21 +75,23 @@ class PSGDLayer(LayerMethod):
         return {part: self.factor(part).tensors() for part in self.parts}
 
     # ------------------------------------------------------------------ observe
-    def observe_gradients(self, grads: list[torch.Tensor]) -> None:
+    def observe_gradients(self, grads: list[torch.Tensor | None]) -> None:
         """Advance the fitted gradient average (every step, on every rank)."""
         if self.momentum is None:
             return
         for part, grad in zip(self.parts, grads):
+            if grad is None:
+                continue
             buf = self.momentum[part]
             finite = torch.isfinite(grad).all()
             buf.copy_(torch.where(finite, torch.lerp(buf, grad.to(buf.dtype), 1.0 - self.b1), buf))
         self._momentum_steps += 1
 
-    def initialize_from(self, grads: list[torch.Tensor]) -> None:
+    def initialize_from(self, grads: list[torch.Tensor | None]) -> None:
         """Estimate initial scales from the first gradients (``precond_init_scale=None``)."""
         for part, grad in zip(self.parts, grads):
             factor = self.factor(part)
-            if not factor.initialized:
+            if grad is not None and not factor.initialized:
                 factor.initialize_from(grad)
 
     def mark_initialized(self) -> None:
@@ -101,10 +103,12 @@ class PSGDLayer(LayerMethod):
         return []  # gradients are already averaged by DDP
 
     # ------------------------------------------------------------------ refresh
-    def refresh(self, part: str, grads: list[torch.Tensor], lr: float, *, step: int) -> None:
-        """One Q update of ``part`` (run by its owner)."""
+    def refresh(self, part: str, grads: list[torch.Tensor | None], lr: float, *, step: int) -> None:
+        """One Q update of ``part`` (run by its owner); nothing to fit without a gradient."""
         index = self.parts.index(part)
         grad = grads[index]
+        if grad is None:
+            return
         if self.momentum is not None:
             debias = 1.0 - self.b1 ** max(self._momentum_steps, 1)
             fit = self.momentum[part] / debias
