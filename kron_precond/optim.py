@@ -23,20 +23,10 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .methods.psgd import PSGDFactors, check_memory_save_mode
+from .methods.psgd import PSGDFactors, check_memory_save_mode, probe_seed
 from .schedules import UpdateDecider, check_probability
 
-_MASK64 = (1 << 64) - 1
 _RMS_CLIP = 1.1
-
-
-def _probe_seed(seed: int, index: int, step: int) -> int:
-    """A well-mixed 63-bit seed from (seed, parameter index, step) (splitmix64 finaliser)."""
-    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB
-         + 0x2545F4914F6CDD1D) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (x ^ (x >> 31)) & ((1 << 63) - 1)
 
 
 def _check_positive(name: str, value: Any, *, allow_none: bool = False) -> None:
@@ -190,7 +180,7 @@ class Kron(torch.optim.Optimizer):
         gen = self._generators.get(p.device)
         if gen is None:
             gen = self._generators[p.device] = torch.Generator(device=p.device)
-        gen.manual_seed(_probe_seed(self.seed, index, self._decider.step))
+        gen.manual_seed(probe_seed(self.seed, index, self._decider.step))
         return torch.randn(p.shape, generator=gen, dtype=dtype, device=p.device)
 
     # -- the step --------------------------------------------------------------------

@@ -34,6 +34,28 @@ MEMORY_SAVE_MODES = (None, "smart_one_diag", "one_diag", "all_diag")
 
 
 # ----------------------------------------------------------------------------- structure
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64 finaliser: a bijection on 64-bit integers with good avalanche."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def probe_seed(*keys: int) -> int:
+    """A 63-bit generator seed determined only by ``keys`` (e.g. seed, tensor id, step).
+
+    Probe vectors drawn from it do not depend on which rank draws them or on any
+    generator state, so nothing about them needs saving or synchronising.
+    """
+    x = 0x2545F4914F6CDD1D
+    for key in keys:
+        x = _mix64((x + (key & _MASK64) * 0x9E3779B97F4A7C15) & _MASK64)
+    return x & ((1 << 63) - 1)
+
+
 def check_memory_save_mode(memory_save_mode: str | None) -> None:
     """Raise ``ValueError`` unless ``memory_save_mode`` is one of :data:`MEMORY_SAVE_MODES`."""
     if memory_save_mode not in MEMORY_SAVE_MODES:

@@ -14,22 +14,10 @@ from typing import Any, Sequence
 import torch
 
 from kron_precond.methods.base import LayerMethod, tensor_bytes
-from kron_precond.methods.psgd import PSGDFactors
+from kron_precond.methods.psgd import PSGDFactors, probe_seed
 
 _RMS_CLIP = 1.1  # as kron_torch: a preconditioned gradient's RMS is capped at 1.1
 _BALANCE_EVERY = 100  # rebalance factor scales every this many steps (numerical hygiene)
-
-
-def probe_seed(seed: int, layer_index: int, part_index: int, step: int) -> int:
-    """A 63-bit seed from its arguments (splitmix64 finaliser over their combination)."""
-    x = (seed * 0x9E3779B97F4A7C15 + layer_index * 0xBF58476D1CE4E5B9
-         + part_index * 0x94D049BB133111EB + step) & 0xFFFFFFFFFFFFFFFF
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    x ^= x >> 31
-    return x & 0x7FFFFFFFFFFFFFFF
 
 
 class PSGDLayer(LayerMethod):
@@ -64,6 +52,7 @@ class PSGDLayer(LayerMethod):
         self._momentum_steps = 0
         self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         self.factor_dtype = factor_settings.get("dtype", torch.float32)
+        self._generator: torch.Generator | None = None  # reseeded for every probe
 
     def factor(self, part: str) -> PSGDFactors:
         if self._factors[part] is None:
@@ -117,9 +106,10 @@ class PSGDLayer(LayerMethod):
         factor = self.factor(part)
         if step % _BALANCE_EVERY == 0:
             factor.balance()
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(probe_seed(self.seed, self.layer_index, index, step))
-        probe = torch.randn(fit.shape, generator=generator, device=self.device, dtype=factor.dtype)
+        if self._generator is None:
+            self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(probe_seed(self.seed, self.layer_index, index, step))
+        probe = torch.randn(fit.shape, generator=self._generator, device=self.device, dtype=factor.dtype)
         applied = factor.update(fit, probe, lr)
         self.nonfinite.add_((~applied).to(self.nonfinite.dtype))
 
