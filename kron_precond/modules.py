@@ -137,6 +137,10 @@ def find_modules(model: nn.Module, *, kfac: bool, patterns: list[re.Pattern], lo
     for name, module in model.named_modules():
         for param in module.parameters(recurse=False):
             owners.setdefault(id(param), []).append(name)
+    # MultiheadAttention uses its out_proj's weight functionally: out_proj.forward never
+    # runs, so K-FAC's hooks would never see it.
+    functional = {f"{name}.out_proj" if name else "out_proj" for name, module in model.named_modules()
+                  if isinstance(module, nn.MultiheadAttention)}
     found, taken = [], set()
     for name, module in model.named_modules():
         own = [(n, p) for n, p in module.named_parameters(recurse=False)]
@@ -153,6 +157,9 @@ def find_modules(model: nn.Module, *, kfac: bool, patterns: list[re.Pattern], lo
                 continue
             if any(True for _ in module.children()):
                 log(f"skipping {label}: not a leaf module")
+                continue
+            if name in functional:
+                log(f"skipping {label}: nn.MultiheadAttention applies it functionally (no forward hook)")
                 continue
             if not all(p.requires_grad for _, p in own):
                 log(f"skipping {label}: not all of its parameters require grad")

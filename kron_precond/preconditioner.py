@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import warnings
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
@@ -154,8 +155,13 @@ class KronPreconditioner:
         symmetry_aware: bool = False,
         process_group=None,
     ) -> None:
+        _warn_inapplicable(dict(locals()))
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            # Register the wrapped module, so layer names (and checkpoints) are the same
+            # with and without DDP.
+            model = model.module
         self.method = Method.parse(method, "method")
         self.compute_method = ComputeMethod.parse(compute_method, "compute_method")
         self.assignment_strategy = AssignmentStrategy.parse(assignment_strategy, "assignment_strategy")
@@ -175,6 +181,13 @@ class KronPreconditioner:
             raise ValueError(f"precond_b1 must be in [0, 1), got {precond_b1!r}")
         if not (isinstance(allreduce_bucket_cap_mb, (int, float)) and allreduce_bucket_cap_mb >= 0):
             raise ValueError(f"allreduce_bucket_cap_mb must be >= 0, got {allreduce_bucket_cap_mb!r}")
+        if factor_dtype is not None and not _is_float_dtype(factor_dtype):
+            raise ValueError(f"factor_dtype must be a floating torch.dtype or None, got {factor_dtype!r}")
+        if inv_dtype not in (torch.float32, torch.float64, torch.bfloat16):
+            raise ValueError(f"inv_dtype must be torch.float32, torch.float64 or torch.bfloat16 "
+                             f"(float16 overflows 1/λ-sized values), got {inv_dtype!r}")
+        if not _is_float_dtype(precond_dtype):
+            raise ValueError(f"precond_dtype must be a floating torch.dtype, got {precond_dtype!r}")
         self.accumulation_steps = accumulation_steps
         self.skip_layers = skip_layers
         self.symmetry_aware = bool(symmetry_aware)
@@ -224,7 +237,10 @@ class KronPreconditioner:
             logger.info("%s", self.assignment.summary())
 
         self._steps = 0
-        self._pending_statistics: collectives.PendingCollective | None = None
+        self._pending_statistics: tuple[collectives.PendingCollective, float] | None = None
+        self._factor_steps = 0  # factor steps so far (identical on every rank)
+        self._observed_checked = False
+        self._psgd_updates = 0  # PSGD Q updates so far (identical on every rank)
         self._collecting = False
         self._hooks: list = []
         if self.method is Method.KFAC:
@@ -253,7 +269,9 @@ class KronPreconditioner:
     def _check_ranks_agree(self, model: nn.Module) -> None:
         """Fail on every rank (instead of hanging later) if ranks disagree on the setup."""
         description = ";".join(f"{l.name}:{[tuple(p.shape) for _, p in l.params]}" for l in self._layers)
-        description += f"|{self.method.value}|{self.grad_workers}|{self.compute_method.value}"
+        description += (f"|{self.method.value}|{self.grad_workers}|{self.compute_method.value}"
+                        f"|{self.symmetry_aware}|{self._bucket_cap_bytes}|{self.colocate_factors}"
+                        f"|{self.assignment_strategy.value}|{self.seed}")
         fingerprint = int(hashlib.sha256(description.encode()).hexdigest()[:15], 16)
         device = next(iter(model.parameters())).device
         with torch.no_grad():
@@ -283,6 +301,8 @@ class KronPreconditioner:
                 return
             if not inputs or not isinstance(inputs[0], torch.Tensor):
                 return
+            if self._pending_statistics is not None:  # last reduction still owns the buffers
+                self._wait_for_statistics()
             with torch.no_grad():
                 layer.method.observe_activations(layer.adapter.activation_rows(inputs[0].detach()))
             if isinstance(output, torch.Tensor) and output.requires_grad:
@@ -306,38 +326,47 @@ class KronPreconditioner:
         self._collecting = self.method is Method.KFAC and self._steps % every == 0
 
     # ------------------------------------------------------------------ step
-    @torch.no_grad()
     def step(self) -> None:
-        """Replace ``.grad`` of every registered parameter with its preconditioned value."""
-        step = self._steps
-        if self.method is Method.KFAC:
-            self._kfac_statistics_and_refresh(step)
-        else:
-            self._psgd_refresh(step)
-        self._apply_and_write(step)
-        if step % _NONFINITE_CHECK_INTERVAL == 0 and self.method is not Method.KFAC:
-            self._report_nonfinite()
-        self._steps += 1
-        self._update_collecting()
+        """Replace ``.grad`` of every registered parameter with its preconditioned value.
 
-    def _kfac_statistics_and_refresh(self, step: int) -> None:
+        With AMP's ``GradScaler``, call ``scaler.unscale_(optimizer)`` first: the update
+        (and ``kl_clip``) must see true gradients.
+        """
+        with torch.no_grad():
+            step = self._steps
+            if self.method is Method.KFAC:
+                check_health = self._kfac_statistics_and_refresh(step)
+            else:
+                self._psgd_refresh(step)
+                check_health = step % _NONFINITE_CHECK_INTERVAL == 0
+            self._apply_and_write(step)
+            if check_health:
+                self._report_nonfinite()
+            self._steps += 1
+            self._update_collecting()
+
+    def _kfac_statistics_and_refresh(self, step: int) -> bool:
+        """Fold / reduce statistics on factor steps; refresh on refresh steps (-> True)."""
         if self._collecting:
             decay = resolve(self.hparams["factor_decay"], step)
             _check_hparam("factor_decay", decay)
-            self._wait_for_statistics()
-            for layer in self._layers:
-                layer.method.fold_statistics(decay)
-            if self.world_size > 1:
-                tensors = [t for layer in self._layers for t in layer.method.shared_statistics()]
-                # Waited on lazily: it overlaps with the rest of this step and the next
-                # forward/backward unless a refresh needs the factors now.
-                self._pending_statistics = collectives.all_reduce_mean(
-                    tensors, group=self.process_group, world_size=self.world_size,
-                    cap_bytes=self._bucket_cap_bytes, symmetric=self.symmetry_aware)
+            self._factor_steps += 1
+            if self.world_size == 1:
+                for layer in self._layers:
+                    layer.method.fold_statistics(decay)
+            else:
+                tensors = [t for layer in self._layers for t in layer.method.statistics()]
+                # Sums and row counts are reduced, then folded when waited on: lazily, so
+                # the reduction overlaps with the rest of this step and the next ones,
+                # until a refresh needs the factors or the next forward hook the buffers.
+                handle = collectives.all_reduce(tensors, group=self.process_group,
+                                                cap_bytes=self._bucket_cap_bytes,
+                                                symmetric=self.symmetry_aware)
+                self._pending_statistics = (handle, decay)
         every = resolve(self.hparams["inv_update_steps"], step)
         _check_hparam("inv_update_steps", every)
         if step % every:
-            return
+            return False
         damping = resolve(self.hparams["damping"], step)
         _check_hparam("damping", damping)
         self._wait_for_statistics()
@@ -346,10 +375,11 @@ class KronPreconditioner:
                 if self.assignment.owner(layer.name, part) == self.rank:
                     layer.method.refresh(part, damping)
         self._share_refreshed_state()
-        for layer in self._layers:
-            if self._holds_state(layer) and all(layer.method.factor_updates.values()):
-                layer.method.finalize_refresh(damping)
-        self._report_nonfinite()
+        if self._factor_steps:
+            for layer in self._layers:
+                if self._holds_state(layer):
+                    layer.method.finalize_refresh(damping)
+        return True
 
     def _psgd_refresh(self, step: int) -> None:
         # Parameters without a gradient this step are left out (None), not zero-filled:
@@ -366,7 +396,9 @@ class KronPreconditioner:
         for layer in self._layers:
             for part in layer.method.parts:
                 if self.assignment.owner(layer.name, part) == self.rank:
-                    layer.method.refresh(part, grads[layer.name], precond_lr, step=step)
+                    layer.method.refresh(part, grads[layer.name], precond_lr, step=step,
+                                         update_index=self._psgd_updates)
+        self._psgd_updates += 1
         self._share_refreshed_state()
 
     def _share_refreshed_state(self) -> None:
@@ -384,10 +416,6 @@ class KronPreconditioner:
                    for owner, tensors in sorted(by_owner.items())]
         for handle in pending:
             handle.wait()
-        if self.method is Method.PSGD:
-            for layer in self._layers:
-                if self._holds_state(layer):
-                    layer.method.mark_initialized()
 
     def _apply_and_write(self, step: int) -> None:
         communicate = self._grid.has_receivers
@@ -461,20 +489,32 @@ class KronPreconditioner:
 
     def _wait_for_statistics(self) -> None:
         if self._pending_statistics is not None:
-            self._pending_statistics.wait()
+            handle, decay = self._pending_statistics
             self._pending_statistics = None
+            handle.wait()
+            for layer in self._layers:
+                layer.method.fold_statistics(decay)
 
     def _report_nonfinite(self) -> None:
-        """Warn about skipped non-finite statistics (one host sync; refresh steps only)."""
-        counts = torch.stack([layer.method.nonfinite for layer in self._layers]).cpu()
-        if not counts.any():
-            return
-        import warnings
-        for layer, count in zip(self._layers, counts.tolist()):
+        """Warn about skipped non-finite updates and, once, about registered layers that
+        were never observed (one host sync, on refresh steps / every 100 PSGD steps)."""
+        flags = [layer.method.nonfinite for layer in self._layers]
+        check_observed = self.method is Method.KFAC and self._factor_steps and not self._observed_checked
+        if check_observed:
+            flags += [layer.method.observed().to(torch.int64) for layer in self._layers]
+        values = torch.stack(flags).tolist()
+        for layer, count in zip(self._layers, values):
             if count:
-                warnings.warn(f"kron_precond: skipped {count} non-finite statistics update(s) of "
-                              f"{layer.name}; its state was left unchanged", RuntimeWarning, stacklevel=3)
+                warnings.warn(f"kron_precond: skipped {count} non-finite update(s) of {layer.name}; "
+                              "its state was left unchanged", RuntimeWarning, stacklevel=3)
                 layer.method.nonfinite.zero_()
+        if check_observed:
+            self._observed_checked = True
+            unseen = [l.name for l, seen in zip(self._layers, values[len(self._layers):]) if not seen]
+            if unseen:
+                warnings.warn(f"kron_precond: layers {unseen} were registered but their forward hooks "
+                              "never saw data (is the module called functionally?); their gradients "
+                              "pass through unpreconditioned", RuntimeWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ public helpers
     @property
@@ -501,7 +541,7 @@ class KronPreconditioner:
         for layer in self._layers:
             layers[layer.name] = self._layer_state(layer)
         return {"steps": self._steps, "method": self.method.value, "decider": self._decider.state_dict(),
-                "layers": layers}
+                "factor_steps": self._factor_steps, "psgd_updates": self._psgd_updates, "layers": layers}
 
     def _layer_state(self, layer: Layer) -> dict[str, Any]:
         holds = self._holds_state(layer)
@@ -524,6 +564,8 @@ class KronPreconditioner:
             raise ValueError(f"state_dict has no state for layers {sorted(missing)}")
         self._wait_for_statistics()
         self._steps = int(state["steps"])
+        self._factor_steps = int(state.get("factor_steps", 0))
+        self._psgd_updates = int(state.get("psgd_updates", 0))
         self._decider.load_state_dict(state["decider"])
         for layer in self._layers:
             layer.method.load_state_dict(state["layers"][layer.name])
@@ -590,6 +632,35 @@ def _check_hparam(name: str, value) -> None:
             raise ValueError(f"factor_decay must be in (0, 1], got {value!r}")
     elif value <= 0:
         raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
+def _is_float_dtype(value) -> bool:
+    return isinstance(value, torch.dtype) and value.is_floating_point
+
+
+_KFAC_ONLY = ("factor_update_steps", "inv_update_steps", "damping", "factor_decay",
+              "accumulation_steps", "compute_method", "compute_eigenvalue_outer_product",
+              "factor_dtype", "inv_dtype", "grad_scaler", "symmetry_aware")
+_PSGD_ONLY = ("preconditioner_update_probability", "max_size_triangular", "min_ndim_triangular",
+              "memory_save_mode", "momentum_into_precond_update", "precond_b1", "precond_lr",
+              "precond_init_scale", "precond_dtype", "merge_dims")
+
+
+def _warn_inapplicable(arguments: dict[str, Any]) -> None:
+    """Warn about settings given a non-default value that the chosen method ignores."""
+    import inspect
+
+    try:
+        method = Method.parse(arguments["method"], "method")
+    except ValueError:
+        return  # reported by the constructor
+    ignored = _PSGD_ONLY if method is Method.KFAC else _KFAC_ONLY
+    defaults = inspect.signature(KronPreconditioner.__init__).parameters
+    changed = [name for name in ignored if arguments[name] is not defaults[name].default
+               and arguments[name] != defaults[name].default]
+    if changed:
+        warnings.warn(f"{', '.join(changed)} do(es) not apply to method={method.value!r} and "
+                      "will be ignored", UserWarning, stacklevel=3)
 
 
 def _check_int(name: str, value, minimum: int = 1) -> None:

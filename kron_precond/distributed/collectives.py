@@ -95,9 +95,10 @@ def _launch(tensors, cap_bytes, symmetric, start, divisor: int = 1) -> PendingCo
     return PendingCollective(works, finish)
 
 
-def all_reduce_mean(tensors: Sequence[torch.Tensor], *, group, world_size: int,
-                    cap_bytes: int, symmetric: bool = False) -> PendingCollective:
-    """Start averaging ``tensors`` over ``group``; they are updated in place on ``wait()``.
+def all_reduce(tensors: Sequence[torch.Tensor], *, group, cap_bytes: int, symmetric: bool = False,
+               divisor: int = 1) -> PendingCollective:
+    """Start summing ``tensors`` over ``group`` (then dividing by ``divisor``); they are
+    updated in place on ``wait()`` and must not be written to before that.
 
     ``symmetric=True`` sends only the upper triangle of square matrices (which must be
     symmetric) and mirrors it back.
@@ -105,7 +106,7 @@ def all_reduce_mean(tensors: Sequence[torch.Tensor], *, group, world_size: int,
     def start(buffer):
         return dist.all_reduce(buffer, group=group, async_op=True)
 
-    return _launch(tensors, cap_bytes, symmetric, start, divisor=world_size)
+    return _launch(tensors, cap_bytes, symmetric, start, divisor=divisor)
 
 
 def broadcast(tensors: Sequence[torch.Tensor], *, src: int, group, cap_bytes: int) -> PendingCollective:

@@ -76,22 +76,26 @@ class KFACLayer(LayerMethod):
         kw = dict(device=device, dtype=factor_dtype)
         self.a_factor = torch.zeros(self.a_dim, self.a_dim, **kw)
         self.g_factor = torch.zeros(self.g_dim, self.g_dim, **kw)
-        # Statistics of the current factor step, summed over rows / micro-batches.
+        # Statistics of the current factor step, summed over rows and micro-batches.
+        # Sums and row counts (not means) are what ranks reduce, so a layer that saw no
+        # rows on one rank still gets the same global mean on every rank.
         self._a_sum = torch.zeros_like(self.a_factor)
         self._g_sum = torch.zeros_like(self.g_factor)
-        self._a_rows = 0
-        self._g_rows = 0
-        self.factor_updates = {"A": 0, "G": 0}
+        self._rows = torch.zeros(2, dtype=torch.promote_types(factor_dtype, torch.float32), device=device)
+        # Whether A / G hold data (on device: deciding it must not need a host sync).
+        self._seen = torch.zeros(2, dtype=torch.bool, device=device)
         # Count of factor updates skipped for non-finite statistics; read on refresh steps
         # only, so the per-step path never synchronises with the device.
         self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         # Refreshed state, allocated on first use: ranks that are not gradient workers of
-        # this layer never hold it (MEM_OPT / HYBRID_OPT memory savings).
+        # this layer never hold it (MEM_OPT / HYBRID_OPT memory savings). Each part ends
+        # with a one-element validity flag: 1 once a refresh of a factor holding data
+        # succeeded. ``apply`` passes gradients through until both flags are set.
         self._device = device
         self._refreshed: dict[str, list[torch.Tensor]] | None = None
         self._inverse_denominator: torch.Tensor | None = None
         self._damping_used: float | None = None
-        # True once a refresh produced usable state; before that ``apply`` is the identity.
+        # True once a refresh step has finalised this layer (decided from the step count).
         self.ready = False
 
     # ------------------------------------------------------------------ observe
@@ -106,48 +110,49 @@ class KFACLayer(LayerMethod):
             self._a_sum[:d, d].add_(col_sum)
             self._a_sum[d, :d].add_(col_sum)
             self._a_sum[d, d].add_(rows.shape[0])
-        self._a_rows += rows.shape[0]
+        self._rows[0].add_(rows.shape[0])  # counted on the device: no host round trip
 
     def observe_output_grads(self, rows: torch.Tensor, scale: float) -> None:
         """Accumulate ``Σ δ δᵀ`` for output-gradient rows ``[N, out]``, ``δ = scale · rows``."""
         rows = rows.to(self.factor_dtype)
         self._g_sum.addmm_(rows.t(), rows, alpha=scale * scale)
-        self._g_rows += rows.shape[0]
+        self._rows[1].add_(rows.shape[0])
 
-    @property
-    def has_pending_statistics(self) -> bool:
-        return self._a_rows > 0 or self._g_rows > 0
+    def statistics(self) -> list[torch.Tensor]:
+        """This step's sums of ``ã ãᵀ`` and ``δ δᵀ`` and their row counts, to be summed
+        across ranks before :meth:`fold_statistics`."""
+        return [self._a_sum, self._g_sum, self._rows]
 
     def fold_statistics(self, decay: float) -> None:
-        """Fold this step's statistics into the running averages ``F ← d·F + (1−d)·F_new``.
+        """Fold the (reduced) statistics into the running averages ``F ← d·F + (1−d)·F_new``.
 
-        The first update of a factor takes the statistics as they are. A non-finite
-        update is dropped (the factor keeps its value) without a host synchronisation.
+        The first update of a factor takes the statistics as they are. A factor with no
+        rows, or with non-finite statistics, keeps its value; all decided on the device.
         """
-        for key, factor, total, rows in (
-            ("A", self.a_factor, self._a_sum, self._a_rows),
-            ("G", self.g_factor, self._g_sum, self._g_rows),
-        ):
-            if rows == 0:
-                continue
-            new = total / rows
+        for index, (factor, total) in enumerate(((self.a_factor, self._a_sum), (self.g_factor, self._g_sum))):
+            rows = self._rows[index]
+            new = total / rows.clamp_min(1.0).to(total.dtype)
             new = (new + new.t()) * 0.5  # exact symmetry; accumulation rounding can break it
             finite = torch.isfinite(new).all()
-            if self.factor_updates[key] > 0:
-                new = torch.lerp(factor, new, 1.0 - decay)
-            factor.copy_(torch.where(finite, new, factor))
-            self.nonfinite.add_((~finite).to(self.nonfinite.dtype))
-            self.factor_updates[key] += 1
+            has_rows = rows > 0
+            blended = torch.where(self._seen[index], torch.lerp(factor, new, 1.0 - decay), new)
+            accept = finite & has_rows
+            factor.copy_(torch.where(accept, blended, factor))
+            self._seen[index] |= accept
+            self.nonfinite.add_((has_rows & ~finite).to(self.nonfinite.dtype))
             total.zero_()
-        self._a_rows = self._g_rows = 0
+        self._rows.zero_()
 
     def discard_statistics(self) -> None:
         self._a_sum.zero_()
         self._g_sum.zero_()
-        self._a_rows = self._g_rows = 0
+        self._rows.zero_()
 
-    def shared_statistics(self) -> list[torch.Tensor]:
-        return [self.a_factor, self.g_factor]
+    shared_statistics = statistics
+
+    def observed(self) -> torch.Tensor:
+        """Whether both factors hold data (a 0-dim bool tensor)."""
+        return self._seen.all()
 
     # ------------------------------------------------------------------ refresh
     parts = FACTORS
@@ -157,9 +162,10 @@ class KFACLayer(LayerMethod):
             kw = dict(device=self._device, dtype=self.inv_dtype)
             shapes = {"A": self.a_dim, "G": self.g_dim}
             if self.compute_method is ComputeMethod.EIGEN:
-                self._refreshed = {k: [torch.zeros(n, n, **kw), torch.zeros(n, **kw)] for k, n in shapes.items()}
+                self._refreshed = {k: [torch.zeros(n, n, **kw), torch.zeros(n, **kw), torch.zeros(1, **kw)]
+                                   for k, n in shapes.items()}
             else:
-                self._refreshed = {k: [torch.zeros(n, n, **kw)] for k, n in shapes.items()}
+                self._refreshed = {k: [torch.zeros(n, n, **kw), torch.zeros(1, **kw)] for k, n in shapes.items()}
         return self._refreshed
 
     def release_refreshed(self) -> None:
@@ -179,20 +185,21 @@ class KFACLayer(LayerMethod):
         if self.compute_method is ComputeMethod.EIGEN:
             matrix = self.a_factor if factor == "A" else self.g_factor
             result = _robust_eigh(matrix, self.inv_dtype, f"{self.name}.{factor}")
-            if result is not None:
-                for dst, src in zip(self.refreshed_tensors(factor), result):
-                    dst.copy_(src)
         else:
-            inverse = self._damped_inverse(factor, damping)
-            if inverse is not None:
-                self.refreshed_tensors(factor)[0].copy_(inverse)
+            result = self._damped_inverse(factor, damping)
+        if result is None:
+            return
+        *targets, valid = self.refreshed_tensors(factor)
+        for dst, src in zip(targets, result, strict=True):
+            dst.copy_(src)
+        valid.fill_(1.0).mul_(self._seen[FACTORS.index(factor)])
 
     def finalize_refresh(self, damping: float) -> None:
         """Derive what ``apply`` needs from the refreshed tensors (run by every grad worker)."""
         if self.compute_method is ComputeMethod.EIGEN and self.eigenvalue_outer_product:
             d_a = self.refreshed_tensors("A")[1]
             d_g = self.refreshed_tensors("G")[1]
-            self._inverse_denominator = 1.0 / (torch.outer(d_g, d_a) + damping)
+            self._inverse_denominator = _inverse_denominator(d_g, d_a, damping)
         self._damping_used = damping
         self.ready = True
 
@@ -214,9 +221,9 @@ class KFACLayer(LayerMethod):
             inverse = torch.linalg.inv(matrix + gamma * eye)
         except RuntimeError as err:  # singular despite damping: keep the previous inverse
             warnings.warn(f"kron_precond: inverting {self.name}.{factor} failed ({err}); "
-                          "keeping the previous inverse", RuntimeWarning, stacklevel=3)
+                          "keeping the previous inverse", RuntimeWarning, stacklevel=2)
             return None
-        return inverse.to(self.inv_dtype)
+        return (inverse.to(self.inv_dtype),)
 
     # ------------------------------------------------------------------ apply
     def apply(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -224,18 +231,20 @@ class KFACLayer(LayerMethod):
             return grads
         matrix = self.grads_to_matrix(grads)
         out = self.precondition_matrix(matrix.to(self.inv_dtype)).to(matrix.dtype)
-        return self.matrix_to_grads(out)
+        # Until both factors have a valid refresh (data seen, decomposition succeeded),
+        # the gradient passes through; chosen on the device.
+        valid = self._refreshed["A"][-1] * self._refreshed["G"][-1]
+        return self.matrix_to_grads(torch.where(valid.bool(), out, matrix))
 
     def precondition_matrix(self, grad: torch.Tensor) -> torch.Tensor:
         if self.compute_method is ComputeMethod.EIGEN:
-            q_a, d_a = self._refreshed["A"]
-            q_g, d_g = self._refreshed["G"]
+            q_a, d_a, _ = self._refreshed["A"]
+            q_g, d_g, _ = self._refreshed["G"]
             rotated = q_g.t() @ grad @ q_a
-            if self._inverse_denominator is not None:
-                rotated = rotated * self._inverse_denominator
-            else:
-                rotated = rotated / (torch.outer(d_g, d_a) + self._damping_used)
-            return q_g @ rotated @ q_a.t()
+            denominator = self._inverse_denominator
+            if denominator is None:
+                denominator = _inverse_denominator(d_g, d_a, self._damping_used)
+            return q_g @ (rotated * denominator) @ q_a.t()
         a_inv = self._refreshed["A"][0]
         g_inv = self._refreshed["G"][0]
         return g_inv @ grad @ a_inv
@@ -278,26 +287,41 @@ class KFACLayer(LayerMethod):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         return {
+            "compute_method": self.compute_method.value,
             "a_factor": self.a_factor.clone(),
             "g_factor": self.g_factor.clone(),
-            "factor_updates": dict(self.factor_updates),
+            "seen": self._seen.clone(),
             "refreshed": {k: [t.clone() for t in v] for k, v in self._allocated().items()},
             "damping_used": self._damping_used,
             "ready": self.ready,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("compute_method") != self.compute_method.value:
+            raise ValueError(f"state of {self.name} was saved with compute_method="
+                             f"{state.get('compute_method')!r}, this layer uses {self.compute_method.value!r}")
+        if tuple(state["a_factor"].shape) != tuple(self.a_factor.shape) or \
+                tuple(state["g_factor"].shape) != tuple(self.g_factor.shape):
+            raise ValueError(f"state of {self.name} has factor shapes {tuple(state['a_factor'].shape)}, "
+                             f"{tuple(state['g_factor'].shape)}; expected {tuple(self.a_factor.shape)}, "
+                             f"{tuple(self.g_factor.shape)}")
         self.a_factor.copy_(state["a_factor"])
         self.g_factor.copy_(state["g_factor"])
-        self.factor_updates = dict(state["factor_updates"])
+        self._seen.copy_(state["seen"])
         for key, tensors in state["refreshed"].items():
-            for dst, src in zip(self.refreshed_tensors(key), tensors):
+            for dst, src in zip(self.refreshed_tensors(key), tensors, strict=True):
                 dst.copy_(src)
         self.discard_statistics()
         if state["ready"]:
             self.finalize_refresh(state["damping_used"])
         else:
             self.ready = False
+
+
+def _inverse_denominator(d_g: torch.Tensor, d_a: torch.Tensor, damping: float) -> torch.Tensor:
+    """``1 / (d_G d_Aᵀ + λ)``, computed in float32 or better, stored in the eigenvalues' dtype."""
+    work = _decomposition_dtype(d_a.dtype)
+    return (1.0 / (torch.outer(d_g.to(work), d_a.to(work)) + damping)).to(d_a.dtype)
 
 
 def _decomposition_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -316,5 +340,5 @@ def _robust_eigh(matrix: torch.Tensor, out_dtype: torch.dtype, label: str):
         eigenvalues = eigenvalues.clamp_min(0.0)
         return eigenvectors.to(out_dtype), eigenvalues.to(out_dtype)
     warnings.warn(f"kron_precond: eigendecomposition of {label} failed in float32 and float64; "
-                  "keeping the previous decomposition", RuntimeWarning, stacklevel=3)
+                  "keeping the previous decomposition", RuntimeWarning, stacklevel=2)
     return None

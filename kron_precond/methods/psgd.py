@@ -145,6 +145,9 @@ def apply_q_inv_t(q: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """Map ``x ↦ Q^{-T} x`` on mode fibres: ``x Q^{-1}`` by a triangular solve, or ``x / q``."""
     if q.dim() == 1:
         return lambda x: x / q
+    if q.dtype in (torch.float16, torch.bfloat16):  # no half-precision triangular solve
+        return lambda x: torch.linalg.solve_triangular(q.float(), x.float(), upper=True,
+                                                       left=False).to(x.dtype)
     return lambda x: torch.linalg.solve_triangular(q, x, upper=True, left=False)
 
 

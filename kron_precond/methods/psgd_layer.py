@@ -17,7 +17,7 @@ from kron_precond.methods.base import LayerMethod, tensor_bytes
 from kron_precond.methods.psgd import PSGDFactors, probe_seed
 
 _RMS_CLIP = 1.1  # as kron_torch: a preconditioned gradient's RMS is capped at 1.1
-_BALANCE_EVERY = 100  # rebalance factor scales every this many steps (numerical hygiene)
+_BALANCE_EVERY = 100  # rebalance factor scales every this many updates (numerical hygiene)
 
 
 class PSGDLayer(LayerMethod):
@@ -81,22 +81,22 @@ class PSGDLayer(LayerMethod):
         for part, grad in zip(self.parts, grads):
             factor = self.factor(part)
             if grad is not None and not factor.initialized:
-                factor.initialize_from(grad)
-
-    def mark_initialized(self) -> None:
-        """Factors were received from their owner, initialised there."""
-        for part in self.parts:
-            self.factor(part).initialized = True
+                try:
+                    factor.initialize_from(grad)
+                except ValueError:  # zero or non-finite first gradient: try again next step
+                    pass
 
     def shared_statistics(self) -> list[torch.Tensor]:
         return []  # gradients are already averaged by DDP
 
     # ------------------------------------------------------------------ refresh
-    def refresh(self, part: str, grads: list[torch.Tensor | None], lr: float, *, step: int) -> None:
-        """One Q update of ``part`` (run by its owner); nothing to fit without a gradient."""
+    def refresh(self, part: str, grads: list[torch.Tensor | None], lr: float, *, step: int,
+                update_index: int) -> None:
+        """One Q update of ``part`` (run by its owner); nothing to fit without a gradient
+        or before the initial scale could be estimated."""
         index = self.parts.index(part)
         grad = grads[index]
-        if grad is None:
+        if grad is None or not self.factor(part).initialized:
             return
         if self.momentum is not None:
             debias = 1.0 - self.b1 ** max(self._momentum_steps, 1)
@@ -104,7 +104,7 @@ class PSGDLayer(LayerMethod):
         else:
             fit = grad
         factor = self.factor(part)
-        if step % _BALANCE_EVERY == 0:
+        if update_index % _BALANCE_EVERY == 0:
             factor.balance()
         if self._generator is None:
             self._generator = torch.Generator(device=self.device)
@@ -124,6 +124,9 @@ class PSGDLayer(LayerMethod):
     def apply(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         out = []
         for part, grad in zip(self.parts, grads):
+            if not self.factor(part).initialized:  # initial scale not estimated yet
+                out.append(grad)
+                continue
             update = self.factor(part).precondition(grad)
             rms = update.float().square().mean().sqrt()
             out.append(update * (_RMS_CLIP / (rms + 1e-12)).clamp(max=1.0).to(update.dtype))
