@@ -158,10 +158,7 @@ class KronPreconditioner:
         _warn_inapplicable(dict(locals()))
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            # Register the wrapped module, so layer names (and checkpoints) are the same
-            # with and without DDP.
-            model = model.module
+        model = _unwrap(model)
         self.method = Method.parse(method, "method")
         self.compute_method = ComputeMethod.parse(compute_method, "compute_method")
         self.assignment_strategy = AssignmentStrategy.parse(assignment_strategy, "assignment_strategy")
@@ -287,8 +284,9 @@ class KronPreconditioner:
         dist.all_gather(gathered, local, group=self.process_group)
         fingerprints = {int(t[0].item()) for t in gathered}
         if len(fingerprints) > 1:
-            raise ValueError("ranks registered different layers or settings (check skip_layers, "
-                             "method and grad_worker_fraction on every rank)")
+            raise ValueError("ranks registered different layers or use different settings: check "
+                             "skip_layers, method, compute_method, grad_worker_fraction, symmetry_aware, "
+                             "allreduce_bucket_cap_mb, colocate_factors, assignment_strategy and seed")
         checksums = [t[1].item() for t in gathered]
         if any(c != checksums[0] for c in checksums):
             raise ValueError(f"model parameters differ across ranks (checksums {checksums}); "
@@ -512,9 +510,10 @@ class KronPreconditioner:
             self._observed_checked = True
             unseen = [l.name for l, seen in zip(self._layers, values[len(self._layers):]) if not seen]
             if unseen:
-                warnings.warn(f"kron_precond: layers {unseen} were registered but their forward hooks "
-                              "never saw data (is the module called functionally?); their gradients "
-                              "pass through unpreconditioned", RuntimeWarning, stacklevel=3)
+                warnings.warn(f"kron_precond: layers {unseen} are registered but their hooks saw no data "
+                              "before the first refresh (is the module called functionally?); until "
+                              "they do, their gradients pass through unpreconditioned",
+                              RuntimeWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ public helpers
     @property
@@ -562,6 +561,8 @@ class KronPreconditioner:
         missing = set(self.layers) - set(state["layers"])
         if missing:
             raise ValueError(f"state_dict has no state for layers {sorted(missing)}")
+        for layer in self._layers:  # all checks first: a rejected state changes nothing
+            layer.method.check_state(state["layers"][layer.name])
         self._wait_for_statistics()
         self._steps = int(state["steps"])
         self._factor_steps = int(state.get("factor_steps", 0))
@@ -605,6 +606,18 @@ class KronPreconditioner:
                 f"steps={self._steps},\n{body}\n)")
 
 
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module inside DDP / ``torch.compile`` wrappers, so that layer names (and so
+    checkpoints) are the same with and without them."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile
+            model = model._orig_mod
+        else:
+            return model
+
+
 def _to_cpu(value):
     if isinstance(value, torch.Tensor):
         return value.cpu()
@@ -643,7 +656,7 @@ _KFAC_ONLY = ("factor_update_steps", "inv_update_steps", "damping", "factor_deca
               "factor_dtype", "inv_dtype", "grad_scaler", "symmetry_aware")
 _PSGD_ONLY = ("preconditioner_update_probability", "max_size_triangular", "min_ndim_triangular",
               "memory_save_mode", "momentum_into_precond_update", "precond_b1", "precond_lr",
-              "precond_init_scale", "precond_dtype", "merge_dims")
+              "precond_init_scale", "precond_dtype", "merge_dims", "seed")
 
 
 def _warn_inapplicable(arguments: dict[str, Any]) -> None:

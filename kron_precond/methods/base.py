@@ -53,6 +53,10 @@ class LayerMethod(abc.ABC):
         ...
 
     @abc.abstractmethod
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raise ``ValueError`` if ``state`` cannot be loaded (checked before anything changes)."""
+
+    @abc.abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:
         ...
 

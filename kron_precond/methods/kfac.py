@@ -196,6 +196,7 @@ class KFACLayer(LayerMethod):
 
     def finalize_refresh(self, damping: float) -> None:
         """Derive what ``apply`` needs from the refreshed tensors (run by every grad worker)."""
+        self._allocated()  # a refresh that failed from the start left nothing allocated
         if self.compute_method is ComputeMethod.EIGEN and self.eigenvalue_outer_product:
             d_a = self.refreshed_tensors("A")[1]
             d_g = self.refreshed_tensors("G")[1]
@@ -296,7 +297,8 @@ class KFACLayer(LayerMethod):
             "ready": self.ready,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raise ``ValueError`` if ``state`` was not saved by a layer like this one."""
         if state.get("compute_method") != self.compute_method.value:
             raise ValueError(f"state of {self.name} was saved with compute_method="
                              f"{state.get('compute_method')!r}, this layer uses {self.compute_method.value!r}")
@@ -305,6 +307,9 @@ class KFACLayer(LayerMethod):
             raise ValueError(f"state of {self.name} has factor shapes {tuple(state['a_factor'].shape)}, "
                              f"{tuple(state['g_factor'].shape)}; expected {tuple(self.a_factor.shape)}, "
                              f"{tuple(self.g_factor.shape)}")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
         self.a_factor.copy_(state["a_factor"])
         self.g_factor.copy_(state["g_factor"])
         self._seen.copy_(state["seen"])

@@ -162,7 +162,20 @@ class PSGDLayer(LayerMethod):
             "momentum_steps": self._momentum_steps,
         }
 
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raise ``ValueError`` if ``state`` does not hold factors for these parameters."""
+        missing = set(self.parts) - set(state.get("factors", {}))
+        if missing:
+            raise ValueError(f"state of {self.name} has no factors for {sorted(missing)}")
+        for part in self.parts:
+            expected = [tuple(q.shape) for q in PSGDFactors(self.shapes[part], device="meta",
+                                                            **self._settings).tensors()]
+            got = [tuple(q.shape) for q in state["factors"][part]["q"]]
+            if got != expected:
+                raise ValueError(f"state of {self.name}.{part} has factor shapes {got}, expected {expected}")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
         for part in self.parts:
             self.factor(part).load_state_dict(state["factors"][part])
         if self.momentum is not None and state.get("momentum") is not None:
