@@ -171,6 +171,9 @@ def find_modules(model: nn.Module, *, kfac: bool, patterns: list[re.Pattern], lo
             own = [(n, p) for n, p in own if n in ("weight", "bias")]
             found.append((name, module, own, adapter))
         else:
+            if getattr(module, "sparse", False) is True:
+                log(f"skipping {label}: sparse gradients cannot be preconditioned")
+                continue
             own = [(n, p) for n, p in own if p.requires_grad and id(p) not in taken]
             if own:
                 taken.update(id(p) for _, p in own)

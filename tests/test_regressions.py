@@ -579,3 +579,18 @@ def test_r17_rejected_state_dict_leaves_the_preconditioner_unchanged():
     with pytest.raises(ValueError):
         dst.load_state_dict(state)
     assert dst.steps == 0
+
+
+# ============================================================================ r16
+# nn.Embedding(sparse=True) under PSGD crashed in step(): sparse gradients cannot be
+# reshaped. It is now skipped (logged) and its sparse gradient left untouched.
+def test_r16_sparse_embedding_is_skipped_by_psgd():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    precond = KronPreconditioner(model, method="psgd")
+    assert list(precond.layers) == ["1"]
+    model(torch.tensor([1, 2, 2])).sum().backward()
+    raw = model[0].weight.grad.to_dense().clone()
+    precond.step()
+    assert model[0].weight.grad.is_sparse
+    assert torch.equal(model[0].weight.grad.to_dense(), raw)
