@@ -79,8 +79,10 @@ class KFACLayer(LayerMethod):
         # Statistics of the current factor step, summed over rows and micro-batches.
         # Sums and row counts (not means) are what ranks reduce, so a layer that saw no
         # rows on one rank still gets the same global mean on every rank.
-        self._a_sum = torch.zeros_like(self.a_factor)
-        self._g_sum = torch.zeros_like(self.g_factor)
+        # Allocated on factor steps only and freed once folded: between factor steps a
+        # layer holds its factors and decompositions, nothing else.
+        self._a_sum: torch.Tensor | None = None
+        self._g_sum: torch.Tensor | None = None
         self._rows = torch.zeros(2, dtype=torch.promote_types(factor_dtype, torch.float32), device=device)
         # Whether A / G hold data (on device: deciding it must not need a host sync).
         self._seen = torch.zeros(2, dtype=torch.bool, device=device)
@@ -103,6 +105,7 @@ class KFACLayer(LayerMethod):
         """Accumulate ``Σ ã ãᵀ`` for activation rows ``[N, in]`` (no bias column)."""
         rows = rows.to(self.factor_dtype)
         d = rows.shape[1]
+        self._allocate_statistics()
         self._a_sum[:d, :d].addmm_(rows.t(), rows)
         if self.has_bias:
             # The ones column of ã, without materialising it.
@@ -115,13 +118,20 @@ class KFACLayer(LayerMethod):
     def observe_output_grads(self, rows: torch.Tensor, scale: float) -> None:
         """Accumulate ``Σ δ δᵀ`` for output-gradient rows ``[N, out]``, ``δ = scale · rows``."""
         rows = rows.to(self.factor_dtype)
+        self._allocate_statistics()
         self._g_sum.addmm_(rows.t(), rows, alpha=scale * scale)
         self._rows[1].add_(rows.shape[0])
 
     def statistics(self) -> list[torch.Tensor]:
         """This step's sums of ``ã ãᵀ`` and ``δ δᵀ`` and their row counts, to be summed
         across ranks before :meth:`fold_statistics`."""
+        self._allocate_statistics()  # every rank sends the same layout, data or not
         return [self._a_sum, self._g_sum, self._rows]
+
+    def _allocate_statistics(self) -> None:
+        if self._a_sum is None:
+            self._a_sum = torch.zeros_like(self.a_factor)
+            self._g_sum = torch.zeros_like(self.g_factor)
 
     def fold_statistics(self, decay: float) -> None:
         """Fold the (reduced) statistics into the running averages ``F ← d·F + (1−d)·F_new``.
@@ -129,6 +139,8 @@ class KFACLayer(LayerMethod):
         The first update of a factor takes the statistics as they are. A factor with no
         rows, or with non-finite statistics, keeps its value; all decided on the device.
         """
+        if self._a_sum is None:  # nothing observed on this factor step
+            return
         for index, (factor, total) in enumerate(((self.a_factor, self._a_sum), (self.g_factor, self._g_sum))):
             rows = self._rows[index]
             new = total / rows.clamp_min(1.0).to(total.dtype)
@@ -140,12 +152,10 @@ class KFACLayer(LayerMethod):
             factor.copy_(torch.where(accept, blended, factor))
             self._seen[index] |= accept
             self.nonfinite.add_((has_rows & ~finite).to(self.nonfinite.dtype))
-            total.zero_()
-        self._rows.zero_()
+        self.discard_statistics()
 
     def discard_statistics(self) -> None:
-        self._a_sum.zero_()
-        self._g_sum.zero_()
+        self._a_sum = self._g_sum = None
         self._rows.zero_()
 
     shared_statistics = statistics
@@ -281,7 +291,7 @@ class KFACLayer(LayerMethod):
         refreshed = tensor_bytes(held) + tensor_bytes([self._inverse_denominator])
         return {
             "factors": tensor_bytes([self.a_factor, self.g_factor]),
-            "statistics": tensor_bytes([self._a_sum, self._g_sum]),
+            "statistics": tensor_bytes([self._a_sum, self._g_sum, self._rows]),
             "decompositions" if self.compute_method is ComputeMethod.EIGEN else "inverses": refreshed,
         }
 

@@ -1,0 +1,567 @@
+"""The main job: a byte-level transformer language model on Python's standard library.
+
+Trains the same small decoder-only transformer with AdamW, K-FAC + AdamW and PSGD (the
+``Kron`` optimizer), from the same initial weights, on the same batches, for the same
+number of steps, then prints a table per method (held-out loss, steps and seconds to
+AdamW's final held-out loss, step time, optimizer + preconditioner state bytes) and
+saves a plot of held-out loss against step and against seconds.
+
+The methods are stepped round-robin in one process (step 1 of every method, then step 2,
+...) rather than one run after another, so that load from other processes on the
+machine slows all of them alike and the wall-clock comparison stays fair.
+
+    python examples/char_lm.py --threads 1                  # ~8 min on a busy 2-core CPU
+    python examples/char_lm.py --methods adamw,kfac --steps 200
+    torchrun --nproc_per_node=2 examples/char_lm.py         # DDP, gloo on CPU
+
+Data: the ``*.py`` files under ``sysconfig.get_paths()["stdlib"]`` (site-packages and
+test suites excluded), sorted by relative path, concatenated and capped at
+``--corpus-mb``; bytes are the tokens (vocabulary 256); the last 10% is held out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import sysconfig
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run from a checkout: `examples.*`, uninstalled kron_precond
+    sys.path.append(str(REPO_ROOT))
+
+from kron_precond import precond_update_prob_schedule  # noqa: E402
+from examples.common import (  # noqa: E402
+    METHODS,
+    AmpState,
+    DistContext,
+    PrecondConfig,
+    StepTimer,
+    all_reduce_mean,
+    build_method,
+    close_distributed,
+    init_distributed,
+    state_memory_bytes,
+    train_step,
+    wrap_ddp,
+)
+
+VOCAB_SIZE = 256  # byte-level tokens
+HELDOUT_FRACTION = 0.1
+# Embeddings are lookups (K-FAC's Linear/Conv maths does not apply) and the output layer
+# over the vocabulary is left to the base optimizer, as usual for K-FAC on LMs.
+SKIP_LAYERS = ("Embedding", "lm_head")
+
+
+# --------------------------------------------------------------------------- data
+def stdlib_source_files() -> list[Path]:
+    """The standard library's ``*.py`` files in a fixed (sorted) order.
+
+    site-packages holds whatever happens to be installed and the test suites are
+    stripped by some distributions, so both are left out to keep the corpus the same
+    from machine to machine (for the same Python version).
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    excluded_dirs = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
+    files = [
+        path
+        for path in root.rglob("*.py")
+        if not excluded_dirs.intersection(path.relative_to(root).parts[:-1])
+    ]
+    return sorted(files, key=lambda path: path.relative_to(root).as_posix())
+
+
+def load_corpus(max_bytes: int) -> torch.Tensor:
+    """The first ``max_bytes`` bytes of the concatenated stdlib sources, as uint8."""
+    chunks, size = [], 0
+    for path in stdlib_source_files():
+        chunk = path.read_bytes() + b"\n"
+        chunks.append(chunk)
+        size += len(chunk)
+        if size >= max_bytes:
+            break
+    data = b"".join(chunks)[:max_bytes]
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+class ByteCorpus:
+    """Train / held-out split of a byte stream and the windows drawn from it."""
+
+    def __init__(self, data: torch.Tensor, seq_len: int):
+        split = int(len(data) * (1 - HELDOUT_FRACTION))
+        self.train, self.heldout = data[:split], data[split:]
+        self.seq_len = seq_len
+
+    def _windows(self, source: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        offsets = torch.arange(self.seq_len + 1)
+        window = source[starts[:, None] + offsets].long()
+        return window[:, :-1], window[:, 1:]  # inputs, next-byte targets
+
+    def sample_train(self, batch_size: int, generator: torch.Generator):
+        starts = torch.randint(0, len(self.train) - self.seq_len - 1, (batch_size,), generator=generator)
+        return self._windows(self.train, starts)
+
+    def heldout_set(self, n_seqs: int):
+        """``n_seqs`` windows spread evenly over the held-out bytes (the same every call)."""
+        last_start = len(self.heldout) - self.seq_len - 1
+        starts = torch.linspace(0, last_start, n_seqs).long()
+        return self._windows(self.heldout, starts)
+
+
+# --------------------------------------------------------------------------- model
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal attention with separate nn.Linear q/k/v/out projections
+    (separate layers give K-FAC one Kronecker factor pair per projection)."""
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        self.n_heads = n_heads
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.k_proj = nn.Linear(d_model, d_model)
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, d_model = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, H, T, D/H]
+            return t.view(batch, seq, self.n_heads, d_model // self.n_heads).transpose(1, 2)
+
+        attended = F.scaled_dot_product_attention(
+            heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)), is_causal=True
+        )
+        return self.out_proj(attended.transpose(1, 2).reshape(batch, seq, d_model))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.ln_attn = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads)
+        self.ln_mlp = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_attn(x))
+        return x + self.mlp(self.ln_mlp(x))
+
+
+@dataclass
+class ModelConfig:
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    seq_len: int = 64
+    tie_embeddings: bool = False
+
+
+class CharTransformer(nn.Module):
+    """Decoder-only transformer over bytes with learned positional embeddings."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.token_embedding = nn.Embedding(VOCAB_SIZE, config.d_model)
+        self.position_embedding = nn.Embedding(config.seq_len, config.d_model)
+        self.blocks = nn.ModuleList(Block(config.d_model, config.n_heads) for _ in range(config.n_layers))
+        self.ln_final = nn.LayerNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, VOCAB_SIZE, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.token_embedding.weight
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.token_embedding(tokens) + self.position_embedding(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_final(x))
+
+
+def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte cross-entropy (nats per byte)."""
+    logits = model(inputs)
+    return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE).float(), targets.reshape(-1))
+
+
+# --------------------------------------------------------------------------- training
+@dataclass
+class TrainConfig:
+    steps: int = 600
+    batch_size: int = 64  # sequences per optimizer step, over all ranks and micro-batches
+    grad_accum: int = 1
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    eval_every: int = 25
+    eval_seqs: int = 128
+    corpus_mb: float = 4.0
+    seed: int = 0
+    amp: bool = False
+
+
+@dataclass
+class Contender:
+    """One compared run: a row name and how to build its optimizer / preconditioner."""
+
+    name: str
+    lr: float
+    build: Callable[[nn.Module, torch.amp.GradScaler], tuple]  # (model, scaler) -> (optimizer, precond | None)
+
+
+@dataclass
+class RunResult:
+    name: str
+    lr: float
+    eval_steps: list[int] = field(default_factory=list)
+    eval_losses: list[float] = field(default_factory=list)
+    eval_train_seconds: list[float] = field(default_factory=list)  # training time so far
+    step_seconds: list[float] = field(default_factory=list)
+    state_bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def final_loss(self) -> float:
+        return self.eval_losses[-1]
+
+    @property
+    def mean_step_seconds(self) -> float:
+        return sum(self.step_seconds) / len(self.step_seconds)
+
+    def first_reaching(self, target: float) -> tuple[int, float] | None:
+        """(step, training seconds) of the first evaluation at or below ``target``."""
+        for step, loss, seconds in zip(self.eval_steps, self.eval_losses, self.eval_train_seconds):
+            if loss <= target:
+                return step, seconds
+        return None
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int, floor: float = 0.1) -> Callable[[int], float]:
+    """LR multiplier: linear warm-up, then cosine decay to ``floor`` of the peak."""
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return multiplier
+
+
+@dataclass
+class _Live:
+    """A contender while it trains."""
+
+    result: RunResult
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    precond: object
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    amp: AmpState
+    train_seconds: float = 0.0
+
+
+def _shard(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """This rank's contiguous slice of a global batch."""
+    per_rank = tensor.shape[0] // ctx.world_size
+    return tensor[ctx.rank * per_rank : (ctx.rank + 1) * per_rank]
+
+
+def _micro_batches(inputs, targets, grad_accum: int, ctx: DistContext):
+    inputs, targets = _shard(inputs, ctx).to(ctx.device), _shard(targets, ctx).to(ctx.device)
+    return list(zip(inputs.chunk(grad_accum), targets.chunk(grad_accum)))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, heldout, ctx: DistContext, amp: AmpState, chunk: int = 32) -> float:
+    """Mean held-out loss; each rank scores its shard of the fixed held-out windows."""
+    model.eval()
+    inputs, targets = _shard(heldout[0], ctx), _shard(heldout[1], ctx)
+    losses = []
+    for x, y in zip(inputs.split(chunk), targets.split(chunk)):
+        with amp.autocast():
+            losses.append(lm_loss(model, x.to(ctx.device), y.to(ctx.device)).item() * len(x))
+    model.train()
+    return all_reduce_mean(sum(losses) / len(inputs), ctx)
+
+
+def _start(contender: Contender, model_config: ModelConfig, train: TrainConfig, ctx: DistContext) -> _Live:
+    torch.manual_seed(train.seed)  # identical initial weights for every contender
+    model = wrap_ddp(CharTransformer(model_config).to(ctx.device), ctx)
+    amp = AmpState.create(train.amp, ctx.device)
+    optimizer, precond = contender.build(model, amp.scaler)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(train.warmup_steps, train.steps))
+    return _Live(RunResult(contender.name, contender.lr), model, optimizer, precond, scheduler, amp)
+
+
+def _check_batch_split(train: TrainConfig, ctx: DistContext) -> None:
+    if train.batch_size % (ctx.world_size * train.grad_accum):
+        raise ValueError(
+            f"--batch-size {train.batch_size} must be divisible by world size {ctx.world_size} "
+            f"x --grad-accum {train.grad_accum}"
+        )
+
+
+def train_round_robin(
+    contenders: Sequence[Contender],
+    model_config: ModelConfig,
+    train: TrainConfig,
+    ctx: DistContext,
+    corpus: ByteCorpus | None = None,
+    progress: bool = True,
+) -> list[RunResult]:
+    """Train every contender for ``train.steps`` steps on the same batches, interleaved."""
+    _check_batch_split(train, ctx)
+    corpus = corpus or ByteCorpus(load_corpus(int(train.corpus_mb * 2**20)), model_config.seq_len)
+    heldout = corpus.heldout_set(train.eval_seqs)
+    runs = [_start(c, model_config, train, ctx) for c in contenders]
+    data_order = torch.Generator().manual_seed(train.seed)  # same on every rank
+
+    def record_eval(step: int) -> None:
+        for run in runs:
+            run.result.eval_steps.append(step)
+            run.result.eval_losses.append(evaluate(run.model, heldout, ctx, run.amp))
+            run.result.eval_train_seconds.append(run.train_seconds)
+
+    record_eval(0)
+    bar = tqdm(range(1, train.steps + 1), desc="training", disable=not (progress and ctx.is_main))
+    for step in bar:
+        batch = _micro_batches(*corpus.sample_train(train.batch_size, data_order), train.grad_accum, ctx)
+        train_losses = {}
+        for run in runs:
+            timer = StepTimer(ctx.device)
+            with timer:
+                train_losses[run.result.name] = train_step(
+                    run.model, run.optimizer, run.precond, batch, lm_loss, run.amp
+                )
+                run.scheduler.step()
+            run.result.step_seconds.append(timer.seconds)
+            run.train_seconds += timer.seconds
+        bar.set_postfix({name: f"{loss:.3f}" for name, loss in train_losses.items()})
+        if step % train.eval_every == 0 or step == train.steps:
+            record_eval(step)
+    for run in runs:
+        run.result.state_bytes = state_memory_bytes(run.optimizer, run.precond)
+        if run.precond is not None:
+            run.precond.remove()  # unhook, so the model can be reused or freed
+    return [run.result for run in runs]
+
+
+# --------------------------------------------------------------------------- reporting
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Plain-text table: first column left-aligned, the others right-aligned."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def results_table(results: Sequence[RunResult], reference: RunResult, target: float) -> str:
+    """One row per run against ``reference`` (AdamW) and the held-out ``target`` loss."""
+    ref_reach = reference.first_reaching(target)
+    ref_seconds = ref_reach[1] if ref_reach else float("nan")
+    headers = ["run", "lr", "final loss", "steps to target", "s to target", "x AdamW time",
+               "ms/step", "x AdamW step", "optimizer state", "precond state"]
+    rows = []
+    for r in results:
+        reach = r.first_reaching(target)
+        rows.append([
+            r.name,
+            f"{r.lr:g}",
+            f"{r.final_loss:.4f}",
+            str(reach[0]) if reach else "not reached",
+            f"{reach[1]:.1f}" if reach else "-",
+            f"{reach[1] / ref_seconds:.2f}" if reach else "-",
+            f"{1000 * r.mean_step_seconds:.1f}",
+            f"{r.mean_step_seconds / reference.mean_step_seconds:.2f}",
+            f"{r.state_bytes['optimizer']:,} B",
+            f"{r.state_bytes['preconditioner']:,} B",
+        ])
+    return format_table(headers, rows)
+
+
+def plot_curves(results: Sequence[RunResult], target: float, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
+    for r in results:
+        by_step.plot(r.eval_steps, r.eval_losses, marker=".", label=r.name)
+        by_time.plot(r.eval_train_seconds, r.eval_losses, marker=".", label=r.name)
+    for ax, xlabel in ((by_step, "step"), (by_time, "training seconds (eval excluded)")):
+        ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    by_step.set_ylabel("held-out loss (nats/byte)")
+    lows = [min(r.eval_losses) for r in results]
+    by_step.set_ylim(min(lows) - 0.05, min(lows) + 1.2)  # the interesting end of the curves
+    by_time.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- CLI
+# Peak learning rates picked by the sweep in docs/benchmarks.md (benchmarks/convergence.py).
+# Short runs: the library's default anneal keeps p=1 for 500 steps, i.e. a Q update on
+# every step of a 600-step run; this one anneals from step 100 and reaches 0.03 by ~450.
+DEFAULT_PSGD_UPDATE_PROB = "anneal:100:0.01"
+DEFAULT_PSGD_INIT_SCALE = "auto"  # estimated from the first gradient
+DEFAULT_LRS = {"adamw": 2e-3, "kfac": 4e-3, "psgd": 2e-3, "psgd_adamw": 2e-3, "sgd": 0.1, "kfac_sgd": 0.1, "psgd_sgd": 0.1}
+
+
+def _psgd_update_probability(value: str):
+    """``--psgd-update-prob``: a probability; ``anneal`` (the library's default schedule:
+    1.0 for 500 steps, 0.03 from ~4000); or ``anneal:FLAT_START:DECAY`` for the same
+    exponential anneal with other constants."""
+    if value == "anneal":
+        return None
+    if value.startswith("anneal:"):
+        _, flat_start, decay = value.split(":")
+        return precond_update_prob_schedule(flat_start=int(flat_start), decay=float(decay))
+    return float(value)
+
+
+def _psgd_init_scale(value: str) -> float | None:
+    """``--psgd-init-scale``: a scale, or ``auto`` to estimate it from the first gradient."""
+    return None if value == "auto" else float(value)
+
+
+def add_training_args(p: argparse.ArgumentParser) -> None:
+    """Model, data, schedule and preconditioner flags (shared with benchmarks/convergence.py)."""
+    p.add_argument("--steps", type=int, default=TrainConfig.steps, help="optimizer steps per method")
+    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size,
+                   help="sequences per optimizer step, summed over ranks and micro-batches")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--seq-len", type=int, default=ModelConfig.seq_len, help="tokens (bytes) per sequence")
+    p.add_argument("--d-model", type=int, default=ModelConfig.d_model, help="transformer width")
+    p.add_argument("--n-layers", type=int, default=ModelConfig.n_layers, help="transformer blocks")
+    p.add_argument("--n-heads", type=int, default=ModelConfig.n_heads, help="attention heads")
+    p.add_argument("--tie-embeddings", action="store_true", help="share token embedding and lm_head weights")
+    p.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay, help="decoupled weight decay")
+    p.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps, help="linear LR warm-up steps")
+    p.add_argument("--damping", type=float, default=PrecondConfig.damping, help="K-FAC damping")
+    p.add_argument("--factor-update-steps", type=int, default=PrecondConfig.factor_update_steps,
+                   help="K-FAC: steps between factor updates")
+    p.add_argument("--inv-update-steps", type=int, default=PrecondConfig.inv_update_steps,
+                   help="K-FAC: steps between eigendecompositions")
+    p.add_argument("--kl-clip", type=float, default=PrecondConfig.kl_clip, help="K-FAC kl_clip; <= 0 disables")
+    p.add_argument("--psgd-update-prob", type=_psgd_update_probability, default=DEFAULT_PSGD_UPDATE_PROB,
+                   help="PSGD preconditioner update probability: a number, 'anneal' (library default: "
+                        "1.0 for 500 steps, then down to 0.03 by ~4000) or 'anneal:FLAT_START:DECAY'")
+    p.add_argument("--psgd-init-scale", type=_psgd_init_scale, default=DEFAULT_PSGD_INIT_SCALE,
+                   help="PSGD initial preconditioner scale, or 'auto' (estimated from the first gradient)")
+    p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every, help="steps between held-out evaluations")
+    p.add_argument("--eval-seqs", type=int, default=TrainConfig.eval_seqs, help="held-out sequences per evaluation")
+    p.add_argument("--corpus-mb", type=float, default=TrainConfig.corpus_mb, help="MiB of stdlib source to use")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the data order")
+    p.add_argument("--amp", action="store_true",
+                   help="autocast (float16 + GradScaler on CUDA, bfloat16 on CPU)")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads per process (0: torch's default)")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--methods", default="adamw,kfac,psgd", help=f"comma-separated, from: {', '.join(METHODS)}")
+    for method, lr in DEFAULT_LRS.items():
+        p.add_argument(f"--lr-{method.replace('_', '-')}", type=float, default=lr,
+                       help=f"peak learning rate for {METHODS[method].label}")
+    add_training_args(p)
+    p.add_argument("--out", type=Path, default=Path("runs/char_lm"), help="directory for the plot and results.json")
+    return p.parse_args(argv)
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig, PrecondConfig]:
+    """The configs ``add_training_args`` flags describe."""
+    model = ModelConfig(args.d_model, args.n_layers, args.n_heads, args.seq_len, args.tie_embeddings)
+    train = TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
+        warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, eval_every=args.eval_every,
+        eval_seqs=args.eval_seqs, corpus_mb=args.corpus_mb, seed=args.seed, amp=args.amp,
+    )
+    precond = PrecondConfig(
+        skip_layers=SKIP_LAYERS, factor_update_steps=args.factor_update_steps,
+        inv_update_steps=args.inv_update_steps, damping=args.damping,
+        kl_clip=args.kl_clip if args.kl_clip > 0 else None,
+        update_probability=args.psgd_update_prob, psgd_init_scale=args.psgd_init_scale,
+        accumulation_steps=args.grad_accum,
+    )
+    return model, train, precond
+
+
+def method_contender(method: str, lr: float, weight_decay: float, precond: PrecondConfig) -> Contender:
+    """A Contender for one of the library's METHODS."""
+    return Contender(
+        name=method, lr=lr,
+        build=lambda model, scaler: build_method(method, model, lr, weight_decay, precond, scaler),
+    )
+
+
+def report(results: Sequence[RunResult], model: ModelConfig, train: TrainConfig, ctx: DistContext, out: Path, title: str) -> None:
+    """Print the table and save plot + JSON (rank 0 only)."""
+    if not ctx.is_main:
+        return
+    reference = next((r for r in results if r.name == "adamw"), results[0])
+    target = reference.final_loss
+    print(f"\nheld-out target = final loss of {reference.name}: {target:.4f} nats/byte")
+    print(results_table(results, reference, target))
+    out.mkdir(parents=True, exist_ok=True)
+    plot_curves(results, target, out / "char_lm.png", title)
+    with open(out / "results.json", "w") as f:
+        json.dump({"model": asdict(model), "train": asdict(train), "world_size": ctx.world_size,
+                   "runs": [asdict(r) for r in results]}, f)
+    print(f"saved {out / 'char_lm.png'} and {out / 'results.json'}")
+
+
+def main(argv: Sequence[str] | None = None) -> list[RunResult]:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown --methods {unknown}; choose from {list(METHODS)}")
+    ctx = init_distributed(args.device)
+    model_config, train, precond = configs_from_args(args)
+    lrs = {m: getattr(args, f"lr_{m}") for m in methods}
+    contenders = [method_contender(m, lrs[m], train.weight_decay, precond) for m in methods]
+    if ctx.is_main:
+        n_params = sum(p.numel() for p in CharTransformer(model_config).parameters())
+        tokens = train.batch_size * model_config.seq_len
+        print(f"{n_params:,} parameters, {tokens} tokens/step, {train.steps} steps, "
+              f"world size {ctx.world_size}, device {ctx.device}, {torch.get_num_threads()} threads")
+    results = train_round_robin(contenders, model_config, train, ctx)
+    title = (f"char LM on stdlib: d={model_config.d_model} L={model_config.n_layers} "
+             f"T={model_config.seq_len} B={train.batch_size}, {train.steps} steps")
+    report(results, model_config, train, ctx, args.out, title)
+    close_distributed(ctx)
+    return results
+
+
+if __name__ == "__main__":
+    main()

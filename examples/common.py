@@ -1,0 +1,304 @@
+"""Pieces shared by the examples and the benchmarks.
+
+- ``init_distributed``: torchrun-aware process-group set-up (gloo on CPU, nccl on CUDA);
+- ``METHODS`` / ``build_method``: one place that turns a method name into the optimizer
+  and (optional) ``KronPreconditioner`` the examples compare;
+- ``train_step``: the canonical loop (``backward -> precond.step -> optimizer.step``),
+  with gradient accumulation and AMP;
+- ``state_memory_bytes``, ``StepTimer``: what the result tables report.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kron_precond import Kron, KronPreconditioner
+
+
+# --------------------------------------------------------------------------- distributed
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when there is one, else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def init_distributed(device_name: str) -> DistContext:
+    """Join the process group torchrun describes in the environment, if any.
+
+    Without ``WORLD_SIZE`` (a plain ``python`` launch) this is a single process.
+    """
+    device = resolve_device(device_name)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return DistContext(rank=0, world_size=1, device=device)
+    if device.type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
+
+
+def close_distributed(ctx: DistContext) -> None:
+    if ctx.enabled:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def wrap_ddp(model: nn.Module, ctx: DistContext) -> nn.Module:
+    """DDP-wrap for multi-process runs; a single process keeps the bare module."""
+    if not ctx.enabled:
+        return model
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module DDP wraps (what the preconditioner registers hooks on)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def all_reduce_mean(value: float, ctx: DistContext) -> float:
+    if not ctx.enabled:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(tensor)
+    return tensor.item() / ctx.world_size
+
+
+# --------------------------------------------------------------------------- methods
+@dataclass(frozen=True)
+class MethodSpec:
+    """How one compared method is built: a base optimizer, maybe a preconditioner."""
+
+    label: str
+    base: str  # "adamw" | "sgd" | "kron" (the library's standalone PSGD optimizer)
+    precond: str | None  # None | "kfac" | "psgd"
+
+
+METHODS: dict[str, MethodSpec] = {
+    "adamw": MethodSpec("AdamW", base="adamw", precond=None),
+    "kfac": MethodSpec("K-FAC + AdamW", base="adamw", precond="kfac"),
+    "psgd": MethodSpec("PSGD (Kron optimizer)", base="kron", precond=None),
+    "psgd_adamw": MethodSpec("PSGD precond + AdamW", base="adamw", precond="psgd"),
+    "sgd": MethodSpec("SGD", base="sgd", precond=None),
+    "kfac_sgd": MethodSpec("K-FAC + SGD", base="sgd", precond="kfac"),
+    "psgd_sgd": MethodSpec("PSGD precond + SGD", base="sgd", precond="psgd"),
+}
+
+
+@dataclass
+class PrecondConfig:
+    """The preconditioner knobs the examples expose (the rest keep library defaults)."""
+
+    skip_layers: Sequence[str] = ()
+    factor_update_steps: int = 10
+    inv_update_steps: int = 100
+    damping: float = 3e-3
+    kl_clip: float | None = 1e-3
+    # PSGD (the Kron optimizer and method="psgd"):
+    update_probability: float | Callable[[int], float] | None = None  # None: annealed default
+    psgd_init_scale: float | None = 1.0  # None: estimated from the first gradient
+    accumulation_steps: int = 1
+
+
+def build_optimizer(
+    name: str,
+    params: Iterable[nn.Parameter],
+    lr: float,
+    weight_decay: float,
+    psgd: PrecondConfig | None = None,
+) -> torch.optim.Optimizer:
+    """``psgd`` holds the PSGD settings of the ``kron`` optimizer (default: library defaults)."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+    if name == "kron":
+        psgd = psgd or PrecondConfig()
+        return Kron(
+            params, lr=lr, weight_decay=weight_decay,
+            preconditioner_update_probability=psgd.update_probability,
+            precond_init_scale=psgd.psgd_init_scale,
+        )
+    raise ValueError(f"unknown base optimizer {name!r}")
+
+
+def build_preconditioner(
+    kind: str,
+    model: nn.Module,
+    lr: float,
+    config: PrecondConfig,
+    grad_scaler: torch.amp.GradScaler | None = None,
+) -> KronPreconditioner:
+    """``model``: the bare module (``unwrap`` a DDP model first). ``grad_scaler``: the AMP
+    scaler, whose scale K-FAC divides out of the output gradients its hooks capture."""
+    if grad_scaler is not None and not grad_scaler.is_enabled():
+        grad_scaler = None
+    if kind == "kfac":
+        return KronPreconditioner(
+            model,
+            method="kfac",
+            skip_layers=list(config.skip_layers),
+            factor_update_steps=config.factor_update_steps,
+            inv_update_steps=config.inv_update_steps,
+            damping=config.damping,
+            kl_clip=config.kl_clip,
+            lr=lr,  # only read by kl_clip
+            accumulation_steps=config.accumulation_steps,
+            grad_scaler=grad_scaler,
+        )
+    if kind == "psgd":
+        return KronPreconditioner(
+            model,
+            method="psgd",
+            skip_layers=list(config.skip_layers),
+            preconditioner_update_probability=config.update_probability,
+            precond_init_scale=config.psgd_init_scale,
+            accumulation_steps=config.accumulation_steps,
+        )
+    raise ValueError(f"unknown preconditioner {kind!r}")
+
+
+def build_method(
+    method: str,
+    model: nn.Module,
+    lr: float,
+    weight_decay: float,
+    config: PrecondConfig,
+    grad_scaler: torch.amp.GradScaler | None = None,
+) -> tuple[torch.optim.Optimizer, KronPreconditioner | None]:
+    """Optimizer and preconditioner for ``method`` (a key of ``METHODS``)."""
+    spec = METHODS[method]
+    bare = unwrap(model)
+    optimizer = build_optimizer(spec.base, bare.parameters(), lr, weight_decay, config)
+    precond = None
+    if spec.precond:
+        precond = build_preconditioner(spec.precond, bare, lr, config, grad_scaler)
+    return optimizer, precond
+
+
+# --------------------------------------------------------------------------- training
+@dataclass
+class AmpState:
+    """Autocast settings plus the GradScaler (a no-op scaler when AMP is off).
+
+    One per training run: the scaler's scale and growth tracker belong to one optimizer."""
+
+    enabled: bool
+    device_type: str
+    dtype: torch.dtype
+    scaler: torch.amp.GradScaler
+
+    @classmethod
+    def create(cls, enabled: bool, device: torch.device) -> "AmpState":
+        # float16 needs loss scaling; on CPU autocast runs bfloat16, whose range makes
+        # scaling unnecessary, so the scaler is only switched on for float16.
+        dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+        use_scaler = enabled and dtype == torch.float16
+        return cls(enabled, device.type, dtype, torch.amp.GradScaler(device.type, enabled=use_scaler))
+
+    def autocast(self):
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    precond: KronPreconditioner | None,
+    micro_batches: Sequence[tuple[torch.Tensor, ...]],
+    loss_fn: Callable[..., torch.Tensor],
+    amp: AmpState,
+) -> float:
+    """One optimizer step over ``micro_batches`` (gradient accumulation); returns the loss.
+
+    ``loss_fn(model, *batch)`` returns a mean loss for one micro-batch. Gradients of
+    non-final micro-batches skip DDP's all-reduce (``no_sync``).
+    """
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for i, batch in enumerate(micro_batches):
+        is_last = i == len(micro_batches) - 1
+        sync = contextlib.nullcontext() if is_last or not hasattr(model, "no_sync") else model.no_sync()
+        with sync:
+            with amp.autocast():
+                loss = loss_fn(model, *batch) / len(micro_batches)
+            amp.scaler.scale(loss).backward()
+        total += loss.item()
+    # The preconditioner must see true gradients: unscale before it rewrites them.
+    amp.scaler.unscale_(optimizer)
+    if precond is not None:
+        precond.step()
+    amp.scaler.step(optimizer)  # skipped by the scaler when unscale_ found inf/NaN
+    amp.scaler.update()
+    return total
+
+
+class StepTimer:
+    """Wall-clock of a code block, synchronising CUDA so GPU work is counted."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds = 0.0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def __enter__(self) -> "StepTimer":
+        self._sync()
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._sync()
+        self.seconds = time.perf_counter() - self._start
+
+
+# --------------------------------------------------------------------------- memory
+def _tensor_bytes(value, seen: set[int]) -> int:
+    """Bytes of every distinct tensor inside ``value`` (nested dicts / lists / tuples)."""
+    if isinstance(value, torch.Tensor):
+        key = value.untyped_storage().data_ptr() if value.numel() else id(value)
+        if key in seen:
+            return 0
+        seen.add(key)
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v, seen) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v, seen) for v in value)
+    return 0
+
+
+def state_memory_bytes(
+    optimizer: torch.optim.Optimizer, precond: KronPreconditioner | None
+) -> dict[str, int]:
+    """Optimizer state (tensors in ``optimizer.state``) and preconditioner state bytes."""
+    optimizer_bytes = _tensor_bytes(list(optimizer.state.values()), set())
+    precond_bytes = sum(precond.memory_usage().values()) if precond is not None else 0
+    return {"optimizer": optimizer_bytes, "preconditioner": precond_bytes}
+
