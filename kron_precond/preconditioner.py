@@ -227,9 +227,9 @@ class KronPreconditioner:
         self.assignment: WorkAssignment = assign_work(
             {l.name: l.method.factor_costs() for l in self._layers}, self.world_size,
             self.assignment_strategy, self.colocate_factors)
-        self._grid = WorkerGrid(self.world_size, self.rank, self.grad_workers, process_group)
-        if self.world_size > 1:
+        if self.world_size > 1:  # before creating groups: disagreeing ranks would hang there
             self._check_ranks_agree(model)
+        self._grid = WorkerGrid(self.world_size, self.rank, self.grad_workers, process_group)
         if self.rank == 0:
             logger.info("%s", self.assignment.summary())
 
