@@ -1,0 +1,76 @@
+"""Mixed precision: bf16 autocast and a GradScaler's loss scale.
+
+References are float32 runs of the same model on the same batch, computed independently
+of the autocast / scaled path.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kron_precond import KronPreconditioner
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g)
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_bf16_autocast_keeps_float32_factors_close_to_the_float32_run():
+    x, y = _batch()
+    ref_model, amp_model = _model(), _model()
+    ref = KronPreconditioner(ref_model, kl_clip=None)
+    amp = KronPreconditioner(amp_model, kl_clip=None)
+    F.cross_entropy(ref_model(x), y).backward()
+    ref.step()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(amp_model(x), y)
+    loss.backward()
+    amp.step()
+    for name in ref.layers:
+        for attr in ("a_factor", "g_factor"):
+            got, want = getattr(amp.layers[name], attr), getattr(ref.layers[name], attr)
+            assert got.dtype == torch.float32
+            assert torch.isfinite(got).all()
+            # bf16 activations carry ~3 significant digits
+            assert _rel(got, want) < 3e-2, f"{name}.{attr}: {_rel(got, want):.3g}"
+    for p_amp, p_ref in zip(amp_model.parameters(), ref_model.parameters()):
+        assert _rel(p_amp.grad, p_ref.grad) < 0.1
+
+
+def test_grad_scaler_scale_is_divided_out_of_output_gradient_factors():
+    x, y = _batch()
+    ref_model = _model()
+    scaled_model = copy.deepcopy(ref_model)
+    ref = KronPreconditioner(ref_model, kl_clip=None)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scaled = KronPreconditioner(scaled_model, kl_clip=None, grad_scaler=scaler)
+    F.cross_entropy(ref_model(x), y).backward()
+    ref.step()
+    optimizer = torch.optim.SGD(scaled_model.parameters(), lr=0.0)
+    scaler.scale(F.cross_entropy(scaled_model(x), y)).backward()
+    scaler.unscale_(optimizer)
+    scaled.step()
+    for name in ref.layers:
+        assert _rel(scaled.layers[name].g_factor, ref.layers[name].g_factor) < 1e-5
+    for p_scaled, p_ref in zip(scaled_model.parameters(), ref_model.parameters()):
+        assert _rel(p_scaled.grad, p_ref.grad) < 1e-4
+    # Without the scaler, G would be 2^20 times larger: the check above can fail.
+    unscaled_model = copy.deepcopy(ref_model)
+    plain = KronPreconditioner(unscaled_model, kl_clip=None)
+    (F.cross_entropy(unscaled_model(x), y) * 2.0**10).backward()
+    plain.step()
+    name = next(iter(ref.layers))
+    assert _rel(plain.layers[name].g_factor, ref.layers[name].g_factor) > 1e3
