@@ -242,7 +242,8 @@ class KronPreconditioner:
         self._hooks: list = []
         if self.method is Method.KFAC:
             for layer in self._layers:
-                self._hooks.append(layer.module.register_forward_hook(self._make_forward_hook(layer)))
+                self._hooks.append(layer.module.register_forward_hook(
+                    self._make_forward_hook(layer), with_kwargs=True))
         self._update_collecting()
 
     # ------------------------------------------------------------------ construction
@@ -294,15 +295,17 @@ class KronPreconditioner:
 
     # ------------------------------------------------------------------ hooks
     def _make_forward_hook(self, layer: Layer):
-        def forward_hook(module, inputs, output):
+        def forward_hook(module, inputs, kwargs, output):
             if not (self._collecting and module.training and torch.is_grad_enabled()):
                 return
-            if not inputs or not isinstance(inputs[0], torch.Tensor):
+            # The input may also come as a keyword (``linear(input=x)``).
+            candidates = list(inputs[:1]) or list(kwargs.values())[:1]
+            if not candidates or not isinstance(candidates[0], torch.Tensor):
                 return
             if self._pending_statistics is not None:  # last reduction still owns the buffers
                 self._wait_for_statistics()
             with torch.no_grad():
-                layer.method.observe_activations(layer.adapter.activation_rows(inputs[0].detach()))
+                layer.method.observe_activations(layer.adapter.activation_rows(candidates[0].detach()))
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 spatial = len(getattr(module, "kernel_size", ())) or 0
                 batch = output.shape[0] if output.dim() > max(spatial + 1, 1) else 1

@@ -594,3 +594,22 @@ def test_r16_sparse_embedding_is_skipped_by_psgd():
     precond.step()
     assert model[0].weight.grad.is_sparse
     assert torch.equal(model[0].weight.grad.to_dense(), raw)
+
+
+# ============================================================================ keyword input
+# A Linear called as ``fc(input=x)`` was never observed by K-FAC (the forward hook only
+# looked at positional inputs). Its factors must equal those of a positional call.
+def test_keyword_input_is_observed_like_a_positional_one():
+    torch.manual_seed(0)
+    x = torch.randn(8, 5, dtype=F64)
+    factors = []
+    for keyword in (False, True):
+        torch.manual_seed(1)
+        model = nn.Linear(5, 3).to(F64)
+        precond = KronPreconditioner(model, kl_clip=None)
+        out = model(input=x) if keyword else model(x)
+        out.square().mean().backward()
+        precond.step()
+        factors.append((precond.layers[""].a_factor.clone(), precond.layers[""].g_factor.clone()))
+    assert factors[1][0].abs().sum() > 0
+    assert torch.equal(factors[0][0], factors[1][0]) and torch.equal(factors[0][1], factors[1][1])
