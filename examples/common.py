@@ -178,8 +178,7 @@ def build_preconditioner(
             skip_layers=list(config.skip_layers),
             preconditioner_update_probability=config.update_probability,
             precond_init_scale=config.psgd_init_scale,
-            accumulation_steps=config.accumulation_steps,
-        )
+        )  # PSGD reads only the (accumulated) gradient: no accumulation setting
     raise ValueError(f"unknown preconditioner {kind!r}")
 
 
