@@ -356,7 +356,7 @@ class KronPreconditioner:
                 for layer in self._layers:
                     layer.method.fold_statistics(decay)
             else:
-                tensors = [t for layer in self._layers for t in layer.method.statistics()]
+                tensors = [t for layer in self._layers for t in layer.method.shared_statistics()]
                 # Sums and row counts are reduced, then folded when waited on: lazily, so
                 # the reduction overlaps with the rest of this step and the next ones,
                 # until a refresh needs the factors or the next forward hook the buffers.

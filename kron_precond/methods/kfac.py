@@ -122,7 +122,7 @@ class KFACLayer(LayerMethod):
         self._g_sum.addmm_(rows.t(), rows, alpha=scale * scale)
         self._rows[1].add_(rows.shape[0])
 
-    def statistics(self) -> list[torch.Tensor]:
+    def shared_statistics(self) -> list[torch.Tensor]:
         """This step's sums of ``ã ãᵀ`` and ``δ δᵀ`` and their row counts, to be summed
         across ranks before :meth:`fold_statistics`."""
         self._allocate_statistics()  # every rank sends the same layout, data or not
@@ -157,8 +157,6 @@ class KFACLayer(LayerMethod):
     def discard_statistics(self) -> None:
         self._a_sum = self._g_sum = None
         self._rows.zero_()
-
-    shared_statistics = statistics
 
     def observed(self) -> torch.Tensor:
         """Whether both factors hold data (a 0-dim bool tensor)."""
@@ -279,12 +277,6 @@ class KFACLayer(LayerMethod):
         """Per factor: (compute cost ~ n³, memory cost ~ n²)."""
         return {"A": (float(self.a_dim) ** 3, float(self.a_dim) ** 2),
                 "G": (float(self.g_dim) ** 3, float(self.g_dim) ** 2)}
-
-    def cost(self) -> float:
-        return sum(c for c, _ in self.factor_costs().values())
-
-    def memory(self) -> int:
-        return tensor_bytes(self.memory_by_kind().values())
 
     def memory_by_kind(self) -> dict[str, int]:
         held = [] if self._refreshed is None else self.refreshed_tensors()

@@ -140,12 +140,6 @@ class PSGDLayer(LayerMethod):
             costs[part] = (probe.cost(), float(probe.memory()))
         return costs
 
-    def cost(self) -> float:
-        return sum(c for c, _ in self.factor_costs().values())
-
-    def memory(self) -> int:
-        return sum(self.memory_by_kind().values())
-
     def memory_by_kind(self) -> dict[str, int]:
         factors = [q for f in self._factors.values() if f is not None for q in f.tensors()]
         usage = {"psgd_factors": tensor_bytes(factors)}
