@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
+from kron_precond.methods import state_checks as checks
 from kron_precond.methods.base import LayerMethod, tensor_bytes
 from kron_precond.methods.psgd import PSGDFactors, probe_seed
 
@@ -157,16 +158,25 @@ class PSGDLayer(LayerMethod):
         }
 
     def check_state(self, state: dict[str, Any]) -> None:
-        """Raise ``ValueError`` if ``state`` does not hold factors for these parameters."""
-        missing = set(self.parts) - set(state.get("factors", {}))
+        """Raise ``ValueError`` if ``state`` does not hold loadable factors for these
+        parameters (missing entries, wrong shapes, integer or non-finite tensors)."""
+        where = f"state of {self.name}"
+        factors = checks.entry(state, "factors", where)
+        missing = set(self.parts) - set(factors if isinstance(factors, dict) else ())
         if missing:
-            raise ValueError(f"state of {self.name} has no factors for {sorted(missing)}")
+            raise ValueError(f"{where} has no factors for {sorted(missing)}")
         for part in self.parts:
             expected = [tuple(q.shape) for q in PSGDFactors(self.shapes[part], device="meta",
                                                             **self._settings).tensors()]
-            got = [tuple(q.shape) for q in state["factors"][part]["q"]]
-            if got != expected:
-                raise ValueError(f"state of {self.name}.{part} has factor shapes {got}, expected {expected}")
+            saved = factors[part]
+            checks.tensor_list(checks.entry(saved, "q", f"{where}.{part}"), expected, f"{where}.{part}: q")
+            checks.boolean(checks.entry(saved, "initialized", f"{where}.{part}"), f"{where}.{part}: initialized")
+        momentum = state.get("momentum")
+        if self.momentum is not None and momentum is not None:
+            for part, shape in self.shapes.items():
+                checks.float_tensor(checks.entry(momentum, part, f"{where}: momentum"), shape,
+                                    f"{where}: momentum[{part!r}]")
+        checks.integer(state.get("momentum_steps", 0), f"{where}: momentum_steps")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
