@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kron_precond import arguments
 from kron_precond.distributed import collectives
 from kron_precond.distributed.assignment import WorkAssignment, assign_work
 from kron_precond.distributed.groups import WorkerGrid
@@ -170,14 +171,18 @@ class KronPreconditioner:
             precond_lr=precond_lr)
         for name, value in self.hparams.items():
             if not callable(value):
-                _check_hparam(name, value)
-        _check_int("accumulation_steps", accumulation_steps)
-        _check_int("max_size_triangular", max_size_triangular)
-        _check_int("min_ndim_triangular", min_ndim_triangular, minimum=0)
+                self.hparams[name] = _check_hparam(name, value)
+        accumulation_steps = _check_int("accumulation_steps", accumulation_steps)
+        # 0 means every dim gets a diagonal factor, as in Kron.
+        max_size_triangular = _check_int("max_size_triangular", max_size_triangular, minimum=0)
+        min_ndim_triangular = _check_int("min_ndim_triangular", min_ndim_triangular, minimum=0)
+        precond_b1 = _check_number("precond_b1", precond_b1)
         if not 0.0 <= precond_b1 < 1.0:
             raise ValueError(f"precond_b1 must be in [0, 1), got {precond_b1!r}")
-        if not (isinstance(allreduce_bucket_cap_mb, (int, float)) and allreduce_bucket_cap_mb >= 0):
-            raise ValueError(f"allreduce_bucket_cap_mb must be >= 0, got {allreduce_bucket_cap_mb!r}")
+        allreduce_bucket_cap_mb = _check_number("allreduce_bucket_cap_mb", allreduce_bucket_cap_mb)
+        if not 0 <= allreduce_bucket_cap_mb * 2**20 < 2**62:
+            raise ValueError(f"allreduce_bucket_cap_mb must be >= 0 and below 2**42, "
+                             f"got {allreduce_bucket_cap_mb!r}")
         if factor_dtype is not None and not _is_float_dtype(factor_dtype):
             raise ValueError(f"factor_dtype must be a floating torch.dtype or None, got {factor_dtype!r}")
         if inv_dtype not in (torch.float32, torch.float64, torch.bfloat16):
@@ -185,11 +190,23 @@ class KronPreconditioner:
                              f"(float16 overflows 1/λ-sized values), got {inv_dtype!r}")
         if not _is_float_dtype(precond_dtype):
             raise ValueError(f"precond_dtype must be a floating torch.dtype, got {precond_dtype!r}")
+        if precond_init_scale is not None:
+            precond_init_scale = _check_number("precond_init_scale", precond_init_scale)
+            # P = s²·I must be representable in precond_dtype.
+            limit = math.sqrt(torch.finfo(precond_dtype).max)
+            if not 0 < precond_init_scale <= limit:
+                raise ValueError(f"precond_init_scale must be in (0, {limit:.3g}] (its square, the "
+                                 f"initial preconditioner, must be finite in {precond_dtype}), "
+                                 f"got {precond_init_scale!r}")
+        if preconditioner_update_probability is not None and not callable(preconditioner_update_probability):
+            preconditioner_update_probability = _check_number("preconditioner_update_probability",
+                                                              preconditioner_update_probability)
+        seed = _check_int("seed", seed, minimum=None)
         self.accumulation_steps = accumulation_steps
         self.skip_layers = skip_layers
         self.symmetry_aware = bool(symmetry_aware)
         self.colocate_factors = bool(colocate_factors)
-        self.seed = int(seed)
+        self.seed = seed
         self._bucket_cap_bytes = int(allreduce_bucket_cap_mb * 2**20)
         self._grad_scaler = grad_scaler
         self._psgd_settings = dict(
@@ -321,10 +338,32 @@ class KronPreconditioner:
                 rows = rows.to(layer.method.factor_dtype) / loss_scale
             layer.method.observe_output_grads(rows, scale)
 
-    def _update_collecting(self) -> None:
-        every = resolve(self.hparams["factor_update_steps"], self._steps)
-        _check_hparam("factor_update_steps", every)
+    def _update_collecting(self, every: int | None = None) -> None:
+        if every is None:
+            every = self._resolved("factor_update_steps", self._steps)
         self._collecting = self.method is Method.KFAC and self._steps % every == 0
+
+    def _resolved(self, name: str, step: int):
+        """The hyperparameter ``name`` at ``step``, validated."""
+        return _check_hparam(name, resolve(self.hparams[name], step))
+
+    def _resolve_step(self, step: int) -> dict[str, Any]:
+        """Every hyperparameter this step uses, resolved and validated before any state
+        changes: a bad value raises with the preconditioner as it was."""
+        values: dict[str, Any] = {"kl_clip": self._resolved("kl_clip", step)}
+        if values["kl_clip"] is not None:
+            values["lr"] = self._resolved("lr", step)
+        if self.method is Method.KFAC:
+            if self._collecting:
+                values["factor_decay"] = self._resolved("factor_decay", step)
+            values["refresh"] = step % self._resolved("inv_update_steps", step) == 0
+            if values["refresh"]:
+                values["damping"] = self._resolved("damping", step)
+            values["next_factor_every"] = self._resolved("factor_update_steps", step + 1)
+        else:
+            self._decider.current_probability()  # validates a callable's value
+            values["precond_lr"] = self._resolved("precond_lr", step)
+        return values
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:
@@ -335,22 +374,22 @@ class KronPreconditioner:
         """
         with torch.no_grad():
             step = self._steps
+            values = self._resolve_step(step)
             if self.method is Method.KFAC:
-                check_health = self._kfac_statistics_and_refresh(step)
+                check_health = self._kfac_statistics_and_refresh(step, values)
             else:
-                self._psgd_refresh(step)
+                self._psgd_refresh(step, values["precond_lr"])
                 check_health = step % _NONFINITE_CHECK_INTERVAL == 0
-            self._apply_and_write(step)
+            self._apply_and_write(values)
             if check_health:
                 self._report_nonfinite()
             self._steps += 1
-            self._update_collecting()
+            self._update_collecting(values.get("next_factor_every"))
 
-    def _kfac_statistics_and_refresh(self, step: int) -> bool:
+    def _kfac_statistics_and_refresh(self, step: int, values: dict[str, Any]) -> bool:
         """Fold / reduce statistics on factor steps; refresh on refresh steps (-> True)."""
         if self._collecting:
-            decay = resolve(self.hparams["factor_decay"], step)
-            _check_hparam("factor_decay", decay)
+            decay = values["factor_decay"]
             self._factor_steps += 1
             if self.world_size == 1:
                 for layer in self._layers:
@@ -364,12 +403,9 @@ class KronPreconditioner:
                                                 cap_bytes=self._bucket_cap_bytes,
                                                 symmetric=self.symmetry_aware)
                 self._pending_statistics = (handle, decay)
-        every = resolve(self.hparams["inv_update_steps"], step)
-        _check_hparam("inv_update_steps", every)
-        if step % every:
+        if not values["refresh"]:
             return False
-        damping = resolve(self.hparams["damping"], step)
-        _check_hparam("damping", damping)
+        damping = values["damping"]
         self._wait_for_statistics()
         for layer in self._layers:
             for part in FACTORS:
@@ -382,7 +418,7 @@ class KronPreconditioner:
                     layer.method.finalize_refresh(damping)
         return True
 
-    def _psgd_refresh(self, step: int) -> None:
+    def _psgd_refresh(self, step: int, precond_lr: float) -> None:
         # Parameters without a gradient this step are left out (None), not zero-filled:
         # a zero gradient would corrupt the running average and the initial scale.
         grads = {layer.name: [p.grad for _, p in layer.params] for layer in self._layers}
@@ -392,8 +428,6 @@ class KronPreconditioner:
                 layer.method.initialize_from(grads[layer.name])
         if not self._decider():
             return
-        precond_lr = resolve(self.hparams["precond_lr"], step)
-        _check_hparam("precond_lr", precond_lr)
         for layer in self._layers:
             for part in layer.method.parts:
                 if self.assignment.owner(layer.name, part) == self.rank:
@@ -418,7 +452,7 @@ class KronPreconditioner:
         for handle in pending:
             handle.wait()
 
-    def _apply_and_write(self, step: int) -> None:
+    def _apply_and_write(self, values: dict[str, Any]) -> None:
         communicate = self._grid.has_receivers
         outputs: dict[str, list[torch.Tensor]] = {}
         originals: dict[str, list[torch.Tensor | None]] = {}
@@ -434,13 +468,9 @@ class KronPreconditioner:
                 outputs[layer.name] = [torch.empty_like(g) for g in grads]
         if communicate:
             self._receive_gradients(outputs)
-        kl_clip = resolve(self.hparams["kl_clip"], step)
         scale = None
-        if kl_clip is not None:
-            _check_hparam("kl_clip", kl_clip)
-            lr = resolve(self.hparams["lr"], step)
-            _check_hparam("lr", lr)
-            scale = self._kl_clip_scale(outputs, originals, kl_clip, lr)
+        if values["kl_clip"] is not None:
+            scale = self._kl_clip_scale(outputs, originals, values["kl_clip"], values["lr"])
         for layer in self._layers:
             new = outputs.get(layer.name)
             if new is None:
@@ -635,19 +665,36 @@ def _to_cpu(value):
 _POSITIVE_INT = ("factor_update_steps", "inv_update_steps")
 
 
-def _check_hparam(name: str, value) -> None:
+def _check_number(name: str, value) -> float:
+    """A finite real number (``int``/``float``, NumPy scalar or 0-dim tensor; not a bool)
+    as a Python float, or ``ValueError`` naming ``name``."""
+    try:
+        return arguments.real(name, value)
+    except ValueError:
+        raise ValueError(f"{name} must be a finite number, got {value!r}") from None
+
+
+# Hyperparameters for which 0 is meaningful: lr (warm-up from 0; kl_clip's scale is then
+# 1) and precond_lr (no Q change).
+_ZERO_ALLOWED = ("lr", "precond_lr")
+
+
+def _check_hparam(name: str, value):
+    """Validate one (resolved) hyperparameter; return it as a plain Python number."""
     if name in _POSITIVE_INT:
-        _check_int(name, value)
-        return
+        return _check_int(name, value)
     if name == "kl_clip" and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        return None
+    value = _check_number(name, value)
     if name == "factor_decay":
         if not 0.0 < value <= 1.0:
             raise ValueError(f"factor_decay must be in (0, 1], got {value!r}")
+    elif name in _ZERO_ALLOWED:
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value!r}")
     elif value <= 0:
         raise ValueError(f"{name} must be > 0, got {value!r}")
+    return value
 
 
 def _is_float_dtype(value) -> bool:
@@ -679,9 +726,13 @@ def _warn_inapplicable(arguments: dict[str, Any]) -> None:
                       "will be ignored", UserWarning, stacklevel=3)
 
 
-def _check_int(name: str, value, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+def _check_int(name: str, value, minimum: int | None = 1) -> int:
+    """An integer (``int``, NumPy integer; never a float or a bool) >= ``minimum``."""
+    try:
+        return arguments.integer(name, value, minimum=minimum)
+    except ValueError:
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise ValueError(f"{name} must be an integer{bound}, got {value!r}") from None
 
 
 def _grad_workers(fraction, world_size: int) -> int:
