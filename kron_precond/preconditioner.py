@@ -28,12 +28,16 @@ from kron_precond.distributed import collectives
 from kron_precond.distributed.assignment import WorkAssignment, assign_work
 from kron_precond.distributed.groups import WorkerGrid
 from kron_precond.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, Method
+from kron_precond.methods import state_checks as checks
 from kron_precond.methods.kfac import FACTORS, KFACLayer
 from kron_precond.modules import compile_skip_patterns, find_modules
 from kron_precond.schedules import UpdateDecider, resolve
 
 logger = logging.getLogger("kron_precond")
 
+# Format of state_dict(): 1 added this field (files without it are version 0 and load
+# unchanged). Bump it with any change a reader must know about.
+STATE_VERSION = 1
 _KL_CLIP_DEFAULT = object()  # 1e-3 for K-FAC; off for PSGD, whose output is already whitened
 _NONFINITE_CHECK_INTERVAL = 100
 
@@ -572,7 +576,8 @@ class KronPreconditioner:
         layers = {}
         for layer in self._layers:
             layers[layer.name] = self._layer_state(layer)
-        return {"steps": self._steps, "method": self.method.value, "decider": self._decider.state_dict(),
+        return {"version": STATE_VERSION, "steps": self._steps, "method": self.method.value,
+                "decider": self._decider.state_dict(),
                 "factor_steps": self._factor_steps, "psgd_updates": self._psgd_updates, "layers": layers}
 
     def _layer_state(self, layer: Layer) -> dict[str, Any]:
@@ -586,26 +591,61 @@ class KronPreconditioner:
         dist.broadcast_object_list(state, src=owner, group=self.process_group)
         return state[0]
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (saved with any number of ranks)."""
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        """Restore :meth:`state_dict` output (saved with any number of ranks).
+
+        All or nothing: everything is checked first (format version, method, every
+        layer's entries, shapes, floating dtypes, finiteness), so a checkpoint that does not
+        fit raises ``ValueError`` and changes nothing. A checkpoint holding layers this
+        model does not have raises too, unless ``strict=False`` (then they are ignored with
+        a warning, like ``nn.Module.load_state_dict(strict=False)``); a layer of this
+        model missing from the checkpoint always raises. Files written before the format
+        had a ``version`` field (version 0) load unchanged.
+        """
+        if not isinstance(state, dict):
+            raise ValueError(f"state_dict must be a dict, got {type(state).__name__}")
+        version = state.get("version", 0)
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= STATE_VERSION:
+            raise ValueError(f"state_dict has format version {version!r}; this kron_precond reads "
+                             f"versions 0 to {STATE_VERSION}")
         if state.get("method") != self.method.value:
             raise ValueError(f"state_dict is for method={state.get('method')!r}, "
                              f"this preconditioner uses {self.method.value!r}")
-        missing = set(self.layers) - set(state["layers"])
+        layers = checks.entry(state, "layers", "state_dict")
+        if not isinstance(layers, dict):
+            raise ValueError(f"state_dict['layers'] must be a dict, got {type(layers).__name__}")
+        missing = set(self.layers) - set(layers)
         if missing:
             raise ValueError(f"state_dict has no state for layers {sorted(missing)}")
+        unexpected = sorted(set(layers) - set(self.layers))
+        if unexpected and strict:
+            raise ValueError(f"state_dict holds layers this model does not have: {unexpected} "
+                             "(pass strict=False to ignore them)")
+        counters = {key: checks.entry(state, key, "state_dict") if key == "steps" else state.get(key, 0)
+                    for key in ("steps", "factor_steps", "psgd_updates")}
+        for key, value in counters.items():
+            checks.integer(value, f"state_dict: {key}")
+        decider = UpdateDecider(0.0)
+        try:
+            decider.load_state_dict(checks.entry(state, "decider", "state_dict"))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"state_dict: bad 'decider' entry ({err!r})") from None
         for layer in self._layers:  # all checks first: a rejected state changes nothing
-            layer.method.check_state(state["layers"][layer.name])
+            layer.method.check_state(layers[layer.name])
+        factor_every = self._resolved("factor_update_steps", counters["steps"])
+        if unexpected:
+            warnings.warn(f"kron_precond: ignored the state of layers this model does not have: "
+                          f"{unexpected}", UserWarning, stacklevel=2)
         self._wait_for_statistics()
-        self._steps = int(state["steps"])
-        self._factor_steps = int(state.get("factor_steps", 0))
-        self._psgd_updates = int(state.get("psgd_updates", 0))
-        self._decider.load_state_dict(state["decider"])
+        self._steps = counters["steps"]
+        self._factor_steps = counters["factor_steps"]
+        self._psgd_updates = counters["psgd_updates"]
+        self._decider.load_state_dict(decider.state_dict())
         for layer in self._layers:
-            layer.method.load_state_dict(state["layers"][layer.name])
+            layer.method.load_state_dict(layers[layer.name])
             if not self._holds_state(layer):
                 layer.method.release_refreshed()
-        self._update_collecting()
+        self._update_collecting(factor_every)
 
     def remove(self) -> None:
         """Remove the hooks; the preconditioner no longer observes the model."""
