@@ -328,10 +328,8 @@ class KronPreconditioner:
             with torch.no_grad():
                 layer.method.observe_activations(layer.adapter.activation_rows(candidates[0].detach()))
             if isinstance(output, torch.Tensor) and output.requires_grad:
-                spatial = len(getattr(module, "kernel_size", ())) or 0
-                batch = output.shape[0] if output.dim() > max(spatial + 1, 1) else 1
-                scale = float(batch * self.accumulation_steps)
-                output.register_hook(lambda grad: self._observe_output_grad(layer, grad, scale))
+                scale = float(layer.adapter.gradient_scale(output) * self.accumulation_steps)
+                _on_output_grad(output, lambda grad: self._observe_output_grad(layer, grad, scale))
         return forward_hook
 
     def _observe_output_grad(self, layer: Layer, grad: torch.Tensor, scale: float) -> None:
@@ -339,7 +337,7 @@ class KronPreconditioner:
             rows = layer.adapter.output_grad_rows(grad.detach())
             loss_scale = getattr(self._grad_scaler, "_scale", None)
             if loss_scale is not None:
-                rows = rows.to(layer.method.factor_dtype) / loss_scale
+                rows = rows.to(layer.method.statistics_dtype) / loss_scale
             layer.method.observe_output_grads(rows, scale)
 
     def _update_collecting(self, every: int | None = None) -> None:
@@ -689,6 +687,24 @@ def _unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def _on_output_grad(output: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+    """Call ``hook`` with the gradient of ``output`` -- as it was when the module returned it.
+
+    A hook on ``output`` itself is lost when ``output`` is a view (Linear on a >2-D input,
+    GPT-2 ``Conv1D``) that is then modified in place: autograd rebases the view and its
+    hooks never fire. The view's base keeps its hooks through such changes, and its
+    gradient is taken before them, so the hook goes on the base (contiguous, so the view's
+    strides index its gradient directly) and reads the view's elements out of it.
+    """
+    base = output._base
+    if base is None or not base.requires_grad or not base.is_contiguous():
+        output.register_hook(hook)
+        return
+    size, stride = output.size(), output.stride()
+    offset = output.storage_offset() - base.storage_offset()
+    base.register_hook(lambda grad: hook(grad.contiguous().as_strided(size, stride, offset)))
 
 
 def _to_cpu(value):

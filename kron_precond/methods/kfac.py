@@ -4,10 +4,13 @@ For a layer with gradient matrix ``∇ = [W | b]`` of shape ``[out, in(+1)]`` th
 block is approximated by ``G ⊗ A`` with
 
     A = mean_rows(ã ãᵀ)      ã = activation row with a trailing 1 when there is a bias
-    G = mean_rows(δ δᵀ)      δ = output gradient · batch size · accumulation steps
+    G = mean_rows(δ δᵀ)      δ = output gradient · n · accumulation steps
 
-so that, for a loss averaged over the batch, neither factor depends on the batch size
-(and one damping value means the same at any batch size or world size).
+where ``n`` is the number of rows of the call for a Linear-like layer (``B`` for a
+``[B, D]`` input, ``B·T`` for ``[B, T, D]`` or ``[T, B, D]``) and the batch size for a
+convolution, so that for the usual mean losses (per sample, per token) neither factor
+depends on the batch size or the sequence length, and one damping value means the same
+at any batch size, sequence length or world size (:meth:`KFACAdapter.gradient_scale`).
 
 Preconditioning (``compute_method``):
 
