@@ -40,6 +40,7 @@ logger = logging.getLogger("kron_precond")
 STATE_VERSION = 1
 _KL_CLIP_DEFAULT = object()  # 1e-3 for K-FAC; off for PSGD, whose output is already whitened
 _NONFINITE_CHECK_INTERVAL = 100
+_STALE_FACTOR_STEPS = 3  # factor steps in a row without rows before a layer is reported
 
 
 class Layer:
@@ -258,6 +259,7 @@ class KronPreconditioner:
         self._pending_statistics: tuple[collectives.PendingCollective, float] | None = None
         self._factor_steps = 0  # factor steps so far (identical on every rank)
         self._observed_checked = False
+        self._stale: set[str] = set()  # layers reported as no longer receiving statistics
         self._psgd_updates = 0  # PSGD Q updates so far (identical on every rank)
         self._collecting = False
         self._hooks: list = []
@@ -535,7 +537,13 @@ class KronPreconditioner:
         check_observed = self.method is Method.KFAC and self._factor_steps and not self._observed_checked
         if check_observed:
             flags += [layer.method.observed().to(torch.int64) for layer in self._layers]
-        values = torch.stack(flags).tolist()
+        check_stale = self.method is Method.KFAC and self._factor_steps > 0
+        if check_stale:
+            flags += [layer.method.statistics_health() for layer in self._layers]
+        values = torch.cat([f.reshape(-1) for f in flags]).tolist()  # one host sync for every check
+        if check_stale:
+            health = values[-4 * len(self._layers):]
+            self._report_stale([health[4 * i:4 * i + 4] for i in range(len(self._layers))])
         for layer, count in zip(self._layers, values):
             if count:
                 warnings.warn(f"kron_precond: skipped {count} non-finite update(s) of {layer.name}; "
@@ -543,12 +551,37 @@ class KronPreconditioner:
                 layer.method.nonfinite.zero_()
         if check_observed:
             self._observed_checked = True
-            unseen = [l.name for l, seen in zip(self._layers, values[len(self._layers):]) if not seen]
+            n = len(self._layers)
+            unseen = [l.name for l, seen in zip(self._layers, values[n:2 * n]) if not seen]
             if unseen:
                 warnings.warn(f"kron_precond: layers {unseen} are registered but their hooks saw no data "
                               "before the first refresh (is the module called functionally?); until "
                               "they do, their gradients pass through unpreconditioned",
                               RuntimeWarning, stacklevel=3)
+
+    def _report_stale(self, flags: list[list[int]]) -> None:
+        """Warn (once, until it recovers) about a layer that had statistics and then got
+        none for ``_STALE_FACTOR_STEPS`` factor steps in a row -- e.g. a module no longer
+        called, or whose output-gradient hook was lost: its factors silently go stale.
+        (Shorter gaps -- a layer skipped now and then -- are normal and not reported.)"""
+        for layer, (had_a, had_g, missed_a, missed_g) in zip(self._layers, flags):
+            if not (missed_a or missed_g):
+                self._stale.discard(layer.name)
+                continue
+            if not (had_a or had_g) or layer.name in self._stale \
+                    or max(missed_a, missed_g) < _STALE_FACTOR_STEPS:
+                continue  # never observed: reported by the first-refresh check
+            self._stale.add(layer.name)
+            new_a, new_g = not missed_a, not missed_g
+            if new_a:
+                what = "activations but no output gradients (is its output detached or unused?)"
+            elif new_g:
+                what = "output gradients but no activations"
+            else:
+                what = "no statistics (is the module still called, in training mode?)"
+            warnings.warn(f"kron_precond: layer '{layer.name}' received {what} in the factor steps "
+                          f"before step {self._steps}, after having had statistics; its preconditioner "
+                          "is no longer updated", RuntimeWarning, stacklevel=4)
 
     # ------------------------------------------------------------------ public helpers
     @property

@@ -93,6 +93,9 @@ class KFACLayer(LayerMethod):
         self._rows = torch.zeros(2, dtype=self.statistics_dtype, device=device)
         # Whether A / G hold data (on device: deciding it must not need a host sync).
         self._seen = torch.zeros(2, dtype=torch.bool, device=device)
+        # Consecutive factor steps in which A / G received no rows (on device): a layer
+        # that had statistics and stops getting them is reported by name.
+        self._missed = torch.zeros(2, dtype=torch.int64, device=device)
         # Count of factor updates skipped for non-finite statistics; read on refresh steps
         # only, so the per-step path never synchronises with the device.
         self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
@@ -147,6 +150,7 @@ class KFACLayer(LayerMethod):
         rows, or with non-finite statistics, keeps its value; all decided on the device.
         """
         if self._a_sum is None:  # nothing observed on this factor step
+            self._missed.add_(1)
             return
         for index, (factor, total) in enumerate(((self.a_factor, self._a_sum), (self.g_factor, self._g_sum))):
             rows = self._rows[index]
@@ -158,6 +162,7 @@ class KFACLayer(LayerMethod):
             finite = torch.isfinite(blended).all()
             has_rows = rows > 0
             accept = finite & has_rows
+            self._missed[index] = torch.where(has_rows, 0, self._missed[index] + 1)
             factor.copy_(torch.where(accept, blended, factor))
             self._seen[index] |= accept
             self.nonfinite.add_((has_rows & ~finite).to(self.nonfinite.dtype))
@@ -166,6 +171,11 @@ class KFACLayer(LayerMethod):
     def discard_statistics(self) -> None:
         self._a_sum = self._g_sum = None
         self._rows.zero_()
+
+    def statistics_health(self) -> torch.Tensor:
+        """``[ever had A, ever had G, factor steps since A had rows, same for G]`` (int64,
+        on the device)."""
+        return torch.cat([self._seen.to(torch.int64), self._missed])
 
     def observed(self) -> torch.Tensor:
         """Whether both factors hold data (a 0-dim bool tensor)."""
