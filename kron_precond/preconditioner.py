@@ -12,8 +12,10 @@ communication is a function of the step count and the registration, never of dat
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
+import types
 import math
 import warnings
 from types import MappingProxyType
@@ -208,6 +210,7 @@ class KronPreconditioner:
                                                               preconditioner_update_probability)
         seed = _check_int("seed", seed, minimum=None)
         self.accumulation_steps = accumulation_steps
+        self._inv_dtype = inv_dtype
         self.skip_layers = skip_layers
         self.symmetry_aware = bool(symmetry_aware)
         self.colocate_factors = bool(colocate_factors)
@@ -289,10 +292,17 @@ class KronPreconditioner:
 
     def _check_ranks_agree(self, model: nn.Module) -> None:
         """Fail on every rank (instead of hanging later) if ranks disagree on the setup."""
-        description = ";".join(f"{l.name}:{[tuple(p.shape) for _, p in l.params]}" for l in self._layers)
+        description = ";".join(f"{l.name}:{[tuple(p.shape) for _, p in l.params]}:{l.method.factor_dtype}"
+                               for l in self._layers)
         description += (f"|{self.method.value}|{self.grad_workers}|{self.compute_method.value}"
                         f"|{self.symmetry_aware}|{self._bucket_cap_bytes}|{self.colocate_factors}"
-                        f"|{self.assignment_strategy.value}|{self.seed}")
+                        f"|{self.assignment_strategy.value}|{self.seed}|{self.accumulation_steps}"
+                        f"|{sorted(self._psgd_settings.items(), key=str)}|{self._inv_dtype}")
+        # Settings that decide on which steps collectives happen: a value, or a callable
+        # described by its name/repr and its values over the first steps.
+        for name in ("factor_update_steps", "inv_update_steps"):
+            description += f"|{name}={_describe_schedule(self.hparams[name])}"
+        description += f"|p={_describe_schedule(self._decider.probability)}"
         fingerprint = int(hashlib.sha256(description.encode()).hexdigest()[:15], 16)
         device = next(iter(model.parameters())).device
         with torch.no_grad():
@@ -310,7 +320,10 @@ class KronPreconditioner:
         if len(fingerprints) > 1:
             raise ValueError("ranks registered different layers or use different settings: check "
                              "skip_layers, method, compute_method, grad_worker_fraction, symmetry_aware, "
-                             "allreduce_bucket_cap_mb, colocate_factors, assignment_strategy and seed")
+                             "allreduce_bucket_cap_mb, colocate_factors, assignment_strategy, seed, "
+                             "factor_update_steps, inv_update_steps, accumulation_steps, "
+                             "preconditioner_update_probability, the PSGD factor settings and the "
+                             "factor / inverse dtypes")
         checksums = [t[1].item() for t in gathered]
         if any(c != checksums[0] for c in checksums):
             raise ValueError(f"model parameters differ across ranks (checksums {checksums}); "
@@ -598,18 +611,36 @@ class KronPreconditioner:
         return usage
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume, on any number of ranks.
+        """Everything needed to resume, on any number of ranks. Local: never communicates,
+        so it is safe to call on rank 0 only (the usual ``if rank == 0: torch.save(...)``).
 
-        With ``grad_worker_fraction < 1`` this is a collective (each layer's state comes
-        from its owner): call it on every rank.
+        With ``grad_worker_fraction < 1`` a rank holds the refreshed state (K-FAC
+        decompositions / inverses, PSGD factors) only of the layers it is a gradient
+        worker of; on a rank that lacks some, this raises ``ValueError`` at once instead
+        of returning a partial checkpoint -- call :meth:`gather_state_dict` on every rank
+        there. (Every rank can answer under COMM_OPT, and on a world of one.)
         """
+        missing = [layer.name for layer in self._layers if not self._holds_state(layer)]
+        if missing:
+            raise ValueError(
+                f"state_dict(): rank {self.rank} does not hold the state of layers {missing} "
+                f"(grad_worker_fraction={self.grad_worker_fraction!r} gives {self.grad_workers} of "
+                f"{self.world_size} ranks each layer's state); call gather_state_dict() on every "
+                "rank instead -- it is a collective")
         self._wait_for_statistics()
-        layers = {}
-        for layer in self._layers:
-            layers[layer.name] = self._layer_state(layer)
+        return self._assemble_state({layer.name: layer.method.state_dict() for layer in self._layers})
+
+    def gather_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` assembled from the ranks that hold each layer: a collective,
+        to be called on every rank of the process group (each gets the whole state)."""
+        self._wait_for_statistics()
+        layers = {layer.name: self._layer_state(layer) for layer in self._layers}
+        return self._assemble_state(layers)
+
+    def _assemble_state(self, layers: dict[str, Any]) -> dict[str, Any]:
         return {"version": STATE_VERSION, "steps": self._steps, "method": self.method.value,
-                "decider": self._decider.state_dict(),
-                "factor_steps": self._factor_steps, "psgd_updates": self._psgd_updates, "layers": layers}
+                "decider": self._decider.state_dict(), "factor_steps": self._factor_steps,
+                "psgd_updates": self._psgd_updates, "layers": layers}
 
     def _layer_state(self, layer: Layer) -> dict[str, Any]:
         holds = self._holds_state(layer)
@@ -738,6 +769,29 @@ def _on_output_grad(output: torch.Tensor, hook: Callable[[torch.Tensor], None]) 
     size, stride = output.size(), output.stride()
     offset = output.storage_offset() - base.storage_offset()
     base.register_hook(lambda grad: hook(grad.contiguous().as_strided(size, stride, offset)))
+
+
+_SCHEDULE_SAMPLE_STEPS = 32
+
+
+def _describe_schedule(value) -> str:
+    """A rank-independent description of a setting that may be a callable of the step:
+    its repr (or qualified name, for plain functions, whose repr holds an address) and its
+    values over the first steps -- so two lambdas with different constants differ."""
+    if not callable(value):
+        return repr(value)
+    if isinstance(value, functools.partial):
+        name = f"partial({_describe_schedule(value.func)}, {value.args!r}, {value.keywords!r})"
+    elif isinstance(value, (types.FunctionType, types.MethodType, types.BuiltinFunctionType)) \
+            or type(value).__repr__ is object.__repr__:
+        name = f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+    else:
+        name = repr(value)
+    try:
+        values = [value(step) for step in range(_SCHEDULE_SAMPLE_STEPS)]
+    except Exception as err:  # noqa: BLE001 - reported by step() on every rank alike
+        values = [f"raises {type(err).__name__}"]
+    return f"{name}:{values!r}"
 
 
 def _to_cpu(value):

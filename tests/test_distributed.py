@@ -196,7 +196,9 @@ class Trainer:
 
     # checkpoints
     def checkpoint(self) -> dict:
-        return {"precond": self.precond.state_dict(), "model": self.model.state_dict(),
+        # gather_state_dict: every rank calls it, and every rank gets the whole state even
+        # where it holds only some layers (MEM_OPT / HYBRID_OPT).
+        return {"precond": self.precond.gather_state_dict(), "model": self.model.state_dict(),
                 "opt": self.opt.state_dict(), "step_index": self.step_index}
 
     def load(self, ckpt: dict) -> None:
@@ -290,7 +292,7 @@ def _scenario_checkpoint(world, rank, counter, ckpt_dir):
     for name, cfg in CKPT_CONFIGS.items():
         if world in {src for src, _ in RESUME_PAIRS}:
             trainer = Trainer(cfg, world, rank, collectives=originals).run(SAVE_AT)
-            ckpt = trainer.checkpoint()  # a collective for MEM_OPT: every rank calls it
+            ckpt = trainer.checkpoint()  # a collective: every rank calls it
             path = os.path.join(ckpt_dir, f"ckpt-{name}-w{world}.pt")
             if rank == 0:
                 torch.save(ckpt, path + ".tmp")
