@@ -32,6 +32,7 @@ from kron_precond.distributed.groups import WorkerGrid
 from kron_precond.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, Method
 from kron_precond.methods import state_checks as checks
 from kron_precond.methods.kfac import FACTORS, KFACLayer
+from kron_precond.methods.psgd import all_finite
 from kron_precond.modules import compile_skip_patterns, find_modules
 from kron_precond.schedules import UpdateDecider, resolve
 
@@ -263,6 +264,7 @@ class KronPreconditioner:
         self._factor_steps = 0  # factor steps so far (identical on every rank)
         self._observed_checked = False
         self._stale: set[str] = set()  # layers reported as no longer receiving statistics
+        self._pending_gradient_check = None  # accelerators: flags read at the next step
         self._psgd_updates = 0  # PSGD Q updates so far (identical on every rank)
         self._collecting = False
         self._hooks: list = []
@@ -473,12 +475,17 @@ class KronPreconditioner:
         communicate = self._grid.has_receivers
         outputs: dict[str, list[torch.Tensor]] = {}
         originals: dict[str, list[torch.Tensor | None]] = {}
+        # A layer whose gradient holds NaN/Inf is skipped: its .grad is left as it is and
+        # kept out of kl_clip's sum, so it cannot poison the other layers' scale. Decided
+        # on the device from the (rank-independent) averaged gradient.
+        finite: dict[str, torch.Tensor] = {}
         for layer in self._layers:
             raw = [p.grad for _, p in layer.params]
             originals[layer.name] = raw
             if all(g is None for g in raw) and not communicate:
                 continue
             grads = self._grads(layer)
+            finite[layer.name] = all_finite(grads)
             if self._holds_state(layer):
                 outputs[layer.name] = layer.method.apply(grads)
             else:  # receives its preconditioned gradient below
@@ -487,18 +494,54 @@ class KronPreconditioner:
             self._receive_gradients(outputs)
         scale = None
         if values["kl_clip"] is not None:
-            scale = self._kl_clip_scale(outputs, originals, values["kl_clip"], values["lr"])
+            scale = self._kl_clip_scale(outputs, originals, finite, values["kl_clip"], values["lr"])
         for layer in self._layers:
             new = outputs.get(layer.name)
             if new is None:
                 continue
+            ok = finite[layer.name]
             for grad, value in zip(originals[layer.name], new):
                 if grad is None:
                     continue
                 if scale is not None:
-                    torch.mul(value, scale, out=grad)
-                else:
-                    grad.copy_(value)
+                    value = value * scale
+                grad.copy_(torch.where(ok, value, grad))
+        self._check_gradients(finite)
+
+    def _check_gradients(self, finite: dict[str, torch.Tensor]) -> None:
+        """Warn on the step itself about layers whose gradient was not finite. On the CPU
+        the flags are read at once; on an accelerator they are copied without blocking and
+        read at the start of the next step (by then long computed: no stall)."""
+        self._flush_gradient_check()
+        if not finite or self._grad_scaler is not None:
+            return  # with a GradScaler, overflowing steps are expected and skipped by it
+        flags = torch.stack(list(finite.values()))
+        if flags.device.type == "cpu":
+            self._warn_nonfinite_gradients(list(finite), flags.tolist(), self._steps)
+            return
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        event = torch.Event(device=flags.device) if hasattr(torch, "Event") else None
+        if event is not None:
+            event.record()
+        self._pending_gradient_check = (list(finite), host, event, self._steps)
+
+    def _flush_gradient_check(self) -> None:
+        if self._pending_gradient_check is None:
+            return
+        names, host, event, step = self._pending_gradient_check
+        self._pending_gradient_check = None
+        if event is not None:
+            event.synchronize()
+        self._warn_nonfinite_gradients(names, host.tolist(), step)
+
+    @staticmethod
+    def _warn_nonfinite_gradients(names: list[str], flags: list[bool], step: int) -> None:
+        bad = [name for name, ok in zip(names, flags) if not ok]
+        if bad:
+            warnings.warn(f"kron_precond: step {step}: the gradients of layers {bad} are not finite "
+                          "(NaN/Inf); they were left as they are, and kept out of kl_clip's sum",
+                          RuntimeWarning, stacklevel=4)
 
     def _receive_gradients(self, outputs: dict[str, list[torch.Tensor]]) -> None:
         by_source: dict[int, list[torch.Tensor]] = {}
@@ -511,7 +554,7 @@ class KronPreconditioner:
         for handle in pending:
             handle.wait()
 
-    def _kl_clip_scale(self, outputs, originals, kl_clip: float, lr: float) -> torch.Tensor | None:
+    def _kl_clip_scale(self, outputs, originals, finite, kl_clip: float, lr: float) -> torch.Tensor | None:
         total = None
         for layer in self._layers:
             new = outputs.get(layer.name)
@@ -520,6 +563,7 @@ class KronPreconditioner:
             for grad, value in zip(originals[layer.name], new):
                 if grad is not None:
                     term = (value * grad).sum(dtype=torch.promote_types(grad.dtype, torch.float32))
+                    term = torch.where(finite[layer.name], term, 0.0)
                     total = term if total is None else total + term
         if total is None:
             return None
