@@ -50,21 +50,25 @@ class ActivationCapture:
                 return
             self._before_write()
             with torch.no_grad():
-                layer.method.observe_activations(layer.adapter.activation_rows(candidates[0].detach()))
+                # whatever the method returns comes back with this call's output gradient
+                call = layer.method.observe_activations(layer.adapter.activation_rows(candidates[0].detach()))
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 spatial = len(getattr(module, "kernel_size", ())) or 0
                 batch = output.shape[0] if output.dim() > max(spatial + 1, 1) else 1
                 scale = float(batch * self.accumulation_steps)
-                output.register_hook(lambda grad: self._observe_output_grad(layer, grad, scale))
+                output.register_hook(lambda grad: self._observe_output_grad(layer, grad, scale, call))
         return hook
 
-    def _observe_output_grad(self, layer, grad: torch.Tensor, scale: float) -> None:
+    def _observe_output_grad(self, layer, grad: torch.Tensor, scale: float, call) -> None:
         with torch.no_grad():
             rows = layer.adapter.output_grad_rows(grad.detach())
             loss_scale = self._loss_scale()
             if loss_scale is not None:
                 rows = rows.to(layer.method.factor_dtype) / loss_scale
-            layer.method.observe_output_grads(rows, scale)
+            if call is None:
+                layer.method.observe_output_grads(rows, scale)
+            else:
+                layer.method.observe_output_grads(rows, scale, call)
 
     def remove(self) -> None:
         for handle in self._handles:

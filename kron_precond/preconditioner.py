@@ -278,6 +278,11 @@ class KronPreconditioner:
                 if self._runtime.shares_with(owner):
                     shared.setdefault(owner, []).extend(self.layers[name].method.refreshed_tensors(part))
             self._runtime.share_refreshed(shared)
+            if self.grad_workers < self.world_size:  # else every rank got them above
+                for_all: dict[int, list[torch.Tensor]] = {}
+                for (name, part), owner in self.assignment.owners.items():
+                    for_all.setdefault(owner, []).extend(self.layers[name].method.statistics_tensors(part))
+                self._runtime.share_with_all(for_all)
         for layer in self._layers:
             if self._holds_state(layer):
                 layer.method.finalize_refresh(ctx)

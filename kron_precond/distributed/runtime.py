@@ -100,6 +100,16 @@ class Runtime:
         for handle in pending:
             handle.wait()
 
+    def share_with_all(self, by_owner: dict[int, list[torch.Tensor]]) -> None:
+        """Owners broadcast tensors to every rank of the group (statistics tensors)."""
+        if self.world_size == 1:
+            return
+        pending = [collectives.broadcast(tensors, src=self.grid.global_rank(owner), group=self.process_group,
+                                         cap_bytes=self.bucket_cap_bytes)
+                   for owner, tensors in sorted(by_owner.items()) if tensors]
+        for handle in pending:
+            handle.wait()
+
     def receive_gradients(self, by_owner: dict[int, list[torch.Tensor]]) -> None:
         """Gradient workers send preconditioned gradients along their row; ``by_owner`` holds
         every layer's output tensors keyed by the layer's owner."""

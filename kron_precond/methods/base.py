@@ -75,12 +75,15 @@ class LayerMethod(abc.ABC):
     holds_state: bool = True  # set by the engine: this rank is a gradient worker of the layer
 
     # ------------------------------------------------------------------ statistics
-    def observe_activations(self, rows: torch.Tensor) -> None:
-        """Activation rows ``[N, in]`` of one forward call (methods that capture)."""
+    def observe_activations(self, rows: torch.Tensor) -> Any:
+        """Activation rows ``[N, in]`` of one forward call (methods that capture). A value
+        returned (not ``None``) is passed back as ``call`` with the output gradient of the same
+        call, so per-row statistics can pair the two (a module may be called several times)."""
         raise NotImplementedError
 
-    def observe_output_grads(self, rows: torch.Tensor, scale: float) -> None:
-        """Output-gradient rows ``[N, out]`` of one backward call, to be multiplied by ``scale``."""
+    def observe_output_grads(self, rows: torch.Tensor, scale: float, call: Any = None) -> None:
+        """Output-gradient rows ``[N, out]`` of one backward call, to be multiplied by ``scale``;
+        ``call`` is what ``observe_activations`` returned for the same call."""
         raise NotImplementedError
 
     def observe_gradients(self, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:
@@ -107,6 +110,12 @@ class LayerMethod(abc.ABC):
     def refreshed_tensors(self, part: str | None = None) -> list[torch.Tensor]:
         """Tensors the owner of ``part`` (all parts if ``None``) computes in ``refresh`` and
         gradient workers need for ``apply``; broadcast in place, so their shapes are fixed."""
+
+    def statistics_tensors(self, part: str) -> list[torch.Tensor]:
+        """Refreshed tensors that every rank needs to gather statistics (e.g. EK-FAC's
+        eigenbases, to project its rows); the owner broadcasts them to all ranks when the
+        layer has fewer gradient workers than ranks. Fixed shapes; empty by default."""
+        return []
 
     def finalize_refresh(self, ctx: StepContext) -> None:
         """Derive what ``apply`` needs from the refreshed tensors (every gradient worker)."""
