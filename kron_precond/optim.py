@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from . import arguments
+from . import validation
 from .methods import state_checks as checks
 from .methods.psgd import PSGDFactors, check_memory_save_mode
 from .methods.psgd_tensor import RMS_CLIP, PSGDTensor
@@ -38,11 +38,10 @@ def _check_positive(name: str, value: Any, *, allow_none: bool = False,
     """``value`` as a positive finite Python float (or ``None`` when allowed)."""
     if value is None and allow_none:
         return None
-    try:
-        return arguments.positive(name, value, maximum=maximum, what=what)
-    except ValueError as err:
-        raise ValueError(f"{err}; expected a positive finite number"
-                         + (" or None" if allow_none else "")) from None
+    number = validation.check_positive(name, value)
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{name} must be at most {maximum:.3g}{what}, got {value!r}")
+    return number
 
 
 def _check_group(group: dict[str, Any], global_clipnorm: float | None) -> dict[str, Any]:
@@ -65,21 +64,11 @@ def _check_group(group: dict[str, Any], global_clipnorm: float | None) -> dict[s
     for name in ("clipnorm", "clipvalue"):
         out[name] = _check_positive(name, group[name], allow_none=True, maximum=_FLOAT32_MAX,
                                     what=" (clipping is computed in float32)")
-    wd = group["weight_decay"]
-    try:
-        out["weight_decay"] = arguments.positive("weight_decay", wd, allow_zero=True)
-    except ValueError:
-        raise ValueError(f"Invalid weight_decay: {wd!r}; expected a finite float >= 0") from None
-    b1 = group["b1"]
-    if not (arguments.is_number(b1) and 0.0 <= arguments.real("b1", b1) < 1.0):
-        raise ValueError(f"Invalid b1: {b1!r}; expected a float in [0, 1)")
-    out["b1"] = arguments.real("b1", b1)
+    out["weight_decay"] = validation.check_non_negative("weight_decay", group["weight_decay"])
+    out["b1"] = validation.check_unit_interval("b1", group["b1"], low_open=False, high_open=True)
     check_memory_save_mode(group["memory_save_mode"])
     for name in ("max_size_triangular", "min_ndim_triangular"):
-        try:
-            out[name] = arguments.integer(name, group[name], minimum=0)
-        except ValueError:
-            raise ValueError(f"Invalid {name}: {group[name]!r}; expected an int >= 0") from None
+        out[name] = validation.check_int(name, group[name], minimum=0)
     clips = [n for n in ("clipnorm", "clipvalue") if group[n] is not None]
     if global_clipnorm is not None:
         clips.append("global_clipnorm")
@@ -131,11 +120,11 @@ class Kron(torch.optim.Optimizer):
                  global_clipnorm: float | None = None, merge_dims: bool = False, seed: int = 0):
         if not callable(preconditioner_update_probability) and (
                 preconditioner_update_probability is not None):
-            preconditioner_update_probability = check_probability(arguments.real(
+            preconditioner_update_probability = check_probability(validation.check_finite(
                 "preconditioner_update_probability", preconditioner_update_probability))
         self.global_clipnorm = _check_positive("global_clipnorm", global_clipnorm, allow_none=True,
                                                maximum=_FLOAT32_MAX, what=" (clipping is computed in float32)")
-        self.seed = arguments.integer("seed", seed)
+        self.seed = validation.check_int("seed", seed, minimum=-(2**63))
         self._decider = UpdateDecider(preconditioner_update_probability)
         self._q_updates = 0
         self._reported: dict[int, int] = {}
@@ -358,7 +347,7 @@ class Kron(torch.optim.Optimizer):
             try:
                 decider = UpdateDecider(0.0)
                 decider.load_state_dict(extra["decider"])
-                q_updates = arguments.integer("q_updates", extra["q_updates"], minimum=0)
+                q_updates = validation.check_int("q_updates", extra["q_updates"], minimum=0)
             except (KeyError, TypeError, ValueError) as err:
                 raise ValueError(f"Kron.load_state_dict: bad 'kron' entry ({err!r})") from None
         # Nothing below can fail on a checked state: torch's own loader validates before
