@@ -46,7 +46,7 @@ def psgd_ddp_loop(world: int, rank: int) -> list[torch.Tensor]:
 
 
 def stress_worker(rank: int, world: int, out_dir: str, ckpt_dir: str, scenarios: tuple,
-                  dump_after: float) -> dict:
+                  dump_after: float, configs: tuple) -> dict:
     # A hang is reported with every thread's stack, written shortly before the harness
     # kills the group.
     stacks = open(os.path.join(out_dir, f"stacks_{rank}.txt"), "w")
@@ -55,6 +55,9 @@ def stress_worker(rank: int, world: int, out_dir: str, ckpt_dir: str, scenarios:
     counter.enabled = False
     out = {}
     if "equivalence" in scenarios:
+        every = dict(td.CONFIGS)
+        td.CONFIGS.clear()
+        td.CONFIGS.update({name: every[name] for name in configs})
         out["equivalence"] = td._scenario_equivalence(world, rank, counter)
     if "checkpoint" in scenarios:
         out["checkpoint"] = td._scenario_checkpoint(world, rank, counter, ckpt_dir)
@@ -64,9 +67,10 @@ def stress_worker(rank: int, world: int, out_dir: str, ckpt_dir: str, scenarios:
     return out
 
 
-def references() -> dict:
+def references(configs) -> dict:
     refs = {}
-    for name, cfg in td.CONFIGS.items():
+    for name in dict.fromkeys([*configs, "psgd-comm-ddp"]):
+        cfg = td.CONFIGS[name]
         trainer = td.Trainer(cfg).run(td.STEPS)
         trainer.precond.remove()
         refs[name] = (trainer.initial, trainer.trajectory, td.TOL[cfg.get("dtype", td.F64)])
@@ -101,9 +105,11 @@ def main() -> int:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per spawned group")
+    parser.add_argument("--configs", nargs="+", default=list(td.CONFIGS), choices=list(td.CONFIGS),
+                        help="equivalence configurations to run (default: all of tests/test_distributed.py)")
     args = parser.parse_args()
 
-    refs = references()
+    refs = references(args.configs)
     failed_repeats = 0
     failures_by_world: dict[int, int] = {w: 0 for w in args.worlds}
     start = time.monotonic()
@@ -117,7 +123,8 @@ def main() -> int:
                 out_dir = Path(base) / f"r{repeat}w{world}"
                 try:
                     results = run_workers(stress_worker, world, out_dir, str(ckpt_dir), tuple(args.scenarios),
-                                          max(args.timeout - 20.0, 1.0), timeout=args.timeout)
+                                          max(args.timeout - 20.0, 1.0), tuple(args.configs),
+                                          timeout=args.timeout)
                     problems = check(results, refs, world)
                 except Exception as err:  # noqa: BLE001 - every failure is reported, none stops the run
                     problems = [f"world {world}: {type(err).__name__}: {err}\n{traceback.format_exc()}"]
