@@ -54,11 +54,12 @@ def stress_worker(rank: int, world: int, out_dir: str, ckpt_dir: str, scenarios:
     counter = td.CollectiveCounter()
     counter.enabled = False
     out = {}
-    if "equivalence" in scenarios:
-        every = dict(td.CONFIGS)
-        td.CONFIGS.clear()
-        td.CONFIGS.update({name: every[name] for name in configs})
-        out["equivalence"] = td._scenario_equivalence(world, rank, counter)
+    if "equivalence" in scenarios:  # as td._scenario_equivalence, on the chosen configurations
+        out["equivalence"] = {}
+        for name in configs:
+            trainer = td.Trainer(td.CONFIGS[name], world, rank, collectives=counter.originals).run(td.STEPS)
+            trainer.precond.remove()
+            out["equivalence"][name] = {"trajectory": trainer.trajectory, "identical": trainer.identical}
     if "checkpoint" in scenarios:
         out["checkpoint"] = td._scenario_checkpoint(world, rank, counter, ckpt_dir)
     if "psgd-ddp" in scenarios:
