@@ -20,16 +20,13 @@ gradients captured with ``retain_grad``, and follows the documented rules (docs/
 from __future__ import annotations
 
 import copy
-import math
-import os
-import time
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kron_precond import DistributedStrategy, KronPreconditioner
+from kron_precond import KronPreconditioner
 from test_kfac_math import conv_patch_rows, output_grad_rows, with_ones
 from test_kfac_training import SGD_GRID, _ls_run, _mlp, _train_digits
 
@@ -41,8 +38,10 @@ PRECOND_RTOL = 1e-8
 class DenseEKFAC:
     """EK-FAC for one Linear/ConvNd module with explicit float64 matrices."""
 
-    def __init__(self, module: nn.Module, *, damping: float, decay: float, factor_every: int, basis_every: int):
+    def __init__(self, module: nn.Module, *, damping: float, decay: float, factor_every: int, basis_every: int,
+                 accumulation_steps: int = 1):
         self.module = module
+        self.accumulation_steps = accumulation_steps
         self.damping, self.decay = damping, decay
         self.factor_every, self.basis_every = factor_every, basis_every
         self.A = self.G = None
@@ -52,12 +51,12 @@ class DenseEKFAC:
         self.statistics_seen = 0
 
     def rows(self, x: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ã rows with the ones column if biased, δ rows = grad · batch) of one call."""
+        """(ã rows with the ones column if biased, δ rows = grad · batch · accumulation) of one call."""
         conv = isinstance(self.module, nn.modules.conv._ConvNd)
         a = conv_patch_rows(x, self.module) if conv else x.reshape(-1, x.shape[-1])
         if self.module.bias is not None:
             a = with_ones(a)
-        g = output_grad_rows(out.grad, conv) * x.shape[0]
+        g = output_grad_rows(out.grad, conv) * x.shape[0] * self.accumulation_steps
         return a.to(DT), g.to(DT)
 
     def step(self, step: int, calls: list[tuple[torch.Tensor, torch.Tensor]], grad: torch.Tensor) -> torch.Tensor:
@@ -202,6 +201,30 @@ def test_update_matches_dense_reference(case):
     assert corrected >= len(checked) * 2, f"{case}: EK-FAC's scaling never differed from K-FAC's"
 
 
+def test_accumulated_micro_batches_pool_their_rows():
+    """Two backward passes per step (losses divided by 2): s is the mean over both
+    micro-batches' rows, δ scaled by batch · accumulation_steps."""
+    torch.manual_seed(4)
+    model = _linear_net(True).to(DT)
+    precond = KronPreconditioner(model, method="ekfac", kl_clip=None, damping=1e-2, factor_decay=0.7,
+                                 inv_update_steps=3, accumulation_steps=2, inv_dtype=DT)
+    refs = {n: DenseEKFAC(model[int(n)], damping=1e-2, decay=0.7, factor_every=1, basis_every=3,
+                          accumulation_steps=2) for n in ("0", "2")}
+    recorders = {n: Calls(model[int(n)]) for n in refs}
+    for step in range(5):
+        model.zero_grad()
+        for micro in range(2):
+            x = torch.randn(10 + 2 * micro, 5, dtype=DT)  # unequal micro-batches
+            (F.mse_loss(model(x), torch.randn(x.shape[0], 3, dtype=DT)) / 2).backward()
+        grads = {n: grad_matrix(model[int(n)]) for n in refs}
+        precond.step()
+        for n, ref in refs.items():
+            expected = ref.step(step, recorders[n].take(), grads[n])
+            got = grad_matrix(model[int(n)])
+            err = ((got - expected).norm() / expected.norm()).item()
+            assert err <= PRECOND_RTOL, f"step {step} layer {n}: relative error {err:.2e}"
+
+
 def test_scaling_is_mean_of_squared_projected_row_gradients():
     """``s`` itself, right after one measurement (weight 1), on a Linear layer."""
     torch.manual_seed(5)
@@ -315,173 +338,27 @@ def test_kfac_checkpoint_is_refused():
 
 
 # =========================================================================== distributed
-# The equivalence harness of tests/test_distributed.py (its Trainer: Conv2d + Linear model,
-# float64 unless marked, shards of one batch, manual or DDP gradient averaging), with
-# EK-FAC configurations; one spawned group per world size runs all of them.
-COMM, HYBRID, MEM = DistributedStrategy.COMM_OPT, DistributedStrategy.HYBRID_OPT, DistributedStrategy.MEM_OPT
-DIST_CONFIGS: dict[str, dict] = {
-    "ekfac-comm-ddp-i3": dict(kw=dict(method="ekfac", inv_update_steps=3), ddp=True),
-    "ekfac-comm-cap0-sym-i2": dict(kw=dict(method="ekfac", inv_update_steps=2, allreduce_bucket_cap_mb=0,
-                                           symmetry_aware=True)),
-    "ekfac-hybrid-tiny-f2-i3": dict(kw=dict(method="ekfac", grad_worker_fraction=HYBRID, factor_update_steps=2,
-                                            inv_update_steps=3, allreduce_bucket_cap_mb=1e-4)),
-    "ekfac-mem-tiny-sym-i3": dict(kw=dict(method="ekfac", grad_worker_fraction=MEM, inv_update_steps=3,
-                                          allreduce_bucket_cap_mb=1e-4, symmetry_aware=True)),
-    "ekfac-float-fraction-i4": dict(kw=dict(method="ekfac", grad_worker_fraction="float", inv_update_steps=4)),
-    "ekfac-nocolocate-memory-i3": dict(kw=dict(method="ekfac", colocate_factors=False,
-                                               assignment_strategy="memory", inv_update_steps=3)),
-    "ekfac-hybrid-float32-i3": dict(kw=dict(method="ekfac", grad_worker_fraction=HYBRID, inv_update_steps=3),
-                                    dtype=torch.float32),
-}
-DIST_CKPT_CONFIGS: dict[str, dict] = {
-    "ekfac-comm": dict(kw=dict(method="ekfac", factor_update_steps=1, inv_update_steps=3)),
-    "ekfac-mem": dict(kw=dict(method="ekfac", grad_worker_fraction=MEM, inv_update_steps=3)),
-    "ekfac-hybrid": dict(kw=dict(method="ekfac", grad_worker_fraction=HYBRID, inv_update_steps=3,
-                                 symmetry_aware=True)),
-}
-RESUME_PAIRS = ((2, 3), (2, 1), (4, 2))
-SAVE_AT, RESUME_STEPS = 4, 4  # saved mid-interval: the resumed s is used before any refresh
+# The distributed equivalence suite (world 1-4, gloo, COMM/HYBRID/MEM_OPT, float fractions,
+# split placement, checkpoints across world sizes, the collectives of statistics-only steps)
+# runs EK-FAC through tests/test_distributed.py: its CONFIGS / CKPT_CONFIGS hold "ekfac-*"
+# entries, so they share that file's spawned groups instead of paying for new ones.
+def test_distributed_ekfac_configurations_differ_from_kfac():
+    """The ekfac-* runs of tests/test_distributed.py are EK-FAC runs: each one's single-process
+    trajectory differs from K-FAC's with the same settings."""
+    from test_distributed import CONFIGS, STEPS as DIST_STEPS, Trainer
 
-
-def ekfac_dist_worker(rank: int, world: int, out_dir: str, ckpt_dir: str) -> dict:
-    from dist_utils import CollectiveCounter
-    from test_distributed import Trainer, STEPS as DIST_STEPS
-
-    out = {"equivalence": {}, "saved": {}, "resumed": {}}
-    with CollectiveCounter() as counter:
-        counter.enabled = False
-        originals = counter.originals
-        for name, cfg in DIST_CONFIGS.items():
-            trainer = Trainer(cfg, world, rank, collectives=originals).run(DIST_STEPS)
+    names = [name for name in CONFIGS if CONFIGS[name]["kw"].get("method") == "ekfac"]
+    assert len(names) >= 5
+    for name in names:
+        runs = {}
+        for method in ("ekfac", "kfac"):
+            cfg = copy.deepcopy(CONFIGS[name])
+            cfg["kw"]["method"] = method
+            if cfg["kw"].get("grad_worker_fraction") == "float":
+                cfg["kw"]["grad_worker_fraction"] = 1.0
+            trainer = Trainer(cfg).run(DIST_STEPS)
             trainer.precond.remove()
-            out["equivalence"][name] = {"trajectory": trainer.trajectory, "identical": trainer.identical,
-                                        "grad_workers": trainer.precond.grad_workers}
-        for name, cfg in DIST_CKPT_CONFIGS.items():
-            if world in {src for src, _ in RESUME_PAIRS}:
-                trainer = Trainer(cfg, world, rank, collectives=originals).run(SAVE_AT)
-                ckpt = trainer.checkpoint()  # a collective under MEM/HYBRID: every rank calls it
-                path = os.path.join(ckpt_dir, f"ekfac-{name}-w{world}.pt")
-                if rank == 0:
-                    torch.save(ckpt, path + ".tmp")
-                    os.replace(path + ".tmp", path)
-                originals["barrier"]()
-                trainer.run(RESUME_STEPS)
-                trainer.precond.remove()
-                out["saved"][name] = trainer.trajectory
-            for src, dst in RESUME_PAIRS:
-                if dst != world:
-                    continue
-                path = os.path.join(ckpt_dir, f"ekfac-{name}-w{src}.pt")
-                if not os.path.exists(path):
-                    out["resumed"][(name, src)] = None
-                    continue
-                trainer = Trainer(cfg, world, rank, collectives=originals)
-                trainer.load(torch.load(path, weights_only=False))
-                trainer.run(RESUME_STEPS)
-                trainer.precond.remove()
-                out["resumed"][(name, src)] = {"trajectory": trainer.trajectory, "identical": trainer.identical}
-    return out
-
-
-@pytest.fixture(scope="module")
-def dist_runs(tmp_path_factory):
-    from dist_utils import run_workers
-
-    base = tmp_path_factory.mktemp("ekfac_distributed")
-    ckpt_dir = base / "checkpoints"
-    ckpt_dir.mkdir()
-    cache: dict[int, object] = {}
-    needs = {2: 4, 3: 2, 1: 2}  # resumes need the checkpoints of these world sizes
-
-    def get(world: int):
-        if world not in cache:
-            if world in needs:
-                try:
-                    get(needs[world])
-                except Exception:  # noqa: BLE001 - reported by its own tests
-                    pass
-            try:
-                start = time.monotonic()
-                cache[world] = run_workers(ekfac_dist_worker, world, base / f"world{world}", str(ckpt_dir),
-                                           timeout=150.0)
-                print(f"EK-FAC world {world}: {time.monotonic() - start:.1f} s")
-            except Exception as err:  # noqa: BLE001
-                cache[world] = err
-        if isinstance(cache[world], Exception):
-            raise cache[world]
-        return cache[world]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def dist_reference():
-    from test_distributed import Trainer
-
-    cache: dict[tuple, tuple] = {}
-
-    def get(configs: dict, name: str, steps: int):
-        key = (id(configs), name, steps)
-        if key not in cache:
-            trainer = Trainer(configs[name]).run(steps)
-            trainer.precond.remove()
-            cache[key] = (trainer.initial, trainer.trajectory)
-        return cache[key]
-
-    return get
-
-
-def _displacement_error(trajectory, reference, initial) -> float:
-    return max(((p - r).norm() / (r - initial).norm()).item() for p, r in zip(trajectory, reference, strict=True))
-
-
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_distributed_matches_single_process(dist_runs, dist_reference, world):
-    from test_distributed import STEPS as DIST_STEPS, TOL
-
-    results = dist_runs(world)
-    for name, cfg in DIST_CONFIGS.items():
-        initial, ref = dist_reference(DIST_CONFIGS, name, DIST_STEPS)
-        tol = TOL[cfg.get("dtype", DT)]
-        for rank, result in enumerate(results):
-            got = result["equivalence"][name]
-            err = _displacement_error(got["trajectory"], ref, initial)
-            assert err <= tol, f"{name} world {world} rank {rank}: error {err:.3e} > {tol:.0e}"
-            if world > 1:
-                assert all(got["identical"]) and len(got["identical"]) == DIST_STEPS, name
-                for a, b in zip(got["trajectory"], results[0]["equivalence"][name]["trajectory"]):
-                    assert torch.equal(a, b), f"{name} world {world}: rank {rank} differs from rank 0"
-
-
-def test_distributed_configurations_are_not_vacuous(dist_runs, dist_reference):
-    """The grid is covered, and every EK-FAC run differs from K-FAC's with the same settings."""
-    from test_distributed import STEPS as DIST_STEPS, Trainer
-
-    workers = {name: dist_runs(4)[0]["equivalence"][name]["grad_workers"] for name in DIST_CONFIGS}
-    assert workers["ekfac-hybrid-tiny-f2-i3"] == 2 and workers["ekfac-mem-tiny-sym-i3"] == 1
-    assert workers["ekfac-comm-ddp-i3"] == 4 and workers["ekfac-float-fraction-i4"] == 2
-    for name, cfg in DIST_CONFIGS.items():
-        initial, ref = dist_reference(DIST_CONFIGS, name, DIST_STEPS)
-        kfac_cfg = copy.deepcopy(cfg)
-        kfac_cfg["kw"]["method"] = "kfac"
-        kfac = Trainer(kfac_cfg).run(DIST_STEPS)
-        kfac.precond.remove()
-        gap = ((ref[-1] - kfac.trajectory[-1]).norm() / (ref[-1] - initial).norm()).item()
+            runs[method] = trainer
+        ekfac, kfac = runs["ekfac"].trajectory[-1], runs["kfac"].trajectory[-1]
+        gap = ((ekfac - kfac).norm() / (ekfac - runs["ekfac"].initial).norm()).item()
         assert gap > 1e-3, f"{name}: EK-FAC run indistinguishable from K-FAC ({gap:.2e})"
-
-
-@pytest.mark.parametrize("name", list(DIST_CKPT_CONFIGS))
-@pytest.mark.parametrize("src,dst", RESUME_PAIRS, ids=[f"{s}to{d}" for s, d in RESUME_PAIRS])
-def test_distributed_checkpoint_resumes_on_another_world_size(dist_runs, dist_reference, name, src, dst):
-    from test_distributed import TOL
-
-    initial, ref = dist_reference(DIST_CKPT_CONFIGS, name, SAVE_AT + RESUME_STEPS)
-    for rank, result in enumerate(dist_runs(dst)):
-        resumed = result["resumed"][(name, src)]
-        assert resumed is not None, f"no checkpoint from world {src}"
-        err = _displacement_error(resumed["trajectory"], ref[SAVE_AT:], initial)
-        assert err <= TOL[DT], f"{name}: saved on {src}, resumed on {dst}, rank {rank}: error {err:.3e}"
-        assert all(resumed["identical"]), f"{name}: ranks diverged after resuming"
-    for rank, result in enumerate(dist_runs(src)):
-        err = _displacement_error(result["saved"][name], ref, initial)
-        assert err <= TOL[DT], f"{name} world {src} rank {rank}: error {err:.3e} after state_dict()"
