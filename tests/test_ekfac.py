@@ -152,6 +152,8 @@ CASES = {
     "linear-bias": (lambda: _linear_net(True), ["0", "2"], (16, 5), 1, 3),
     "linear-nobias": (lambda: _linear_net(False), ["0", "2"], (16, 5), 1, 3),
     "linear-3d-input": (lambda: _linear_net(True), ["0", "2"], (4, 6, 5), 1, 3),
+    "linear-same-shapes-batched": (lambda: nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(),
+                                                         nn.Linear(5, 3)), ["0", "2", "4"], (16, 5), 1, 3),
     "linear-called-twice": (lambda: TwiceLinear(True), ["fc1"], (16, 5), 1, 4),
     "linear-f2-i3": (lambda: _linear_net(True), ["0", "2"], (16, 5), 2, 3),
     "conv2d": (lambda: ConvOnly(nn.Conv2d(2, 3, 3), (2, 6, 6)), ["conv"], (4, 2, 6, 6), 1, 3),
@@ -186,12 +188,17 @@ def test_update_matches_dense_reference(case):
         opt.zero_grad()
         F.mse_loss(model(x), y).backward()
         grads = {n: grad_matrix(modules[n]) for n in checked}
+        raw = {n: [p.grad.clone() for p in modules[n].parameters()] for n in checked}
         precond.step()
         for n in checked:
             expected = refs[n].step(step, recorders[n].take(), grads[n])
-            got = grad_matrix(modules[n])
+            got = grad_matrix(modules[n])  # from the batched apply (layers of one shape together)
             err = ((got - expected).norm() / expected.norm()).item()
             assert err <= PRECOND_RTOL, f"{case} step {step} {n}: relative error {err:.2e}"
+            alone = precond.layers[n].method.apply(raw[n])  # the per-layer apply
+            got = torch.cat([alone[0].reshape(expected.shape[0], -1)] + [b.reshape(-1, 1) for b in alone[1:]], 1)
+            err = ((got - expected).norm() / expected.norm()).item()
+            assert err <= PRECOND_RTOL, f"{case} step {step} {n}: per-layer apply: relative error {err:.2e}"
             if refs[n].q_a is not None and refs[n].weight > 0:  # s measured since the refresh
                 kfac = refs[n].kfac_update(grads[n])
                 if ((expected - kfac).norm() / kfac.norm()).item() > 1e-2:

@@ -55,7 +55,7 @@ import torch
 
 from kron_precond import validation as check
 from kron_precond.enums import ComputeMethod
-from kron_precond.methods.base import LayerMethod, Option, Selected, tensor_bytes
+from kron_precond.methods.base import Option, Selected, tensor_bytes
 from kron_precond.methods.kfac import FACTORS, KFACLayer, KFACSpec
 from kron_precond.schedules import IntervalSchedule, StepContext
 
@@ -214,10 +214,33 @@ class EKFACLayer(KFACLayer):
         return q_g @ (rotated * inverse) @ q_a.t()
 
     def batch_key(self) -> Hashable | None:
-        return None  # K-FAC's batched apply would use d_G d_Aᵀ: precondition one by one
+        if not self.ready or self._scaling is None:
+            return None  # passes gradients through: nothing to batch
+        # not the damping: it may change on every statistics step, and the layers of a
+        # batch share it anyway (one value per step for all layers)
+        return (type(self), self.weight_shape, self.weight_transposed, self.has_bias, self.inv_dtype,
+                self.scaling_dtype)
 
-    # the contract's per-layer loop, not K-FAC's batched (K-FAC-only) math
-    apply_batch = LayerMethod.__dict__["apply_batch"]
+    @classmethod
+    def apply_batch(cls, layers: Sequence["EKFACLayer"], grads: Sequence[list[torch.Tensor]],
+                    ctx: StepContext, cache: dict, keep: torch.Tensor) -> list[list[torch.Tensor]]:
+        """All layers of one shape at once: K-FAC's batched EIGEN products with the
+        denominator ``1 / (s + λ)`` in place of ``1 / (d_G d_Aᵀ + λ)``.
+
+        The first call stacks the layers' bases, validity flags and scalings and makes each
+        layer's tensors views into the stacks (refreshes, broadcasts and folds write in
+        place), so a step copies nothing; the denominator is formed once per group and step.
+        """
+        stacks = cache.get("ekfac")
+        if stacks is None:
+            stacks = cache["ekfac"] = _adopt_into_stacks(layers)
+        q_a, valid_a, q_g, valid_g, scaling = stacks
+        first = layers[0]
+        work = torch.promote_types(first._work_dtype, torch.float32)
+        denominator = (1.0 / (scaling.to(work) + first._damping_used)).to(first.inv_dtype)
+        # K-FAC's batched apply reads only Q, validity and the denominator of its stacks
+        kfac_view = {"stacked": [q_a, None, valid_a, q_g, None, valid_g, denominator]}
+        return KFACLayer.apply_batch.__func__(cls, layers, grads, ctx, kfac_view, keep)
 
     # ------------------------------------------------------------------ estimates, state
     def memory_by_kind(self) -> dict[str, int]:
@@ -255,6 +278,24 @@ class EKFACLayer(KFACLayer):
             self._reset_scaling()  # allocates
         self._scaling.copy_(state["scaling"])
         self._scaling_weight.copy_(state["scaling_weight"])
+
+
+def _adopt_into_stacks(layers: Sequence[EKFACLayer]) -> list[torch.Tensor]:
+    """Stack ``Q_A``, A's validity, ``Q_G``, G's validity and ``s`` over the layers and
+    re-point each layer at its slice."""
+    count = len(layers)
+    stacks = []
+    for part in FACTORS:
+        for index in (0, -1):  # the basis and the one-element validity flag
+            stack = torch.stack([layer._refreshed[part][index] for layer in layers])
+            for layer, view in zip(layers, stack.unbind(0)):
+                layer._refreshed[part][index] = view
+            stacks.append(stack if index == 0 else stack.reshape(count))
+    stack = torch.stack([layer._scaling for layer in layers])
+    for layer, view in zip(layers, stack.unbind(0)):
+        layer._scaling = view
+    stacks.append(stack)
+    return stacks
 
 
 def _basis_due(ctx: StepContext) -> bool:
