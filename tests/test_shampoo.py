@@ -86,7 +86,7 @@ class DenseShampoo:
             for i, grad in enumerate(layer_grads):
                 key = f"{layer}.{i}"
                 matrix = self.as_matrix(grad.double())
-                if step % self.factor_every == 0:
+                if step % self.factor_every == 0 and torch.isfinite(matrix).all():  # else: skipped
                     self.history.setdefault(key, []).append(matrix)
                 sides = [s for s, n in (("L", matrix.shape[0]), ("R", matrix.shape[1])) if n > 1] or ["L"]
                 if step % self.refresh_every == 0:
@@ -142,6 +142,51 @@ def test_update_matches_dense_reference(case):
                 err = ((p.grad - want).norm() / want.norm()).item()
                 assert err < 1e-10, f"{case} step {step} layer {name} {tuple(p.shape)}: relative error {err:.2e}"
         opt.step()
+
+
+def deep_mlp() -> nn.Module:
+    """Four hidden layers of one shape: preconditioned together by one batched apply."""
+    torch.manual_seed(3)
+    layers = [nn.Linear(5, 6), nn.Tanh()]
+    for _ in range(4):
+        layers += [nn.Linear(6, 6), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(6, 3)).to(F64)
+
+
+@pytest.mark.filterwarnings("ignore:kron_precond. skipped 1 non-finite update")
+@pytest.mark.parametrize("grafting", [False, True])
+def test_batched_layers_match_dense_reference_and_share_storage(grafting):
+    model = deep_mlp()
+    precond = KronPreconditioner(model, method="shampoo", inv_dtype=F64, grafting=grafting, inv_update_steps=2)
+    dense = DenseShampoo(decay=0.99, epsilon=1e-4, exponent=0.25, grafting=grafting, refresh_every=2)
+    layers = {name: [p for _, p in layer.params] for name, layer in precond.layers.items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(5):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 5, generator=g, dtype=F64), torch.randn(16, 3, generator=g, dtype=F64)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        if step == 3:  # a non-finite layer inside the batch passes through, the others do not notice
+            model[4].weight.grad[1, 2] = float("inf")
+            raw = [p.grad.clone() for p in layers["4"]]
+        expected = dense.step(step, {name: [p.grad.clone() for p in params] for name, params in layers.items()})
+        if step == 3:
+            with pytest.warns(RuntimeWarning):
+                precond.step()
+        else:
+            precond.step()
+        for name, params in layers.items():
+            if step == 3 and name == "4":
+                assert all(torch.equal(p.grad, r) for p, r in zip(params, raw))
+                for p in params:  # keep the inf out of the weights
+                    p.grad.zero_()
+                continue
+            for p, want in zip(params, expected[name]):
+                err = ((p.grad - want).norm() / want.norm()).item()
+                assert err < 1e-10, f"step {step} layer {name}: relative error {err:.2e}"
+        opt.step()
+    roots = [precond.layers[name].method.refreshed_tensors("weight.L")[0] for name in ("2", "4", "6", "8")]
+    assert len({r.untyped_storage().data_ptr() for r in roots}) == 1, "equal layers were not batched"
 
 
 def test_update_is_not_a_rescaled_gradient_and_grafting_keeps_the_norm():

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 
@@ -203,10 +203,42 @@ class ShampooLayer(LayerMethod):
         a parameter without valid roots on all of its sides passes through."""
         if not self.ready:
             return grads
-        roots = self._roots
+        roots = {part: [t.unsqueeze(0) for t in pair] for part, pair in self._roots.items()}
+        return [out[0] for out in self._precondition([g.unsqueeze(0) for g in grads], roots)]
+
+    def batch_key(self) -> Hashable | None:
+        if not self.ready:
+            return None  # passes gradients through: nothing to batch
+        layout = tuple((part, side.param, side.side, side.dim, side.diagonal, side.sides_of_param)
+                       for part, side in self.sides.items())
+        return (type(self), tuple(self.shapes), layout, self.inv_dtype, self.grafting)
+
+    @classmethod
+    def apply_batch(cls, layers: Sequence["ShampooLayer"], grads: Sequence[list[torch.Tensor]],
+                    ctx: StepContext, cache: dict, keep: torch.Tensor) -> list[list[torch.Tensor]]:
+        """Layers of one layout at once: one batched product per side, not one per layer.
+
+        The first call stacks the layers' roots and flags side by side and makes each layer's
+        tensors views into the stacks, so later refreshes and broadcasts (in place) update
+        them: nothing is copied per step and no memory is duplicated.
+        """
+        stacks = cache.get("stacks")
+        if stacks is None:
+            stacks = cache["stacks"] = _adopt_into_stacks(layers)
+        count = len(layers)
+        stacked = [torch.stack([g[index] for g in grads]) for index in range(len(grads[0]))]
+        out = layers[0]._precondition(stacked, stacks)
+        # non-finite gradients pass through, after grafting (whose scale they would poison)
+        out = [torch.where(keep.reshape((count,) + (1,) * (o.dim() - 1)), o, g) for o, g in zip(out, stacked)]
+        return [[o[i] for o in out] for i in range(count)]
+
+    def _precondition(self, grads: list[torch.Tensor], roots: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
+        """The update for a batch of layers of this layout: ``grads[i]`` is parameter ``i`` of
+        every layer, stacked ``[B, *shape]``; ``roots[part]`` the stacked roots and flags."""
         out = []
         for index, grad in enumerate(grads):
-            matrix = grad.to(self.inv_dtype).reshape(matrix_shape(self.shapes[index]))
+            count = grad.shape[0]
+            matrix = grad.to(self.inv_dtype).reshape(count, *matrix_shape(self.shapes[index]))
             result = matrix
             valid = None
             for part, side in self.sides.items():
@@ -214,11 +246,11 @@ class ShampooLayer(LayerMethod):
                     continue
                 root, flag = roots[part]
                 if side.side == "L":
-                    result = root.unsqueeze(1) * result if side.diagonal else root @ result
+                    result = root.unsqueeze(2) * result if side.diagonal else torch.matmul(root, result)
                 else:
-                    result = result * root if side.diagonal else result @ root
+                    result = result * root.unsqueeze(1) if side.diagonal else torch.matmul(result, root)
                 valid = flag if valid is None else valid * flag
-            result = torch.where(valid.bool(), result, matrix)
+            result = torch.where(valid.reshape(count, 1, 1).bool(), result, matrix)
             out.append(result.reshape(grad.shape).to(grad.dtype))
         if self.grafting:
             out = _graft(out, grads)
@@ -318,15 +350,33 @@ def _diagonal_root(average: torch.Tensor, epsilon: float, exponent: float):
 
 
 def _graft(updates: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Rescale ``updates`` (together) to the norm of ``grads`` (together); no host sync."""
+    """Rescale each layer's ``updates`` (all of its parameters together) to the norm of its
+    ``grads``; tensors are stacked ``[B, ...]`` over B layers. No host sync."""
     accumulate = torch.promote_types(grads[0].dtype, torch.float32)
-    grad_norm = torch.linalg.vector_norm(torch.stack(
-        [torch.linalg.vector_norm(g, dtype=accumulate) for g in grads]))
-    update_norm = torch.linalg.vector_norm(torch.stack(
-        [torch.linalg.vector_norm(u, dtype=accumulate) for u in updates]))
+    count = grads[0].shape[0]
+
+    def norms(tensors):  # [B]: per layer, over all of its parameters
+        squares = [torch.linalg.vector_norm(t.reshape(count, -1), dim=1, dtype=accumulate) ** 2 for t in tensors]
+        return torch.stack(squares).sum(0).sqrt()
+
+    grad_norm, update_norm = norms(grads), norms(updates)
     scale = torch.where(update_norm > 0, grad_norm / update_norm.clamp_min(torch.finfo(accumulate).tiny),
                         torch.ones_like(grad_norm))
-    return [u * scale.to(u.dtype) for u in updates]
+    return [u * scale.reshape((count,) + (1,) * (u.dim() - 1)).to(u.dtype) for u in updates]
+
+
+def _adopt_into_stacks(layers: Sequence[ShampooLayer]) -> dict[str, list[torch.Tensor]]:
+    """Stack the layers' roots and flags part by part and re-point each layer at its slice."""
+    stacks = {}
+    for part in layers[0].parts:
+        pair = []
+        for i in range(2):
+            stack = torch.stack([layer._roots[part][i] for layer in layers])
+            for layer, view in zip(layers, stack.unbind(0)):
+                layer._roots[part][i] = view
+            pair.append(stack)
+        stacks[part] = pair
+    return stacks
 
 
 def _decomposition_dtype(inv_dtype: torch.dtype, factor_dtype: torch.dtype) -> torch.dtype:
