@@ -266,6 +266,18 @@ def test_nonfinite_gradient_passes_through_and_leaves_statistics():
     assert not torch.equal(after["bias.L"], before["bias.L"])  # the finite bias was observed
 
 
+def test_statistics_that_overflow_their_dtype_are_skipped():
+    model = nn.Linear(4, 3)
+    precond = KronPreconditioner(model, method="shampoo", factor_dtype=torch.float16)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 300.0)  # 300² · 4 overflows float16
+    with pytest.warns(RuntimeWarning, match="skipped 2 non-finite update"):
+        precond.step()
+    assert all(torch.equal(p.grad, torch.full_like(p, 300.0)) for p in model.parameters())  # passed through
+    state = precond.state_dict()["layers"][""]
+    assert all(not t.any() for t in state["statistics"].values()) and all(not m for m in state["mass"])
+
+
 def test_zero_gradient_passes_through():
     model = nn.Linear(4, 3).double()
     precond = KronPreconditioner(model, method="shampoo", inv_dtype=F64)

@@ -139,8 +139,8 @@ class ShampooLayer(LayerMethod):
     # ------------------------------------------------------------------ statistics
     def observe_gradients(self, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:
         """On statistics steps, fold ``M Mᵀ`` / ``Mᵀ M`` of each gradient into its sides'
-        statistics (gradient workers only). A non-finite gradient leaves its parameter's
-        statistics unchanged (decided on the device) and is counted."""
+        statistics (gradient workers only). A non-finite gradient (or statistic) leaves its
+        parameter's statistics unchanged (decided on the device) and is counted."""
         if not ctx.statistics or not self.holds_state:
             return
         decay = ctx["factor_decay"]
@@ -149,12 +149,12 @@ class ShampooLayer(LayerMethod):
             if grad is None:  # not used this step: nothing to observe
                 continue
             matrix = grad.detach().to(self.factor_dtype).reshape(matrix_shape(self.shapes[index]))
-            finite = torch.isfinite(matrix).all()
-            for part, side in self.sides.items():
-                if side.param != index:
-                    continue
-                stat = stats[part]
-                stat.copy_(torch.where(finite, _decayed(stat, matrix, side, decay), stat))
+            parts = [part for part, side in self.sides.items() if side.param == index]
+            updated = [_decayed(stats[part], matrix, self.sides[part], decay) for part in parts]
+            # all sides or none: a NaN/Inf gradient, or products that overflow the dtype
+            finite = torch.stack([torch.isfinite(u).all() for u in updated]).all()
+            for part, new in zip(parts, updated):
+                stats[part].copy_(torch.where(finite, new, stats[part]))
             mass = self._mass[index]
             mass.copy_(torch.where(finite, mass * decay + 1.0, mass))
             self.nonfinite.add_((~finite).to(self.nonfinite.dtype))
