@@ -10,8 +10,9 @@
 * Checkpoints resume bitwise; arguments are checked; non-finite gradients leave the
   statistics unchanged.
 
-The distributed equivalence (world 1-4, every grad-worker fraction) is in
-``test_shampoo_distributed.py``.
+The distributed equivalence (world 1-4, every grad-worker fraction, checkpoints across world
+sizes, where the statistics live, no all-reduce) runs in ``test_distributed.py``'s shared
+spawns: its ``shampoo-*`` configurations and ``test_shampoo_*`` tests.
 """
 from __future__ import annotations
 
