@@ -110,6 +110,7 @@ class _Slot:
         self.initialized, self.nonfinite = initialized, nonfinite
 
 
+@keras.saving.register_keras_serializable(package="kron_precond")
 class Kron(keras.optimizers.Optimizer):
     """PSGD Kron (Xi-Lin Li) for Keras 3 on any backend (TensorFlow, JAX, PyTorch).
 
@@ -292,6 +293,19 @@ class Kron(keras.optimizers.Optimizer):
         value = ops.where(ops.isfinite(value), ops.clip(value, 0.0, 1.0), 0.0)
         return ops.cast(ops.round(value * float(_UNIT)), "int32")
 
+    def _decide_update(self, step):
+        """Advance the update schedule by one step (``acc += p(step)``; update when
+        ``acc ≥ 1``, then ``acc -= 1``), in-graph. Returns 0-dim bool tensors: update the
+        preconditioners on this step; rebalance the factors after the update."""
+        acc = ops.add(self._update_acc, self._update_units(step))
+        do_update = ops.greater_equal(acc, _UNIT - _TOLERANCE)
+        self.assign(self._update_acc,
+                    ops.where(do_update, ops.maximum(acc - _UNIT, 0), acc))
+        q_count = ops.add(self._q_update_count, ops.cast(do_update, "int32"))
+        self.assign(self._q_update_count, q_count)
+        balance = ops.logical_and(do_update, ops.equal(q_count % _BALANCE_EVERY, 0))
+        return do_update, balance
+
     def _probe(self, slot: _Slot, step, dtype: str):
         """Probe vector ``V ~ N(0, I)`` of the slot's work shape for optimizer step
         ``step`` (1-based, the step being taken), from a stateless seed."""
@@ -321,13 +335,7 @@ class Kron(keras.optimizers.Optimizer):
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         pdtype = self.precond_dtype
         step = ops.cast(self.iterations, "int32")  # optimizer steps before this one
-        acc = ops.add(self._update_acc, self._update_units(step))
-        do_update = ops.greater_equal(acc, _UNIT - _TOLERANCE)
-        self.assign(self._update_acc,
-                    ops.where(do_update, ops.maximum(acc - _UNIT, 0), acc))
-        q_count = ops.add(self._q_update_count, ops.cast(do_update, "int32"))
-        self.assign(self._q_update_count, q_count)
-        balance = ops.logical_and(do_update, ops.equal(q_count % _BALANCE_EVERY, 0))
+        do_update, balance = self._decide_update(step)
 
         slots = [self._slots[self._get_variable_index(v)] for v in trainable_variables]
         grads = [ops.convert_to_tensor(g) for g in grads]
