@@ -25,9 +25,9 @@ TOLERANCE = 1e-5
 # Scenarios per backend. The torch-backend numerics are compared with the torch Kron;
 # the eager scenarios are left off JAX, whose op-by-op mode compiles every op (slow).
 SCENARIOS = {
-    "torch": "equivalence,decisions,arguments,keras_arguments,train,resume",
-    "jax": "arguments,train,resume",
-    "tensorflow": "arguments,keras_arguments,train,resume",
+    "torch": "equivalence,decisions,arguments,keras_arguments,train",
+    "jax": "arguments,train",
+    "tensorflow": "arguments,keras_arguments,train",
 }
 PACKAGES = {"torch": ("torch",), "jax": ("jax", "jaxlib"), "tensorflow": ("tensorflow",)}
 
@@ -166,18 +166,17 @@ def test_fit_digits_accuracy(backend):
     r = scenario(backend, "train")
     print(f"\nkeras[{backend}] digits accuracy {r['accuracy']:.4f}, fit {r['fit_seconds']:.1f}s,"
           f" jit_compile={r['jit_compile']}", file=sys.stderr)
-    assert r["accuracy"] >= 0.95, r
+    assert r["accuracy"] >= 0.95 and r["moved"] > 1e-2, r
     assert r["jit_compile"] == (backend != "torch"), r
     assert r["q_updates"] == r["q_updates_expected"] and 0 < r["q_updates"] < r["steps"], r
 
 
-@pytest.mark.parametrize("backend", _backends_with("resume"))
+@pytest.mark.parametrize("backend", _backends_with("train"))
 def test_save_load_mid_training_continues_identically(backend):
     """``model.save`` / ``keras.models.load_model`` mid-training (update counter
-    mid-cycle, deferred init scale): continuing equals the uninterrupted run exactly."""
-    r = scenario(backend, "resume")
+    mid-cycle): continuing equals the uninterrupted run exactly."""
+    r = scenario(backend, "train")["resumed"]
     assert r["optimizer_type"] == "Kron", r
-    assert r["moved"] > 1e-2, r
     assert 0 < r["acc_at_save"] < r["acc_unit"], r  # a pending fraction of an update
     assert r["n_optimizer_vars"][0] == r["n_optimizer_vars"][1], r
     assert r["iterations"][0] == r["iterations"][1] and r["q_updates"][0] == r["q_updates"][1]
