@@ -6,8 +6,8 @@ so the optimizer can run them inside ``keras.ops.cond`` branches and under ``jax
 XLA, where assigning variables in a branch is not allowed. Shapes are static Python tuples
 carried alongside the tensors, never read from traced values.
 
-Triangular solves use ``keras.ops.solve_triangular`` (present on the torch, JAX and
-TensorFlow backends since Keras 3.3); products with triangular factors are dense matmuls
+Triangular solves use ``keras.ops.solve_triangular`` (checked on the torch, JAX and
+TensorFlow backends of Keras 3.15.1, the ``keras>=3.15`` floor of the extra); products with triangular factors are dense matmuls
 (the torch engine's zero-block skipping is an optimisation, not part of the math).
 """
 from __future__ import annotations
