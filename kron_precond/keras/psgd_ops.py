@@ -7,8 +7,9 @@ XLA, where assigning variables in a branch is not allowed. Shapes are static Pyt
 carried alongside the tensors, never read from traced values.
 
 Triangular solves use ``keras.ops.solve_triangular`` (checked on the torch, JAX and
-TensorFlow backends of Keras 3.15.1, the ``keras>=3.15`` floor of the extra); products with triangular factors are dense matmuls
-(the torch engine's zero-block skipping is an optimisation, not part of the math).
+TensorFlow backends of Keras 3.15.1, the ``keras>=3.15`` floor of the extra); products
+with triangular factors are dense matmuls (the torch engine's zero-block skipping is an
+optimisation, not part of the math).
 """
 from __future__ import annotations
 
@@ -114,7 +115,8 @@ def diagonal_q_step(q, t1, t2, lr, dtype: str):
 
 
 def triangular_q_step(q, t1, t2, lr, dtype: str):
-    """New triangular factor ``Q − lr triu(T1 − T2) Q / ‖T1 + T2‖₂`` (norm: lower bound)."""
+    """New triangular factor ``Q − lr triu(T1 − T2) Q / ‖T1 + T2‖₂`` (norm: lower
+    bound)."""
     norm = spectral_norm_lower_bound(t1 + t2, dtype) + tiny(dtype)
     step = ops.triu(t1 - t2) * (lr / norm)
     return q - ops.matmul(step, q)
