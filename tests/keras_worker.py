@@ -86,6 +86,7 @@ def compare_with_torch(kwargs: dict, steps: int, nan_at, shapes=SHAPES) -> dict:
     largest relative difference of parameters, momenta and factors after ``steps``."""
     import torch
 
+    from kron_precond.methods.psgd_tensor import PSGDTensor
     from kron_precond.optim import Kron as TorchKron
 
     rng = np.random.default_rng(1)
@@ -109,13 +110,13 @@ def compare_with_torch(kwargs: dict, steps: int, nan_at, shapes=SHAPES) -> dict:
         with torch.no_grad():
             k_opt.apply([ops.convert_to_tensor(x) for x in g], k_vars)
 
-    def torch_probe(self, p, index, dtype):
-        v = probes[(index, self._decider.step)]
-        return torch.as_tensor(v, dtype=dtype).reshape(p.shape)
+    def torch_probe(self, step, dtype):  # PSGDTensor.probe; key = (parameter index,)
+        v = probes[(self.key[0], step)]
+        return torch.as_tensor(v, dtype=dtype).reshape(self.factors.work_shape)
 
     t_params = [torch.nn.Parameter(torch.tensor(x)) for x in init]
-    original = TorchKron._probe
-    TorchKron._probe = torch_probe
+    original = PSGDTensor.probe
+    PSGDTensor.probe = torch_probe
     try:
         t_opt = TorchKron(t_params, **_torch_kwargs(kwargs))
         for g in grads:
@@ -123,7 +124,7 @@ def compare_with_torch(kwargs: dict, steps: int, nan_at, shapes=SHAPES) -> dict:
                 p.grad = torch.tensor(x)
             t_opt.step()
     finally:
-        TorchKron._probe = original
+        PSGDTensor.probe = original
 
     errs = {"params": 0.0, "momentum": 0.0, "factors": 0.0}
     kinds = set()

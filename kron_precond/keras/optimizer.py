@@ -31,7 +31,7 @@ from .schedules import PrecondUpdateProbSchedule, as_keras_schedule
 _RMS_CLIP = 1.1
 _UNIT = 1 << 30  # fixed-point unit of the update-decision accumulator (int32)
 _TOLERANCE = 1 << 10  # ~1e-6: float32 probabilities like 0.7 must still sum to 1
-_BALANCE_EVERY = 100  # Q updates between factor rebalancings, as in the torch optimizer
+_BALANCE_EVERY = 100  # Q updates between factor rebalancings, as in the torch PSGDTensor
 
 
 def _check_positive(name: str, value: Any, *, allow_none: bool = False) -> None:
@@ -296,14 +296,16 @@ class Kron(keras.optimizers.Optimizer):
     def _decide_update(self, step):
         """Advance the update schedule by one step (``acc += p(step)``; update when
         ``acc ≥ 1``, then ``acc -= 1``), in-graph. Returns 0-dim bool tensors: update the
-        preconditioners on this step; rebalance the factors after the update."""
+        preconditioners on this step; rebalance the factors before that update (the
+        1st, 101st, 201st, ... update, as the torch ``PSGDTensor`` does)."""
         acc = ops.add(self._update_acc, self._update_units(step))
         do_update = ops.greater_equal(acc, _UNIT - _TOLERANCE)
         self.assign(self._update_acc,
                     ops.where(do_update, ops.maximum(acc - _UNIT, 0), acc))
         q_count = ops.add(self._q_update_count, ops.cast(do_update, "int32"))
         self.assign(self._q_update_count, q_count)
-        balance = ops.logical_and(do_update, ops.equal(q_count % _BALANCE_EVERY, 0))
+        balance = ops.logical_and(do_update,
+                                  ops.equal((q_count - 1) % _BALANCE_EVERY, 0))
         return do_update, balance
 
     def _probe(self, slot: _Slot, step, dtype: str):
@@ -373,11 +375,11 @@ class Kron(keras.optimizers.Optimizer):
         def updated():
             out = []
             for slot, _, _, _, _, qs, fit, lr_q, ready in work:
-                probe = self._probe(slot, step + 1, pdtype)
-                new = psgd_ops.q_update(qs, slot.diagonal, slot.work_shape, fit, probe,
-                                        lr_q, pdtype)
                 enabled = balance if ready is None else ops.logical_and(balance, ready)
-                out.append(psgd_ops.balance(new, pdtype, enabled))
+                qs = psgd_ops.balance(qs, pdtype, enabled)
+                probe = self._probe(slot, step + 1, pdtype)
+                out.append(psgd_ops.q_update(qs, slot.diagonal, slot.work_shape, fit, probe,
+                                             lr_q, pdtype))
             return out
 
         def unchanged():

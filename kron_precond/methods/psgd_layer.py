@@ -1,23 +1,24 @@
-"""PSGD Kron as a :class:`LayerMethod`: whitening factors for each parameter of a module.
+"""PSGD Kron as a preconditioning method: whitening factors for each parameter of a module.
 
-The math of one tensor lives in :mod:`kron_precond.methods.psgd`; this file adds what
-the engine needs around it: one :class:`PSGDFactors` per parameter ("part"), the
-optional gradient average that is fitted instead of the raw gradient, probe vectors
-that depend only on ``(seed, layer, parameter, step)`` -- so the result is the same
-whichever rank owns the layer and however many ranks there are -- and the update-RMS
-clip of kron_torch.
+Each parameter ("part") has one :class:`~kron_precond.methods.psgd_tensor.PSGDTensor`
+(the same per-tensor state the ``Kron`` optimizer uses): factors, the optional fitted
+gradient average, probe vectors that depend only on ``(seed, layer, parameter, step)`` --
+so the result is the same whichever rank owns the layer and however many ranks there are --
+and the update-RMS clip of kron_torch.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 
-from kron_precond.methods.base import LayerMethod, tensor_bytes
-from kron_precond.methods.psgd import PSGDFactors, probe_seed
-
-_RMS_CLIP = 1.1  # as kron_torch: a preconditioned gradient's RMS is capped at 1.1
-_BALANCE_EVERY = 100  # rebalance factor scales every this many updates (numerical hygiene)
+from kron_precond import validation as check
+from kron_precond.methods import state_checks as checks
+from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected, tensor_bytes
+from kron_precond.methods.psgd import PSGDFactors, check_memory_save_mode
+from kron_precond.methods.psgd_tensor import RMS_CLIP, PSGDTensor, rms_clip_scale
+from kron_precond.modules import find_parameter_modules
+from kron_precond.schedules import ProbabilitySchedule, StepContext, check_probability
 
 
 class PSGDLayer(LayerMethod):
@@ -44,93 +45,138 @@ class PSGDLayer(LayerMethod):
         self.b1 = b1
         self.seed = seed
         self.layer_index = layer_index
+        self.use_momentum = bool(momentum_into_precond_update)
         self._settings = factor_settings
-        # Built on first use: ranks that are not gradient workers never hold factors.
-        self._factors: dict[str, PSGDFactors | None] = {part: None for part in self.parts}
-        self.momentum = ({part: torch.zeros(shape, device=device) for part, shape in self.shapes.items()}
-                         if momentum_into_precond_update else None)
-        self._momentum_steps = 0
-        self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         self.factor_dtype = factor_settings.get("dtype", torch.float32)
-        self._generator: torch.Generator | None = None  # reseeded for every probe
+        # Built on first use: ranks that are not gradient workers never hold factors.
+        self._tensors: dict[str, PSGDTensor | None] = {part: None for part in self.parts}
+        # The fitted average is advanced on every rank (it is cheap and rank-independent).
+        self._averages: dict[str, PSGDTensor] | None = (
+            {part: self._new_tensor(part, momentum=True) for part in self.parts}
+            if self.use_momentum else None)
+        self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
+        self.holds_state = True
+
+    def _new_tensor(self, part: str, momentum: bool = False) -> PSGDTensor:
+        return PSGDTensor(self.shapes[part], device=self.device, seed=self.seed,
+                          key=(self.layer_index, self.parts.index(part)), momentum=momentum,
+                          b1=self.b1, **self._settings)
+
+    def tensor(self, part: str) -> PSGDTensor:
+        if self._tensors[part] is None:
+            self._tensors[part] = self._new_tensor(part)
+        return self._tensors[part]
 
     def factor(self, part: str) -> PSGDFactors:
-        if self._factors[part] is None:
-            self._factors[part] = PSGDFactors(self.shapes[part], device=self.device, **self._settings)
-        return self._factors[part]
+        return self.tensor(part).factors
 
     @property
     def q_factors(self) -> dict[str, list[torch.Tensor]]:
         return {part: self.factor(part).tensors() for part in self.parts}
 
     # ------------------------------------------------------------------ observe
-    def observe_gradients(self, grads: list[torch.Tensor | None]) -> None:
-        """Advance the fitted gradient average (every step, on every rank)."""
-        if self.momentum is None:
-            return
+    def observe_gradients(self, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:
+        """Advance the fitted average; estimate initial scales (``precond_init_scale=None``)
+        on ranks that hold the factors."""
         for part, grad in zip(self.parts, grads):
             if grad is None:
                 continue
-            buf = self.momentum[part]
-            finite = torch.isfinite(grad).all()
-            buf.copy_(torch.where(finite, torch.lerp(buf, grad.to(buf.dtype), 1.0 - self.b1), buf))
-        self._momentum_steps += 1
-
-    def initialize_from(self, grads: list[torch.Tensor | None]) -> None:
-        """Estimate initial scales from the first gradients (``precond_init_scale=None``)."""
-        for part, grad in zip(self.parts, grads):
-            factor = self.factor(part)
-            if grad is not None and not factor.initialized:
-                try:
-                    factor.initialize_from(grad)
-                except ValueError:  # zero or non-finite first gradient: try again next step
-                    pass
-
-    def shared_statistics(self) -> list[torch.Tensor]:
-        return []  # gradients are already averaged by DDP
+            if self._averages is not None:
+                self._averages[part].accumulate(grad, torch.isfinite(grad).all())
+            if self.holds_state:
+                factors = self.factor(part)
+                if not factors.initialized:
+                    try:
+                        factors.initialize_from(grad)
+                    except ValueError:  # zero or non-finite first gradient: try again next step
+                        pass
 
     # ------------------------------------------------------------------ refresh
-    def refresh(self, part: str, grads: list[torch.Tensor | None], lr: float, *, step: int,
-                update_index: int) -> None:
+    def refresh(self, part: str, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:
         """One Q update of ``part`` (run by its owner); nothing to fit without a gradient
         or before the initial scale could be estimated."""
-        index = self.parts.index(part)
-        grad = grads[index]
-        if grad is None or not self.factor(part).initialized:
+        grad = grads[self.parts.index(part)]
+        state = self.tensor(part)
+        if grad is None or not state.factors.initialized:
             return
-        if self.momentum is not None:
-            debias = 1.0 - self.b1 ** max(self._momentum_steps, 1)
-            fit = self.momentum[part] / debias
-        else:
-            fit = grad
-        factor = self.factor(part)
-        if update_index % _BALANCE_EVERY == 0:
-            factor.balance()
-        if self._generator is None:
-            self._generator = torch.Generator(device=self.device)
-        self._generator.manual_seed(probe_seed(self.seed, self.layer_index, index, step))
-        probe = torch.randn(fit.shape, generator=self._generator, device=self.device, dtype=factor.dtype)
-        applied = factor.update(fit, probe, lr)
+        fit = self._averages[part].debiased_momentum(state.factors.dtype) if self._averages else grad
+        applied = state.update_factors(fit, ctx["precond_lr"], step=ctx.step, update_index=ctx.refresh_index)
         self.nonfinite.add_((~applied).to(self.nonfinite.dtype))
 
     def refreshed_tensors(self, part: str | None = None) -> list[torch.Tensor]:
         parts = self.parts if part is None else (part,)
         return [q for p in parts for q in self.factor(p).tensors()]
 
+    def finalize_refresh(self, ctx: StepContext) -> None:
+        uses = 1.0 / max(ctx.hparams.get("update_probability", 1.0), 1e-3)
+        for state in self._tensors.values():  # factors were rewritten in place (update or broadcast)
+            if state is not None:
+                state.uses_per_update = uses
+                state.invalidate()
+
     def release_refreshed(self) -> None:
-        self._factors = {part: None for part in self.parts}
+        self._tensors = {part: None for part in self.parts}
+        self.holds_state = False
 
     # ------------------------------------------------------------------ apply
-    def apply(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    def apply(self, grads: list[torch.Tensor], ctx: StepContext | None = None) -> list[torch.Tensor]:
         out = []
         for part, grad in zip(self.parts, grads):
-            if not self.factor(part).initialized:  # initial scale not estimated yet
+            state = self.tensor(part)
+            if not state.factors.initialized:  # initial scale not estimated yet
                 out.append(grad)
                 continue
-            update = self.factor(part).precondition(grad)
-            rms = update.float().square().mean().sqrt()
-            out.append(update * (_RMS_CLIP / (rms + 1e-12)).clamp(max=1.0).to(update.dtype))
+            update = state.precondition(grad)
+            out.append(update * rms_clip_scale(update).to(update.dtype))
         return out
+
+    def batch_key(self) -> Hashable | None:
+        """Layers whose parameters have equal shapes and factor structures, all initialised and
+        with every product formed, of rank at most 2, are preconditioned together."""
+        key = [type(self)]
+        for part in self.parts:
+            state = self.tensor(part)
+            factors = state.factors
+            if not factors.initialized or len(factors.work_shape) > 2 or \
+                    any(p is None for p in state.products()):
+                return None
+            key.append((self.shapes[part], factors.work_shape, tuple(factors.diagonal), factors.dtype))
+        return tuple(key)
+
+    @classmethod
+    def apply_batch(cls, layers: Sequence["PSGDLayer"], grads: Sequence[list[torch.Tensor]],
+                    ctx: StepContext | None, cache: dict, keep: torch.Tensor) -> list[list[torch.Tensor]]:
+        """``P g`` for every parameter of every layer with one batched product per factor:
+        ``P_0 G P_1`` on stacks of equal-shape gradients, the RMS clip per tensor."""
+        if len(layers) == 1:
+            return super().apply_batch(layers, grads, ctx, cache, keep)
+        states = [[layer.tensor(part) for part in layer.parts] for layer in layers]
+        versions = tuple(t.version for row in states for t in row)
+        if cache.get("versions") != versions:  # factors changed since the stacks were built
+            cache["versions"] = versions
+            cache["products"] = [[torch.stack([row[j].products()[i] for row in states])
+                                  for i in range(len(states[0][j].factors.q))]
+                                 for j in range(len(states[0]))]
+        count = len(layers)
+        columns = []
+        for j, products in enumerate(cache["products"]):
+            factors = states[0][j].factors
+            raw = torch.stack([g[j] for g in grads])
+            x = raw.reshape(count, *factors.work_shape).to(factors.dtype)
+            if x.dim() == 2:  # one dim: [L, n]
+                p = products[0]
+                x = x * p if p.dim() == 2 else torch.matmul(x.unsqueeze(1), p).squeeze(1)
+            else:  # [L, m, n]: P_0 X P_1, each side diagonal or a matrix
+                p0, p1 = products
+                x = p0.unsqueeze(2) * x if p0.dim() == 2 else torch.matmul(p0.transpose(1, 2), x)
+                x = x * p1.unsqueeze(1) if p1.dim() == 2 else torch.matmul(x, p1)
+            x = x.reshape(raw.shape).to(raw.dtype)
+            rms = torch.linalg.vector_norm(x.float().reshape(count, -1), dim=1) / (x[0].numel() ** 0.5)
+            scale = (RMS_CLIP / (rms + 1e-12)).clamp(max=1.0).to(x.dtype)
+            shape = (count,) + (1,) * (x.dim() - 1)
+            x = torch.where(keep.reshape(shape), x * scale.reshape(shape), raw)
+            columns.append(x.unbind(0))
+        return [list(row) for row in zip(*columns)]
 
     # ------------------------------------------------------------------ estimates
     def factor_costs(self) -> dict[str, tuple[float, float]]:
@@ -141,10 +187,13 @@ class PSGDLayer(LayerMethod):
         return costs
 
     def memory_by_kind(self) -> dict[str, int]:
-        factors = [q for f in self._factors.values() if f is not None for q in f.tensors()]
-        usage = {"psgd_factors": tensor_bytes(factors)}
-        if self.momentum is not None:
-            usage["psgd_momentum"] = tensor_bytes(self.momentum.values())
+        held = [t for t in self._tensors.values() if t is not None]
+        usage = {"psgd_factors": tensor_bytes([q for t in held for q in t.factors.tensors()])}
+        cached = sum(t.cache_bytes() for t in held)
+        if cached:
+            usage["psgd_cached_products"] = cached
+        if self._averages is not None:
+            usage["psgd_momentum"] = tensor_bytes(t.momentum for t in self._averages.values())
         return usage
 
     # ------------------------------------------------------------------ state
@@ -152,27 +201,127 @@ class PSGDLayer(LayerMethod):
         return {
             "factors": {part: {"q": [q.clone() for q in self.factor(part).tensors()],
                                "initialized": self.factor(part).initialized} for part in self.parts},
-            "momentum": None if self.momentum is None else {k: v.clone() for k, v in self.momentum.items()},
-            "momentum_steps": self._momentum_steps,
+            "momentum": None if self._averages is None else
+            {k: v.momentum.clone() for k, v in self._averages.items()},
+            "momentum_steps": None if self._averages is None else
+            {k: v.steps.clone() for k, v in self._averages.items()},
+            # decides whether Q_iᵀQ_i is formed: saved so that a resumed run is bitwise the same
+            "uses_per_update": {part: self.tensor(part).uses_per_update for part in self.parts},
         }
 
     def check_state(self, state: dict[str, Any]) -> None:
-        """Raise ``ValueError`` if ``state`` does not hold factors for these parameters."""
-        missing = set(self.parts) - set(state.get("factors", {}))
+        """Raise ``ValueError`` if ``state`` does not hold loadable factors for these
+        parameters (missing entries, wrong shapes, integer or non-finite tensors)."""
+        where = f"state of {self.name}"
+        factors = checks.entry(state, "factors", where)
+        missing = set(self.parts) - set(factors if isinstance(factors, dict) else ())
         if missing:
-            raise ValueError(f"state of {self.name} has no factors for {sorted(missing)}")
+            raise ValueError(f"{where} has no factors for {sorted(missing)}")
         for part in self.parts:
             expected = [tuple(q.shape) for q in PSGDFactors(self.shapes[part], device="meta",
                                                             **self._settings).tensors()]
-            got = [tuple(q.shape) for q in state["factors"][part]["q"]]
-            if got != expected:
-                raise ValueError(f"state of {self.name}.{part} has factor shapes {got}, expected {expected}")
+            saved = factors[part]
+            checks.tensor_list(checks.entry(saved, "q", f"{where}.{part}"), expected, f"{where}.{part}: q")
+            checks.boolean(checks.entry(saved, "initialized", f"{where}.{part}"), f"{where}.{part}: initialized")
+        momentum = state.get("momentum")
+        if self._averages is not None and momentum is not None:
+            for part, shape in self.shapes.items():
+                checks.float_tensor(checks.entry(momentum, part, f"{where}: momentum"), shape,
+                                    f"{where}: momentum[{part!r}]")
+            steps = state.get("momentum_steps", 0)
+            if isinstance(steps, dict):  # per tensor (files before that: one count for the layer)
+                for part in self.parts:
+                    value = checks.entry(steps, part, f"{where}: momentum_steps")
+                    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                        raise ValueError(f"{where}: momentum_steps[{part!r}] must be a 1-element "
+                                         f"tensor, got {value!r}")
+            else:
+                checks.integer(steps, f"{where}: momentum_steps")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
+        uses = state.get("uses_per_update", {})
         for part in self.parts:
             self.factor(part).load_state_dict(state["factors"][part])
-        if self.momentum is not None and state.get("momentum") is not None:
+            self.tensor(part).uses_per_update = float(uses.get(part, 1.0))
+            self.tensor(part).invalidate()
+        if self._averages is not None and state.get("momentum") is not None:
+            steps = state.get("momentum_steps", 0)
             for part, value in state["momentum"].items():
-                self.momentum[part].copy_(value)
-        self._momentum_steps = int(state.get("momentum_steps", 0))
+                self._averages[part].momentum.copy_(value)
+                # files written before the per-tensor state kept one count for the layer
+                self._averages[part].steps.fill_(steps) if not isinstance(steps, dict) else \
+                    self._averages[part].steps.copy_(steps[part])
+
+
+def _check_memory_save_mode(name: str, value):
+    check_memory_save_mode(value)
+    return value
+
+
+# P = s²·I must be finite in float32 (and bfloat16): s at most sqrt(3.4e38) ≈ 1.8e19.
+_INIT_SCALE_MAX = torch.finfo(torch.float32).max ** 0.5
+
+
+def _check_init_scale(name: str, value):
+    if value is None:
+        return None
+    scale = check.check_positive(name, value)
+    if scale > _INIT_SCALE_MAX:
+        raise ValueError(f"{name} must be at most {_INIT_SCALE_MAX:.3g} (its square, the initial "
+                         f"preconditioner, must be finite in float32), got {value!r}")
+    return scale
+
+
+def _check_b1(name: str, value) -> float:
+    return check.check_unit_interval(name, value, low_open=False, high_open=True)
+
+
+def _check_update_probability(name: str, value):
+    if value is None or callable(value):
+        return value
+    return check_probability(check.as_number(name, value), name)  # no bools
+
+
+def _check_seed(name: str, value) -> int:
+    return check.check_int(name, value, minimum=-(2**63))
+
+
+class PSGDSpec(MethodSpec):
+    """PSGD Kron (Xi-Lin Li): learned Kronecker-factored whitening of each parameter's
+    gradient; needs only the gradient (no hooks, nothing to reduce under DDP)."""
+
+    name = "psgd"
+    options = {
+        "preconditioner_update_probability": Option(None, _check_update_probability, collective=True),
+        # 0: every dim gets a diagonal factor (as in Kron)
+        # The factors' shapes and dtype are collective: owners broadcast them under
+        # grad_worker_fraction < 1, so ranks must agree on them.
+        "max_size_triangular": Option(8192, lambda n, v: check.check_int(n, v, minimum=0), collective=True),
+        "min_ndim_triangular": Option(2, lambda n, v: check.check_int(n, v, minimum=0), collective=True),
+        "memory_save_mode": Option(None, _check_memory_save_mode, collective=True),
+        "momentum_into_precond_update": Option(False, lambda n, v: bool(v)),
+        "precond_b1": Option(0.9, _check_b1),
+        # 0 is meaningful (a warm-up from 0: no Q change)
+        "precond_lr": Option(0.1, check.check_non_negative, per_step="refresh"),
+        "precond_init_scale": Option(1.0, _check_init_scale),
+        "precond_dtype": Option(torch.float32, check.check_float_dtype, collective=True),
+        "merge_dims": Option(False, lambda n, v: bool(v), collective=True),
+        "seed": Option(0, _check_seed, collective=True),
+    }
+    health_check_every = 100
+
+    def select(self, model, is_skipped, log) -> list[Selected]:
+        return find_parameter_modules(model, is_skipped, log)
+
+    def make_layer(self, index: int, selected: Selected) -> PSGDLayer:
+        s = self.settings
+        return PSGDLayer(
+            selected.name, [(n, p.shape) for n, p in selected.params], device=selected.params[0][1].device,
+            momentum_into_precond_update=s["momentum_into_precond_update"], b1=s["precond_b1"],
+            seed=s["seed"], layer_index=index, max_size_triangular=s["max_size_triangular"],
+            min_ndim_triangular=s["min_ndim_triangular"], memory_save_mode=s["memory_save_mode"],
+            init_scale=s["precond_init_scale"], dtype=s["precond_dtype"], merge_dims=s["merge_dims"])
+
+    def make_schedule(self) -> ProbabilitySchedule:
+        return ProbabilitySchedule(self.settings["preconditioner_update_probability"])
