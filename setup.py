@@ -12,5 +12,7 @@ setup(
     extras_require={
         "test": ["pytest", "scikit-learn"],
         "examples": ["scikit-learn", "tqdm", "matplotlib"],
+        # kron_precond.keras (Keras 3 on JAX, or TensorFlow/torch if installed); no torch.
+        "keras": ["keras>=3.15", "jax"],
     },
 )
