@@ -376,11 +376,17 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-def results_table(results: Sequence[RunResult], reference: RunResult, target: float) -> str:
-    """One row per run against ``reference`` (AdamW) and the held-out ``target`` loss."""
-    ref_reach = reference.first_reaching(target)
-    ref_seconds = ref_reach[1] if ref_reach else float("nan")
+def results_table(results: Sequence[RunResult], reference: RunResult, target: float,
+                  muon: RunResult | None = None) -> str:
+    """One row per run against ``reference`` (AdamW) and the held-out ``target`` loss; with
+    ``muon``, also the wall-clock to the target relative to that Muon run."""
+    def seconds_to_target(run: RunResult | None) -> float:
+        reach = run.first_reaching(target) if run is not None else None
+        return reach[1] if reach else float("nan")
+
+    ref_seconds, muon_seconds = seconds_to_target(reference), seconds_to_target(muon)
     headers = ["run", "lr", "final loss", "steps to target", "s to target", "x AdamW time",
+               *(["x Muon time"] if muon is not None else []),
                "ms/step", "x AdamW step", "optimizer state", "precond state"]
     rows = []
     for r in results:
@@ -392,6 +398,7 @@ def results_table(results: Sequence[RunResult], reference: RunResult, target: fl
             str(reach[0]) if reach else "not reached",
             f"{reach[1]:.1f}" if reach else "-",
             f"{reach[1] / ref_seconds:.2f}" if reach else "-",
+            *([f"{reach[1] / muon_seconds:.2f}" if reach else "-"] if muon is not None else []),
             f"{1000 * r.mean_step_seconds:.1f}",
             f"{r.mean_step_seconds / reference.mean_step_seconds:.2f}",
             f"{r.state_bytes['optimizer']:,} B",
@@ -430,7 +437,8 @@ def plot_curves(results: Sequence[RunResult], target: float, path: Path, title: 
 # every step of a 600-step run; this one anneals from step 100 and reaches 0.03 by ~450.
 DEFAULT_PSGD_UPDATE_PROB = "anneal:100:0.01"
 DEFAULT_PSGD_INIT_SCALE = "auto"  # estimated from the first gradient
-DEFAULT_LRS = {"adamw": 2e-3, "kfac": 4e-3, "psgd": 2e-3, "psgd_adamw": 2e-3, "sgd": 0.1, "kfac_sgd": 0.1, "psgd_sgd": 0.1}
+DEFAULT_LRS = {"adamw": 2e-3, "kfac": 4e-3, "psgd": 2e-3, "psgd_adamw": 2e-3, "sgd": 0.1, "kfac_sgd": 0.1,
+               "psgd_sgd": 0.1, "muon": 8e-3, "kfac_muon": 8e-3, "psgd_muon": 8e-3}
 
 
 def _psgd_update_probability(value: str):
@@ -529,7 +537,8 @@ def report(results: Sequence[RunResult], model: ModelConfig, train: TrainConfig,
     reference = next((r for r in results if r.name == "adamw"), results[0])
     target = reference.final_loss
     print(f"\nheld-out target = final loss of {reference.name}: {target:.4f} nats/byte")
-    print(results_table(results, reference, target))
+    muon = next((r for r in results if r.name == "muon"), None)
+    print(results_table(results, reference, target, muon))
     out.mkdir(parents=True, exist_ok=True)
     plot_curves(results, target, out / "char_lm.png", title)
     with open(out / "results.json", "w") as f:
