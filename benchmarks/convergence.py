@@ -59,7 +59,7 @@ DEFAULT_PEER_LRS = (2e-3,)
 VARIANT_KEYS = {
     "fu": "factor_update_steps", "iu": "inv_update_steps", "damping": "damping",
     "decay": "factor_decay", "kl": "kl_clip", "p": "update_probability",
-    "plr": "psgd_precond_lr", "init": "psgd_init_scale",
+    "plr": "psgd_precond_lr", "init": "psgd_init_scale", "rule": "psgd_update",
 }
 _FAMILY = re.compile(r"^(?P<method>\w+)(?:\{(?P<variant>[^}]*)\})?=(?P<lrs>.+)$")
 
@@ -71,6 +71,8 @@ def _variant_value(field: str, text: str):
         return _psgd_update_probability(text)
     if field == "psgd_init_scale":
         return _psgd_init_scale(text)
+    if field == "psgd_update":
+        return text
     if field == "kl_clip":
         return None if float(text) <= 0 else float(text)
     return float(text)

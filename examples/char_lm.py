@@ -212,7 +212,7 @@ class TrainConfig:
     grad_accum: int = 1
     warmup_steps: int = 30
     weight_decay: float = 0.0
-    eval_every: int = 25
+    eval_every: int = 10
     eval_seqs: int = 128
     corpus_mb: float = 4.0
     seed: int = 0

@@ -127,6 +127,7 @@ class PrecondConfig:
     psgd_init_scale: float | None = 1.0  # None: estimated from the first gradient
     accumulation_steps: int = 1
     psgd_precond_lr: float | Callable[[int], float] = 0.1
+    psgd_update: str = "eq"  # how PSGD fits Q: "eq" (triangular) or "procrustes"
     # K-FAC extras (library defaults unless a sweep variant sets them):
     factor_decay: float = 0.95
 
@@ -227,6 +228,7 @@ def build_optimizer(
             params, lr=lr, weight_decay=weight_decay,
             preconditioner_update_probability=psgd.update_probability,
             precond_init_scale=psgd.psgd_init_scale,
+            precond_update=psgd.psgd_update,
             **({} if callable(psgd.psgd_precond_lr) else {"precond_lr": psgd.psgd_precond_lr}),
         )
     raise ValueError(f"unknown base optimizer {name!r}")
@@ -265,6 +267,7 @@ def build_preconditioner(
             preconditioner_update_probability=config.update_probability,
             precond_init_scale=config.psgd_init_scale,
             precond_lr=config.psgd_precond_lr,
+            precond_update=config.psgd_update,
         )  # PSGD reads only the (accumulated) gradient: no accumulation setting
     raise ValueError(f"unknown preconditioner {kind!r}")
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .methods.psgd import PSGDFactors, check_memory_save_mode, probe_seed
+from .methods.psgd import PSGDFactors, check_memory_save_mode, check_update_rule, probe_seed
 from .schedules import UpdateDecider, check_probability
 
 _RMS_CLIP = 1.1
@@ -55,6 +55,7 @@ def _check_group(group: dict[str, Any], global_clipnorm: float | None) -> None:
     if not (isinstance(b1, (int, float)) and 0.0 <= b1 < 1.0):
         raise ValueError(f"Invalid b1: {b1!r}; expected a float in [0, 1)")
     check_memory_save_mode(group["memory_save_mode"])
+    check_update_rule(group["precond_update"])
     for name in ("max_size_triangular", "min_ndim_triangular"):
         if not (isinstance(group[name], int) and group[name] >= 0):
             raise ValueError(f"Invalid {name}: {group[name]!r}; expected an int >= 0")
@@ -97,6 +98,9 @@ class Kron(torch.optim.Optimizer):
         precond_dtype: dtype of the factors and of the preconditioning math.
         clipnorm, clipvalue, global_clipnorm: Keras-style gradient clipping (at most one).
         merge_dims: view tensors of rank > 2 as their most square 2-D matrix.
+        precond_update: how Q is fitted: ``'eq'`` (default; triangular factors, DESIGN.md
+            §3) or ``'procrustes'`` (dense near-SPD factors, Xi-Lin Li's matmul-only
+            ``Q0.5EQ1.5`` rule; see :class:`~kron_precond.methods.psgd.PSGDFactors`).
         seed: seeds the probe vectors, drawn from ``(seed, parameter index, step)``.
     """
 
@@ -110,7 +114,8 @@ class Kron(torch.optim.Optimizer):
                  precond_lr: float = 0.1, precond_init_scale: float | None = 1.0,
                  mu_dtype: torch.dtype | None = None, precond_dtype: torch.dtype = torch.float32,
                  clipnorm: float | None = None, clipvalue: float | None = None,
-                 global_clipnorm: float | None = None, merge_dims: bool = False, seed: int = 0):
+                 global_clipnorm: float | None = None, merge_dims: bool = False, seed: int = 0,
+                 precond_update: str = "eq"):
         if not callable(preconditioner_update_probability) and (
                 preconditioner_update_probability is not None):
             check_probability(preconditioner_update_probability)
@@ -129,7 +134,7 @@ class Kron(torch.optim.Optimizer):
                         momentum_into_precond_update=momentum_into_precond_update,
                         precond_lr=precond_lr, precond_init_scale=precond_init_scale,
                         mu_dtype=mu_dtype, precond_dtype=precond_dtype, clipnorm=clipnorm,
-                        clipvalue=clipvalue, merge_dims=merge_dims)
+                        clipvalue=clipvalue, merge_dims=merge_dims, precond_update=precond_update)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -153,7 +158,8 @@ class Kron(torch.optim.Optimizer):
             p.shape, max_size_triangular=group["max_size_triangular"],
             min_ndim_triangular=group["min_ndim_triangular"],
             memory_save_mode=group["memory_save_mode"], init_scale=init_scale,
-            dtype=group["precond_dtype"], device=p.device, merge_dims=group["merge_dims"])
+            dtype=group["precond_dtype"], device=p.device, merge_dims=group["merge_dims"],
+            update_rule=group["precond_update"])
 
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]

@@ -28,6 +28,7 @@ from kron_precond.distributed.assignment import WorkAssignment, assign_work
 from kron_precond.distributed.groups import WorkerGrid
 from kron_precond.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, Method
 from kron_precond.methods.kfac import FACTORS, KFACLayer
+from kron_precond.methods.psgd import check_update_rule
 from kron_precond.modules import compile_skip_patterns, find_modules
 from kron_precond.schedules import UpdateDecider, resolve
 
@@ -104,7 +105,7 @@ class KronPreconditioner:
             output gradients seen by the hooks (mixed precision).
         preconditioner_update_probability, max_size_triangular, min_ndim_triangular,
         memory_save_mode, momentum_into_precond_update, precond_b1, precond_lr,
-        precond_init_scale, precond_dtype, merge_dims: PSGD Kron settings (see
+        precond_init_scale, precond_dtype, merge_dims, precond_update: PSGD Kron settings (see
             :class:`kron_precond.Kron`); ``precond_b1`` is the decay of the gradient
             average fitted when ``momentum_into_precond_update`` (the base optimizer keeps
             its own momentum, so the default is False).
@@ -147,6 +148,7 @@ class KronPreconditioner:
         precond_init_scale: float | None = 1.0,
         precond_dtype: torch.dtype = torch.float32,
         merge_dims: bool = False,
+        precond_update: str = "eq",
         seed: int = 0,
         allreduce_bucket_cap_mb: float = 25.0,
         assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
@@ -183,6 +185,7 @@ class KronPreconditioner:
         if inv_dtype not in (torch.float32, torch.float64, torch.bfloat16):
             raise ValueError(f"inv_dtype must be torch.float32, torch.float64 or torch.bfloat16 "
                              f"(float16 overflows 1/λ-sized values), got {inv_dtype!r}")
+        check_update_rule(precond_update)
         if not _is_float_dtype(precond_dtype):
             raise ValueError(f"precond_dtype must be a floating torch.dtype, got {precond_dtype!r}")
         self.accumulation_steps = accumulation_steps
@@ -195,7 +198,7 @@ class KronPreconditioner:
         self._psgd_settings = dict(
             max_size_triangular=max_size_triangular, min_ndim_triangular=min_ndim_triangular,
             memory_save_mode=memory_save_mode, init_scale=precond_init_scale,
-            dtype=precond_dtype, merge_dims=merge_dims)
+            dtype=precond_dtype, merge_dims=merge_dims, update_rule=precond_update)
         self._psgd_momentum = (bool(momentum_into_precond_update), float(precond_b1))
         self._decider = UpdateDecider(preconditioner_update_probability)
 
@@ -659,7 +662,7 @@ _KFAC_ONLY = ("factor_update_steps", "inv_update_steps", "damping", "factor_deca
               "factor_dtype", "inv_dtype", "grad_scaler", "symmetry_aware")
 _PSGD_ONLY = ("preconditioner_update_probability", "max_size_triangular", "min_ndim_triangular",
               "memory_save_mode", "momentum_into_precond_update", "precond_b1", "precond_lr",
-              "precond_init_scale", "precond_dtype", "merge_dims", "seed")
+              "precond_init_scale", "precond_dtype", "merge_dims", "precond_update", "seed")
 
 
 def _warn_inapplicable(arguments: dict[str, Any]) -> None:
