@@ -479,12 +479,16 @@ class PSGDFactors:
         """``x ↦ QᵀQ x`` on mode fibres for dense (not triangular) factors."""
         maps = []
         for q in self.q:
+            n = q.shape[0]
+            fibres = self.numel // n
             if q.dim() == 1:
                 q2 = q * q
                 maps.append(lambda x, q2=q2: x * q2)
-            else:
+            elif 2 * n ** 3 + 2 * fibres * n * n < 4 * fibres * n * n:  # flops: form P once
                 p = q.T @ q
                 maps.append(lambda x, p=p: x @ p)
+            else:  # (x Qᵀ) Q: two products with the fibres beat forming QᵀQ
+                maps.append(lambda x, q=q: (x @ q.T) @ q)
         return maps
 
     def _procrustes_update(self, fit: torch.Tensor, probe: torch.Tensor,
