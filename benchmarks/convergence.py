@@ -1,15 +1,22 @@
-"""Steps and wall-clock to a target held-out loss, against AdamW, on the char-LM.
+"""Steps and wall-clock to a target held-out loss, against AdamW and Muon, on the char-LM.
 
-Every method runs a small learning-rate sweep; every sweep point is reported. All runs
-(sweep points and peers) train round-robin in one process on the same batches from the
-same initial weights (see examples/char_lm.py), so background load hits them alike.
+Every method family runs a learning-rate sweep; every sweep point is reported, then the
+best point of each family with where its lr sits in the family's grid (a best point at a
+grid edge means the grid must be extended). All runs train round-robin in one process on
+the same batches from the same initial weights (see examples/char_lm.py), so background
+load hits them alike.
 
 The target is the final held-out loss of the best AdamW sweep point (or ``--target``).
-"x AdamW time" divides a run's training seconds to the target by the best AdamW run's.
+"x AdamW time" / "x Muon time" divide a run's training seconds to the target by the best
+AdamW / Muon point's.
 
-    python benchmarks/convergence.py                                   # the documented sweep
-    python benchmarks/convergence.py --grid adamw=1e-3,2e-3 --grid kfac=2e-3 --steps 200
-    python benchmarks/convergence.py --peers none --out docs/img/convergence.png
+A family is a method of examples/common.py's METHODS, optionally with preconditioner
+settings: ``kfac_muon{fu=5,iu=25}`` (K-FAC statistics every 5 steps, refresh every 25, in
+front of Muon), ``psgd_muon{rule=procrustes,p=anneal:25:0.02}``; see ``--help``.
+
+    python benchmarks/convergence.py --threads 1                       # the fair sweep (18 runs)
+    python benchmarks/convergence.py --grid adamw=2e-3 --grid muon=8e-3 --grid "kfac_muon{fu=10,iu=50}=8e-3"
+    python benchmarks/convergence.py --grid adamw=1e-3,2e-3 --peers kron_torch --steps 200
 """
 from __future__ import annotations
 

@@ -436,7 +436,10 @@ def plot_curves(results: Sequence[RunResult], target: float, path: Path, title: 
 # Short runs: the library's default anneal keeps p=1 for 500 steps, i.e. a Q update on
 # every step of a 600-step run; this one anneals from step 100 and reaches 0.03 by ~450.
 DEFAULT_PSGD_UPDATE_PROB = "anneal:100:0.01"
+# AdamW and Muon (what users pick today) next to the library's best configurations.
+DEFAULT_METHODS = "adamw,muon,psgd,kfac_muon,psgd_muon"
 DEFAULT_PSGD_INIT_SCALE = "auto"  # estimated from the first gradient
+DEFAULT_PSGD_UPDATE = "eq"
 DEFAULT_LRS = {"adamw": 2e-3, "kfac": 4e-3, "psgd": 2e-3, "psgd_adamw": 2e-3, "sgd": 0.1, "kfac_sgd": 0.1,
                "psgd_sgd": 0.1, "muon": 8e-3, "kfac_muon": 8e-3, "psgd_muon": 8e-3}
 
@@ -482,6 +485,9 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                         "1.0 for 500 steps, then down to 0.03 by ~4000) or 'anneal:FLAT_START:DECAY'")
     p.add_argument("--psgd-init-scale", type=_psgd_init_scale, default=DEFAULT_PSGD_INIT_SCALE,
                    help="PSGD initial preconditioner scale, or 'auto' (estimated from the first gradient)")
+    p.add_argument("--psgd-update", choices=("eq", "procrustes"), default=DEFAULT_PSGD_UPDATE,
+                   help="how PSGD fits its factors: 'eq' (triangular Q, triangular solves) or "
+                        "'procrustes' (dense near-SPD Q, matmul-only Q0.5EQ1.5 rule)")
     p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every, help="steps between held-out evaluations")
     p.add_argument("--eval-seqs", type=int, default=TrainConfig.eval_seqs, help="held-out sequences per evaluation")
     p.add_argument("--corpus-mb", type=float, default=TrainConfig.corpus_mb, help="MiB of stdlib source to use")
@@ -495,7 +501,7 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--methods", default="adamw,kfac,psgd", help=f"comma-separated, from: {', '.join(METHODS)}")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, from: {', '.join(METHODS)}")
     for method, lr in DEFAULT_LRS.items():
         p.add_argument(f"--lr-{method.replace('_', '-')}", type=float, default=lr,
                        help=f"peak learning rate for {METHODS[method].label}")
@@ -517,6 +523,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
         inv_update_steps=args.inv_update_steps, damping=args.damping,
         kl_clip=args.kl_clip if args.kl_clip > 0 else None,
         update_probability=args.psgd_update_prob, psgd_init_scale=args.psgd_init_scale,
+        psgd_update=args.psgd_update,
         accumulation_steps=args.grad_accum,
     )
     return model, train, precond
