@@ -159,7 +159,7 @@ class Kron(torch.optim.Optimizer):
             min_ndim_triangular=group["min_ndim_triangular"],
             memory_save_mode=group["memory_save_mode"], init_scale=init_scale,
             dtype=group["precond_dtype"], device=p.device, merge_dims=group["merge_dims"],
-            update_rule=group["precond_update"])
+            update_rule=group.get("precond_update", "eq"))  # groups saved before the option
 
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
