@@ -202,7 +202,9 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
               f"{train.batch_size * model_config.seq_len} tokens/step: {', '.join(c.name for c in contenders)}")
     results = train_round_robin(contenders, model_config, train, ctx)
     if ctx.is_main:
-        reference = best_adamw(results)
+        # With a fixed --target the AdamW reference may be left out (its columns then use
+        # the first run).
+        reference = best_adamw(results) if args.target is None or best_of(results, "adamw") else results[0]
         target = args.target if args.target is not None else reference.final_loss
         muon = best_of(results, "muon")
         print(f"\ntarget held-out loss {target:.4f} (best AdamW point: {reference.name}"

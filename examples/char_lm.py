@@ -217,6 +217,7 @@ class TrainConfig:
     corpus_mb: float = 4.0
     seed: int = 0
     amp: bool = False
+    stop_after: int = 0  # > 0: stop after this many steps (the schedule still spans `steps`)
 
 
 @dataclass
@@ -356,8 +357,11 @@ def train_round_robin(
             run.result.step_seconds.append(timer.seconds)
             run.train_seconds += timer.seconds
         bar.set_postfix({name: f"{loss:.3f}" for name, loss in train_losses.items()})
-        if step % train.eval_every == 0 or step == train.steps:
+        stopping = 0 < train.stop_after <= step
+        if step % train.eval_every == 0 or step == train.steps or stopping:
             record_eval(step)
+        if stopping:
+            break
     for run in runs:
         run.result.state_bytes = state_memory_bytes(run.optimizer, run.precond)
         if run.precond is not None:
@@ -488,6 +492,9 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--psgd-update", choices=("eq", "procrustes"), default=DEFAULT_PSGD_UPDATE,
                    help="how PSGD fits its factors: 'eq' (triangular Q, triangular solves) or "
                         "'procrustes' (dense near-SPD Q, matmul-only Q0.5EQ1.5 rule)")
+    p.add_argument("--stop-after", type=int, default=0,
+                   help="stop after this many steps while the LR schedule still spans --steps "
+                        "(time-to-a-fixed---target checks; 'final loss' is then the loss there)")
     p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every, help="steps between held-out evaluations")
     p.add_argument("--eval-seqs", type=int, default=TrainConfig.eval_seqs, help="held-out sequences per evaluation")
     p.add_argument("--corpus-mb", type=float, default=TrainConfig.corpus_mb, help="MiB of stdlib source to use")
@@ -517,6 +524,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
         steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
         warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, eval_every=args.eval_every,
         eval_seqs=args.eval_seqs, corpus_mb=args.corpus_mb, seed=args.seed, amp=args.amp,
+        stop_after=args.stop_after,
     )
     precond = PrecondConfig(
         skip_layers=SKIP_LAYERS, factor_update_steps=args.factor_update_steps,
