@@ -210,6 +210,12 @@ def build_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequen
     return OptimizerChain([muon, adamw])
 
 
+def _psgd_update_option(config: PrecondConfig) -> dict:
+    """``precond_update`` only when it is not the default, so that the examples also run
+    against a library without the (opt-in) Procrustes rule."""
+    return {} if config.psgd_update == "eq" else {"precond_update": config.psgd_update}
+
+
 def build_optimizer(
     name: str,
     params: Iterable[nn.Parameter],
@@ -228,7 +234,7 @@ def build_optimizer(
             params, lr=lr, weight_decay=weight_decay,
             preconditioner_update_probability=psgd.update_probability,
             precond_init_scale=psgd.psgd_init_scale,
-            precond_update=psgd.psgd_update,
+            **_psgd_update_option(psgd),
             **({} if callable(psgd.psgd_precond_lr) else {"precond_lr": psgd.psgd_precond_lr}),
         )
     raise ValueError(f"unknown base optimizer {name!r}")
@@ -267,7 +273,7 @@ def build_preconditioner(
             preconditioner_update_probability=config.update_probability,
             precond_init_scale=config.psgd_init_scale,
             precond_lr=config.psgd_precond_lr,
-            precond_update=config.psgd_update,
+            **_psgd_update_option(config),
         )  # PSGD reads only the (accumulated) gradient: no accumulation setting
     raise ValueError(f"unknown preconditioner {kind!r}")
 
