@@ -1,20 +1,28 @@
-"""Steps and wall-clock to a target held-out loss, against AdamW, on the char-LM.
+"""Steps and wall-clock to a target held-out loss, against AdamW and Muon, on the char-LM.
 
-Every method runs a small learning-rate sweep; every sweep point is reported. All runs
-(sweep points and peers) train round-robin in one process on the same batches from the
-same initial weights (see examples/char_lm.py), so background load hits them alike.
+Every method family runs a learning-rate sweep; every sweep point is reported, then the
+best point of each family with where its lr sits in the family's grid (a best point at a
+grid edge means the grid must be extended). All runs train round-robin in one process on
+the same batches from the same initial weights (see examples/char_lm.py), so background
+load hits them alike.
 
 The target is the final held-out loss of the best AdamW sweep point (or ``--target``).
-"x AdamW time" divides a run's training seconds to the target by the best AdamW run's.
+"x AdamW time" / "x Muon time" divide a run's training seconds to the target by the best
+AdamW / Muon point's.
 
-    python benchmarks/convergence.py                                   # the documented sweep
-    python benchmarks/convergence.py --grid adamw=1e-3,2e-3 --grid kfac=2e-3 --steps 200
-    python benchmarks/convergence.py --peers none --out docs/img/convergence.png
+A family is a method of examples/common.py's METHODS, optionally with preconditioner
+settings: ``kfac_muon{fu=5,iu=25}`` (K-FAC statistics every 5 steps, refresh every 25, in
+front of Muon), ``psgd_muon{rule=procrustes,p=anneal:25:0.02}``; see ``--help``.
+
+    python benchmarks/convergence.py --threads 1                       # the fair sweep (18 runs)
+    python benchmarks/convergence.py --grid adamw=2e-3 --grid muon=8e-3 --grid "kfac_muon{fu=10,iu=50}=8e-3"
+    python benchmarks/convergence.py --grid adamw=1e-3,2e-3 --peers kron_torch --steps 200
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -30,6 +38,8 @@ from benchmarks.peers import ALL_PEERS, DEFAULT_PEERS, available_peers, parse_pe
 from examples.char_lm import (  # noqa: E402
     Contender,
     RunResult,
+    _psgd_init_scale,
+    _psgd_update_probability,
     add_training_args,
     configs_from_args,
     method_contender,
@@ -39,25 +49,63 @@ from examples.char_lm import (  # noqa: E402
 )
 from examples.common import METHODS, PrecondConfig, close_distributed, init_distributed  # noqa: E402
 
+# The fair sweep: every family gets the same number of learning rates (3), centred on the
+# best point of earlier sweeps, so that each family's best point can land inside its grid.
 DEFAULT_GRID = {
     "adamw": (1e-3, 2e-3, 4e-3),
-    "kfac": (2e-3, 4e-3),
-    "psgd": (2e-3, 4e-3),
+    "muon": (4e-3, 8e-3, 1.6e-2),
+    "kfac": (2e-3, 4e-3, 8e-3),
+    "psgd": (1e-3, 2e-3, 4e-3),
+    "kfac_muon": (4e-3, 8e-3, 1.6e-2),
+    "psgd_muon": (4e-3, 8e-3, 1.6e-2),
 }
 DEFAULT_PEER_LRS = (2e-3,)
 
+# Short names for the PrecondConfig fields a grid family may override, e.g.
+# ``kfac_muon{fu=5,iu=25,damping=1e-2}=4e-3,8e-3``.
+VARIANT_KEYS = {
+    "fu": "factor_update_steps", "iu": "inv_update_steps", "damping": "damping",
+    "decay": "factor_decay", "kl": "kl_clip", "p": "update_probability",
+    "plr": "psgd_precond_lr", "init": "psgd_init_scale", "rule": "psgd_update",
+}
+_FAMILY = re.compile(r"^(?P<method>\w+)(?:\{(?P<variant>[^}]*)\})?=(?P<lrs>.+)$")
 
-def parse_grid(entries: Sequence[str] | None) -> dict[str, tuple[float, ...]]:
-    """``--grid method=lr,lr`` entries (repeatable); the default grid when none is given."""
+
+def _variant_value(field: str, text: str):
+    if field in ("factor_update_steps", "inv_update_steps"):
+        return int(text)
+    if field == "update_probability":
+        return _psgd_update_probability(text)
+    if field == "psgd_init_scale":
+        return _psgd_init_scale(text)
+    if field == "psgd_update":
+        return text
+    if field == "kl_clip":
+        return None if float(text) <= 0 else float(text)
+    return float(text)
+
+
+def parse_family(entry: str) -> tuple[str, str, dict, tuple[float, ...]]:
+    """``METHOD[{k=v,...}]=LR,LR`` -> (family name, method, PrecondConfig overrides, lrs)."""
+    match = _FAMILY.match(entry.replace(" ", ""))
+    if not match or match["method"] not in METHODS:
+        raise SystemExit(f"--grid {entry!r}: expected METHOD[{{k=v,...}}]=LR[,LR...] with METHOD in "
+                         f"{list(METHODS)} and k in {list(VARIANT_KEYS)}")
+    overrides = {}
+    for item in filter(None, (match["variant"] or "").split(",")):
+        key, _, value = item.partition("=")
+        if key not in VARIANT_KEYS:
+            raise SystemExit(f"--grid {entry!r}: unknown setting {key!r}; choose from {list(VARIANT_KEYS)}")
+        overrides[VARIANT_KEYS[key]] = _variant_value(VARIANT_KEYS[key], value)
+    family = match["method"] + (f"{{{match['variant']}}}" if match["variant"] else "")
+    return family, match["method"], overrides, tuple(float(lr) for lr in match["lrs"].split(","))
+
+
+def parse_grid(entries: Sequence[str] | None) -> list[tuple[str, str, dict, tuple[float, ...]]]:
+    """``--grid`` entries (repeatable); the default grid when none is given."""
     if not entries:
-        return dict(DEFAULT_GRID)
-    grid = {}
-    for entry in entries:
-        method, _, lrs = entry.partition("=")
-        if method not in METHODS or not lrs:
-            raise SystemExit(f"--grid {entry!r}: expected METHOD=LR[,LR...] with METHOD in {list(METHODS)}")
-        grid[method] = tuple(float(lr) for lr in lrs.split(","))
-    return grid
+        return [(m, m, {}, lrs) for m, lrs in DEFAULT_GRID.items()]
+    return [parse_family(entry) for entry in entries]
 
 
 def peer_contender(name: str, builder, lr: float, weight_decay: float, psgd: PrecondConfig) -> Contender:
@@ -72,41 +120,65 @@ def peer_contender(name: str, builder, lr: float, weight_decay: float, psgd: Pre
     )
 
 
-def sweep_contenders(grid: dict[str, tuple[float, ...]], peers: dict, peer_lrs: Sequence[float],
+def sweep_contenders(grid, peers: dict, peer_lrs: Sequence[float],
                      weight_decay: float, precond: PrecondConfig) -> list[Contender]:
     contenders = []
-    for method, lrs in grid.items():
+    for family, method, overrides, lrs in grid:
+        config = replace(precond, **overrides)
         for lr in lrs:
-            contender = method_contender(method, lr, weight_decay, precond)
-            contenders.append(replace(contender, name=f"{method} lr={lr:g}"))
+            contender = method_contender(method, lr, weight_decay, config)
+            contenders.append(replace(contender, name=f"{family} lr={lr:g}"))
     for name, builder in peers.items():
         contenders.extend(peer_contender(name, builder, lr, weight_decay, precond) for lr in peer_lrs)
     return contenders
 
 
+def family_of(run: RunResult) -> str:
+    return run.name.split(" lr=")[0]
+
+
+def best_of(results: Sequence[RunResult], family: str) -> RunResult | None:
+    runs = [r for r in results if family_of(r) == family]
+    return min(runs, key=lambda r: r.final_loss) if runs else None
+
+
 def best_adamw(results: Sequence[RunResult]) -> RunResult:
-    adamw = [r for r in results if r.name.startswith("adamw ")]
-    if not adamw:
+    best = best_of(results, "adamw")
+    if best is None:
         raise SystemExit("the sweep needs at least one adamw point (the reference)")
-    return min(adamw, key=lambda r: r.final_loss)
+    return best
 
 
 def _best_per_family(results: Sequence[RunResult]) -> list[RunResult]:
     """The lowest-final-loss run of each method / peer (names are 'family lr=...')."""
     best: dict[str, RunResult] = {}
     for r in results:
-        family = r.name.split(" lr=")[0]
+        family = family_of(r)
         if family not in best or r.final_loss < best[family].final_loss:
             best[family] = r
     return list(best.values())
+
+
+def grid_edges(results: Sequence[RunResult]) -> dict[str, str]:
+    """Per family with >= 2 points: 'low edge' / 'high edge' if its best lr is the grid's
+    smallest / largest, else 'inside'."""
+    verdict = {}
+    for best in _best_per_family(results):
+        lrs = sorted(r.lr for r in results if family_of(r) == family_of(best))
+        if len(lrs) < 2:
+            continue
+        verdict[family_of(best)] = ("low edge" if best.lr == lrs[0] else
+                                    "high edge" if best.lr == lrs[-1] else "inside")
+    return verdict
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--grid", action="append", metavar="METHOD=LR,LR",
-                   help=f"learning rates to sweep for one method (repeatable); default {DEFAULT_GRID}")
-    p.add_argument("--peers", default=",".join(DEFAULT_PEERS),
+                   help="learning rates of one family, METHOD[{k=v,...}]=LR,LR (repeatable); the "
+                        f"settings k are {VARIANT_KEYS}; default {DEFAULT_GRID}")
+    p.add_argument("--peers", default="none",
                    help=f"other PSGD implementations to run, from {ALL_PEERS}, or none")
     p.add_argument("--peer-lrs", default=",".join(map(str, DEFAULT_PEER_LRS)), help="learning rates of the peers")
     p.add_argument("--target", type=float, default=None,
@@ -130,12 +202,20 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
               f"{train.batch_size * model_config.seq_len} tokens/step: {', '.join(c.name for c in contenders)}")
     results = train_round_robin(contenders, model_config, train, ctx)
     if ctx.is_main:
-        reference = best_adamw(results)
+        # With a fixed --target the AdamW reference may be left out (its columns then use
+        # the first run).
+        reference = best_adamw(results) if args.target is None or best_of(results, "adamw") else results[0]
         target = args.target if args.target is not None else reference.final_loss
-        print(f"\ntarget held-out loss {target:.4f} (best AdamW point: {reference.name})")
-        print(results_table(results, reference, target))
-        args.out.mkdir(parents=True, exist_ok=True)
+        muon = best_of(results, "muon")
+        print(f"\ntarget held-out loss {target:.4f} (best AdamW point: {reference.name}"
+              + (f"; best Muon point: {muon.name})" if muon else ")"))
+        print(results_table(results, reference, target, muon))
         best = _best_per_family(results)
+        edges = grid_edges(results)
+        print("\nbest point of each family (grid position of its lr: " +
+              ", ".join(f"{f}: {v}" for f, v in edges.items()) + ")")
+        print(results_table(best, reference, target, muon))
+        args.out.mkdir(parents=True, exist_ok=True)
         plot_curves(best, target, args.out / "convergence.png",
                     f"best sweep point per method, {train.steps} steps, {train.batch_size * model_config.seq_len} tokens/step")
         with open(args.out / "results.json", "w") as f:

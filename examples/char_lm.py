@@ -212,11 +212,12 @@ class TrainConfig:
     grad_accum: int = 1
     warmup_steps: int = 30
     weight_decay: float = 0.0
-    eval_every: int = 25
+    eval_every: int = 10
     eval_seqs: int = 128
     corpus_mb: float = 4.0
     seed: int = 0
     amp: bool = False
+    stop_after: int = 0  # > 0: stop after this many steps (the schedule still spans `steps`)
 
 
 @dataclass
@@ -356,8 +357,11 @@ def train_round_robin(
             run.result.step_seconds.append(timer.seconds)
             run.train_seconds += timer.seconds
         bar.set_postfix({name: f"{loss:.3f}" for name, loss in train_losses.items()})
-        if step % train.eval_every == 0 or step == train.steps:
+        stopping = 0 < train.stop_after <= step
+        if step % train.eval_every == 0 or step == train.steps or stopping:
             record_eval(step)
+        if stopping:
+            break
     for run in runs:
         run.result.state_bytes = state_memory_bytes(run.optimizer, run.precond)
         if run.precond is not None:
@@ -376,11 +380,17 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-def results_table(results: Sequence[RunResult], reference: RunResult, target: float) -> str:
-    """One row per run against ``reference`` (AdamW) and the held-out ``target`` loss."""
-    ref_reach = reference.first_reaching(target)
-    ref_seconds = ref_reach[1] if ref_reach else float("nan")
+def results_table(results: Sequence[RunResult], reference: RunResult, target: float,
+                  muon: RunResult | None = None) -> str:
+    """One row per run against ``reference`` (AdamW) and the held-out ``target`` loss; with
+    ``muon``, also the wall-clock to the target relative to that Muon run."""
+    def seconds_to_target(run: RunResult | None) -> float:
+        reach = run.first_reaching(target) if run is not None else None
+        return reach[1] if reach else float("nan")
+
+    ref_seconds, muon_seconds = seconds_to_target(reference), seconds_to_target(muon)
     headers = ["run", "lr", "final loss", "steps to target", "s to target", "x AdamW time",
+               *(["x Muon time"] if muon is not None else []),
                "ms/step", "x AdamW step", "optimizer state", "precond state"]
     rows = []
     for r in results:
@@ -392,6 +402,7 @@ def results_table(results: Sequence[RunResult], reference: RunResult, target: fl
             str(reach[0]) if reach else "not reached",
             f"{reach[1]:.1f}" if reach else "-",
             f"{reach[1] / ref_seconds:.2f}" if reach else "-",
+            *([f"{reach[1] / muon_seconds:.2f}" if reach else "-"] if muon is not None else []),
             f"{1000 * r.mean_step_seconds:.1f}",
             f"{r.mean_step_seconds / reference.mean_step_seconds:.2f}",
             f"{r.state_bytes['optimizer']:,} B",
@@ -429,8 +440,12 @@ def plot_curves(results: Sequence[RunResult], target: float, path: Path, title: 
 # Short runs: the library's default anneal keeps p=1 for 500 steps, i.e. a Q update on
 # every step of a 600-step run; this one anneals from step 100 and reaches 0.03 by ~450.
 DEFAULT_PSGD_UPDATE_PROB = "anneal:100:0.01"
+# AdamW and Muon (what users pick today) next to the library's best configurations.
+DEFAULT_METHODS = "adamw,muon,psgd,kfac_muon,psgd_muon"
 DEFAULT_PSGD_INIT_SCALE = "auto"  # estimated from the first gradient
-DEFAULT_LRS = {"adamw": 2e-3, "kfac": 4e-3, "psgd": 2e-3, "psgd_adamw": 2e-3, "sgd": 0.1, "kfac_sgd": 0.1, "psgd_sgd": 0.1}
+DEFAULT_PSGD_UPDATE = "eq"
+DEFAULT_LRS = {"adamw": 2e-3, "kfac": 4e-3, "psgd": 2e-3, "psgd_adamw": 2e-3, "sgd": 0.1, "kfac_sgd": 0.1,
+               "psgd_sgd": 0.1, "muon": 8e-3, "kfac_muon": 8e-3, "psgd_muon": 8e-3}
 
 
 def _psgd_update_probability(value: str):
@@ -474,6 +489,12 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                         "1.0 for 500 steps, then down to 0.03 by ~4000) or 'anneal:FLAT_START:DECAY'")
     p.add_argument("--psgd-init-scale", type=_psgd_init_scale, default=DEFAULT_PSGD_INIT_SCALE,
                    help="PSGD initial preconditioner scale, or 'auto' (estimated from the first gradient)")
+    p.add_argument("--psgd-update", choices=("eq", "procrustes"), default=DEFAULT_PSGD_UPDATE,
+                   help="how PSGD fits its factors: 'eq' (triangular Q, triangular solves) or "
+                        "'procrustes' (dense near-SPD Q, matmul-only Q0.5EQ1.5 rule)")
+    p.add_argument("--stop-after", type=int, default=0,
+                   help="stop after this many steps while the LR schedule still spans --steps "
+                        "(time-to-a-fixed---target checks; 'final loss' is then the loss there)")
     p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every, help="steps between held-out evaluations")
     p.add_argument("--eval-seqs", type=int, default=TrainConfig.eval_seqs, help="held-out sequences per evaluation")
     p.add_argument("--corpus-mb", type=float, default=TrainConfig.corpus_mb, help="MiB of stdlib source to use")
@@ -487,7 +508,7 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--methods", default="adamw,kfac,psgd", help=f"comma-separated, from: {', '.join(METHODS)}")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, from: {', '.join(METHODS)}")
     for method, lr in DEFAULT_LRS.items():
         p.add_argument(f"--lr-{method.replace('_', '-')}", type=float, default=lr,
                        help=f"peak learning rate for {METHODS[method].label}")
@@ -503,12 +524,14 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
         steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
         warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, eval_every=args.eval_every,
         eval_seqs=args.eval_seqs, corpus_mb=args.corpus_mb, seed=args.seed, amp=args.amp,
+        stop_after=args.stop_after,
     )
     precond = PrecondConfig(
         skip_layers=SKIP_LAYERS, factor_update_steps=args.factor_update_steps,
         inv_update_steps=args.inv_update_steps, damping=args.damping,
         kl_clip=args.kl_clip if args.kl_clip > 0 else None,
         update_probability=args.psgd_update_prob, psgd_init_scale=args.psgd_init_scale,
+        psgd_update=args.psgd_update,
         accumulation_steps=args.grad_accum,
     )
     return model, train, precond
@@ -529,7 +552,8 @@ def report(results: Sequence[RunResult], model: ModelConfig, train: TrainConfig,
     reference = next((r for r in results if r.name == "adamw"), results[0])
     target = reference.final_loss
     print(f"\nheld-out target = final loss of {reference.name}: {target:.4f} nats/byte")
-    print(results_table(results, reference, target))
+    muon = next((r for r in results if r.name == "muon"), None)
+    print(results_table(results, reference, target, muon))
     out.mkdir(parents=True, exist_ok=True)
     plot_curves(results, target, out / "char_lm.png", title)
     with open(out / "results.json", "w") as f:

@@ -95,7 +95,7 @@ class MethodSpec:
     """How one compared method is built: a base optimizer, maybe a preconditioner."""
 
     label: str
-    base: str  # "adamw" | "sgd" | "kron" (the library's standalone PSGD optimizer)
+    base: str  # "adamw" | "sgd" | "muon" | "kron" (the library's standalone PSGD optimizer)
     precond: str | None  # None | "kfac" | "psgd"
 
 
@@ -107,6 +107,9 @@ METHODS: dict[str, MethodSpec] = {
     "sgd": MethodSpec("SGD", base="sgd", precond=None),
     "kfac_sgd": MethodSpec("K-FAC + SGD", base="sgd", precond="kfac"),
     "psgd_sgd": MethodSpec("PSGD precond + SGD", base="sgd", precond="psgd"),
+    "muon": MethodSpec("Muon (hidden 2-D weights) + AdamW (rest)", base="muon", precond=None),
+    "kfac_muon": MethodSpec("K-FAC + Muon", base="muon", precond="kfac"),
+    "psgd_muon": MethodSpec("PSGD precond + Muon", base="muon", precond="psgd"),
 }
 
 
@@ -123,6 +126,94 @@ class PrecondConfig:
     update_probability: float | Callable[[int], float] | None = None  # None: annealed default
     psgd_init_scale: float | None = 1.0  # None: estimated from the first gradient
     accumulation_steps: int = 1
+    psgd_precond_lr: float | Callable[[int], float] = 0.1
+    psgd_update: str = "eq"  # how PSGD fits Q: "eq" (triangular) or "procrustes"
+    # K-FAC extras (library defaults unless a sweep variant sets them):
+    factor_decay: float = 0.95
+
+
+class OptimizerChain(torch.optim.Optimizer):
+    """Several optimizers over disjoint parameters, stepped as one.
+
+    ``param_groups`` lists the children's group dicts themselves, so an LR scheduler or a
+    GradScaler acting on the chain acts on every child (as ``torch.optim`` users expect
+    of one optimizer). Used for the usual Muon split: Muon on hidden 2-D weights, AdamW
+    on the rest."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]):
+        self.optimizers = list(optimizers)
+        self.defaults = {}
+        self.param_groups = [g for opt in self.optimizers for g in opt.param_groups]
+        # torch.optim.Optimizer bookkeeping that schedulers and hooks look for.
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+        self._optimizer_state_dict_pre_hooks = {}
+        self._optimizer_state_dict_post_hooks = {}
+        self._optimizer_load_state_dict_pre_hooks = {}
+        self._optimizer_load_state_dict_post_hooks = {}
+        self._zero_grad_profile_name = "Optimizer.zero_grad#OptimizerChain.zero_grad"
+
+    @property
+    def state(self) -> dict:  # type: ignore[override]
+        merged = {}
+        for opt in self.optimizers:
+            merged.update(opt.state)
+        return merged
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for opt in self.optimizers:
+            opt.step()
+        return loss
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for opt, sd in zip(self.optimizers, state_dict["optimizers"]):
+            opt.load_state_dict(sd)
+
+
+def _matches(name: str, module: nn.Module, patterns: Sequence[str]) -> bool:
+    """``skip_layers`` semantics: a pattern names a module class or occurs in the module name."""
+    return any(type(module).__name__ == p or p in name for p in patterns)
+
+
+def muon_param_split(model: nn.Module, exclude: Sequence[str]) -> tuple[list, list]:
+    """(hidden 2-D weights, everything else): the usual Muon split.
+
+    Muon takes the weights of ``nn.Linear`` modules not matched by ``exclude`` (e.g.
+    ``("Embedding", "lm_head")``, like ``skip_layers``); embeddings, the output layer,
+    norms and biases go to AdamW."""
+    hidden_ids = set()
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and not _matches(name, module, exclude):
+            hidden_ids.add(id(module.weight))
+    hidden = [p for p in model.parameters() if id(p) in hidden_ids]
+    rest = [p for p in model.parameters() if id(p) not in hidden_ids]
+    return hidden, rest
+
+
+def build_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequence[str]) -> OptimizerChain:
+    """``torch.optim.Muon`` on hidden 2-D weights + AdamW on the rest, one peak ``lr``.
+
+    ``adjust_lr_fn="match_rms_adamw"`` scales Muon's orthogonalised update to AdamW's
+    typical RMS, so one learning rate (and one schedule) serves both halves."""
+    hidden, rest = muon_param_split(model, exclude)
+    muon = torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW(rest, lr=lr, weight_decay=weight_decay)
+    return OptimizerChain([muon, adamw])
+
+
+def _psgd_update_option(config: PrecondConfig) -> dict:
+    """``precond_update`` only when it is not the default, so that the examples also run
+    against a library without the (opt-in) Procrustes rule."""
+    return {} if config.psgd_update == "eq" else {"precond_update": config.psgd_update}
 
 
 def build_optimizer(
@@ -143,6 +234,8 @@ def build_optimizer(
             params, lr=lr, weight_decay=weight_decay,
             preconditioner_update_probability=psgd.update_probability,
             precond_init_scale=psgd.psgd_init_scale,
+            **_psgd_update_option(psgd),
+            **({} if callable(psgd.psgd_precond_lr) else {"precond_lr": psgd.psgd_precond_lr}),
         )
     raise ValueError(f"unknown base optimizer {name!r}")
 
@@ -166,6 +259,7 @@ def build_preconditioner(
             factor_update_steps=config.factor_update_steps,
             inv_update_steps=config.inv_update_steps,
             damping=config.damping,
+            factor_decay=config.factor_decay,
             kl_clip=config.kl_clip,
             lr=lr,  # only read by kl_clip
             accumulation_steps=config.accumulation_steps,
@@ -178,6 +272,8 @@ def build_preconditioner(
             skip_layers=list(config.skip_layers),
             preconditioner_update_probability=config.update_probability,
             precond_init_scale=config.psgd_init_scale,
+            precond_lr=config.psgd_precond_lr,
+            **_psgd_update_option(config),
         )  # PSGD reads only the (accumulated) gradient: no accumulation setting
     raise ValueError(f"unknown preconditioner {kind!r}")
 
@@ -193,7 +289,10 @@ def build_method(
     """Optimizer and preconditioner for ``method`` (a key of ``METHODS``)."""
     spec = METHODS[method]
     bare = unwrap(model)
-    optimizer = build_optimizer(spec.base, bare.parameters(), lr, weight_decay, config)
+    if spec.base == "muon":
+        optimizer = build_muon(bare, lr, weight_decay, config.skip_layers)
+    else:
+        optimizer = build_optimizer(spec.base, bare.parameters(), lr, weight_decay, config)
     precond = None
     if spec.precond:
         precond = build_preconditioner(spec.precond, bare, lr, config, grad_scaler)

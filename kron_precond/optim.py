@@ -25,7 +25,7 @@ import torch
 
 from . import validation
 from .methods import state_checks as checks
-from .methods.psgd import PSGDFactors, check_memory_save_mode
+from .methods.psgd import PSGDFactors, check_memory_save_mode, check_update_rule
 from .methods.psgd_tensor import RMS_CLIP, PSGDTensor
 from .schedules import UpdateDecider, check_probability
 
@@ -67,6 +67,7 @@ def _check_group(group: dict[str, Any], global_clipnorm: float | None) -> dict[s
     out["weight_decay"] = validation.check_non_negative("weight_decay", group["weight_decay"])
     out["b1"] = validation.check_unit_interval("b1", group["b1"], low_open=False, high_open=True)
     check_memory_save_mode(group["memory_save_mode"])
+    check_update_rule(group.get("precond_update", "eq"))
     for name in ("max_size_triangular", "min_ndim_triangular"):
         out[name] = validation.check_int(name, group[name], minimum=0)
     clips = [n for n in ("clipnorm", "clipvalue") if group[n] is not None]
@@ -104,6 +105,9 @@ class Kron(torch.optim.Optimizer):
         precond_dtype: dtype of the factors and of the preconditioning math.
         clipnorm, clipvalue, global_clipnorm: Keras-style gradient clipping (at most one).
         merge_dims: view tensors of rank > 2 as their most square 2-D matrix.
+        precond_update: how Q is fitted: ``'eq'`` (default; triangular factors, DESIGN.md
+            §3) or ``'procrustes'`` (dense near-SPD factors, Xi-Lin Li's matmul-only
+            ``Q0.5EQ1.5`` rule; see :class:`~kron_precond.methods.psgd.PSGDFactors`).
         seed: seeds the probe vectors, drawn from ``(seed, parameter index, step)``.
     """
 
@@ -117,7 +121,8 @@ class Kron(torch.optim.Optimizer):
                  precond_lr: float = 0.1, precond_init_scale: float | None = 1.0,
                  mu_dtype: torch.dtype | None = None, precond_dtype: torch.dtype = torch.float32,
                  clipnorm: float | None = None, clipvalue: float | None = None,
-                 global_clipnorm: float | None = None, merge_dims: bool = False, seed: int = 0):
+                 global_clipnorm: float | None = None, merge_dims: bool = False, seed: int = 0,
+                 precond_update: str = "eq"):
         if not callable(preconditioner_update_probability) and (
                 preconditioner_update_probability is not None):
             preconditioner_update_probability = check_probability(validation.check_finite(
@@ -136,7 +141,7 @@ class Kron(torch.optim.Optimizer):
                         momentum_into_precond_update=momentum_into_precond_update,
                         precond_lr=precond_lr, precond_init_scale=precond_init_scale,
                         mu_dtype=mu_dtype, precond_dtype=precond_dtype, clipnorm=clipnorm,
-                        clipvalue=clipvalue, merge_dims=merge_dims)
+                        clipvalue=clipvalue, merge_dims=merge_dims, precond_update=precond_update)
         defaults.update(_check_group(defaults, self.global_clipnorm))
         super().__init__(params, defaults)
 
@@ -167,7 +172,8 @@ class Kron(torch.optim.Optimizer):
             max_size_triangular=group["max_size_triangular"],
             min_ndim_triangular=group["min_ndim_triangular"],
             memory_save_mode=group["memory_save_mode"], init_scale=init_scale,
-            dtype=group["precond_dtype"], merge_dims=group["merge_dims"])
+            dtype=group["precond_dtype"], merge_dims=group["merge_dims"],
+            update_rule=group.get("precond_update", "eq"))  # groups saved before the option
 
     def _init_state(self, p: torch.Tensor, index: int, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]

@@ -151,9 +151,13 @@ def apply_q_inv_t(q: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: torch.linalg.solve_triangular(q, x, upper=True, left=False)
 
 
-def _multiply_by(q: torch.Tensor, product: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x ↦ QᵀQ x`` on mode fibres, given ``product`` = ``QᵀQ`` / ``q²`` or ``None``."""
+def _multiply_by(q: torch.Tensor, product: torch.Tensor | None,
+                 dense: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x ↦ QᵀQ x`` on mode fibres, given ``product`` = ``QᵀQ`` / ``q²`` or ``None``
+    (then two products with ``Q``: triangular, or ``dense`` for the Procrustes rule's factors)."""
     if product is None:
+        if dense:
+            return lambda x: (x @ q.T) @ q
         return lambda x: matmul_upper(matmul_upper_t(x, q), q)
     if product.dim() == 1:
         return lambda x: x * product
@@ -294,6 +298,63 @@ def _cheaper_to_form_p(n: int, fibres: int, device: torch.device, uses: float = 
     return form < uses * 4 * fibres * n * n * _dense_fraction(n, bmin)
 
 
+# ------------------------------------------------------- Procrustes-style update (opt-in)
+# Xi-Lin Li's current default fitting rule ("Q0.5EQ1.5", psgd_torch 2025): the factors are
+# dense and kept close to symmetric positive definite, the fit uses only matmuls (no
+# triangular solves, so it also runs in bfloat16), and the step is normalised by a running
+# estimate of the fit's Lipschitz constant instead of ‖T1 + T2‖ of one step:
+#
+#     h = g + δ v            (δ = 1e-9 + eps·|g|: the damping noise; v the probe)
+#     A = P h                 T_i = A_(i) A_(i)ᵀ,   c_i = numel / n_i
+#     ℓ_i = ‖T_i‖₂ + c_i      L_i ← max(β L_i + (1 − β) ℓ_i, ℓ_i)
+#     Q_i ← Q_i − lr/L_i · (T_i − c_i I) Q_i,   then one online Procrustes rotation of Q_i
+#
+# At the fixed point E[T_i] = c_i I, i.e. P E[h hᵀ] P = I: the same whitening target as the
+# triangular rule. The rotation Q ← U Q with U ≈ exp(aR), R = Qᵀ − Q, moves Q towards the
+# symmetric square root of QᵀQ without changing P = QᵀQ to first order.
+UPDATE_RULES = ("eq", "procrustes")
+PROCRUSTES_BETA = 0.9  # decay of the running Lipschitz estimate (psgd_torch's betaL)
+PROCRUSTES_MAX_ROTATION = 0.125  # |a|·‖R‖ bound that keeps the 2nd-order exp(aR) accurate
+
+
+def check_update_rule(update_rule: str) -> None:
+    """Raise ``ValueError`` unless ``update_rule`` is one of :data:`UPDATE_RULES`."""
+    if update_rule not in UPDATE_RULES:
+        raise ValueError(f"Invalid precond_update: {update_rule!r}; expected one of {UPDATE_RULES}")
+
+
+def skew_norm_lower_bound(r: torch.Tensor) -> torch.Tensor:
+    """A cheap lower bound of ``‖R‖₂`` (any square ``R``): ``‖x R‖ / ‖x‖`` for the row ``x`` of
+    largest norm, or that row's norm if larger. 0 for ``R = 0``."""
+    tiny = torch.finfo(r.dtype).tiny
+    rows = torch.linalg.vector_norm(r, dim=1)
+    j = rows.argmax()
+    x = r.index_select(0, j.reshape(1))
+    row_norm = rows.index_select(0, j.reshape(1)).reshape(())
+    return torch.maximum(torch.linalg.vector_norm(x @ r) / (row_norm + tiny), row_norm)
+
+
+def procrustes_rotation(q: torch.Tensor) -> torch.Tensor:
+    """``U Q`` with ``U = I + aR + (aR)²/2 ≈ exp(aR)``, ``R = (Qᵀ − Q)/‖Qᵀ − Q‖``: one step
+    towards ``max_U tr(U Q)`` over rotations (the orthogonal Procrustes problem whose answer
+    makes ``U Q`` symmetric). ``a`` maximises the quadratic model of ``tr(U Q)`` (capped at
+    :data:`PROCRUSTES_MAX_ROTATION`). A symmetric ``Q`` is returned unchanged."""
+    r = q.T - q
+    r = r / (skew_norm_lower_bound(r) + torch.finfo(q.dtype).tiny)
+    rq = r @ q
+    rrq = r @ rq
+    slope = torch.diagonal(rq).sum()  # d tr(UQ)/da at 0 (>= 0 when Q is close to SPD)
+    curvature = torch.diagonal(rrq).sum()  # d² tr(UQ)/da²
+    cap = torch.full_like(slope, PROCRUSTES_MAX_ROTATION)
+    a = torch.where(curvature < 0, torch.minimum(-slope / curvature.clamp(max=-torch.finfo(q.dtype).tiny), cap), cap)
+    return q + a * (rq + (0.5 * a) * rrq)
+
+
+def procrustes_lipschitz(previous: torch.Tensor, ell: torch.Tensor) -> torch.Tensor:
+    """``max(β L + (1 − β) ℓ, ℓ)``: follows a growing ℓ at once, a shrinking one slowly."""
+    return torch.maximum(PROCRUSTES_BETA * previous + (1 - PROCRUSTES_BETA) * ell, ell)
+
+
 # ----------------------------------------------------------------------------- factors
 class PSGDFactors:
     """Kronecker whitening factors ``Q_i`` for one tensor (any rank; a 0-dim tensor is
@@ -310,6 +371,10 @@ class PSGDFactors:
         dtype, device: of the factors (all math runs in ``dtype``).
         merge_dims: view tensors of rank > 2 as the most square 2-D matrix
             (:func:`most_square_split`), transparently in :meth:`update` / :meth:`precondition`.
+        update_rule: ``'eq'`` (default): upper-triangular factors, ``dQ = E Q`` with
+            triangular solves (DESIGN.md §3); ``'procrustes'``: dense factors kept near SPD,
+            Li's matmul-only ``dQ = Q^0.5 E Q^1.5`` rule (see the section comment above
+            :func:`procrustes_rotation`). Both fit the same whitening preconditioner.
 
     Attributes:
         q: per (possibly merged) dim, an upper-triangular ``[n, n]`` or diagonal ``[n]`` tensor.
@@ -319,7 +384,10 @@ class PSGDFactors:
     def __init__(self, shape: Sequence[int], *, max_size_triangular: int = 8192,
                  min_ndim_triangular: int = 2, memory_save_mode: str | None = None,
                  init_scale: float | None = 1.0, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None, merge_dims: bool = False):
+                 device: torch.device | str | None = None, merge_dims: bool = False,
+                 update_rule: str = "eq"):
+        check_update_rule(update_rule)
+        self.update_rule = update_rule
         self.shape = tuple(int(n) for n in shape)
         work = self.shape or (1,)
         if merge_dims and len(work) > 2:
@@ -342,6 +410,10 @@ class PSGDFactors:
             torch.empty(n, dtype=dtype, device=self.device) if d
             else torch.empty(n, n, dtype=dtype, device=self.device)
             for n, d in zip(self.work_shape, self.diagonal)]
+        # Running Lipschitz estimates of the Procrustes-style fit (one per factor).
+        self.lipschitz: list[torch.Tensor] = (
+            [torch.zeros((), dtype=dtype, device=self.device) for _ in self.q]
+            if update_rule == "procrustes" else [])
         self._reset(1.0 if init_scale is None else float(init_scale))
         self.initialized = init_scale is not None
 
@@ -401,6 +473,8 @@ class PSGDFactors:
         """
         if not self.initialized:
             self.initialize_from(fit)
+        if self.update_rule == "procrustes":
+            return self._procrustes_update(fit, probe, lr)
         g = self._work_view(fit, "fit")
         v = self._work_view(probe, "probe")
         a = apply_along_dims(g, [apply_q(q) for q in self.q])
@@ -415,6 +489,48 @@ class PSGDFactors:
             torch.where(ok, q_new, q, out=q)
         return ok
 
+    def _dense_p_maps(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+        """``x ↦ QᵀQ x`` on mode fibres for dense (not triangular) factors."""
+        maps = []
+        for q in self.q:
+            n = q.shape[0]
+            fibres = self.numel // n
+            if q.dim() == 1:
+                q2 = q * q
+                maps.append(lambda x, q2=q2: x * q2)
+            elif 2 * n ** 3 + 2 * fibres * n * n < 4 * fibres * n * n:  # flops: form P once
+                p = q.T @ q
+                maps.append(lambda x, p=p: x @ p)
+            else:  # (x Qᵀ) Q: two products with the fibres beat forming QᵀQ
+                maps.append(lambda x, q=q: (x @ q.T) @ q)
+        return maps
+
+    def _procrustes_update(self, fit: torch.Tensor, probe: torch.Tensor,
+                           lr: float | torch.Tensor) -> torch.Tensor:
+        g = self._work_view(fit, "fit")
+        v = self._work_view(probe, "probe")
+        h = g + (1e-9 + torch.finfo(self.dtype).eps * g.abs()) * v
+        a = apply_along_dims(h, self._dense_p_maps())
+        new_q, new_l = [], []
+        for i, (q, diag) in enumerate(zip(self.q, self.diagonal)):
+            t = self._gram(a, i)
+            c = self.numel / self.work_shape[i]
+            if diag:
+                ell = t.amax() + c
+                lip = procrustes_lipschitz(self.lipschitz[i], ell)
+                new_q.append(q * (1 - (lr / lip) * (t - c)))
+            else:
+                ell = spectral_norm_lower_bound(t) + c
+                lip = procrustes_lipschitz(self.lipschitz[i], ell)
+                step = (t @ q).sub_(q, alpha=c)
+                new_q.append(procrustes_rotation(q - (lr / lip) * step))
+            new_l.append(lip)
+        ok = all_finite([g, *new_q])
+        for q, q_new, lip, lip_new in zip(self.q, new_q, self.lipschitz, new_l):
+            torch.where(ok, q_new, q, out=q)
+            torch.where(ok, lip_new, lip, out=lip)
+        return ok
+
     def preconditioner_products(self, uses: float = 1.0) -> list[torch.Tensor | None]:
         """Per factor, what :meth:`precondition` multiplies by: ``Q_iᵀQ_i`` for a triangular
         factor where forming it is cheaper than two triangular products over ``uses``
@@ -424,6 +540,12 @@ class PSGDFactors:
         for q, n, form_p in zip(self.q, self.work_shape, self._form_p):
             if q.dim() == 1:
                 out.append(q * q)
+            elif self.update_rule == "procrustes":  # dense factors: plain flop count
+                fibres = self.numel // max(n, 1)
+                if 2 * n ** 3 + uses * 2 * fibres * n * n < uses * 4 * fibres * n * n:
+                    out.append(q.T @ q)
+                else:
+                    out.append(None)
             elif form_p or (uses > 1 and _cheaper_to_form_p(n, self.numel // max(n, 1), self.device, uses)):
                 out.append(upper_gram(q))
             else:
@@ -439,7 +561,8 @@ class PSGDFactors:
         g = self._work_view(grad, "grad")
         if products is None:
             products = self.preconditioner_products()
-        maps = [_multiply_by(q, p) for q, p in zip(self.q, products)]
+        dense = self.update_rule == "procrustes"
+        maps = [_multiply_by(q, p, dense) for q, p in zip(self.q, products)]
         out = apply_along_dims(g, maps)
         return out.reshape(grad.shape).to(grad.dtype)
 
@@ -470,8 +593,12 @@ class PSGDFactors:
         return float(factor + self.numel * sum(self.work_shape))
 
     def state_dict(self) -> dict[str, Any]:
-        """``{'q': [tensors], 'initialized': bool}`` (references, as torch modules do)."""
-        return {"q": list(self.q), "initialized": self.initialized}
+        """``{'q': [tensors], 'initialized': bool}`` (references, as torch modules do), plus
+        ``'lipschitz'`` under ``update_rule='procrustes'``."""
+        state = {"q": list(self.q), "initialized": self.initialized}
+        if self.update_rule == "procrustes":
+            state["lipschitz"] = list(self.lipschitz)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Copy saved factors in place (dtype/device converted); ``ValueError`` on a mismatch."""
@@ -483,4 +610,6 @@ class PSGDFactors:
                              f"{expected} (tensor shape {self.shape})")
         for q, src in zip(self.q, qs):
             q.copy_(src)
+        for lip, src in zip(self.lipschitz, state_dict.get("lipschitz", ())):
+            lip.copy_(src)
         self.initialized = bool(state_dict["initialized"])

@@ -15,7 +15,7 @@ import torch
 from kron_precond import validation as check
 from kron_precond.methods import state_checks as checks
 from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected, tensor_bytes
-from kron_precond.methods.psgd import PSGDFactors, check_memory_save_mode
+from kron_precond.methods.psgd import PSGDFactors, check_memory_save_mode, check_update_rule
 from kron_precond.methods.psgd_tensor import RMS_CLIP, PSGDTensor, rms_clip_scale
 from kron_precond.modules import find_parameter_modules
 from kron_precond.schedules import ProbabilitySchedule, StepContext, check_probability
@@ -273,6 +273,11 @@ def _check_init_scale(name: str, value):
     return scale
 
 
+def _check_update_rule(name: str, value) -> str:
+    check_update_rule(value)
+    return value
+
+
 def _check_b1(name: str, value) -> float:
     return check.check_unit_interval(name, value, low_open=False, high_open=True)
 
@@ -307,6 +312,7 @@ class PSGDSpec(MethodSpec):
         "precond_init_scale": Option(1.0, _check_init_scale),
         "precond_dtype": Option(torch.float32, check.check_float_dtype, collective=True),
         "merge_dims": Option(False, lambda n, v: bool(v), collective=True),
+        "precond_update": Option("eq", _check_update_rule, collective=True),
         "seed": Option(0, _check_seed, collective=True),
     }
     health_check_every = 100
@@ -321,7 +327,8 @@ class PSGDSpec(MethodSpec):
             momentum_into_precond_update=s["momentum_into_precond_update"], b1=s["precond_b1"],
             seed=s["seed"], layer_index=index, max_size_triangular=s["max_size_triangular"],
             min_ndim_triangular=s["min_ndim_triangular"], memory_save_mode=s["memory_save_mode"],
-            init_scale=s["precond_init_scale"], dtype=s["precond_dtype"], merge_dims=s["merge_dims"])
+            init_scale=s["precond_init_scale"], dtype=s["precond_dtype"], merge_dims=s["merge_dims"],
+            update_rule=s["precond_update"])
 
     def make_schedule(self) -> ProbabilitySchedule:
         return ProbabilitySchedule(self.settings["preconditioner_update_probability"])

@@ -1,0 +1,94 @@
+"""PSGD's opt-in Procrustes-style Q update (``update_rule="procrustes"``) against oracles
+that do not use it.
+
+* whitening: gradients ~ N(0, Σ_L ⊗ Σ_R) must drive ⊗ QᵢᵀQᵢ to Σ_L^-1/2 ⊗ Σ_R^-1/2 (eigh
+  here), and the factors must stay close to symmetric (what the rotation is for); a
+  sign-flipped update must miss the same target;
+* the rotation leaves a symmetric Q unchanged and makes a rotated SPD matrix more symmetric;
+* the optimizer and the preconditioner accept the option and name a bad value.
+"""
+import math
+
+import pytest
+import torch
+
+from kron_precond import Kron, KronPreconditioner
+from kron_precond.methods.psgd import PSGDFactors, procrustes_rotation
+
+torch.set_num_threads(1)
+F64 = torch.float64
+WHITEN_TOL = 0.10  # relative Frobenius error, as for the triangular rule
+
+
+def spd(n, cond, gen):
+    q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=F64))
+    return q @ torch.diag(torch.logspace(0, math.log10(cond), n, dtype=F64)) @ q.T
+
+
+def inv_sqrt(s):
+    e, v = torch.linalg.eigh(s)
+    return v @ torch.diag(e.rsqrt()) @ v.T
+
+
+def fit(steps=2000, sign=1.0, dtype=F64, lr0=0.1):
+    """Procrustes-rule fit on G = L Z Rᵀ; returns (relative error of ⊗QᵀQ against the exact
+    whitening preconditioner, max relative asymmetry ‖Q − Qᵀ‖/‖Q‖ of the factors)."""
+    gen = torch.Generator().manual_seed(1)
+    m, n = 8, 6
+    sl, sr = spd(m, 100.0, gen), spd(n, 100.0, gen)
+    left, right = torch.linalg.cholesky(sl), torch.linalg.cholesky(sr)
+    target = torch.kron(inv_sqrt(sl), inv_sqrt(sr))
+    f = PSGDFactors((m, n), dtype=dtype, update_rule="procrustes")
+    for k in range(steps):
+        g = left @ torch.randn(m, n, generator=gen, dtype=F64) @ right.T
+        v = torch.randn(m, n, generator=gen, dtype=F64)
+        lr = lr0 * min(1.0, 0.05 * steps / (k + 1))
+        f.update(g.to(dtype), v.to(dtype), sign * lr)
+    qs = [q.to(F64) for q in f.q]
+    p = torch.kron(qs[0].T @ qs[0], qs[1].T @ qs[1])
+    asym = max(float((q - q.T).norm() / q.norm()) for q in qs)
+    return float((p - target).norm() / target.norm()), asym
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_procrustes_rule_whitens(dtype):
+    err, asym = fit(dtype=dtype)
+    assert err <= WHITEN_TOL
+    assert asym <= 1e-2
+
+
+def test_sign_flipped_procrustes_rule_fails_whitening():
+    err, _ = fit(steps=500, sign=-1.0)
+    assert not err <= WHITEN_TOL  # NaN counts as failing too
+
+
+def test_rotation_keeps_symmetric_and_symmetrises_rotated_spd():
+    gen = torch.Generator().manual_seed(0)
+    s = spd(7, 10.0, gen)
+    assert torch.allclose(procrustes_rotation(s), s, atol=1e-12)
+    # A small rotation of an SPD matrix: its Procrustes solution is s itself.
+    skew = torch.randn(7, 7, generator=gen, dtype=F64)
+    u = torch.linalg.matrix_exp(0.05 * (skew - skew.T))
+    q = u @ s
+    for _ in range(20):
+        q = procrustes_rotation(q)
+    # QᵀQ is preserved (U orthogonal to 2nd order) and Q returns to the symmetric root.
+    assert float((q - q.T).norm() / q.norm()) < 1e-3
+    assert torch.allclose(q, s, rtol=0, atol=1e-3 * float(s.norm()))
+
+
+def test_options_threaded_and_validated():
+    model = torch.nn.Linear(4, 3)
+    opt = Kron(model.parameters(), lr=1e-2, precond_update="procrustes")
+    model(torch.randn(5, 4)).square().sum().backward()
+    opt.step()
+    factors = next(iter(opt._tensors.values())).factors
+    assert factors.update_rule == "procrustes" and len(factors.lipschitz) == 2
+    pre = KronPreconditioner(torch.nn.Sequential(torch.nn.Linear(4, 3)), method="psgd",
+                             precond_update="procrustes")
+    layer = pre.layers["0"].method
+    assert all(layer.factor(part).update_rule == "procrustes" for part in layer.parts)
+    with pytest.raises(ValueError, match="precond_update"):
+        Kron(model.parameters(), precond_update="qr")
+    with pytest.raises(ValueError, match="precond_update"):
+        KronPreconditioner(torch.nn.Sequential(torch.nn.Linear(4, 3)), method="psgd", precond_update="qr")
