@@ -131,45 +131,46 @@ class PSGDLayer(LayerMethod):
         return out
 
     def batch_key(self) -> Hashable | None:
-        """Layers whose parameters have equal shapes and factor structures, all initialised and
-        with every product formed, of rank at most 2, are preconditioned together."""
+        """Layers whose parameters have equal shapes and factor structures (which products are
+        formed), all initialised, of rank at most 2, are preconditioned together."""
         key = [type(self)]
         for part in self.parts:
             state = self.tensor(part)
             factors = state.factors
-            if not factors.initialized or len(factors.work_shape) > 2 or \
-                    any(p is None for p in state.products()):
+            if not factors.initialized or len(factors.work_shape) > 2:
                 return None
-            key.append((self.shapes[part], factors.work_shape, tuple(factors.diagonal), factors.dtype))
+            formed = tuple(p is not None for p in state.products())
+            key.append((self.shapes[part], factors.work_shape, tuple(factors.diagonal), factors.dtype, formed))
         return tuple(key)
 
     @classmethod
     def apply_batch(cls, layers: Sequence["PSGDLayer"], grads: Sequence[list[torch.Tensor]],
                     ctx: StepContext | None, cache: dict, keep: torch.Tensor) -> list[list[torch.Tensor]]:
         """``P g`` for every parameter of every layer with one batched product per factor:
-        ``P_0 G P_1`` on stacks of equal-shape gradients, the RMS clip per tensor."""
+        ``P_0 G P_1`` on stacks of equal-shape gradients, the RMS clip per tensor.
+
+        Per factor the stack holds the formed ``Q_iᵀQ_i`` (or ``q_i²``), else ``Q_i`` itself
+        (two products). Built when a factor changes; each layer's tensors are then re-pointed
+        at their slice of the stack, so nothing is held twice and in-place updates reach it."""
         if len(layers) == 1:
             return super().apply_batch(layers, grads, ctx, cache, keep)
         states = [[layer.tensor(part) for part in layer.parts] for layer in layers]
         versions = tuple(t.version for row in states for t in row)
         if cache.get("versions") != versions:  # factors changed since the stacks were built
             cache["versions"] = versions
-            cache["products"] = [[torch.stack([row[j].products()[i] for row in states])
-                                  for i in range(len(states[0][j].factors.q))]
-                                 for j in range(len(states[0]))]
+            cache["stacks"] = [[_adopt_stack(states, j, i) for i in range(len(states[0][j].factors.q))]
+                               for j in range(len(states[0]))]
         count = len(layers)
         columns = []
-        for j, products in enumerate(cache["products"]):
+        for j, stacks in enumerate(cache["stacks"]):
             factors = states[0][j].factors
             raw = torch.stack([g[j] for g in grads])
             x = raw.reshape(count, *factors.work_shape).to(factors.dtype)
-            if x.dim() == 2:  # one dim: [L, n]
-                p = products[0]
-                x = x * p if p.dim() == 2 else torch.matmul(x.unsqueeze(1), p).squeeze(1)
+            if x.dim() == 2:  # one dim: [L, n] -> x P (row vectors)
+                x = _right_multiply(x.unsqueeze(1), *stacks[0]).squeeze(1)
             else:  # [L, m, n]: P_0 X P_1, each side diagonal or a matrix
-                p0, p1 = products
-                x = p0.unsqueeze(2) * x if p0.dim() == 2 else torch.matmul(p0.transpose(1, 2), x)
-                x = x * p1.unsqueeze(1) if p1.dim() == 2 else torch.matmul(x, p1)
+                x = _right_multiply(x.transpose(1, 2), *stacks[0]).transpose(1, 2)
+                x = _right_multiply(x, *stacks[1])
             x = x.reshape(raw.shape).to(raw.dtype)
             rms = torch.linalg.vector_norm(x.float().reshape(count, -1), dim=1) / (x[0].numel() ** 0.5)
             scale = (RMS_CLIP / (rms + 1e-12)).clamp(max=1.0).to(x.dtype)
@@ -252,6 +253,30 @@ class PSGDLayer(LayerMethod):
                 # files written before the per-tensor state kept one count for the layer
                 self._averages[part].steps.fill_(steps) if not isinstance(steps, dict) else \
                     self._averages[part].steps.copy_(steps[part])
+
+
+def _adopt_stack(states, part: int, factor: int) -> tuple[str, torch.Tensor]:
+    """Stack factor ``factor`` of parameter ``part`` across layers: its formed product, or the
+    factor itself; each layer's tensor becomes a view into the stack."""
+    if states[0][part].products()[factor] is not None:
+        stack = torch.stack([row[part].products()[factor] for row in states])
+        for row, view in zip(states, stack.unbind(0)):
+            row[part].products()[factor] = view
+        return "product", stack
+    stack = torch.stack([row[part].factors.q[factor] for row in states])
+    for row, view in zip(states, stack.unbind(0)):
+        row[part].factors.q[factor] = view
+    return "factor", stack
+
+
+def _right_multiply(x: torch.Tensor, kind: str, stack: torch.Tensor) -> torch.Tensor:
+    """``x P`` for row vectors ``x`` ``[L, r, n]``: ``P`` = the stacked product (``[L, n]`` for
+    a diagonal factor, else ``[L, n, n]``, symmetric) or ``QᵀQ`` from the stacked factor."""
+    if stack.dim() == 2:
+        return x * stack.unsqueeze(1)
+    if kind == "product":
+        return torch.matmul(x, stack)
+    return torch.matmul(torch.matmul(x, stack.transpose(1, 2)), stack)
 
 
 def _check_memory_save_mode(name: str, value):
