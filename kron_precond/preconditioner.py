@@ -26,6 +26,7 @@ from torch import nn
 from kron_precond.distributed import collectives
 from kron_precond.distributed.assignment import WorkAssignment, assign_work
 from kron_precond.distributed.groups import WorkerGrid
+from kron_precond.distributed.sharded import OwnerExchange, ShardedLayout, is_dtensor
 from kron_precond.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, Method
 from kron_precond.methods.kfac import FACTORS, KFACLayer
 from kron_precond.modules import compile_skip_patterns, find_modules
@@ -212,6 +213,9 @@ class KronPreconditioner:
             raise ValueError("colocate_factors=False needs grad_worker_fraction=COMM_OPT: a layer's "
                              "preconditioned gradient is computed where all of its state lives")
 
+        # FSDP2 / HSDP: parameters are DTensors; checked before anything touches them.
+        self._sharding = ShardedLayout.detect(list(model.named_parameters()), self.world_size)
+
         # ---- registration
         patterns = compile_skip_patterns(skip_layers)
         found = find_modules(model, kfac=self.method is Method.KFAC, patterns=patterns,
@@ -232,6 +236,7 @@ class KronPreconditioner:
         self._grid = WorkerGrid(self.world_size, self.rank, self.grad_workers, process_group)
         if self.rank == 0:
             logger.info("%s", self.assignment.summary())
+        self._setup_sharding()
 
         self._steps = 0
         self._pending_statistics: tuple[collectives.PendingCollective, float] | None = None
@@ -264,6 +269,26 @@ class KronPreconditioner:
                               seed=self.seed, layer_index=index, **self._psgd_settings)
         return Layer(self, index, name, module, params, state, adapter)
 
+    def _setup_sharding(self) -> None:
+        """Sharded (FSDP2 / HSDP) models: each layer's K-FAC factors live on its owner only
+        (statistics are reduced there), and with one gradient worker per layer on a 1-D mesh
+        the owner gathers the gradient shards and scatters the result (docs/design.md §13)."""
+        self._factors_owner_only = (self._sharding is not None and self.method is Method.KFAC
+                                    and self.colocate_factors and self.world_size > 1)
+        if self._factors_owner_only:
+            for layer in self._layers:
+                if self._layer_owner(layer) != self.rank:
+                    layer.method.drop_factors()
+        self._exchange = None
+        if (self._sharding is not None and self._sharding.mesh.ndim == 1 and self.grad_workers == 1
+                and self.world_size > 1
+                and all(self._sharding.is_sharded(p) for l in self._layers for _, p in l.params)):
+            self._exchange = OwnerExchange(self._sharding, [self._grid.global_rank(r)
+                                                             for r in range(self.world_size)])
+
+    def _holds_factors(self, layer: Layer) -> bool:
+        return not self._factors_owner_only or self._layer_owner(layer) == self.rank
+
     def _check_ranks_agree(self, model: nn.Module) -> None:
         """Fail on every rank (instead of hanging later) if ranks disagree on the setup."""
         description = ";".join(f"{l.name}:{[tuple(p.shape) for _, p in l.params]}" for l in self._layers)
@@ -276,6 +301,8 @@ class KronPreconditioner:
             # Position-weighted, so permuted values do not cancel out.
             checksum = torch.zeros((), dtype=torch.float64, device=device)
             for i, p in enumerate(model.parameters()):
+                if is_dtensor(p):  # compare whole values: shards differ by design
+                    p = p.full_tensor()
                 flat = p.detach().double().reshape(-1)
                 weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=device)
                 checksum += (i + 1) * (flat * weights).sum()
@@ -335,16 +362,84 @@ class KronPreconditioner:
         """
         with torch.no_grad():
             step = self._steps
+            grads = self._current_gradients()
             if self.method is Method.KFAC:
                 check_health = self._kfac_statistics_and_refresh(step)
             else:
-                self._psgd_refresh(step)
+                self._psgd_refresh(step, grads)
                 check_health = step % _NONFINITE_CHECK_INTERVAL == 0
-            self._apply_and_write(step)
+            if self._exchange is not None:
+                self._apply_and_scatter(step, grads)
+            else:
+                self._apply_and_write(step, grads)
             if check_health:
                 self._report_nonfinite()
             self._steps += 1
             self._update_collecting()
+
+    def _current_gradients(self) -> dict[str, list[torch.Tensor | None]]:
+        """Per layer, the full gradients where this rank applies the layer (``None`` for a
+        parameter without one). Sharded gradients are assembled here: by an all-gather
+        (``full_tensor``), or, in owner-exchange mode, by a gather to the owner only (other
+        ranks get ``None`` for layers they do not own)."""
+        if self._sharding is None:
+            return {l.name: [p.grad for _, p in l.params] for l in self._layers}
+        if self._exchange is None:
+            return {l.name: [None if p.grad is None else self._sharding.full(p.grad) for _, p in l.params]
+                    for l in self._layers}
+        full = self._exchange.gather(self._exchange_items(with_grads=True))
+        grads: dict[str, list[torch.Tensor | None]] = {}
+        mine = iter(full.get(self.rank, []))
+        for layer in self._layers:
+            if self._layer_owner(layer) == self.rank:
+                # a parameter without a gradient on every rank arrives as zeros
+                grads[layer.name] = [next(mine) for _ in layer.params]
+            else:
+                grads[layer.name] = [None] * len(layer.params)
+        return grads
+
+    def _exchange_items(self, with_grads: bool) -> dict[int, list]:
+        by_owner: dict[int, list] = {r: [] for r in range(self.world_size)}
+        for layer in self._layers:
+            for _, p in layer.params:
+                by_owner[self._layer_owner(layer)].append((p, p.grad) if with_grads else p)
+        return by_owner
+
+    def _apply_and_scatter(self, step: int, grads: dict[str, list[torch.Tensor | None]]) -> None:
+        """Owner-exchange mode: owners precondition their layers' full gradients and send each
+        rank its rows; ``kl_clip``'s sum is completed with one scalar all-reduce."""
+        full_out: dict[int, list[torch.Tensor]] = {self.rank: []}
+        total = None
+        for layer in self._layers:
+            if self._layer_owner(layer) != self.rank:
+                continue
+            raw = grads[layer.name]
+            new = layer.method.apply(list(raw))
+            full_out[self.rank].extend(new)
+            for value, grad in zip(new, raw):
+                term = (value * grad).sum(dtype=torch.promote_types(grad.dtype, torch.float32))
+                total = term if total is None else total + term
+        kl_clip = resolve(self.hparams["kl_clip"], step)
+        scale = None
+        if kl_clip is not None:
+            _check_hparam("kl_clip", kl_clip)
+            lr = resolve(self.hparams["lr"], step)
+            _check_hparam("lr", lr)
+            dtype = torch.promote_types(self._layers[0].params[0][1].dtype, torch.float32)
+            if total is None:
+                total = torch.zeros((), dtype=dtype, device=self._layers[0].params[0][1].device)
+            self._sharding.group_sum(total)
+            scale = torch.sqrt(kl_clip / (total * lr**2).abs()).clamp(max=1.0)
+        rows = self._exchange.scatter(self._exchange_items(with_grads=False), full_out)
+        for owner, params in self._exchange_items(with_grads=False).items():
+            for p, piece in zip(params, rows.get(owner, [])):
+                if p.grad is None:
+                    continue
+                local = self._sharding.local(p.grad)
+                if scale is not None:
+                    torch.mul(piece, scale, out=local)
+                else:
+                    local.copy_(piece)
 
     def _kfac_statistics_and_refresh(self, step: int) -> bool:
         """Fold / reduce statistics on factor steps; refresh on refresh steps (-> True)."""
@@ -356,13 +451,24 @@ class KronPreconditioner:
                 for layer in self._layers:
                     layer.method.fold_statistics(decay)
             else:
-                tensors = [t for layer in self._layers for t in layer.method.shared_statistics()]
                 # Sums and row counts are reduced, then folded when waited on: lazily, so
                 # the reduction overlaps with the rest of this step and the next ones,
                 # until a refresh needs the factors or the next forward hook the buffers.
-                handle = collectives.all_reduce(tensors, group=self.process_group,
-                                                cap_bytes=self._bucket_cap_bytes,
-                                                symmetric=self.symmetry_aware)
+                if self._factors_owner_only:  # only the owner folds: reduce to it alone
+                    by_owner: dict[int, list[torch.Tensor]] = {}
+                    for layer in self._layers:
+                        by_owner.setdefault(self._layer_owner(layer), []).extend(
+                            layer.method.shared_statistics())
+                    handle = collectives.waiting_all([
+                        collectives.reduce(tensors, dst=self._grid.global_rank(owner),
+                                           group=self.process_group, cap_bytes=self._bucket_cap_bytes,
+                                           symmetric=self.symmetry_aware)
+                        for owner, tensors in sorted(by_owner.items())])
+                else:
+                    tensors = [t for layer in self._layers for t in layer.method.shared_statistics()]
+                    handle = collectives.all_reduce(tensors, group=self.process_group,
+                                                    cap_bytes=self._bucket_cap_bytes,
+                                                    symmetric=self.symmetry_aware)
                 self._pending_statistics = (handle, decay)
         every = resolve(self.hparams["inv_update_steps"], step)
         _check_hparam("inv_update_steps", every)
@@ -382,10 +488,9 @@ class KronPreconditioner:
                     layer.method.finalize_refresh(damping)
         return True
 
-    def _psgd_refresh(self, step: int) -> None:
+    def _psgd_refresh(self, step: int, grads: dict[str, list[torch.Tensor | None]]) -> None:
         # Parameters without a gradient this step are left out (None), not zero-filled:
         # a zero gradient would corrupt the running average and the initial scale.
-        grads = {layer.name: [p.grad for _, p in layer.params] for layer in self._layers}
         for layer in self._layers:
             layer.method.observe_gradients(grads[layer.name])
             if self._holds_state(layer):
@@ -418,16 +523,17 @@ class KronPreconditioner:
         for handle in pending:
             handle.wait()
 
-    def _apply_and_write(self, step: int) -> None:
+    def _apply_and_write(self, step: int, current: dict[str, list[torch.Tensor | None]]) -> None:
         communicate = self._grid.has_receivers
         outputs: dict[str, list[torch.Tensor]] = {}
         originals: dict[str, list[torch.Tensor | None]] = {}
         for layer in self._layers:
-            raw = [p.grad for _, p in layer.params]
+            raw = current[layer.name]
             originals[layer.name] = raw
             if all(g is None for g in raw) and not communicate:
                 continue
-            grads = self._grads(layer)
+            grads = [g if g is not None else torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+                     for g, (_, p) in zip(raw, layer.params)]
             if self._holds_state(layer):
                 outputs[layer.name] = layer.method.apply(grads)
             else:  # receives its preconditioned gradient below
@@ -445,9 +551,12 @@ class KronPreconditioner:
             new = outputs.get(layer.name)
             if new is None:
                 continue
-            for grad, value in zip(originals[layer.name], new):
+            for grad, value, (_, p) in zip(originals[layer.name], new, layer.params):
                 if grad is None:
                     continue
+                if self._sharding is not None:  # write this rank's rows into the local shard
+                    grad = self._sharding.local(p.grad)
+                    value = self._sharding.local_rows(p, value)
                 if scale is not None:
                     torch.mul(value, scale, out=grad)
                 else:
@@ -479,9 +588,6 @@ class KronPreconditioner:
         # min(1, sqrt(κ / |lr² Σ⟨V, ∇⟩|)); a zero sum gives inf, clamped to 1.
         return torch.sqrt(kl_clip / (total * lr**2).abs()).clamp(max=1.0)
 
-    def _grads(self, layer: Layer) -> list[torch.Tensor]:
-        return [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in layer.params]
-
     def _layer_owner(self, layer: Layer) -> int:
         return self.assignment.owner(layer.name, layer.method.parts[0])
 
@@ -494,7 +600,10 @@ class KronPreconditioner:
             self._pending_statistics = None
             handle.wait()
             for layer in self._layers:
-                layer.method.fold_statistics(decay)
+                if self._holds_factors(layer):
+                    layer.method.fold_statistics(decay)
+                else:
+                    layer.method.discard_statistics()
 
     def _report_nonfinite(self) -> None:
         """Warn about skipped non-finite updates and, once, about registered layers that
@@ -502,7 +611,9 @@ class KronPreconditioner:
         flags = [layer.method.nonfinite for layer in self._layers]
         check_observed = self.method is Method.KFAC and self._factor_steps and not self._observed_checked
         if check_observed:
-            flags += [layer.method.observed().to(torch.int64) for layer in self._layers]
+            flags += [layer.method.observed().to(torch.int64) if self._holds_factors(layer)
+                      else torch.ones((), dtype=torch.int64, device=layer.method.nonfinite.device)
+                      for layer in self._layers]
         values = torch.stack(flags).tolist()
         for layer, count in zip(self._layers, values):
             if count:
@@ -525,7 +636,9 @@ class KronPreconditioner:
         return self._steps
 
     def memory_usage(self) -> dict[str, int]:
-        """Bytes of preconditioner state held on this rank, by kind of state."""
+        """Bytes of preconditioner state held on this rank, by kind of state (after
+        finishing any statistics reduction still in flight)."""
+        self._wait_for_statistics()
         usage: dict[str, int] = {}
         for layer in self._layers:
             for kind, size in layer.method.memory_by_kind().items():
@@ -537,13 +650,37 @@ class KronPreconditioner:
 
         With ``grad_worker_fraction < 1`` this is a collective (each layer's state comes
         from its owner): call it on every rank.
+
+        Sharded (FSDP2 / HSDP) models: each rank returns only the layer state it holds
+        (K-FAC factors from their owner, decompositions / PSGD factors from the layer's
+        gradient workers), which is what ``torch.distributed.checkpoint`` (DCP) expects of a
+        ``Stateful``: ``dcp.save({"precond": precond, ...})`` writes each piece once and
+        ``dcp.load`` on any number of ranks asks each rank for the pieces it will hold.
+        Save and load such a preconditioner with DCP (not ``torch.save`` of one rank).
         """
         self._wait_for_statistics()
         layers = {}
         for layer in self._layers:
+            if self._sharding is not None:
+                state = self._held_layer_state(layer)
+                if state is not None:
+                    layers[layer.name] = state
+                continue
             layers[layer.name] = self._layer_state(layer)
         return {"steps": self._steps, "method": self.method.value, "decider": self._decider.state_dict(),
                 "factor_steps": self._factor_steps, "psgd_updates": self._psgd_updates, "layers": layers}
+
+    def _held_layer_state(self, layer: Layer) -> dict[str, Any] | None:
+        """The part of a layer's state this rank holds (sharded models), or ``None``."""
+        factors, applies = self._holds_factors(layer), self._holds_state(layer)
+        if not (factors or applies):
+            return None
+        if self.method is Method.KFAC:
+            return layer.method.state_dict(factors=factors, refreshed=applies)
+        return layer.method.state_dict()
+
+    def _needs_layer_state(self, layer: Layer) -> bool:
+        return self._sharding is None or self._holds_factors(layer) or self._holds_state(layer)
 
     def _layer_state(self, layer: Layer) -> dict[str, Any]:
         holds = self._holds_state(layer)
@@ -561,17 +698,18 @@ class KronPreconditioner:
         if state.get("method") != self.method.value:
             raise ValueError(f"state_dict is for method={state.get('method')!r}, "
                              f"this preconditioner uses {self.method.value!r}")
-        missing = set(self.layers) - set(state["layers"])
+        missing = {l.name for l in self._layers if self._needs_layer_state(l)} - set(state["layers"])
         if missing:
             raise ValueError(f"state_dict has no state for layers {sorted(missing)}")
-        for layer in self._layers:  # all checks first: a rejected state changes nothing
+        needed = [l for l in self._layers if self._needs_layer_state(l)]
+        for layer in needed:  # all checks first: a rejected state changes nothing
             layer.method.check_state(state["layers"][layer.name])
         self._wait_for_statistics()
         self._steps = int(state["steps"])
         self._factor_steps = int(state.get("factor_steps", 0))
         self._psgd_updates = int(state.get("psgd_updates", 0))
         self._decider.load_state_dict(state["decider"])
-        for layer in self._layers:
+        for layer in needed:
             layer.method.load_state_dict(state["layers"][layer.name])
             if not self._holds_state(layer):
                 layer.method.release_refreshed()

@@ -130,8 +130,19 @@ class KFACLayer(LayerMethod):
 
     def _allocate_statistics(self) -> None:
         if self._a_sum is None:
-            self._a_sum = torch.zeros_like(self.a_factor)
-            self._g_sum = torch.zeros_like(self.g_factor)
+            kw = dict(device=self._device, dtype=self.factor_dtype)
+            self._a_sum = torch.zeros(self.a_dim, self.a_dim, **kw)
+            self._g_sum = torch.zeros(self.g_dim, self.g_dim, **kw)
+
+    def drop_factors(self) -> None:
+        """Free the running factors on a rank that never refreshes this layer (sharded
+        models: statistics are reduced to the owner only). ``a_factor`` / ``g_factor`` are
+        then ``None``; statistics are still gathered here and sent to the owner."""
+        self.a_factor = self.g_factor = None
+
+    @property
+    def holds_factors(self) -> bool:
+        return self.a_factor is not None
 
     def fold_statistics(self, decay: float) -> None:
         """Fold the (reduced) statistics into the running averages ``F ← d·F + (1−d)·F_new``.
@@ -288,37 +299,48 @@ class KFACLayer(LayerMethod):
         }
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "compute_method": self.compute_method.value,
-            "a_factor": self.a_factor.clone(),
-            "g_factor": self.g_factor.clone(),
-            "seen": self._seen.clone(),
-            "refreshed": {k: [t.clone() for t in v] for k, v in self._allocated().items()},
-            "damping_used": self._damping_used,
-            "ready": self.ready,
-        }
+    def state_dict(self, *, factors: bool = True, refreshed: bool = True) -> dict[str, Any]:
+        """The layer's state; ``factors=False`` / ``refreshed=False`` leave out the running
+        factors (with their ``seen`` flags) / the decompositions (a sharded checkpoint
+        stores each only where it is held)."""
+        state: dict[str, Any] = {"compute_method": self.compute_method.value}
+        if factors:
+            state.update(a_factor=self.a_factor.clone(), g_factor=self.g_factor.clone(),
+                         seen=self._seen.clone())
+        if refreshed:
+            state.update(refreshed={k: [t.clone() for t in v] for k, v in self._allocated().items()},
+                         damping_used=self._damping_used, ready=self.ready)
+        return state
 
     def check_state(self, state: dict[str, Any]) -> None:
         """Raise ``ValueError`` if ``state`` was not saved by a layer like this one."""
         if state.get("compute_method") != self.compute_method.value:
             raise ValueError(f"state of {self.name} was saved with compute_method="
                              f"{state.get('compute_method')!r}, this layer uses {self.compute_method.value!r}")
-        if tuple(state["a_factor"].shape) != tuple(self.a_factor.shape) or \
-                tuple(state["g_factor"].shape) != tuple(self.g_factor.shape):
-            raise ValueError(f"state of {self.name} has factor shapes {tuple(state['a_factor'].shape)}, "
-                             f"{tuple(state['g_factor'].shape)}; expected {tuple(self.a_factor.shape)}, "
-                             f"{tuple(self.g_factor.shape)}")
+        expected = ((self.a_dim, self.a_dim), (self.g_dim, self.g_dim))
+        if "a_factor" in state:
+            got = (tuple(state["a_factor"].shape), tuple(state["g_factor"].shape))
+            if got != expected:
+                raise ValueError(f"state of {self.name} has factor shapes {got[0]}, {got[1]}; "
+                                 f"expected {expected[0]}, {expected[1]}")
+        if "refreshed" in state:
+            shapes = {k: tuple(v[0].shape) for k, v in state["refreshed"].items()}
+            if shapes != {"A": expected[0], "G": expected[1]}:
+                raise ValueError(f"state of {self.name} has refreshed shapes {shapes}; expected "
+                                 f"{dict(A=expected[0], G=expected[1])}")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
-        self.a_factor.copy_(state["a_factor"])
-        self.g_factor.copy_(state["g_factor"])
-        self._seen.copy_(state["seen"])
+        if "a_factor" in state and self.a_factor is not None:
+            self.a_factor.copy_(state["a_factor"])
+            self.g_factor.copy_(state["g_factor"])
+            self._seen.copy_(state["seen"])
+        self.discard_statistics()
+        if "refreshed" not in state:
+            return
         for key, tensors in state["refreshed"].items():
             for dst, src in zip(self.refreshed_tensors(key), tensors, strict=True):
                 dst.copy_(src)
-        self.discard_statistics()
         if state["ready"]:
             self.finalize_refresh(state["damping_used"])
         else:
