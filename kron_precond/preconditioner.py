@@ -672,15 +672,19 @@ class KronPreconditioner:
 
     def _held_layer_state(self, layer: Layer) -> dict[str, Any] | None:
         """The part of a layer's state this rank holds (sharded models), or ``None``."""
-        factors, applies = self._holds_factors(layer), self._holds_state(layer)
-        if not (factors or applies):
-            return None
+        applies = self._holds_state(layer)
         if self.method is Method.KFAC:
+            factors = self._holds_factors(layer)
+            if not (factors or applies):
+                return None
             return layer.method.state_dict(factors=factors, refreshed=applies)
-        return layer.method.state_dict()
+        # PSGD: factors live on the gradient workers only (elsewhere they were never built)
+        return layer.method.state_dict() if applies else None
 
     def _needs_layer_state(self, layer: Layer) -> bool:
-        return self._sharding is None or self._holds_factors(layer) or self._holds_state(layer)
+        if self._sharding is None:
+            return True
+        return self._holds_state(layer) or (self.method is Method.KFAC and self._holds_factors(layer))
 
     def _layer_state(self, layer: Layer) -> dict[str, Any]:
         holds = self._holds_state(layer)
