@@ -42,11 +42,14 @@ SCENARIOS = {
     "psgd": (dict(method="psgd", precond_dtype=F64), "1d", True),
     "psgd-mem": (dict(method="psgd", precond_dtype=F64, grad_worker_fraction=MEM,
                       assignment_strategy="memory"), "1d", True),
+    "kfac-eigen-partly-sharded": (dict(inv_dtype=F64), "1d-partial", True),
     "hsdp-kfac-eigen": (dict(inv_dtype=F64, inv_update_steps=2), "2x2", True),
     "hsdp-psgd-mem": (dict(method="psgd", precond_dtype=F64, grad_worker_fraction=MEM), "2x2", True),
 }
 CHECKPOINTED = ("kfac-eigen-mem", "psgd-mem", "kfac-eigen")
 WORLD2 = [n for n, (_, mesh, _) in SCENARIOS.items() if mesh == "1d"]
+# Which gradient path each 1-D scenario must take (checked by counting collectives).
+OWNER_EXCHANGE = ("kfac-inverse-mem", "kfac-eigen-mem", "psgd-mem")
 
 
 def make_model() -> nn.Sequential:
@@ -71,15 +74,18 @@ def flat(tensors) -> torch.Tensor:
 class Run:
     """Model + preconditioner + SGD; sharded with FSDP2 when ``mesh`` is given."""
 
-    def __init__(self, kwargs: dict, mesh=None, reshard: bool = True, rank: int = 0, world: int = 1):
+    def __init__(self, kwargs: dict, mesh=None, reshard: bool = True, rank: int = 0, world: int = 1,
+                 partly: bool = False):
         self.model = make_model()
         self.rank, self.world = rank, world
         if mesh is not None:
             from torch.distributed.fsdp import fully_shard
-            for module in self.model:
-                if isinstance(module, nn.Linear):
-                    fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
-            fully_shard(self.model, mesh=mesh, reshard_after_forward=reshard)
+            linears = [m for m in self.model if isinstance(m, nn.Linear)]
+            # partly: the head stays a plain module (its gradient is averaged by hand below)
+            for module in linears[:-1] if partly else linears:
+                fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+            if not partly:
+                fully_shard(self.model, mesh=mesh, reshard_after_forward=reshard)
         self.precond = KronPreconditioner(self.model, **kwargs)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.5)
         self.step_index = 0
@@ -94,6 +100,13 @@ class Run:
         x, y = x[self.rank * n:(self.rank + 1) * n], y[self.rank * n:(self.rank + 1) * n]
         self.opt.zero_grad()
         ((self.model(x) - y) ** 2).mean().backward()
+        if self.world > 1:
+            import torch.distributed as dist
+            from kron_precond.distributed.sharded import is_dtensor
+            for p in self.model.parameters():
+                if not is_dtensor(p):
+                    ORIGINAL_ALL_REDUCE[0](p.grad)
+                    p.grad /= self.world
         self.precond.step()
         self.opt.step()
         self.step_index += 1
@@ -103,6 +116,9 @@ class Run:
         for _ in range(steps):
             self.step()
         return self
+
+
+ORIGINAL_ALL_REDUCE = [None]  # the test's own traffic, not counted
 
 
 def _mesh(kind: str, world: int):
@@ -129,14 +145,21 @@ def world4_worker(rank, world, out_dir):
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.fsdp import fully_shard
 
-    results = {"trajectories": {}, "memory": {}, "errors": {}, "seconds": {}}
+    from dist_utils import CollectiveCounter
+
+    results = {"trajectories": {}, "memory": {}, "errors": {}, "seconds": {}, "calls": {}}
     for name, (kwargs, mesh_kind, reshard) in SCENARIOS.items():
         start = time.perf_counter()
-        run = Run(kwargs, _mesh(mesh_kind, world), reshard, rank, world)
-        for _ in range(STEPS):
-            run.step()
-            if run.step_index == SAVE_AT and name in CHECKPOINTED:
-                dcp.save(_dcp_state(run), checkpoint_id=os.path.join(out_dir, f"ckpt-{name}"))
+        run = Run(kwargs, _mesh(mesh_kind, world), reshard, rank, world, partly=mesh_kind == "1d-partial")
+        with CollectiveCounter() as counter:
+            ORIGINAL_ALL_REDUCE[0] = counter.original("all_reduce")
+            for _ in range(STEPS):
+                run.step()
+                if run.step_index == SAVE_AT and name in CHECKPOINTED:
+                    counter.enabled = False
+                    dcp.save(_dcp_state(run), checkpoint_id=os.path.join(out_dir, f"ckpt-{name}"))
+                    counter.enabled = True
+        results["calls"][name] = dict(counter.calls)
         results["trajectories"][name] = torch.stack(run.trajectory)
         results["memory"][name] = _memory(run)
         results["seconds"][name] = time.perf_counter() - start
@@ -179,6 +202,22 @@ def world2_worker(rank, world, out_dir):
         set_state_dict(run.model, run.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         run.step_index = state["step"]
         results["resumed"][name] = (run.precond.steps, torch.stack(run.run(STEPS - SAVE_AT).trajectory))
+
+    # Unsharded DDP models keep their full state_dict; DCP saves and loads it as a Stateful.
+    from torch.nn.parallel import DistributedDataParallel
+    for method in ("kfac", "psgd"):
+        kwargs = dict(method=method, grad_worker_fraction=MEM)
+        model = DistributedDataParallel(make_model())
+        precond = KronPreconditioner(model, **kwargs)
+        for step in range(SAVE_AT):
+            x, y = batch(step)
+            ((model(x[rank::world]) - y[rank::world]) ** 2).mean().backward()
+            precond.step()
+        path = os.path.join(out_dir, f"ddp-{method}")
+        dcp.save({"precond": precond}, checkpoint_id=path)
+        fresh = KronPreconditioner(DistributedDataParallel(make_model()), **kwargs)
+        dcp.load({"precond": fresh}, checkpoint_id=path)
+        results[f"ddp-{method}"] = (precond.state_dict(), fresh.state_dict())
     return results
 
 
@@ -233,6 +272,29 @@ def test_dcp_saved_on_4_ranks_resumes_on_2(spawned, reference, name):
             _relative(resumed, want[SAVE_AT:], init) <= TOL, name
 
 
+@pytest.mark.parametrize("method", ["kfac", "psgd"])
+def test_ddp_state_round_trips_through_dcp(spawned, method):
+    def leaves(tree, prefix=""):
+        if isinstance(tree, dict):
+            for key, value in tree.items():
+                yield from leaves(value, f"{prefix}/{key}")
+        elif isinstance(tree, (list, tuple)):
+            for index, value in enumerate(tree):
+                yield from leaves(value, f"{prefix}/{index}")
+        else:
+            yield prefix, tree
+
+    for result in spawned[2]:
+        saved, loaded = (dict(leaves(sd)) for sd in result[f"ddp-{method}"])
+        assert saved.keys() == loaded.keys()
+        assert saved["/steps"] == SAVE_AT
+        for key, value in saved.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, loaded[key]), key
+            else:
+                assert value == loaded[key], key
+
+
 @pytest.mark.parametrize("name", ["kfac-eigen-mem", "kfac-inverse-mem", "psgd-mem"])
 def test_memory_per_rank_shrinks_with_ranks(spawned, reference, name):
     single = reference[name][2]
@@ -241,6 +303,19 @@ def test_memory_per_rank_shrinks_with_ranks(spawned, reference, name):
     print(f"{name}: max per-rank state at world 4 = {max(per_rank)} B, world 1 = {single} B, ratio {ratio:.3f}")
     assert ratio <= 0.35
     assert sum(per_rank) <= 1.05 * single  # split, not copied
+
+
+@pytest.mark.parametrize("name", [n for n, (_, mesh, _) in SCENARIOS.items() if mesh == "1d"])
+def test_each_scenario_takes_its_gradient_path(spawned, name):
+    calls = spawned[4][0]["calls"][name]
+    exchange = name in OWNER_EXCHANGE
+    # owner exchange: one gather and one scatter per owner per step; else DTensor all-gathers
+    assert (calls.get("gather", 0) > 0 and calls.get("scatter", 0) > 0) == exchange, calls
+    # K-FAC's statistics go to owners by dist.reduce, never all-reduced; the only all-reduce
+    # is owner-exchange kl_clip's scalar sum, once per step (PSGD: kl_clip is off).
+    kfac = name.startswith("kfac")
+    assert (calls.get("reduce", 0) > 0) == kfac, calls
+    assert calls.get("all_reduce", 0) == (STEPS if kfac and exchange else 0), calls
 
 
 def test_unsupported_placement_is_named_at_construction(spawned):
