@@ -1,8 +1,9 @@
 """Per-rank traffic, memory and refresh work of kron_precond at 8 to 1024 GPUs (issue #12).
 
 Nothing here is measured and nothing is typed in: the models are built on the ``meta``
-device (no memory is allocated), their layers are registered by the library's own
-``find_modules``, each layer's state is the library's own ``KFACLayer`` / ``PSGDLayer``
+device (no memory is allocated), their layers are selected and built by the library's own
+method specs (``methods/registry.py``: ``select`` and ``make_layer``), each layer's state is
+the library's own ``KFACLayer`` / ``PSGDLayer``
 (its ``factor_costs``, ``memory_by_kind``, ``shared_statistics`` and
 ``refreshed_tensors`` give the sizes), and work is placed on ranks by the library's own
 ``assign_work``. A cost model for collectives (below) turns sizes into bytes sent.
@@ -51,11 +52,11 @@ import torch
 from torch import nn
 
 from kron_precond.distributed.assignment import assign_work
-from kron_precond.enums import AssignmentStrategy, ComputeMethod
+from kron_precond.enums import AssignmentStrategy
+from kron_precond.methods import registry
 from kron_precond.methods.base import tensor_bytes
-from kron_precond.methods.kfac import KFACLayer
-from kron_precond.methods.psgd_layer import PSGDLayer
-from kron_precond.modules import compile_skip_patterns, find_modules
+from kron_precond.modules import compile_skip_patterns, is_skipped
+from kron_precond.schedules import StepContext
 
 META = torch.device("meta")
 
@@ -122,30 +123,29 @@ class LayerSizes:
 def layer_sizes(model: nn.Module, method: str, skip: tuple[str, ...] = ("lm_head",)) -> list[LayerSizes]:
     """Register ``model`` (on ``meta``) as :class:`KronPreconditioner` would and size each layer."""
     kfac = method == "kfac"
-    found = find_modules(model, kfac=kfac, patterns=compile_skip_patterns(list(skip) if kfac else []),
-                         log=lambda *_: None)
+    spec_class = registry.get(method)
+    settings = {name: option.default for name, option in spec_class.options.items()}
+    if kfac:
+        settings.update(factor_dtype=torch.float32, inv_dtype=torch.float32)
+    spec = spec_class(settings)
+    patterns = compile_skip_patterns(list(skip) if kfac else [])
+    selected = spec.select(model, lambda name, module: is_skipped(name, module, patterns), lambda *_: None)
+    refreshed_ctx = StepContext(step=0, statistics=True, refresh=True, refresh_index=0, statistics_count=1,
+                                hparams={"damping": 1e-3})
     sizes = []
-    for index, (name, module, params, adapter) in enumerate(found):
-        grad = sum(p.numel() * 4 for _, p in params)
+    for index, sel in enumerate(selected):
+        layer = spec.make_layer(index, sel)
+        grad = sum(p.numel() * 4 for _, p in sel.params)
         if kfac:
-            weight = dict(params)["weight"]
-            layer = KFACLayer(name, weight.shape, adapter.has_bias, compute_method=ComputeMethod.EIGEN,
-                              eigenvalue_outer_product=True, factor_dtype=torch.float32,
-                              inv_dtype=torch.float32, device=META,
-                              weight_transposed=adapter.weight_transposed)
             statistics = tensor_bytes(layer.shared_statistics())
             factors = layer.memory_by_kind()["factors"]
             refreshed = tensor_bytes(layer.refreshed_tensors())
-            layer.finalize_refresh(1e-3)  # derives the cached outer product, as apply needs
+            layer.finalize_refresh(refreshed_ctx)  # derives the cached outer product, as apply needs
             applied = layer.memory_by_kind()["decompositions"]
         else:
-            layer = PSGDLayer(name, [(n, p.shape) for n, p in params], device=META,
-                              momentum_into_precond_update=False, b1=0.9, seed=0, layer_index=index,
-                              max_size_triangular=8192, min_ndim_triangular=2, memory_save_mode=None,
-                              init_scale=1.0, dtype=torch.float32, merge_dims=False)
             statistics = factors = 0
             refreshed = applied = tensor_bytes(layer.refreshed_tensors())
-        sizes.append(LayerSizes(name, layer.factor_costs(), grad, statistics, factors, refreshed, applied))
+        sizes.append(LayerSizes(sel.name, layer.factor_costs(), grad, statistics, factors, refreshed, applied))
     return sizes
 
 
