@@ -202,7 +202,7 @@ class KronPreconditioner:
         self._update_collecting()
 
     def _setup_sharding(self) -> None:
-        """Sharded models (docs/design.md §13): statistics are reduced to each layer's owner,
+        """Sharded models (docs/design.md, "FSDP2 and HSDP"): statistics are reduced to each layer's owner,
         which alone keeps the running state; with one gradient worker per layer on a 1-D
         mesh, gradients travel to owners and back instead of being all-gathered."""
         sharded = self._runtime.sharding is not None and self.world_size > 1

@@ -39,7 +39,7 @@ class Runtime:
         self.bucket_cap_bytes = bucket_cap_bytes
         self.symmetric = symmetric
         self.grid: WorkerGrid | None = None
-        # FSDP2 / HSDP (DTensor parameters): how gradient shards move (docs/design.md §13)
+        # FSDP2 / HSDP (DTensor parameters): how gradient shards move (docs/design.md, "FSDP2 and HSDP")
         self.sharding: ShardedLayout | None = None
         self.exchange: OwnerExchange | None = None
 
