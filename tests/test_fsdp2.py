@@ -46,8 +46,10 @@ SCENARIOS = {
     "hsdp-kfac-eigen": (dict(inv_dtype=F64, inv_update_steps=2), "2x2", True),
     "hsdp-psgd-mem": (dict(method="psgd", precond_dtype=F64, grad_worker_fraction=MEM), "2x2", True),
 }
-CHECKPOINTED = ("kfac-eigen-mem", "psgd-mem", "kfac-eigen")
-WORLD2 = [n for n, (_, mesh, _) in SCENARIOS.items() if mesh == "1d"]
+# Saved at world 4; resumed at world 2 on a 1-D mesh (the HSDP one changes topology too).
+CHECKPOINTED = ("kfac-eigen-mem", "psgd-mem", "kfac-eigen", "hsdp-kfac-eigen")
+# World 2 runs one scenario per method and gradient path (world 4 runs them all).
+WORLD2 = ["kfac-eigen", "kfac-inverse-mem", "psgd", "psgd-mem"]
 # Which gradient path each 1-D scenario must take (checked by counting collectives).
 OWNER_EXCHANGE = ("kfac-inverse-mem", "kfac-eigen-mem", "psgd-mem")
 
@@ -195,8 +197,8 @@ def world2_worker(rank, world, out_dir):
         results["trajectories"][name] = torch.stack(run.trajectory)
         results["seconds"][name] = time.perf_counter() - start
     for name in CHECKPOINTED:
-        kwargs, mesh_kind, reshard = SCENARIOS[name]
-        run = Run(kwargs, _mesh(mesh_kind, world), reshard, rank, world)
+        kwargs, _, reshard = SCENARIOS[name]
+        run = Run(kwargs, _mesh("1d", world), reshard, rank, world)
         state = _dcp_state(run)
         dcp.load(state, checkpoint_id=os.path.join(out_dir, f"ckpt-{name}"))
         set_state_dict(run.model, run.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -254,7 +256,7 @@ def _relative(got: torch.Tensor, want: torch.Tensor, init: torch.Tensor) -> floa
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_matches_single_process_every_step_on_every_rank(spawned, reference, world, name):
     if world == 2 and name not in WORLD2:
-        pytest.skip("a 2x2 HSDP mesh needs 4 ranks")
+        pytest.skip("run at world 4 only (a 2x2 HSDP mesh needs 4 ranks)")
     init, want, _ = reference[name]
     for rank, result in enumerate(spawned[world]):
         got = result["trajectories"][name]
@@ -268,8 +270,11 @@ def test_dcp_saved_on_4_ranks_resumes_on_2(spawned, reference, name):
     for result in spawned[2]:
         steps, resumed = result["resumed"][name]
         assert steps == SAVE_AT  # the preconditioner's own counters came back
-        assert _relative(resumed, want[SAVE_AT:], init) <= 1e-12 or \
-            _relative(resumed, want[SAVE_AT:], init) <= TOL, name
+        # Against the single-process run: the 4-rank steps before the checkpoint reduce in
+        # another order than the 2-rank ones after it, so bitwise equality is not expected.
+        deviation = _relative(resumed, want[SAVE_AT:], init)
+        print(f"{name}: resumed on 2 ranks vs one process: {deviation:.2e}")
+        assert deviation <= TOL, name
 
 
 @pytest.mark.parametrize("method", ["kfac", "psgd"])
