@@ -16,9 +16,10 @@ registration, never of data.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
-from functools import partial
+import types
 import warnings
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
@@ -140,8 +141,8 @@ class KronPreconditioner:
             kl_clip = spec_class.default_kl_clip
         if kl_clip is not None and not callable(kl_clip):
             kl_clip = validation.check_positive("kl_clip", kl_clip)
-        if not callable(lr):
-            lr = validation.check_positive("lr", lr)
+        if not callable(lr):  # 0 is meaningful: a warm-up from 0 (kl_clip's scale is then 1)
+            lr = validation.check_non_negative("lr", lr)
         self._kl_clip, self._lr = kl_clip, lr
         self.accumulation_steps = validation.check_int("accumulation_steps", accumulation_steps)
         bucket_cap = validation.check_non_negative("allreduce_bucket_cap_mb", allreduce_bucket_cap_mb)
@@ -202,11 +203,12 @@ class KronPreconditioner:
         self._update_collecting()
 
     def _setup_sharding(self) -> None:
-        """Sharded models (docs/design.md, "FSDP2 and HSDP"): statistics are reduced to each layer's owner,
-        which alone keeps the running state; with one gradient worker per layer on a 1-D
-        mesh, gradients travel to owners and back instead of being all-gathered."""
+        """Sharded models (docs/design.md, "FSDP2 and HSDP"): statistics are reduced to each
+        layer's owner, which alone keeps the running state; with one gradient worker per
+        layer on a 1-D mesh, gradients travel to owners and back instead of being all-gathered."""
         sharded = self._runtime.sharding is not None and self.world_size > 1
-        self._reduce_to_owners = sharded and self._spec.reduces_statistics and self.colocate_factors
+        self._reduce_to_owners = (sharded and self._spec.reduces_statistics and self._spec.owner_only_statistics
+                                  and self.colocate_factors)
         if self._reduce_to_owners:
             for layer in self._layers:
                 if self._layer_owner(layer) != self.rank:
@@ -248,8 +250,8 @@ class KronPreconditioner:
                 layer.method.observe_gradients(grads[layer.name], ctx)
             if ctx.refresh:
                 self._refresh(ctx, grads)
-            apply = precondition_exchanged if self._exchange else partial(precondition_gradients,
-                                                                               holds=self._holds_state)
+            apply = precondition_exchanged if self._exchange else functools.partial(
+                precondition_gradients, holds=self._holds_state)
             written = apply(self._layers, owner_of=self._layer_owner, runtime=self._runtime, ctx=ctx,
                             kl_clip=ctx.hparams.get("kl_clip"), lr=ctx.hparams.get("lr"),
                             cache=self._apply_cache, grads=grads)
@@ -267,7 +269,7 @@ class KronPreconditioner:
         step = self._steps
         statistics = self._collecting
         refresh = self._schedule.refreshes(step)
-        hparams: dict[str, Any] = {}
+        hparams: dict[str, Any] = dict(self._schedule.hparams(step))
         for name, option in self._spec.options.items():
             when = option.per_step
             if when is None:
@@ -277,7 +279,7 @@ class KronPreconditioner:
         kl_clip = resolve(self._kl_clip, step)
         if kl_clip is not None:
             hparams["kl_clip"] = validation.check_positive("kl_clip", kl_clip)
-            hparams["lr"] = validation.check_positive("lr", resolve(self._lr, step))
+            hparams["lr"] = validation.check_non_negative("lr", resolve(self._lr, step))
         return StepContext(step=step, statistics=statistics, refresh=refresh, refresh_index=self._refreshes,
                            statistics_count=self._statistics_steps + int(statistics), hparams=hparams)
 
@@ -343,9 +345,10 @@ class KronPreconditioner:
 
     def _agreement_description(self) -> str:
         """Everything that decides which collectives run when, as text ranks compare."""
-        collective = {name: _describe_value(self._spec.settings[name])
+        collective = {name: _describe_schedule(self._spec.settings[name])
                       for name, option in self._spec.options.items() if option.collective}
-        layers = ";".join(f"{l.name}:{[tuple(p.shape) for _, p in l.params]}" for l in self._layers)
+        layers = ";".join(f"{l.name}:{[(tuple(p.shape), str(p.dtype)) for _, p in l.params]}"
+                          for l in self._layers)
         return (f"{layers}|{self.method}|{sorted(collective.items())}|{self.grad_workers}"
                 f"|{self.symmetry_aware}|{self._runtime.bucket_cap_bytes}|{self.colocate_factors}"
                 f"|{self.assignment_strategy.value}|{self.accumulation_steps}")
@@ -377,22 +380,41 @@ class KronPreconditioner:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume, on any number of ranks (format: :mod:`kron_precond.checkpoint`).
 
-        With ``grad_worker_fraction < 1`` this is a collective (each layer's state comes
-        from its owner): call it on every rank.
+        Local: never communicates, so it is safe to call on rank 0 only (the usual
+        ``if rank == 0: torch.save(...)``). With ``grad_worker_fraction < 1`` a rank holds
+        the refreshed state (decompositions, PSGD factors) only of the layers it is a
+        gradient worker of; on a rank lacking some, this raises ``ValueError`` at once
+        rather than return a partial checkpoint -- call :meth:`gather_state_dict` on every
+        rank there.
 
         Sharded (FSDP2 / HSDP) models: each rank returns only the layer state it holds (K-FAC
         factors from their owner, decompositions / PSGD factors from the layer's gradient
         workers), which is what ``torch.distributed.checkpoint`` (DCP) expects of a
         ``Stateful``: ``dcp.save({"precond": precond, ...})`` writes each piece once, and
-        ``dcp.load`` on any number of ranks asks each rank for the pieces it will hold. Save
-        and load such a preconditioner with DCP, not with ``torch.save`` of one rank's dict.
+        ``dcp.load`` on any number of ranks asks each rank for the pieces it will hold.
+        :meth:`gather_state_dict` still assembles the whole state on every rank.
         """
-        self._wait_for_statistics()
         if self._runtime.sharding is not None:
-            layers = {layer.name: layer.method.state_dict() for layer in self._layers
-                      if self._needs_layer_state(layer)}
-        else:
-            layers = {layer.name: self._layer_state(layer) for layer in self._layers}
+            self._wait_for_statistics()
+            return self._pack({layer.name: layer.method.state_dict() for layer in self._layers
+                               if self._needs_layer_state(layer)})
+        missing = [layer.name for layer in self._layers if not self._holds_state(layer)]
+        if missing:
+            raise ValueError(
+                f"state_dict(): rank {self.rank} does not hold the state of layers {missing} "
+                f"(grad_worker_fraction={self.grad_worker_fraction!r}: {self.grad_workers} of "
+                f"{self.world_size} ranks hold each layer); call gather_state_dict() on every rank "
+                "instead -- it is a collective")
+        self._wait_for_statistics()
+        return self._pack({layer.name: layer.method.state_dict() for layer in self._layers})
+
+    def gather_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` assembled from the ranks that hold each layer: a collective,
+        to be called on every rank of the process group; every rank gets the whole state."""
+        self._wait_for_statistics()
+        return self._pack({layer.name: self._layer_state(layer) for layer in self._layers})
+
+    def _pack(self, layers: dict[str, Any]) -> dict[str, Any]:
         return checkpoint.pack(method=self.method, steps=self._steps, statistics_steps=self._statistics_steps,
                                refreshes=self._refreshes, schedule=self._schedule.state_dict(), layers=layers)
 
@@ -401,32 +423,66 @@ class KronPreconditioner:
         return self._runtime.sharding is None or self._holds_state(layer)
 
     def _layer_state(self, layer: Layer) -> dict[str, Any]:
+        if self._runtime.sharding is not None and self.world_size > 1:
+            # the owner alone holds everything (factors and refreshed state)
+            local = layer.method.state_dict() if self._layer_owner(layer) == self.rank else None
+            return self._runtime.gather_state(self._layer_owner(layer), local)
         if self.grad_workers == self.world_size:
             return layer.method.state_dict()
         local = layer.method.state_dict() if self._holds_state(layer) else None
         return self._runtime.gather_state(self._layer_owner(layer), local)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Restore :meth:`state_dict` output (saved with any number of ranks, by this or an
-        earlier version); a rejected state changes nothing."""
+        earlier version).
+
+        All or nothing: the format, method, counters, schedule and every layer's entries
+        (presence, shapes, floating dtypes, finiteness -- NaN and integer factors are
+        rejected) are checked before anything changes; a rejected state raises
+        ``ValueError`` and changes nothing. Layers this model does not have raise too,
+        unless ``strict=False`` (they are then ignored with a warning, as
+        ``nn.Module.load_state_dict(strict=False)`` does); a layer of this model missing
+        from the checkpoint always raises.
+        """
         state = checkpoint.upgrade(state)
         if state["method"] != self.method:
             raise ValueError(f"state_dict is for method={state['method']!r}, "
                              f"this preconditioner uses {self.method!r}")
+        layers = state["layers"]
+        if not isinstance(layers, dict):
+            raise ValueError(f"state_dict['layers'] must be a dict, got {type(layers).__name__}")
         needed = [layer for layer in self._layers if self._needs_layer_state(layer)]
-        missing = {layer.name for layer in needed} - set(state["layers"])
+        missing = {layer.name for layer in needed} - set(layers)
         if missing:
             raise ValueError(f"state_dict has no state for layers {sorted(missing)}")
-        for layer in needed:  # all checks first
-            layer.method.check_state(state["layers"][layer.name])
+        unexpected = sorted(set(layers) - set(self.layers))
+        if unexpected and strict:
+            raise ValueError(f"state_dict holds layers this model does not have: {unexpected} "
+                             "(pass strict=False to ignore them)")
+        counters = {}
+        for key in ("steps", "statistics_steps", "refreshes"):
+            try:
+                counters[key] = validation.check_int(key, state.get(key), minimum=0)
+            except ValueError as err:
+                raise ValueError(f"state_dict: {err}") from None
+        probe = self._spec.make_schedule()
+        try:
+            probe.load_state_dict(state["schedule"])
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ValueError(f"state_dict: bad 'schedule' entry ({err!r})") from None
+        for layer in needed:  # all checks first: a rejected state changes nothing
+            layer.method.check_state(layers[layer.name])
+        if unexpected:
+            warnings.warn(f"kron_precond: ignored the state of layers this model does not have: "
+                          f"{unexpected}", UserWarning, stacklevel=2)
         self._wait_for_statistics()
-        self._steps = int(state["steps"])
-        self._statistics_steps = int(state["statistics_steps"])
-        self._refreshes = int(state["refreshes"])
+        self._steps = counters["steps"]
+        self._statistics_steps = counters["statistics_steps"]
+        self._refreshes = counters["refreshes"]
         self._schedule.load_state_dict(state["schedule"])
         self._apply_cache.clear()
         for layer in needed:
-            layer.method.load_state_dict(state["layers"][layer.name])
+            layer.method.load_state_dict(layers[layer.name])
             if not self._holds_state(layer):
                 layer.method.release_refreshed()
         self._update_collecting()
@@ -498,6 +554,29 @@ def _is_default(value, defaults) -> bool:
         except Exception:  # e.g. a tensor compared with a float
             continue
     return False
+
+
+_SCHEDULE_SAMPLE_STEPS = 32
+
+
+def _describe_schedule(value) -> str:
+    """A rank-independent description of a setting that may be a callable of the step: its
+    repr (or, for plain functions, whose repr holds an address, its qualified name) and its
+    values over the first steps -- so two lambdas with different constants differ."""
+    if not callable(value) or isinstance(value, type):
+        return repr(value)
+    if isinstance(value, functools.partial):
+        name = f"partial({_describe_schedule(value.func)}, {value.args!r}, {value.keywords!r})"
+    elif isinstance(value, (types.FunctionType, types.MethodType, types.BuiltinFunctionType)) \
+            or type(value).__repr__ is object.__repr__:
+        name = f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+    else:
+        name = repr(value)
+    try:
+        values = [value(step) for step in range(_SCHEDULE_SAMPLE_STEPS)]
+    except Exception as err:  # noqa: BLE001 - step() reports it, on every rank alike
+        values = [f"raises {type(err).__name__}"]
+    return f"{name}:{values!r}"
 
 
 def _describe_value(value):

@@ -181,6 +181,7 @@ class MethodSpec(abc.ABC):
         options: method-specific constructor arguments (:class:`Option`).
         captures: needs activation and output-gradient rows from module hooks.
         reduces_statistics: its ``shared_statistics`` are summed across data-parallel ranks.
+        owner_only_statistics: only the owner's ``refresh`` reads the folded statistics.
         default_kl_clip: ``kl_clip`` when the user gives none.
     """
 
@@ -188,6 +189,9 @@ class MethodSpec(abc.ABC):
     options: ClassVar[dict[str, Option]]
     captures: ClassVar[bool] = False
     reduces_statistics: ClassVar[bool] = False
+    #: its folded statistics are read by the layer's owner only (in ``refresh``), so a sharded
+    #: model may reduce them to the owner alone and drop them elsewhere (docs/design.md)
+    owner_only_statistics: ClassVar[bool] = False
     default_kl_clip: ClassVar[float | None] = None
     #: steps between reads of the skipped-update counters (``None``: on refresh steps)
     health_check_every: ClassVar[int | None] = None
@@ -208,7 +212,8 @@ class MethodSpec(abc.ABC):
     @abc.abstractmethod
     def make_schedule(self):
         """An object with ``collects(step)``, ``refreshes(step)`` (both pure),
-        ``advance(step)``, ``state_dict()`` and ``load_state_dict(state)``."""
+        ``advance(step)``, ``hparams(step)`` (values added to the step's context),
+        ``state_dict()`` and ``load_state_dict(state)``."""
 
     def describe(self) -> dict[str, Any]:
         """Settings shown by the preconditioner's ``repr``."""

@@ -8,14 +8,15 @@ and the update-RMS clip of kron_torch.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 
 from kron_precond import validation as check
+from kron_precond.methods import state_checks as checks
 from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected, tensor_bytes
 from kron_precond.methods.psgd import PSGDFactors, check_memory_save_mode
-from kron_precond.methods.psgd_tensor import PSGDTensor, rms_clip_scale
+from kron_precond.methods.psgd_tensor import RMS_CLIP, PSGDTensor, rms_clip_scale
 from kron_precond.modules import find_parameter_modules
 from kron_precond.schedules import ProbabilitySchedule, StepContext, check_probability
 
@@ -107,8 +108,10 @@ class PSGDLayer(LayerMethod):
         return [q for p in parts for q in self.factor(p).tensors()]
 
     def finalize_refresh(self, ctx: StepContext) -> None:
+        uses = 1.0 / max(ctx.hparams.get("update_probability", 1.0), 1e-3)
         for state in self._tensors.values():  # factors were rewritten in place (update or broadcast)
             if state is not None:
+                state.uses_per_update = uses
                 state.invalidate()
 
     def release_refreshed(self) -> None:
@@ -126,6 +129,54 @@ class PSGDLayer(LayerMethod):
             update = state.precondition(grad)
             out.append(update * rms_clip_scale(update).to(update.dtype))
         return out
+
+    def batch_key(self) -> Hashable | None:
+        """Layers whose parameters have equal shapes and factor structures, all initialised and
+        with every product formed, of rank at most 2, are preconditioned together."""
+        key = [type(self)]
+        for part in self.parts:
+            state = self.tensor(part)
+            factors = state.factors
+            if not factors.initialized or len(factors.work_shape) > 2 or \
+                    any(p is None for p in state.products()):
+                return None
+            key.append((self.shapes[part], factors.work_shape, tuple(factors.diagonal), factors.dtype))
+        return tuple(key)
+
+    @classmethod
+    def apply_batch(cls, layers: Sequence["PSGDLayer"], grads: Sequence[list[torch.Tensor]],
+                    ctx: StepContext | None, cache: dict, keep: torch.Tensor) -> list[list[torch.Tensor]]:
+        """``P g`` for every parameter of every layer with one batched product per factor:
+        ``P_0 G P_1`` on stacks of equal-shape gradients, the RMS clip per tensor."""
+        if len(layers) == 1:
+            return super().apply_batch(layers, grads, ctx, cache, keep)
+        states = [[layer.tensor(part) for part in layer.parts] for layer in layers]
+        versions = tuple(t.version for row in states for t in row)
+        if cache.get("versions") != versions:  # factors changed since the stacks were built
+            cache["versions"] = versions
+            cache["products"] = [[torch.stack([row[j].products()[i] for row in states])
+                                  for i in range(len(states[0][j].factors.q))]
+                                 for j in range(len(states[0]))]
+        count = len(layers)
+        columns = []
+        for j, products in enumerate(cache["products"]):
+            factors = states[0][j].factors
+            raw = torch.stack([g[j] for g in grads])
+            x = raw.reshape(count, *factors.work_shape).to(factors.dtype)
+            if x.dim() == 2:  # one dim: [L, n]
+                p = products[0]
+                x = x * p if p.dim() == 2 else torch.matmul(x.unsqueeze(1), p).squeeze(1)
+            else:  # [L, m, n]: P_0 X P_1, each side diagonal or a matrix
+                p0, p1 = products
+                x = p0.unsqueeze(2) * x if p0.dim() == 2 else torch.matmul(p0.transpose(1, 2), x)
+                x = x * p1.unsqueeze(1) if p1.dim() == 2 else torch.matmul(x, p1)
+            x = x.reshape(raw.shape).to(raw.dtype)
+            rms = torch.linalg.vector_norm(x.float().reshape(count, -1), dim=1) / (x[0].numel() ** 0.5)
+            scale = (RMS_CLIP / (rms + 1e-12)).clamp(max=1.0).to(x.dtype)
+            shape = (count,) + (1,) * (x.dim() - 1)
+            x = torch.where(keep.reshape(shape), x * scale.reshape(shape), raw)
+            columns.append(x.unbind(0))
+        return [list(row) for row in zip(*columns)]
 
     # ------------------------------------------------------------------ estimates
     def factor_costs(self) -> dict[str, tuple[float, float]]:
@@ -154,24 +205,45 @@ class PSGDLayer(LayerMethod):
             {k: v.momentum.clone() for k, v in self._averages.items()},
             "momentum_steps": None if self._averages is None else
             {k: v.steps.clone() for k, v in self._averages.items()},
+            # decides whether Q_iᵀQ_i is formed: saved so that a resumed run is bitwise the same
+            "uses_per_update": {part: self.tensor(part).uses_per_update for part in self.parts},
         }
 
     def check_state(self, state: dict[str, Any]) -> None:
-        """Raise ``ValueError`` if ``state`` does not hold factors for these parameters."""
-        missing = set(self.parts) - set(state.get("factors", {}))
+        """Raise ``ValueError`` if ``state`` does not hold loadable factors for these
+        parameters (missing entries, wrong shapes, integer or non-finite tensors)."""
+        where = f"state of {self.name}"
+        factors = checks.entry(state, "factors", where)
+        missing = set(self.parts) - set(factors if isinstance(factors, dict) else ())
         if missing:
-            raise ValueError(f"state of {self.name} has no factors for {sorted(missing)}")
+            raise ValueError(f"{where} has no factors for {sorted(missing)}")
         for part in self.parts:
             expected = [tuple(q.shape) for q in PSGDFactors(self.shapes[part], device="meta",
                                                             **self._settings).tensors()]
-            got = [tuple(q.shape) for q in state["factors"][part]["q"]]
-            if got != expected:
-                raise ValueError(f"state of {self.name}.{part} has factor shapes {got}, expected {expected}")
+            saved = factors[part]
+            checks.tensor_list(checks.entry(saved, "q", f"{where}.{part}"), expected, f"{where}.{part}: q")
+            checks.boolean(checks.entry(saved, "initialized", f"{where}.{part}"), f"{where}.{part}: initialized")
+        momentum = state.get("momentum")
+        if self._averages is not None and momentum is not None:
+            for part, shape in self.shapes.items():
+                checks.float_tensor(checks.entry(momentum, part, f"{where}: momentum"), shape,
+                                    f"{where}: momentum[{part!r}]")
+            steps = state.get("momentum_steps", 0)
+            if isinstance(steps, dict):  # per tensor (files before that: one count for the layer)
+                for part in self.parts:
+                    value = checks.entry(steps, part, f"{where}: momentum_steps")
+                    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                        raise ValueError(f"{where}: momentum_steps[{part!r}] must be a 1-element "
+                                         f"tensor, got {value!r}")
+            else:
+                checks.integer(steps, f"{where}: momentum_steps")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
+        uses = state.get("uses_per_update", {})
         for part in self.parts:
             self.factor(part).load_state_dict(state["factors"][part])
+            self.tensor(part).uses_per_update = float(uses.get(part, 1.0))
             self.tensor(part).invalidate()
         if self._averages is not None and state.get("momentum") is not None:
             steps = state.get("momentum_steps", 0)
@@ -187,8 +259,18 @@ def _check_memory_save_mode(name: str, value):
     return value
 
 
+# P = s²·I must be finite in float32 (and bfloat16): s at most sqrt(3.4e38) ≈ 1.8e19.
+_INIT_SCALE_MAX = torch.finfo(torch.float32).max ** 0.5
+
+
 def _check_init_scale(name: str, value):
-    return None if value is None else check.check_positive(name, value)
+    if value is None:
+        return None
+    scale = check.check_positive(name, value)
+    if scale > _INIT_SCALE_MAX:
+        raise ValueError(f"{name} must be at most {_INIT_SCALE_MAX:.3g} (its square, the initial "
+                         f"preconditioner, must be finite in float32), got {value!r}")
+    return scale
 
 
 def _check_b1(name: str, value) -> float:
@@ -198,7 +280,7 @@ def _check_b1(name: str, value) -> float:
 def _check_update_probability(name: str, value):
     if value is None or callable(value):
         return value
-    return check_probability(value, name)
+    return check_probability(check.as_number(name, value), name)  # no bools
 
 
 def _check_seed(name: str, value) -> int:
@@ -212,15 +294,19 @@ class PSGDSpec(MethodSpec):
     name = "psgd"
     options = {
         "preconditioner_update_probability": Option(None, _check_update_probability, collective=True),
-        "max_size_triangular": Option(8192, check.check_int),
-        "min_ndim_triangular": Option(2, lambda n, v: check.check_int(n, v, minimum=0)),
-        "memory_save_mode": Option(None, _check_memory_save_mode),
+        # 0: every dim gets a diagonal factor (as in Kron)
+        # The factors' shapes and dtype are collective: owners broadcast them under
+        # grad_worker_fraction < 1, so ranks must agree on them.
+        "max_size_triangular": Option(8192, lambda n, v: check.check_int(n, v, minimum=0), collective=True),
+        "min_ndim_triangular": Option(2, lambda n, v: check.check_int(n, v, minimum=0), collective=True),
+        "memory_save_mode": Option(None, _check_memory_save_mode, collective=True),
         "momentum_into_precond_update": Option(False, lambda n, v: bool(v)),
         "precond_b1": Option(0.9, _check_b1),
-        "precond_lr": Option(0.1, check.check_positive, per_step="refresh"),
+        # 0 is meaningful (a warm-up from 0: no Q change)
+        "precond_lr": Option(0.1, check.check_non_negative, per_step="refresh"),
         "precond_init_scale": Option(1.0, _check_init_scale),
-        "precond_dtype": Option(torch.float32, check.check_float_dtype),
-        "merge_dims": Option(False, lambda n, v: bool(v)),
+        "precond_dtype": Option(torch.float32, check.check_float_dtype, collective=True),
+        "merge_dims": Option(False, lambda n, v: bool(v), collective=True),
         "seed": Option(0, _check_seed, collective=True),
     }
     health_check_every = 100
