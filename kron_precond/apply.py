@@ -27,7 +27,8 @@ class _Work:
 
 
 def precondition_gradients(layers: Sequence, *, holds: Callable, owner_of: Callable, runtime, ctx: StepContext,
-                           kl_clip: float | None, lr: float | None, cache: dict) -> tuple[torch.Tensor, list] | None:
+                           kl_clip: float | None, lr: float | None, cache: dict,
+                           grads: dict[str, list] | None = None) -> tuple[torch.Tensor, list] | None:
     """Rewrite ``.grad`` of every registered parameter with its preconditioned value.
 
     Args:
@@ -37,6 +38,9 @@ def precondition_gradients(layers: Sequence, *, holds: Callable, owner_of: Calla
         runtime: the distributed runtime (receives gradients computed elsewhere).
         kl_clip, lr: scale every update by ``min(1, sqrt(kl_clip / |lr² Σ⟨V, ∇⟩|))``.
         cache: kept by the engine until the next load; batched methods keep stacked state in it.
+        grads: per layer name, the full gradients to precondition (sharded models: assembled
+            from the DTensor shards); default: each parameter's ``.grad``. Results are
+            written into ``.grad``; for a sharded parameter, this rank's rows into its shard.
 
     Returns ``(finite, layers)``: one bool per listed layer, whether its gradient was finite
     (for the engine's warning), or ``None`` when no layer had a gradient.
@@ -44,17 +48,91 @@ def precondition_gradients(layers: Sequence, *, holds: Callable, owner_of: Calla
     communicate = runtime.world_size > 1 and runtime.has_receivers
     work: list[_Work] = []
     for layer in layers:
-        raw = [p.grad for _, p in layer.params]
+        raw = grads[layer.name] if grads is not None else [p.grad for _, p in layer.params]
         if all(g is None for g in raw) and not communicate:
             continue
-        grads = [g if g is not None else torch.zeros_like(p) for g, (_, p) in zip(raw, layer.params)]
-        work.append(_Work(layer, raw, grads, holds(layer)))
+        full = [g if g is not None else torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+                for g, (_, p) in zip(raw, layer.params)]
+        work.append(_Work(layer, raw, full, holds(layer)))
     if not work:
         return None
 
     finite = _finite_per_layer([w.grads for w in work], cache)
     held = [i for i, w in enumerate(work) if w.holds]
+    outputs = _apply_held(work, held, finite, ctx, cache)
+    if communicate:
+        by_owner: dict[int, list[torch.Tensor]] = {}
+        for i, w in enumerate(work):
+            if not w.holds:  # receives its preconditioned gradient below
+                outputs[i] = [torch.empty_like(g) for g in w.grads]
+            by_owner.setdefault(owner_of(w.layer), []).extend(outputs[i])
+        runtime.receive_gradients(by_owner)
 
+    sources, destinations, tensor_layer, params = [], [], [], []
+    for i, w in enumerate(work):
+        for value, grad, (_, p) in zip(outputs[i], w.raw, w.layer.params):
+            if grad is not None:
+                sources.append(value)
+                destinations.append(grad)
+                tensor_layer.append(i)
+                params.append(p)
+    if destinations:
+        scale = None
+        if kl_clip is not None:  # over full tensors: the same sum on every rank
+            keep = finite[_index(tensor_layer, finite.device, cache)]
+            scale = _kl_clip_factor(_kl_sum(sources, destinations, keep), kl_clip, lr)
+        if runtime.sharding is not None:  # this rank's rows, into its shards
+            destinations = [runtime.local(p.grad) for p in params]
+            sources = [runtime.local_rows(p, v) for p, v in zip(params, sources)]
+        if scale is not None:
+            sources = torch._foreach_mul(sources, scale)
+        torch._foreach_copy_(destinations, sources)
+    return finite, [w.layer for w in work]
+
+
+def precondition_exchanged(layers: Sequence, *, owner_of: Callable, runtime, ctx: StepContext,
+                           kl_clip: float | None, lr: float | None, cache: dict,
+                           grads: dict[str, list]) -> tuple[torch.Tensor, list] | None:
+    """Owner-exchange mode (FSDP2, one gradient worker per layer): ``grads`` holds the full
+    gradients of the layers this rank owns (gathered to it); it preconditions them, completes
+    ``kl_clip``'s sum with one scalar all-reduce, and every rank writes the rows the owners
+    scatter back into its gradient shards. Returns the owned layers' finiteness flags."""
+    rank = runtime.rank
+    mine = [layer for layer in layers if owner_of(layer) == rank]
+    work = [_Work(layer, grads[layer.name], grads[layer.name], True) for layer in mine]
+    finite = _finite_per_layer([w.grads for w in work], cache) if work else None
+    outputs = _apply_held(work, list(range(len(work))), finite, ctx, cache) if work else []
+    scale = None
+    if kl_clip is not None:
+        reference = layers[0].params[0][1]
+        total = torch.zeros((), dtype=torch.promote_types(reference.dtype, torch.float32), device=reference.device)
+        values = [v for out in outputs for v in out]
+        if values:
+            tensor_layer = [i for i, w in enumerate(work) for _ in w.grads]
+            keep = finite[_index(tensor_layer, finite.device, cache)]
+            total = total + _kl_sum(values, [g for w in work for g in w.grads], keep)
+        runtime.sum_over_shards(total)
+        scale = _kl_clip_factor(total, kl_clip, lr)
+    by_owner: dict[int, list] = {r: [] for r in range(runtime.world_size)}
+    for layer in layers:
+        by_owner[owner_of(layer)].extend(p for _, p in layer.params)
+    rows = runtime.scatter_from_owners(by_owner, [v for out in outputs for v in out])
+    destinations, sources = [], []
+    for owner, params in by_owner.items():
+        for p, piece in zip(params, rows.get(owner, [])):
+            if p.grad is not None:
+                destinations.append(runtime.local(p.grad))
+                sources.append(piece)
+    if destinations:
+        if scale is not None:
+            sources = torch._foreach_mul(sources, scale)
+        torch._foreach_copy_(destinations, sources)
+    return (finite, mine) if work else None
+
+
+def _apply_held(work: list[_Work], held: list[int], finite: torch.Tensor, ctx: StepContext,
+                cache: dict) -> list[list[torch.Tensor] | None]:
+    """Precondition the held layers of ``work``, batched by ``batch_key``."""
     outputs: list[list[torch.Tensor] | None] = [None] * len(work)
     groups: dict[object, list[int]] = {}
     for i in held:
@@ -68,28 +146,7 @@ def precondition_gradients(layers: Sequence, *, holds: Callable, owner_of: Calla
                                                batch_cache, keep)
         for i, result in zip(members, results):
             outputs[i] = result
-    if communicate:
-        by_owner: dict[int, list[torch.Tensor]] = {}
-        for i, w in enumerate(work):
-            if not w.holds:  # receives its preconditioned gradient below
-                outputs[i] = [torch.empty_like(g) for g in w.grads]
-            by_owner.setdefault(owner_of(w.layer), []).extend(outputs[i])
-        runtime.receive_gradients(by_owner)
-
-    sources, destinations, tensor_layer = [], [], []
-    for i, w in enumerate(work):
-        for value, grad in zip(outputs[i], w.raw):
-            if grad is not None:
-                sources.append(value)
-                destinations.append(grad)
-                tensor_layer.append(i)
-    if destinations:
-        if kl_clip is not None:
-            keep = finite[_index(tensor_layer, finite.device, cache)]
-            scale = _kl_clip_scale(sources, destinations, keep, kl_clip, lr)
-            sources = torch._foreach_mul(sources, scale)
-        torch._foreach_copy_(destinations, sources)
-    return finite, [w.layer for w in work]
+    return outputs
 
 
 def _index(members: list[int], device, cache: dict) -> torch.Tensor:
@@ -115,14 +172,17 @@ def _finite_per_layer(grads: list[list[torch.Tensor]], cache: dict) -> torch.Ten
     return per_layer.index_add_(0, cache[key], bad) == 0
 
 
-def _kl_clip_scale(values, grads, keep: torch.Tensor, kl_clip: float, lr: float) -> torch.Tensor:
-    """``min(1, sqrt(κ / |lr² Σ⟨V, ∇⟩|))`` over the tensors of finite layers (``keep``), summed
-    in float32 or better."""
+def _kl_sum(values, grads, keep: torch.Tensor) -> torch.Tensor:
+    """``Σ⟨V, ∇⟩`` over the tensors of finite layers (``keep``), summed in float32 or better."""
     accumulate = torch.promote_types(grads[0].dtype, torch.float32)
     products = torch._foreach_mul(values, grads)
     # Σ x = ‖max(x, 0)‖₁ − ‖min(x, 0)‖₁: one foreach norm per sign instead of a sum per tensor.
     positive = torch.stack(torch._foreach_norm(torch._foreach_clamp_min(products, 0.0), 1, dtype=accumulate))
     negative = torch.stack(torch._foreach_norm(torch._foreach_clamp_max(products, 0.0), 1, dtype=accumulate))
     terms = torch.where(keep, positive - negative, torch.zeros((), dtype=accumulate, device=keep.device))
-    # a zero sum gives inf, clamped to 1
-    return torch.sqrt(kl_clip / (terms.sum() * lr**2).abs()).clamp(max=1.0)
+    return terms.sum()
+
+
+def _kl_clip_factor(total: torch.Tensor, kl_clip: float, lr: float) -> torch.Tensor:
+    """``min(1, sqrt(κ / |lr² total|))``; a zero sum gives inf, clamped to 1."""
+    return torch.sqrt(kl_clip / (total * lr**2).abs()).clamp(max=1.0)

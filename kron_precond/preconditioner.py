@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from kron_precond import checkpoint, validation
-from kron_precond.apply import precondition_gradients
+from kron_precond.apply import precondition_exchanged, precondition_gradients
 from kron_precond.capture import ActivationCapture, grad_scaler_scale
 from kron_precond.distributed.assignment import WorkAssignment, assign_work
 from kron_precond.distributed.runtime import Runtime
@@ -156,6 +156,8 @@ class KronPreconditioner:
                                 symmetric=self.symmetry_aware)
         self.process_group = process_group
         self.world_size, self.rank = self._runtime.world_size, self._runtime.rank
+        # FSDP2 / HSDP: DTensor parameters are validated before anything touches them
+        self._runtime.detect_sharding(model.named_parameters())
         self.grad_worker_fraction = grad_worker_fraction
         self.grad_workers = _grad_workers(grad_worker_fraction, self.world_size)
         if not self.colocate_factors and self.grad_workers != self.world_size:
@@ -181,6 +183,7 @@ class KronPreconditioner:
         self._runtime.create_grid(self.grad_workers)
         for layer in self._layers:
             layer.method.holds_state = self._holds_state(layer)
+        self._setup_sharding()
         if self.rank == 0:
             logger.info("%s", self.assignment.summary())
 
@@ -199,6 +202,36 @@ class KronPreconditioner:
         self._collecting = False
         self._update_collecting()
 
+    def _setup_sharding(self) -> None:
+        """Sharded models (docs/design.md, "FSDP2 and HSDP"): statistics are reduced to each
+        layer's owner, which alone keeps the running state; with one gradient worker per
+        layer on a 1-D mesh, gradients travel to owners and back instead of being all-gathered."""
+        sharded = self._runtime.sharding is not None and self.world_size > 1
+        self._reduce_to_owners = (sharded and self._spec.reduces_statistics and self._spec.owner_only_statistics
+                                  and self.colocate_factors)
+        if self._reduce_to_owners:
+            for layer in self._layers:
+                if self._layer_owner(layer) != self.rank:
+                    layer.method.release_statistics_state()
+        self._exchange = sharded and self._runtime.use_owner_exchange(
+            [p for layer in self._layers for _, p in layer.params])
+
+    def _gradients(self) -> dict[str, list]:
+        """Per layer, the gradients this rank works with (``None`` where a parameter has none):
+        ``.grad``; for sharded models the full values, all-gathered, or in owner-exchange mode
+        gathered to the owner only (other ranks see ``None`` for layers they do not own)."""
+        raw = {layer.name: [p.grad for _, p in layer.params] for layer in self._layers}
+        if self._runtime.sharding is None or self.world_size == 1:
+            return raw
+        if not self._exchange:
+            return self._runtime.full_gradients(raw)
+        by_owner: dict[int, list] = {r: [] for r in range(self.world_size)}
+        for layer in self._layers:
+            by_owner[self._layer_owner(layer)].extend((p, p.grad) for _, p in layer.params)
+        mine = iter(self._runtime.gather_to_owners(by_owner))
+        return {layer.name: ([next(mine) for _ in layer.params] if self._layer_owner(layer) == self.rank
+                             else [None] * len(layer.params)) for layer in self._layers}
+
     # ------------------------------------------------------------------ step
     def step(self) -> None:
         """Replace ``.grad`` of every registered parameter with its preconditioned value.
@@ -209,7 +242,7 @@ class KronPreconditioner:
         with torch.no_grad():
             self._health.poll()
             ctx = self._plan()  # raises before any state changes
-            grads = {layer.name: [p.grad for _, p in layer.params] for layer in self._layers}
+            grads = self._gradients()
             if ctx.statistics:
                 self._statistics_steps += 1
                 self._fold_or_reduce(ctx)
@@ -217,9 +250,11 @@ class KronPreconditioner:
                 layer.method.observe_gradients(grads[layer.name], ctx)
             if ctx.refresh:
                 self._refresh(ctx, grads)
-            written = precondition_gradients(
-                self._layers, holds=self._holds_state, owner_of=self._layer_owner, runtime=self._runtime,
-                ctx=ctx, kl_clip=ctx.hparams.get("kl_clip"), lr=ctx.hparams.get("lr"), cache=self._apply_cache)
+            apply = precondition_exchanged if self._exchange else functools.partial(
+                precondition_gradients, holds=self._holds_state)
+            written = apply(self._layers, owner_of=self._layer_owner, runtime=self._runtime, ctx=ctx,
+                            kl_clip=ctx.hparams.get("kl_clip"), lr=ctx.hparams.get("lr"),
+                            cache=self._apply_cache, grads=grads)
             if written is not None:
                 self._health.record_gradients(*written)
             every = self._spec.health_check_every
@@ -253,11 +288,18 @@ class KronPreconditioner:
             for layer in self._layers:
                 layer.method.fold_statistics(ctx)
             return
-        tensors = [t for layer in self._layers for t in layer.method.shared_statistics()]
         # Sums and row counts are reduced, then folded when waited on: lazily, so the
         # reduction overlaps with the rest of this step and the next ones, until a refresh
         # needs the results or the next forward hook the buffers.
-        self._pending_statistics = (self._runtime.reduce_statistics(tensors), ctx)
+        if self._reduce_to_owners:  # only owners fold (sharded models)
+            by_owner: dict[int, list[torch.Tensor]] = {}
+            for layer in self._layers:
+                by_owner.setdefault(self._layer_owner(layer), []).extend(layer.method.shared_statistics())
+            handle = self._runtime.reduce_statistics_to_owners(by_owner)
+        else:
+            tensors = [t for layer in self._layers for t in layer.method.shared_statistics()]
+            handle = self._runtime.reduce_statistics(tensors)
+        self._pending_statistics = (handle, ctx)
 
     def _wait_for_statistics(self) -> None:
         if self._pending_statistics is not None:
@@ -326,7 +368,9 @@ class KronPreconditioner:
         return values
 
     def memory_usage(self) -> dict[str, int]:
-        """Bytes of preconditioner state held on this rank, by kind of state."""
+        """Bytes of preconditioner state held on this rank, by kind of state (after finishing
+        any statistics reduction still in flight)."""
+        self._wait_for_statistics()
         usage: dict[str, int] = {}
         for layer in self._layers:
             for kind, size in layer.method.memory_by_kind().items():
@@ -342,7 +386,18 @@ class KronPreconditioner:
         gradient worker of; on a rank lacking some, this raises ``ValueError`` at once
         rather than return a partial checkpoint -- call :meth:`gather_state_dict` on every
         rank there.
+
+        Sharded (FSDP2 / HSDP) models: each rank returns only the layer state it holds (K-FAC
+        factors from their owner, decompositions / PSGD factors from the layer's gradient
+        workers), which is what ``torch.distributed.checkpoint`` (DCP) expects of a
+        ``Stateful``: ``dcp.save({"precond": precond, ...})`` writes each piece once, and
+        ``dcp.load`` on any number of ranks asks each rank for the pieces it will hold.
+        :meth:`gather_state_dict` still assembles the whole state on every rank.
         """
+        if self._runtime.sharding is not None:
+            self._wait_for_statistics()
+            return self._pack({layer.name: layer.method.state_dict() for layer in self._layers
+                               if self._needs_layer_state(layer)})
         missing = [layer.name for layer in self._layers if not self._holds_state(layer)]
         if missing:
             raise ValueError(
@@ -363,7 +418,15 @@ class KronPreconditioner:
         return checkpoint.pack(method=self.method, steps=self._steps, statistics_steps=self._statistics_steps,
                                refreshes=self._refreshes, schedule=self._schedule.state_dict(), layers=layers)
 
+    def _needs_layer_state(self, layer: Layer) -> bool:
+        """Whether this rank saves / loads ``layer``'s state (sharded models: its holders)."""
+        return self._runtime.sharding is None or self._holds_state(layer)
+
     def _layer_state(self, layer: Layer) -> dict[str, Any]:
+        if self._runtime.sharding is not None and self.world_size > 1:
+            # the owner alone holds everything (factors and refreshed state)
+            local = layer.method.state_dict() if self._layer_owner(layer) == self.rank else None
+            return self._runtime.gather_state(self._layer_owner(layer), local)
         if self.grad_workers == self.world_size:
             return layer.method.state_dict()
         local = layer.method.state_dict() if self._holds_state(layer) else None
@@ -388,7 +451,8 @@ class KronPreconditioner:
         layers = state["layers"]
         if not isinstance(layers, dict):
             raise ValueError(f"state_dict['layers'] must be a dict, got {type(layers).__name__}")
-        missing = set(self.layers) - set(layers)
+        needed = [layer for layer in self._layers if self._needs_layer_state(layer)]
+        missing = {layer.name for layer in needed} - set(layers)
         if missing:
             raise ValueError(f"state_dict has no state for layers {sorted(missing)}")
         unexpected = sorted(set(layers) - set(self.layers))
@@ -406,7 +470,7 @@ class KronPreconditioner:
             probe.load_state_dict(state["schedule"])
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"state_dict: bad 'schedule' entry ({err!r})") from None
-        for layer in self._layers:  # all checks first: a rejected state changes nothing
+        for layer in needed:  # all checks first: a rejected state changes nothing
             layer.method.check_state(layers[layer.name])
         if unexpected:
             warnings.warn(f"kron_precond: ignored the state of layers this model does not have: "
@@ -417,7 +481,7 @@ class KronPreconditioner:
         self._refreshes = counters["refreshes"]
         self._schedule.load_state_dict(state["schedule"])
         self._apply_cache.clear()
-        for layer in self._layers:
+        for layer in needed:
             layer.method.load_state_dict(layers[layer.name])
             if not self._holds_state(layer):
                 layer.method.release_refreshed()

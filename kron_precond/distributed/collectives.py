@@ -117,3 +117,22 @@ def broadcast(tensors: Sequence[torch.Tensor], *, src: int, group, cap_bytes: in
         return dist.broadcast(buffer, src=src, group=group, async_op=True)
 
     return _launch(tensors, cap_bytes, False, start)
+
+
+def reduce(tensors: Sequence[torch.Tensor], *, dst: int, group, cap_bytes: int, symmetric: bool = False
+           ) -> PendingCollective:
+    """Start summing ``tensors`` over ``group`` onto global rank ``dst`` only; on ``dst`` they
+    hold the sum after ``wait()`` (elsewhere their content is unspecified)."""
+    def start(buffer):
+        return dist.reduce(buffer, dst=dst, group=group, async_op=True)
+
+    return _launch(tensors, cap_bytes, symmetric, start)
+
+
+def waiting_all(pending: Sequence[PendingCollective]) -> PendingCollective:
+    """One handle for several in-flight collectives."""
+    def finish() -> None:
+        for handle in pending:
+            handle.wait()
+
+    return PendingCollective([], finish)

@@ -16,6 +16,7 @@ from torch import nn
 
 from kron_precond.distributed import collectives
 from kron_precond.distributed.groups import WorkerGrid
+from kron_precond.distributed.sharded import OwnerExchange, ShardedLayout, is_dtensor
 
 
 class Runtime:
@@ -38,6 +39,9 @@ class Runtime:
         self.bucket_cap_bytes = bucket_cap_bytes
         self.symmetric = symmetric
         self.grid: WorkerGrid | None = None
+        # FSDP2 / HSDP (DTensor parameters): how gradient shards move (docs/design.md, "FSDP2 and HSDP")
+        self.sharding: ShardedLayout | None = None
+        self.exchange: OwnerExchange | None = None
 
     # ------------------------------------------------------------------ set-up
     def check_agreement(self, description: str, model: nn.Module) -> None:
@@ -51,6 +55,8 @@ class Runtime:
             # Position-weighted, so permuted values do not cancel out.
             checksum = torch.zeros((), dtype=torch.float64, device=device)
             for i, p in enumerate(model.parameters()):
+                if is_dtensor(p):  # compare whole values: shards differ by design
+                    p = p.full_tensor()
                 flat = p.detach().double().reshape(-1)
                 weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=device)
                 checksum += (i + 1) * (flat * weights).sum()
@@ -71,6 +77,24 @@ class Runtime:
     def create_grid(self, grad_workers: int) -> None:
         self.grid = WorkerGrid(self.world_size, self.rank, grad_workers, self.process_group)
 
+    def detect_sharding(self, named_params) -> None:
+        """Validate DTensor parameters (FSDP2 / HSDP) before anything touches them;
+        ``ValueError`` names an unsupported placement or a second mesh."""
+        self.sharding = ShardedLayout.detect(list(named_params), self.world_size)
+
+    def use_owner_exchange(self, params) -> bool:
+        """After :meth:`create_grid`: with one gradient worker per layer on a 1-D mesh and
+        every preconditioned parameter sharded, gradients go to owners and back (gather /
+        scatter) instead of being all-gathered everywhere. Returns whether it is on."""
+        if (self.sharding is not None and self.world_size > 1 and self.sharding.mesh.ndim == 1
+                and self.grid.grad_workers == 1 and all(self.sharding.is_sharded(p) for p in params)
+                # owners are named by group rank: the mesh must list the group in order
+                and self.sharding.mesh.mesh.reshape(-1).tolist()
+                == [self.grid.global_rank(r) for r in range(self.world_size)]):
+            self.exchange = OwnerExchange(self.sharding, [self.grid.global_rank(r)
+                                                           for r in range(self.world_size)])
+        return self.exchange is not None
+
     # ------------------------------------------------------------------ placement queries
     def is_grad_worker(self, owner: int) -> bool:
         return self.grid.is_grad_worker(owner)
@@ -84,6 +108,45 @@ class Runtime:
         """Start summing ``tensors`` over the data-parallel group (updated on ``wait()``)."""
         return collectives.all_reduce(tensors, group=self.process_group, cap_bytes=self.bucket_cap_bytes,
                                       symmetric=self.symmetric)
+
+    def reduce_statistics_to_owners(self, by_owner: dict[int, list[torch.Tensor]]
+                                    ) -> collectives.PendingCollective:
+        """Start summing each owner's tensors onto that owner only (sharded models keep
+        factors on owners); elsewhere the tensors' content is unspecified after ``wait()``."""
+        return collectives.waiting_all([
+            collectives.reduce(tensors, dst=self.grid.global_rank(owner), group=self.process_group,
+                               cap_bytes=self.bucket_cap_bytes, symmetric=self.symmetric)
+            for owner, tensors in sorted(by_owner.items()) if tensors])
+
+    # ------------------------------------------------------------------ sharded gradients
+    def full_gradients(self, grads: dict[str, list]) -> dict[str, list]:
+        """Every layer's full gradients on every rank (all-gathers of DTensor shards)."""
+        return {name: [None if g is None else self.sharding.full(g) for g in values]
+                for name, values in grads.items()}
+
+    def gather_to_owners(self, by_owner: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]]
+                         ) -> list[torch.Tensor]:
+        """Owner exchange: ``by_owner[r]`` lists ``(param, grad)`` of rank ``r``'s layers; returns
+        the full gradients of this rank's own list (zeros where a gradient is missing)."""
+        return self.exchange.gather(by_owner).get(self.rank, [])
+
+    def scatter_from_owners(self, by_owner: dict[int, list[torch.Tensor]], mine: list[torch.Tensor]
+                            ) -> dict[int, list[torch.Tensor]]:
+        """Owner exchange: owners send each rank its rows of their results (``mine``, in the
+        order of ``by_owner[self.rank]``); returns this rank's rows per owner."""
+        return self.exchange.scatter(by_owner, {self.rank: mine})
+
+    def local(self, tensor) -> torch.Tensor:
+        """The writable local piece of a (possibly DTensor) gradient."""
+        return self.sharding.local(tensor) if self.sharding is not None else tensor
+
+    def local_rows(self, param, full: torch.Tensor) -> torch.Tensor:
+        """The part of a full-size result that this rank's shard of ``param`` holds."""
+        return self.sharding.local_rows(param, full) if self.sharding is not None else full
+
+    def sum_over_shards(self, value: torch.Tensor) -> None:
+        """In place: sum a per-rank partial value over the ranks that share a model copy."""
+        self.sharding.group_sum(value)
 
     def shares_with(self, owner: int) -> bool:
         """Whether ``owner`` broadcasts refreshed state to a group this rank is in."""

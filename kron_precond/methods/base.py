@@ -97,6 +97,11 @@ class LayerMethod(abc.ABC):
     def fold_statistics(self, ctx: StepContext) -> None:
         """Fold this step's (reduced) statistics into the running state."""
 
+    def release_statistics_state(self) -> None:
+        """Drop the running statistics state (K-FAC: the factors) on a rank that does not own
+        this layer, when the engine reduces statistics to owners only (sharded models).
+        ``fold_statistics`` must then discard instead of folding. Default: nothing to drop."""
+
     def observed(self) -> torch.Tensor | None:
         """0-dim bool tensor: the layer has received statistics (``None``: not applicable)."""
         return None
@@ -176,6 +181,7 @@ class MethodSpec(abc.ABC):
         options: method-specific constructor arguments (:class:`Option`).
         captures: needs activation and output-gradient rows from module hooks.
         reduces_statistics: its ``shared_statistics`` are summed across data-parallel ranks.
+        owner_only_statistics: only the owner's ``refresh`` reads the folded statistics.
         default_kl_clip: ``kl_clip`` when the user gives none.
     """
 
@@ -183,6 +189,9 @@ class MethodSpec(abc.ABC):
     options: ClassVar[dict[str, Option]]
     captures: ClassVar[bool] = False
     reduces_statistics: ClassVar[bool] = False
+    #: its folded statistics are read by the layer's owner only (in ``refresh``), so a sharded
+    #: model may reduce them to the owner alone and drop them elsewhere (docs/design.md)
+    owner_only_statistics: ClassVar[bool] = False
     default_kl_clip: ClassVar[float | None] = None
     #: steps between reads of the skipped-update counters (``None``: on refresh steps)
     health_check_every: ClassVar[int | None] = None

@@ -317,6 +317,7 @@ class EKFACSpec(KFACSpec):
     projected per-row gradients on every statistics step. Linear / ConvNd layers."""
 
     name = "ekfac"
+    owner_only_statistics = False  # gradient workers fold the scaling s themselves
     options = {name: option for name, option in KFACSpec.options.items()
                if name not in ("compute_method", "compute_eigenvalue_outer_product")}
     options["inv_update_steps"] = Option(10, check.check_int, per_step="always", collective=True)

@@ -143,8 +143,15 @@ class KFACLayer(LayerMethod):
 
     def _allocate_statistics(self) -> None:
         if self._a_sum is None:
-            self._a_sum = torch.zeros_like(self.a_factor, dtype=self.statistics_dtype)
-            self._g_sum = torch.zeros_like(self.g_factor, dtype=self.statistics_dtype)
+            kw = dict(device=self._device, dtype=self.statistics_dtype)
+            self._a_sum = torch.zeros(self.a_dim, self.a_dim, **kw)
+            self._g_sum = torch.zeros(self.g_dim, self.g_dim, **kw)
+
+    def release_statistics_state(self) -> None:
+        """Free the running factors on a rank that never refreshes this layer (sharded
+        models: statistics are reduced to the owner only). ``a_factor`` / ``g_factor`` are
+        then ``None``; statistics are still gathered here and sent to the owner."""
+        self.a_factor = self.g_factor = None
 
     def fold_statistics(self, ctx: StepContext) -> None:
         """Fold the (reduced) statistics into the running averages ``F ← d·F + (1−d)·F_new``
@@ -155,6 +162,9 @@ class KFACLayer(LayerMethod):
         """
         if self._a_sum is None:  # nothing observed on this factor step
             self._missed.add_(1)
+            return
+        if self.a_factor is None:  # factors live on the owner (sharded models)
+            self.discard_statistics()
             return
         decay = ctx["factor_decay"]
         for index, (factor, total) in enumerate(((self.a_factor, self._a_sum), (self.g_factor, self._g_sum))):
@@ -183,7 +193,10 @@ class KFACLayer(LayerMethod):
         return torch.cat([self._seen.to(torch.int64), self._missed])
 
     def observed(self) -> torch.Tensor:
-        """Whether both factors hold data (a 0-dim bool tensor)."""
+        """Whether both factors hold data (a 0-dim bool tensor); ``True`` where the factors
+        were dropped (their owner judges)."""
+        if self.a_factor is None:
+            return torch.ones((), dtype=torch.bool, device=self._device)
         return self._seen.all()
 
     # ------------------------------------------------------------------ refresh
@@ -378,30 +391,38 @@ class KFACLayer(LayerMethod):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "compute_method": self.compute_method.value,
-            "a_factor": self.a_factor.clone(),
-            "g_factor": self.g_factor.clone(),
-            "seen": self._seen.clone(),
-            "refreshed": {k: [t.clone() for t in v] for k, v in self._allocated().items()},
-            "damping_used": self._damping_used,
-            "ready": self.ready,
-        }
+        """The layer's state. What this rank does not hold is left out: the running factors
+        (with their ``seen`` flags) where they were dropped, the decompositions where this
+        rank is not a gradient worker (sharded checkpoints store each piece where it lives)."""
+        state: dict[str, Any] = {"compute_method": self.compute_method.value}
+        if self.a_factor is not None:
+            state.update(a_factor=self.a_factor.clone(), g_factor=self.g_factor.clone(),
+                         seen=self._seen.clone())
+        if self.holds_state:
+            state.update(refreshed={k: [t.clone() for t in v] for k, v in self._allocated().items()},
+                         damping_used=self._damping_used, ready=self.ready)
+        return state
 
     def check_state(self, state: dict[str, Any]) -> None:
         """Raise ``ValueError`` if ``state`` was not saved by a layer like this one, or holds
         something :meth:`load_state_dict` would choke on or should not trust (missing
-        entries, wrong shapes, integer or non-finite tensors)."""
+        entries, wrong shapes, integer or non-finite tensors). The factors are required where
+        this rank keeps them, the refreshed state where it is a gradient worker (sharded
+        checkpoints hold each piece only where it lives); present entries are always checked."""
         where = f"state of {self.name}"
         method = checks.entry(state, "compute_method", where)
         if method != self.compute_method.value:
             raise ValueError(f"{where} was saved with compute_method={method!r}, "
                              f"this layer uses {self.compute_method.value!r}")
-        checks.float_tensor(checks.entry(state, "a_factor", where), self.a_factor.shape, f"{where}: a_factor")
-        checks.float_tensor(checks.entry(state, "g_factor", where), self.g_factor.shape, f"{where}: g_factor")
-        seen = checks.entry(state, "seen", where)
-        if not isinstance(seen, torch.Tensor) or seen.numel() != 2:
-            raise ValueError(f"{where}: seen must be a tensor of 2 flags, got {seen!r}")
+        if self.a_factor is not None or "a_factor" in state:
+            a_shape, g_shape = (self.a_dim, self.a_dim), (self.g_dim, self.g_dim)
+            checks.float_tensor(checks.entry(state, "a_factor", where), a_shape, f"{where}: a_factor")
+            checks.float_tensor(checks.entry(state, "g_factor", where), g_shape, f"{where}: g_factor")
+            seen = checks.entry(state, "seen", where)
+            if not isinstance(seen, torch.Tensor) or seen.numel() != 2:
+                raise ValueError(f"{where}: seen must be a tensor of 2 flags, got {seen!r}")
+        if not (self.holds_state or "refreshed" in state):
+            return
         refreshed = checks.entry(state, "refreshed", where)
         for factor, n in (("A", self.a_dim), ("G", self.g_dim)):
             shapes = [(n, n), (n,), (1,)] if self.compute_method is ComputeMethod.EIGEN else [(n, n), (1,)]
@@ -416,13 +437,16 @@ class KFACLayer(LayerMethod):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
-        self.a_factor.copy_(state["a_factor"])
-        self.g_factor.copy_(state["g_factor"])
-        self._seen.copy_(state["seen"])
+        if self.a_factor is not None:
+            self.a_factor.copy_(state["a_factor"])
+            self.g_factor.copy_(state["g_factor"])
+            self._seen.copy_(state["seen"])
+        self.discard_statistics()
+        if "refreshed" not in state:
+            return
         for key, tensors in state["refreshed"].items():
             for dst, src in zip(self.refreshed_tensors(key), tensors, strict=True):
                 dst.copy_(src)
-        self.discard_statistics()
         if state["ready"]:
             self._finalize(state["damping_used"])
         else:
@@ -515,6 +539,7 @@ class KFACSpec(MethodSpec):
     name = "kfac"
     captures = True
     reduces_statistics = True
+    owner_only_statistics = True
     default_kl_clip = 1e-3
     options = {
         "factor_update_steps": Option(1, check.check_int, per_step="always", collective=True),
