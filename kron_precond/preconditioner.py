@@ -35,6 +35,7 @@ logger = logging.getLogger("kron_precond")
 
 _KL_CLIP_DEFAULT = object()  # 1e-3 for K-FAC; off for PSGD, whose output is already whitened
 _NONFINITE_CHECK_INTERVAL = 100
+_LR_FALLBACK = 0.1  # kl_clip's lr when none is given anywhere (with a warning)
 
 
 class Layer:
@@ -93,7 +94,9 @@ class KronPreconditioner:
         kl_clip: scale preconditioned gradients by
             ``min(1, sqrt(kl_clip / |Σ lr² ⟨V, ∇⟩|))``; ``None`` disables. Default 1e-3
             for K-FAC and off for PSGD.
-        lr: learning rate used only by ``kl_clip``.
+        lr: learning rate used only by ``kl_clip``. ``None`` (default): the ``lr`` given to
+            :meth:`step` — :class:`PreconditionedOptimizer` passes its current learning
+            rate at every step, so ``kl_clip`` follows the optimizer and its scheduler.
         accumulation_steps: backward passes per step; each micro-batch loss is assumed
             divided by it (statistics are averaged over all micro-batches).
         compute_method: ``"eigen"`` (default) or ``"inverse"`` (:class:`ComputeMethod`).
@@ -130,7 +133,7 @@ class KronPreconditioner:
         damping: float | Callable[[int], float] = 1e-3,
         factor_decay: float | Callable[[int], float] = 0.95,
         kl_clip: float | None | Callable[[int], float] = _KL_CLIP_DEFAULT,  # type: ignore[assignment]
-        lr: float | Callable[[int], float] = 0.1,
+        lr: float | Callable[[int], float] | None = None,
         accumulation_steps: int = 1,
         compute_method: ComputeMethod | str = ComputeMethod.EIGEN,
         compute_eigenvalue_outer_product: bool = True,
@@ -169,7 +172,7 @@ class KronPreconditioner:
             damping=damping, factor_decay=factor_decay, kl_clip=kl_clip, lr=lr,
             precond_lr=precond_lr)
         for name, value in self.hparams.items():
-            if not callable(value):
+            if not callable(value) and not (name == "lr" and value is None):
                 _check_hparam(name, value)
         _check_int("accumulation_steps", accumulation_steps)
         _check_int("max_size_triangular", max_size_triangular)
@@ -234,6 +237,8 @@ class KronPreconditioner:
             logger.info("%s", self.assignment.summary())
 
         self._steps = 0
+        self._step_lr = None  # the lr passed to step(), for kl_clip
+        self._warned_lr_fallback = False
         self._pending_statistics: tuple[collectives.PendingCollective, float] | None = None
         self._factor_steps = 0  # factor steps so far (identical on every rank)
         self._observed_checked = False
@@ -327,13 +332,19 @@ class KronPreconditioner:
         self._collecting = self.method is Method.KFAC and self._steps % every == 0
 
     # ------------------------------------------------------------------ step
-    def step(self) -> None:
+    def step(self, *, lr: float | torch.Tensor | None = None) -> None:
         """Replace ``.grad`` of every registered parameter with its preconditioned value.
+
+        Args:
+            lr: the base optimizer's current learning rate, read by ``kl_clip`` when the
+                constructor was given no ``lr`` (e.g.
+                ``precond.step(lr=optimizer.param_groups[0]["lr"])``).
 
         With AMP's ``GradScaler``, call ``scaler.unscale_(optimizer)`` first: the update
         (and ``kl_clip``) must see true gradients.
         """
         with torch.no_grad():
+            self._step_lr = lr
             step = self._steps
             if self.method is Method.KFAC:
                 check_health = self._kfac_statistics_and_refresh(step)
@@ -438,8 +449,7 @@ class KronPreconditioner:
         scale = None
         if kl_clip is not None:
             _check_hparam("kl_clip", kl_clip)
-            lr = resolve(self.hparams["lr"], step)
-            _check_hparam("lr", lr)
+            lr = self._kl_clip_lr(step)
             scale = self._kl_clip_scale(outputs, originals, kl_clip, lr)
         for layer in self._layers:
             new = outputs.get(layer.name)
@@ -463,6 +473,23 @@ class KronPreconditioner:
                    for source, tensors in sorted(by_source.items())]
         for handle in pending:
             handle.wait()
+
+    def _kl_clip_lr(self, step: int):
+        lr = resolve(self.hparams["lr"], step)
+        if lr is None:
+            lr = self._step_lr
+        if lr is None:
+            if not self._warned_lr_fallback:
+                self._warned_lr_fallback = True
+                warnings.warn(f"kron_precond: kl_clip needs the learning rate but none was given; using "
+                              f"lr={_LR_FALLBACK}. Pass lr= to KronPreconditioner, call "
+                              "step(lr=optimizer.param_groups[0]['lr']), or use PreconditionedOptimizer",
+                              UserWarning, stacklevel=4)
+            return _LR_FALLBACK
+        if isinstance(lr, torch.Tensor):  # a tensor lr (capturable optimizers): no host sync
+            return lr
+        _check_hparam("lr", lr)
+        return lr
 
     def _kl_clip_scale(self, outputs, originals, kl_clip: float, lr: float) -> torch.Tensor | None:
         total = None
