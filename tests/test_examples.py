@@ -50,3 +50,20 @@ def test_digits_cnn_example_runs(tmp_path):
     out = _run([sys.executable, "examples/digits_cnn.py", "--method", "kfac", "--epochs", "1",
                 "--device", "cpu"], tmp_path)
     assert "accuracy" in out.lower()
+
+
+@pytest.mark.parametrize("script", ["examples/digits_cnn.py", "examples/char_lm.py",
+                                    "benchmarks/step_overhead.py"])
+def test_scripts_ignore_an_installed_top_level_examples_package(tmp_path, script):
+    """kfac-pytorch's wheel installs a regular top-level package named ``examples``; it used
+    to shadow the checkout's folder (``No module named 'examples.common'``). ``--help`` runs
+    every import of the script."""
+    fake = tmp_path / "site" / "examples"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("# stands in for another wheel's top-level `examples`\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(ROOT)]),
+               OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{script} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    assert "usage" in done.stdout.lower()
