@@ -6,11 +6,14 @@ setup(
     description="Kronecker-factored second-order preconditioning (K-FAC, PSGD Kron) for any "
     "PyTorch optimizer, distributed over torchrun workers.",
     packages=find_packages(include=["kron_precond", "kron_precond.*"]),
-    python_requires=">=3.9",
+    python_requires=">=3.10",  # zip(strict=...), X | Y unions at run time
     # torch is deliberately unpinned here: install it first (README) so pip never swaps it.
     install_requires=["torch>=2.0", "numpy"],
     extras_require={
         "test": ["pytest", "scikit-learn"],
         "examples": ["scikit-learn", "tqdm", "matplotlib"],
+        # Optional: the integration tests and examples for trainer frameworks. Never needed by
+        # the core package; install with the torch constraint so none of them swaps torch.
+        "trainers": ["transformers", "accelerate", "lightning"],
     },
 )
