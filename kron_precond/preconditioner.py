@@ -476,8 +476,14 @@ class KronPreconditioner:
 
     def _kl_clip_lr(self, step: int):
         lr = resolve(self.hparams["lr"], step)
-        if lr is None:
+        if lr is None and self._step_lr is not None:
+            # An optimizer's lr, which warm-up schedules start at 0: then ν = 1 (no clip).
             lr = self._step_lr
+            if isinstance(lr, torch.Tensor):  # a tensor lr (capturable optimizers): no host sync
+                return lr
+            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+                raise ValueError(f"step(lr=...) must be a finite number >= 0, got {lr!r}")
+            return lr
         if lr is None:
             if not self._warned_lr_fallback:
                 self._warned_lr_fallback = True
@@ -486,8 +492,6 @@ class KronPreconditioner:
                               "step(lr=optimizer.param_groups[0]['lr']), or use PreconditionedOptimizer",
                               UserWarning, stacklevel=4)
             return _LR_FALLBACK
-        if isinstance(lr, torch.Tensor):  # a tensor lr (capturable optimizers): no host sync
-            return lr
         _check_hparam("lr", lr)
         return lr
 

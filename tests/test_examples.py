@@ -67,3 +67,30 @@ def test_scripts_ignore_an_installed_top_level_examples_package(tmp_path, script
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{script} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
     assert "usage" in done.stdout.lower()
+
+
+@pytest.mark.parametrize("script,framework,args", [
+    ("hf_trainer.py", "transformers", ["--max-steps", "4", "--batch-size", "4", "--seq-len", "16",
+                                       "--grad-accum", "2"]),
+    ("lightning_digits.py", "lightning", ["--max-steps", "4", "--epochs", "1"]),
+    ("accelerate_digits.py", "accelerate", ["--epochs", "1", "--cpu"]),
+])
+@pytest.mark.parametrize("method", ["kfac", "psgd"])
+def test_trainer_framework_examples_run(tmp_path, monkeypatch, script, framework, args, method):
+    """The examples/ scripts for each trainer framework, in-process with tiny settings."""
+    import importlib.util
+
+    from integration_common import require
+
+    require(framework)
+    if framework == "accelerate":
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    monkeypatch.chdir(tmp_path)  # runs/ and checkpoints land here
+    spec = importlib.util.spec_from_file_location(f"kron_example_{script[:-3]}", ROOT / "examples" / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    metrics = module.main(["--method", method, *args])
+    assert metrics and all(value == value for value in metrics.values()), metrics  # no NaN

@@ -261,3 +261,18 @@ def test_load_rejects_a_plain_optimizer_state():
     model, opt = build("kfac", **KW["kfac"])
     with pytest.raises(ValueError, match="preconditioner"):
         opt.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
+
+
+def test_warmup_from_lr_zero_steps_without_clipping():
+    """Warm-up schedules start at lr = 0: kl_clip's ν = min(1, sqrt(κ / 0)) = 1."""
+    model_a, opt = build("kfac", damping=1e-2, kl_clip=1e-6)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda step: step / 10)  # lr 0 at the first step
+    model_b, opt_b = build("kfac", damping=1e-2, kl_clip=None)
+    for model, o in ((model_a, opt), (model_b, opt_b)):
+        x, y = batch(0)
+        o.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        o.optimizer.step = lambda: None  # keep the preconditioned .grad to compare
+        o.step()
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(pa.grad, pb.grad)
