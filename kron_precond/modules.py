@@ -125,57 +125,76 @@ def is_skipped(name: str, module: nn.Module, patterns: list[re.Pattern]) -> bool
     return any(p.search(name) or p.search(class_name) for p in patterns)
 
 
-def find_modules(model: nn.Module, *, kfac: bool, patterns: list[re.Pattern], log) -> list[tuple]:
-    """Modules to precondition, in ``model.named_modules()`` order.
-
-    Returns ``(name, module, [(param_name, param), ...], adapter)`` tuples. K-FAC takes
-    leaf Linear/ConvNd modules whose parameters all train and belong to no other
-    module (a tied weight's gradient mixes two layers' statistics). PSGD needs only the
-    gradient: every module with trainable parameters of its own, each parameter once.
-    """
+def _owners(model: nn.Module) -> dict[int, list[str]]:
     owners: dict[int, list[str]] = {}
     for name, module in model.named_modules():
         for param in module.parameters(recurse=False):
             owners.setdefault(id(param), []).append(name)
+    return owners
+
+
+def find_kfac_modules(model: nn.Module, is_skipped, log) -> list:
+    """Leaf Linear/ConvNd-like modules whose parameters all train and belong to no other
+    module (a tied weight's gradient mixes two layers' statistics), in
+    ``model.named_modules()`` order, as :class:`~kron_precond.methods.base.Selected`."""
+    from kron_precond.methods.base import Selected
+
+    owners = _owners(model)
     # MultiheadAttention uses its out_proj's weight functionally: out_proj.forward never
     # runs, so K-FAC's hooks would never see it.
     functional = {f"{name}.out_proj" if name else "out_proj" for name, module in model.named_modules()
                   if isinstance(module, nn.MultiheadAttention)}
+    found = []
+    for name, module in model.named_modules():
+        own = [(n, p) for n, p in module.named_parameters(recurse=False)]
+        if not own:
+            continue
+        label = name or "<root>"
+        if is_skipped(name, module):
+            log(f"skipping {label} ({type(module).__name__}): matches skip_layers")
+            continue
+        adapter, reason = kfac_adapter(module)
+        if adapter is None:
+            log(f"skipping {label}: {reason}")
+            continue
+        if any(True for _ in module.children()):
+            log(f"skipping {label}: not a leaf module")
+            continue
+        if name in functional:
+            log(f"skipping {label}: nn.MultiheadAttention applies it functionally (no forward hook)")
+            continue
+        if not all(p.requires_grad for _, p in own):
+            log(f"skipping {label}: not all of its parameters require grad")
+            continue
+        shared = sorted({o for _, p in own for o in owners[id(p)] if o != name})
+        if shared:
+            log(f"skipping {label}: a parameter is shared with {', '.join(shared)} (tied weights)")
+            continue
+        # weight first, then bias: the order of the gradient matrix [W | b]
+        own = [(n, p) for n, p in own if n == "weight"] + [(n, p) for n, p in own if n == "bias"]
+        found.append(Selected(name, module, own, adapter))
+    return found
+
+
+def find_parameter_modules(model: nn.Module, is_skipped, log) -> list:
+    """Every module with trainable parameters of its own, each parameter once (so tied
+    weights are preconditioned once); for methods that need only the gradient."""
+    from kron_precond.methods.base import Selected
+
     found, taken = [], set()
     for name, module in model.named_modules():
         own = [(n, p) for n, p in module.named_parameters(recurse=False)]
         if not own:
             continue
         label = name or "<root>"
-        if is_skipped(name, module, patterns):
+        if is_skipped(name, module):
             log(f"skipping {label} ({type(module).__name__}): matches skip_layers")
             continue
-        if kfac:
-            adapter, reason = kfac_adapter(module)
-            if adapter is None:
-                log(f"skipping {label}: {reason}")
-                continue
-            if any(True for _ in module.children()):
-                log(f"skipping {label}: not a leaf module")
-                continue
-            if name in functional:
-                log(f"skipping {label}: nn.MultiheadAttention applies it functionally (no forward hook)")
-                continue
-            if not all(p.requires_grad for _, p in own):
-                log(f"skipping {label}: not all of its parameters require grad")
-                continue
-            shared = sorted({o for _, p in own for o in owners[id(p)] if o != name})
-            if shared:
-                log(f"skipping {label}: a parameter is shared with {', '.join(shared)} (tied weights)")
-                continue
-            own = [(n, p) for n, p in own if n in ("weight", "bias")]
-            found.append((name, module, own, adapter))
-        else:
-            if getattr(module, "sparse", False) is True:
-                log(f"skipping {label}: sparse gradients cannot be preconditioned")
-                continue
-            own = [(n, p) for n, p in own if p.requires_grad and id(p) not in taken]
-            if own:
-                taken.update(id(p) for _, p in own)
-                found.append((name, module, own, None))
+        if getattr(module, "sparse", False) is True:
+            log(f"skipping {label}: sparse gradients cannot be preconditioned")
+            continue
+        own = [(n, p) for n, p in own if p.requires_grad and id(p) not in taken]
+        if own:
+            taken.update(id(p) for _, p in own)
+            found.append(Selected(name, module, own, None))
     return found

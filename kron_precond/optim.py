@@ -23,10 +23,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .methods.psgd import PSGDFactors, check_memory_save_mode, probe_seed
+from .methods.psgd import check_memory_save_mode
+from .methods.psgd_tensor import RMS_CLIP, PSGDTensor
 from .schedules import UpdateDecider, check_probability
-
-_RMS_CLIP = 1.1
 
 
 def _check_positive(name: str, value: Any, *, allow_none: bool = False) -> None:
@@ -120,8 +119,7 @@ class Kron(torch.optim.Optimizer):
         self._decider = UpdateDecider(preconditioner_update_probability)
         self._q_updates = 0
         self._reported: dict[int, int] = {}
-        self._factors: dict[torch.Tensor, PSGDFactors] = {}
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self._tensors: dict[torch.Tensor, PSGDTensor] = {}
         defaults = dict(lr=lr, b1=b1, weight_decay=weight_decay,
                         max_size_triangular=max_size_triangular,
                         min_ndim_triangular=min_ndim_triangular,
@@ -148,40 +146,38 @@ class Kron(torch.optim.Optimizer):
         return self._decider
 
     # -- per-parameter state ---------------------------------------------------------
-    def _make_factors(self, p: torch.Tensor, group: dict[str, Any], init_scale) -> PSGDFactors:
-        return PSGDFactors(
-            p.shape, max_size_triangular=group["max_size_triangular"],
+    def _make_tensor(self, p: torch.Tensor, index: int, group: dict[str, Any], init_scale) -> PSGDTensor:
+        return PSGDTensor(
+            p.shape, device=p.device, seed=self.seed, key=(index,), momentum=True, b1=group["b1"],
+            momentum_dtype=group["mu_dtype"] or p.dtype,
+            max_size_triangular=group["max_size_triangular"],
             min_ndim_triangular=group["min_ndim_triangular"],
             memory_save_mode=group["memory_save_mode"], init_scale=init_scale,
-            dtype=group["precond_dtype"], device=p.device, merge_dims=group["merge_dims"])
+            dtype=group["precond_dtype"], merge_dims=group["merge_dims"])
 
-    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+    def _init_state(self, p: torch.Tensor, index: int, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
-        factors = self._make_factors(p, group, group["precond_init_scale"])
-        self._factors[p] = factors
-        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        state["momentum_buffer"] = torch.zeros_like(
-            p, dtype=group["mu_dtype"] or p.dtype, memory_format=torch.preserve_format)
-        state["Q"] = factors.q
-        state["q_initialized"] = factors.initialized
+        tensor = self._make_tensor(p, index, group, group["precond_init_scale"])
+        self._tensors[p] = tensor
+        # torch.optim's state holds the very tensors the per-tensor state updates in place
+        state["step"] = tensor.steps
+        state["momentum_buffer"] = tensor.momentum
+        state["Q"] = tensor.factors.q
+        state["q_initialized"] = tensor.factors.initialized
         state["nonfinite_steps"] = torch.zeros((), dtype=torch.int32, device=p.device)
         return state
 
-    def _factors_of(self, p: torch.Tensor, group: dict[str, Any], state) -> PSGDFactors:
-        factors = self._factors.get(p)
-        if factors is None or factors.q is not state["Q"]:  # e.g. after load_state_dict
-            factors = self._make_factors(p, group, 1.0)
-            factors.load_state_dict({"q": state["Q"], "initialized": state["q_initialized"]})
-            state["Q"] = factors.q
-            self._factors[p] = factors
-        return factors
-
-    def _probe(self, p: torch.Tensor, index: int, dtype: torch.dtype) -> torch.Tensor:
-        gen = self._generators.get(p.device)
-        if gen is None:
-            gen = self._generators[p.device] = torch.Generator(device=p.device)
-        gen.manual_seed(probe_seed(self.seed, index, self._decider.step))
-        return torch.randn(p.shape, generator=gen, dtype=dtype, device=p.device)
+    def _tensor_of(self, p: torch.Tensor, index: int, group: dict[str, Any], state) -> PSGDTensor:
+        tensor = self._tensors.get(p)
+        if tensor is None or tensor.factors.q is not state["Q"]:  # e.g. after load_state_dict
+            tensor = self._make_tensor(p, index, group, 1.0)
+            tensor.factors.load_state_dict({"q": state["Q"], "initialized": state["q_initialized"]})
+            state["Q"] = tensor.factors.q
+            tensor.momentum = state["momentum_buffer"]
+            tensor.steps = state["step"]
+            self._tensors[p] = tensor
+        tensor.b1 = group["b1"]  # a scheduler may change it
+        return tensor
 
     # -- the step --------------------------------------------------------------------
     @staticmethod
@@ -204,7 +200,6 @@ class Kron(torch.optim.Optimizer):
         do_update = self._decider()
         if do_update:
             self._q_updates += 1
-        balance = do_update and self._q_updates % 100 == 0
 
         work = []  # (index, param, group, clipped grad, finite flag)
         index = -1
@@ -228,27 +223,26 @@ class Kron(torch.optim.Optimizer):
                     for i, p, gr, g, fin in work]
 
         for index, p, group, grad, finite in work:
-            self._update_param(index, p, group, grad, finite, do_update, balance)
+            self._update_param(index, p, group, grad, finite, do_update)
 
         if (self._decider.step - 1) % self.nonfinite_warn_interval == 0:
             self._report_nonfinite()
         return loss
 
     def _update_param(self, index: int, p: torch.Tensor, group: dict[str, Any],
-                      grad: torch.Tensor, finite: torch.Tensor, do_update: bool,
-                      balance: bool) -> None:
+                      grad: torch.Tensor, finite: torch.Tensor, do_update: bool) -> None:
         state = self.state[p]
         if len(state) == 0:
-            state = self._init_state(p, group)
-        factors = self._factors_of(p, group, state)
+            state = self._init_state(p, index, group)
+        tensor = self._tensor_of(p, index, group, state)
+        factors = tensor.factors
         pdtype = group["precond_dtype"]
         m = state["momentum_buffer"]
         g = torch.where(finite, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
 
-        state["step"].add_(finite.to(torch.float32))  # counts applied steps only
         state["nonfinite_steps"].add_((~finite).to(torch.int32))
-        m.lerp_(g.to(m.dtype), finite.to(m.dtype) * (1.0 - group["b1"]))  # unchanged if skipped
-        bias = (1.0 - torch.pow(group["b1"], state["step"])).clamp_min(1e-30).to(pdtype)
+        tensor.accumulate(grad, finite)  # unchanged if skipped; counts applied steps only
+        bias = tensor.debias(pdtype)
 
         if not factors.initialized:
             self._try_initialize(factors, g, state)
@@ -257,16 +251,14 @@ class Kron(torch.optim.Optimizer):
                 fit = m.to(pdtype) / bias if group["momentum_into_precond_update"] \
                     else g.to(pdtype)
                 lr_q = finite.to(pdtype) * group["precond_lr"]
-                factors.update(fit, self._probe(p, index, pdtype), lr_q)
-                if balance:
-                    factors.balance()
-            u = factors.precondition(m.to(pdtype))
+                tensor.update_factors(fit, lr_q, step=self._decider.step, update_index=self._q_updates - 1)
+            u = tensor.precondition(m.to(pdtype))
         else:
             u = m.to(pdtype)  # identity preconditioner until the scale is known
 
         # The update P m̂ = u / bias clipped to RMS ≤ 1.1 is u times min(1/bias, 1.1/rms(u)).
         rms = torch.linalg.vector_norm(u) / math.sqrt(u.numel())
-        scale = torch.minimum(1.0 / bias, _RMS_CLIP / (rms + 1e-12))
+        scale = torch.minimum(1.0 / bias, RMS_CLIP / (rms + 1e-12))
         lr = finite.to(pdtype) * group["lr"]  # 0 skips this tensor
         if group["weight_decay"] != 0 and p.dim() >= 2:  # p -= lr·(u + wd·p), decoupled
             p.mul_(1.0 - lr * group["weight_decay"])
@@ -319,7 +311,7 @@ class Kron(torch.optim.Optimizer):
         saved_state = state_dict.get("state", {})
         state_dict["state"] = {}
         super().load_state_dict(state_dict)
-        self._factors.clear()
+        self._tensors.clear()
         self._reported.clear()
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
             for key, p in zip(saved_group["params"], group["params"]):

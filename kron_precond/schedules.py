@@ -7,7 +7,8 @@ resumed run continues the schedule where it stopped.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, TypeVar, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, TypeVar, Union
 
 T = TypeVar("T")
 ValueOrSchedule = Union[T, Callable[[int], T]]
@@ -99,6 +100,10 @@ class UpdateDecider:
         """The probability the next call will use."""
         return check_probability(resolve(self.probability, self.step))
 
+    def peek(self) -> bool:
+        """Whether the next call will update, without advancing."""
+        return self.acc + self.current_probability() >= 1.0 - self._EPS
+
     def __call__(self) -> bool:
         """Advance one step; return whether to update on it."""
         self.acc += self.current_probability()
@@ -117,3 +122,85 @@ class UpdateDecider:
 
     def __repr__(self) -> str:
         return f"UpdateDecider(probability={self.probability!r}, step={self.step}, acc={self.acc})"
+
+
+# ----------------------------------------------------------------------------- step schedules
+@dataclass(frozen=True)
+class StepContext:
+    """What one :meth:`KronPreconditioner.step` does, decided before any state changes.
+
+    Attributes:
+        step: number of completed steps before this one.
+        statistics: this step folds the statistics gathered since the last one (the
+            capture was on during its forward/backward).
+        refresh: owners run the expensive refresh on this step.
+        refresh_index: refreshes completed before this step.
+        statistics_count: statistics steps so far, this one included.
+        hparams: the method's and the engine's hyperparameters resolved (and validated)
+            for this step; only those this step needs are present.
+    """
+
+    step: int
+    statistics: bool
+    refresh: bool
+    refresh_index: int
+    statistics_count: int
+    hparams: Mapping[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.hparams[name]
+
+
+class IntervalSchedule:
+    """Statistics every ``statistics_every`` steps, refresh every ``refresh_every`` steps
+    (both ints or callables of the step; K-FAC's ``factor_update_steps`` / ``inv_update_steps``).
+    Stateless: a function of the step count alone."""
+
+    def __init__(self, statistics_every, refresh_every, *, names=("factor_update_steps", "inv_update_steps"),
+                 check: Callable[[str, Any], int]) -> None:
+        self.statistics_every = statistics_every
+        self.refresh_every = refresh_every
+        self.names = names
+        self._check = check
+
+    def collects(self, step: int) -> bool:
+        every = self._check(self.names[0], resolve(self.statistics_every, step))
+        return step % every == 0
+
+    def refreshes(self, step: int) -> bool:
+        """Whether ``step`` refreshes (pure: call :meth:`advance` once the step is committed)."""
+        every = self._check(self.names[1], resolve(self.refresh_every, step))
+        return step % every == 0
+
+    def advance(self, step: int) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class ProbabilitySchedule:
+    """Statistics every step; refresh on the steps an :class:`UpdateDecider` picks (PSGD).
+    Its counters are the whole state, so ranks agree and resumed runs continue."""
+
+    def __init__(self, probability) -> None:
+        self.decider = UpdateDecider(probability)
+
+    def collects(self, step: int) -> bool:
+        return True
+
+    def refreshes(self, step: int) -> bool:
+        """Whether ``step`` refreshes (pure: call :meth:`advance` once the step is committed)."""
+        return self.decider.peek()
+
+    def advance(self, step: int) -> None:
+        self.decider()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.decider.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.decider.load_state_dict(state)

@@ -178,5 +178,5 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         inner = "\n".join("  " + line for line in repr(self.optimizer).splitlines())
-        return f"{type(self).__name__}(\n{inner},\n  preconditioner={self.preconditioner.method.value!r} " \
+        return f"{type(self).__name__}(\n{inner},\n  preconditioner={str(self.preconditioner.method)!r} " \
                f"with {len(self.preconditioner.layers)} layers\n)"

@@ -44,7 +44,9 @@ def _pack(tensor: torch.Tensor, symmetric: bool) -> torch.Tensor:
     if symmetric and tensor.dim() == 2:
         rows, cols = _triu_indices(tensor.shape[0], tensor.device)
         return tensor[rows, cols]
-    return tensor.reshape(-1)
+    # reshape(-1) of a strided 1-D tensor is a strided view, which a collective would read
+    # as if it were dense; contiguous() copies only such tensors.
+    return tensor.contiguous().reshape(-1)
 
 
 def _unpack_into(tensor: torch.Tensor, flat: torch.Tensor, symmetric: bool) -> None:

@@ -1,26 +1,66 @@
-"""The per-layer contract every preconditioning method fulfils.
+"""The two contracts a preconditioning method fulfils; the engine knows nothing else of it.
 
-The engine (:mod:`kron_precond.preconditioner`) drives each registered layer through
-four verbs and never looks inside:
+:class:`MethodSpec` -- the method as a whole, registered by name in
+:mod:`kron_precond.methods.registry`: its constructor options, which modules it takes,
+whether it needs activations and output gradients from module hooks, whether its statistics
+are summed across data-parallel ranks, its step schedule, and how to build a layer.
 
-* ``observe`` -- gather statistics (K-FAC: activations and output gradients from
-  hooks; PSGD: nothing beyond the gradient itself);
-* ``refresh`` -- the expensive part, run only by the layer's owner rank (K-FAC
-  eigendecompositions or inverses, one PSGD Q update);
-* ``apply`` -- the cheap part, run every step by the layer's gradient workers;
-* ``factor_costs`` / ``memory_by_kind`` -- estimates used to place work across ranks
-  and reported to users.
+:class:`LayerMethod` -- the state and math of one registered layer, driven by the engine
+through these verbs, each given a :class:`~kron_precond.schedules.StepContext`:
 
-The distributed layer moves the tensors named by ``shared_statistics`` (summed
-across ranks) and ``refreshed_tensors`` (broadcast by the owner) without knowing
-what they mean, so a new method (EK-FAC, Shampoo, ...) plugs in here only.
+* ``observe_activations`` / ``observe_output_grads`` -- hook statistics (``captures``);
+* ``observe_gradients`` -- every step, on every rank, with the raw gradients;
+* ``shared_statistics`` -> summed across ranks on statistics steps, then ``fold_statistics``;
+* ``refresh(part)`` -- the expensive part, only on the part's owner rank, on refresh steps;
+  ``refreshed_tensors(part)`` are then broadcast in place to the layer's gradient workers,
+  which call ``finalize_refresh``;
+* ``apply`` (or the batched ``apply_batch`` over layers with equal ``batch_key``) -- the
+  cheap part, every step, on gradient workers;
+* ``factor_costs`` / ``memory_by_kind`` -- estimates for work placement and reporting;
+* ``state_dict`` / ``check_state`` / ``load_state_dict``.
+
+A new method is one file with a spec and a layer class, plus one registry entry.
 """
 from __future__ import annotations
 
 import abc
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Hashable, Sequence
 
 import torch
+from torch import nn
+
+from kron_precond.schedules import StepContext
+
+
+@dataclass(frozen=True)
+class Option:
+    """A method-specific constructor argument.
+
+    Attributes:
+        default: value when the user gives none.
+        check: ``check(name, value) -> value`` validates (raising ``ValueError`` /
+            ``TypeError`` naming the argument) and normalises one value.
+        per_step: ``None`` if fixed at construction; otherwise the argument may also be a
+            callable of the step, resolved and checked on the steps named here:
+            ``"always"``, ``"statistics"`` or ``"refresh"``.
+        collective: changing it changes which collectives run when; ranks must agree on it.
+    """
+
+    default: Any
+    check: Callable[[str, Any], Any]
+    per_step: str | None = None
+    collective: bool = False
+
+
+@dataclass(frozen=True)
+class Selected:
+    """A module a method takes: its name, the module, its parameters, a method-specific adapter."""
+
+    name: str
+    module: nn.Module
+    params: list[tuple[str, nn.Parameter]]
+    adapter: Any = None
 
 
 class LayerMethod(abc.ABC):
@@ -32,25 +72,81 @@ class LayerMethod(abc.ABC):
 
     parts: tuple[str, ...]
     nonfinite: torch.Tensor  # count of updates skipped for non-finite inputs (on device)
+    holds_state: bool = True  # set by the engine: this rank is a gradient worker of the layer
 
-    @abc.abstractmethod
+    # ------------------------------------------------------------------ statistics
+    def observe_activations(self, rows: torch.Tensor) -> Any:
+        """Activation rows ``[N, in]`` of one forward call (methods that capture). A value
+        returned (not ``None``) is passed back as ``call`` with the output gradient of the same
+        call, so per-row statistics can pair the two (a module may be called several times)."""
+        raise NotImplementedError
+
+    def observe_output_grads(self, rows: torch.Tensor, scale: float, call: Any = None) -> None:
+        """Output-gradient rows ``[N, out]`` of one backward call, to be multiplied by ``scale``;
+        ``call`` is what ``observe_activations`` returned for the same call."""
+        raise NotImplementedError
+
+    def observe_gradients(self, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:
+        """The raw gradients of this step (``None`` where a parameter has none), on every rank."""
+
     def shared_statistics(self) -> list[torch.Tensor]:
         """Tensors summed across data-parallel ranks on statistics steps (same layout on
         every rank, whether or not it observed data)."""
+        return []
+
+    def fold_statistics(self, ctx: StepContext) -> None:
+        """Fold this step's (reduced) statistics into the running state."""
+
+    def observed(self) -> torch.Tensor | None:
+        """0-dim bool tensor: the layer has received statistics (``None``: not applicable)."""
+        return None
+
+    # ------------------------------------------------------------------ refresh
+    @abc.abstractmethod
+    def refresh(self, part: str, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:
+        """The expensive work of ``part``, on its owner rank only."""
 
     @abc.abstractmethod
     def refreshed_tensors(self, part: str | None = None) -> list[torch.Tensor]:
         """Tensors the owner of ``part`` (all parts if ``None``) computes in ``refresh`` and
         gradient workers need for ``apply``; broadcast in place, so their shapes are fixed."""
 
+    def statistics_tensors(self, part: str) -> list[torch.Tensor]:
+        """Refreshed tensors that every rank needs to gather statistics (e.g. EK-FAC's
+        eigenbases, to project its rows); the owner broadcasts them to all ranks when the
+        layer has fewer gradient workers than ranks. Fixed shapes; empty by default."""
+        return []
+
+    def finalize_refresh(self, ctx: StepContext) -> None:
+        """Derive what ``apply`` needs from the refreshed tensors (every gradient worker)."""
+
     @abc.abstractmethod
     def release_refreshed(self) -> None:
-        """Drop refreshed state on ranks that are not gradient workers of this layer."""
+        """Drop refreshed state (on ranks that are not gradient workers of this layer)."""
 
+    # ------------------------------------------------------------------ apply
     @abc.abstractmethod
-    def apply(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    def apply(self, grads: list[torch.Tensor], ctx: StepContext) -> list[torch.Tensor]:
         """Return the preconditioned versions of ``grads`` (one per registered parameter)."""
 
+    def batch_key(self) -> Hashable | None:
+        """Layers with equal keys (not ``None``) may be preconditioned together by
+        :meth:`apply_batch`; the key must change whenever a batch could not be formed."""
+        return None
+
+    @classmethod
+    def apply_batch(cls, layers: Sequence["LayerMethod"], grads: Sequence[list[torch.Tensor]],
+                    ctx: StepContext, cache: dict, keep: torch.Tensor) -> list[list[torch.Tensor]]:
+        """Precondition several layers at once; where ``keep[i]`` is False (a non-finite
+        gradient) return layer ``i``'s gradients unchanged. ``cache`` is kept by the engine
+        until the next load: stacked state goes there, built once."""
+        out = []
+        for i, (layer, g) in enumerate(zip(layers, grads)):
+            result = layer.apply(g, ctx)
+            out.append([torch.where(keep[i], r, x) if r is not x else x for r, x in zip(result, g)])
+        return out
+
+    # ------------------------------------------------------------------ estimates, state
     @abc.abstractmethod
     def factor_costs(self) -> dict[str, tuple[float, float]]:
         """Per part: (estimated flops of its refresh, estimated bytes of its state)."""
@@ -70,6 +166,48 @@ class LayerMethod(abc.ABC):
     @abc.abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:
         ...
+
+
+class MethodSpec(abc.ABC):
+    """A preconditioning method as the engine sees it.
+
+    Class attributes:
+        name: the registry name users pass as ``method=``.
+        options: method-specific constructor arguments (:class:`Option`).
+        captures: needs activation and output-gradient rows from module hooks.
+        reduces_statistics: its ``shared_statistics`` are summed across data-parallel ranks.
+        default_kl_clip: ``kl_clip`` when the user gives none.
+    """
+
+    name: ClassVar[str]
+    options: ClassVar[dict[str, Option]]
+    captures: ClassVar[bool] = False
+    reduces_statistics: ClassVar[bool] = False
+    default_kl_clip: ClassVar[float | None] = None
+    #: steps between reads of the skipped-update counters (``None``: on refresh steps)
+    health_check_every: ClassVar[int | None] = None
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        #: every option, validated (fixed ones) or as given (callables of the step)
+        self.settings = settings
+
+    @abc.abstractmethod
+    def select(self, model: nn.Module, is_skipped: Callable[[str, nn.Module], bool],
+               log: Callable[[str], None]) -> list[Selected]:
+        """The modules this method preconditions, in ``model.named_modules()`` order."""
+
+    @abc.abstractmethod
+    def make_layer(self, index: int, selected: Selected) -> LayerMethod:
+        ...
+
+    @abc.abstractmethod
+    def make_schedule(self):
+        """An object with ``collects(step)``, ``refreshes(step)`` (both pure),
+        ``advance(step)``, ``state_dict()`` and ``load_state_dict(state)``."""
+
+    def describe(self) -> dict[str, Any]:
+        """Settings shown by the preconditioner's ``repr``."""
+        return dict(self.settings)
 
 
 def tensor_bytes(tensors) -> int:

@@ -22,12 +22,15 @@ Preconditioning (``compute_method``):
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Hashable, Sequence
 
 import torch
 
 from kron_precond.enums import ComputeMethod
-from kron_precond.methods.base import LayerMethod, tensor_bytes
+from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected, tensor_bytes
+from kron_precond.modules import find_kfac_modules
+from kron_precond.schedules import IntervalSchedule, StepContext
+from kron_precond import validation as check
 
 FACTORS = ("A", "G")
 
@@ -133,14 +136,16 @@ class KFACLayer(LayerMethod):
             self._a_sum = torch.zeros_like(self.a_factor)
             self._g_sum = torch.zeros_like(self.g_factor)
 
-    def fold_statistics(self, decay: float) -> None:
-        """Fold the (reduced) statistics into the running averages ``F ← d·F + (1−d)·F_new``.
+    def fold_statistics(self, ctx: StepContext) -> None:
+        """Fold the (reduced) statistics into the running averages ``F ← d·F + (1−d)·F_new``
+        with ``d = ctx["factor_decay"]``.
 
         The first update of a factor takes the statistics as they are. A factor with no
         rows, or with non-finite statistics, keeps its value; all decided on the device.
         """
         if self._a_sum is None:  # nothing observed on this factor step
             return
+        decay = ctx["factor_decay"]
         for index, (factor, total) in enumerate(((self.a_factor, self._a_sum), (self.g_factor, self._g_sum))):
             rows = self._rows[index]
             new = total / rows.clamp_min(1.0).to(total.dtype)
@@ -188,8 +193,9 @@ class KFACLayer(LayerMethod):
             return refreshed["A"] + refreshed["G"]
         return refreshed[factor]
 
-    def refresh(self, factor: str, damping: float) -> None:
+    def refresh(self, factor: str, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:
         """Decompose (EIGEN) or invert (INVERSE) one factor; keep the old result on failure."""
+        damping = ctx["damping"]
         if self.compute_method is ComputeMethod.EIGEN:
             matrix = self.a_factor if factor == "A" else self.g_factor
             result = _robust_eigh(matrix, self.inv_dtype, f"{self.name}.{factor}")
@@ -202,13 +208,21 @@ class KFACLayer(LayerMethod):
             dst.copy_(src)
         valid.fill_(1.0).mul_(self._seen[FACTORS.index(factor)])
 
-    def finalize_refresh(self, damping: float) -> None:
+    def finalize_refresh(self, ctx: StepContext) -> None:
         """Derive what ``apply`` needs from the refreshed tensors (run by every grad worker)."""
+        if ctx.statistics_count:  # nothing to finalise before the first statistics
+            self._finalize(ctx["damping"])
+
+    def _finalize(self, damping: float) -> None:
         self._allocated()  # a refresh that failed from the start left nothing allocated
         if self.compute_method is ComputeMethod.EIGEN and self.eigenvalue_outer_product:
             d_a = self.refreshed_tensors("A")[1]
             d_g = self.refreshed_tensors("G")[1]
-            self._inverse_denominator = _inverse_denominator(d_g, d_a, damping)
+            denominator = _inverse_denominator(d_g, d_a, damping)
+            if self._inverse_denominator is None:
+                self._inverse_denominator = denominator
+            else:  # in place: it may be a view into a batch of layers (apply_batch)
+                self._inverse_denominator.copy_(denominator)
         self._damping_used = damping
         self.ready = True
 
@@ -235,7 +249,7 @@ class KFACLayer(LayerMethod):
         return (inverse.to(self.inv_dtype),)
 
     # ------------------------------------------------------------------ apply
-    def apply(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    def apply(self, grads: list[torch.Tensor], ctx: StepContext | None = None) -> list[torch.Tensor]:
         if not self.ready:
             return grads
         matrix = self.grads_to_matrix(grads)
@@ -257,6 +271,60 @@ class KFACLayer(LayerMethod):
         a_inv = self._refreshed["A"][0]
         g_inv = self._refreshed["G"][0]
         return g_inv @ grad @ a_inv
+
+    def batch_key(self) -> Hashable | None:
+        if not self.ready:
+            return None  # passes gradients through: nothing to batch
+        return (type(self), self.compute_method, self.weight_shape, self.weight_transposed, self.has_bias,
+                self.inv_dtype, self._inverse_denominator is not None, self._damping_used)
+
+    @classmethod
+    def apply_batch(cls, layers: Sequence["KFACLayer"], grads: Sequence[list[torch.Tensor]],
+                    ctx: StepContext, cache: dict, keep: torch.Tensor) -> list[list[torch.Tensor]]:
+        """All layers of one shape at once: one batched matmul per product, not one per layer.
+
+        The first call stacks the layers' refreshed tensors into one tensor per kind and makes
+        each layer's tensors views into it, so later refreshes and broadcasts (in place)
+        update the stack: nothing is copied per step, and no memory is duplicated.
+        """
+        first = layers[0]
+        stacked = cache.get("stacked")
+        if stacked is None:
+            stacked = cache["stacked"] = _adopt_into_stacks(layers)
+        count = len(layers)
+        weight = torch.stack([g[0] for g in grads])
+        if first.weight_transposed:
+            weight = weight.transpose(1, 2)
+        else:
+            weight = weight.reshape(count, first.g_dim, -1)
+        if first.has_bias:
+            matrix = torch.cat([weight, torch.stack([g[1] for g in grads]).unsqueeze(2)], dim=2)
+        else:
+            matrix = weight
+        work = matrix.to(first.inv_dtype)
+        if first.compute_method is ComputeMethod.EIGEN:
+            q_a, d_a, valid_a, q_g, d_g, valid_g, denominator = stacked
+            if denominator is None:
+                denominator = _inverse_denominator(d_g, d_a, first._damping_used)
+            rotated = torch.matmul(torch.matmul(q_g.transpose(1, 2), work), q_a)
+            out = torch.matmul(torch.matmul(q_g, rotated * denominator), q_a.transpose(1, 2))
+        else:
+            a_inv, valid_a, g_inv, valid_g = stacked
+            out = torch.matmul(torch.matmul(g_inv, work), a_inv)
+        valid = ((valid_a * valid_g).bool() & keep).reshape(count, 1, 1)
+        out = torch.where(valid, out.to(matrix.dtype), matrix)
+        if first.has_bias:
+            weights, biases = out[:, :, :-1], out[:, :, -1].unbind(0)
+        else:
+            weights, biases = out, None
+        if first.weight_transposed:
+            weights = weights.transpose(1, 2)
+        else:
+            weights = weights.reshape(count, *first.weight_shape)
+        weights = weights.unbind(0)
+        if biases is None:
+            return [[w] for w in weights]
+        return [[w, b] for w, b in zip(weights, biases)]
 
     def grads_to_matrix(self, grads: list[torch.Tensor]) -> torch.Tensor:
         weight = grads[0].t() if self.weight_transposed else grads[0].reshape(self.g_dim, -1)
@@ -320,7 +388,7 @@ class KFACLayer(LayerMethod):
                 dst.copy_(src)
         self.discard_statistics()
         if state["ready"]:
-            self.finalize_refresh(state["damping_used"])
+            self._finalize(state["damping_used"])
         else:
             self.ready = False
 
@@ -328,7 +396,8 @@ class KFACLayer(LayerMethod):
 def _inverse_denominator(d_g: torch.Tensor, d_a: torch.Tensor, damping: float) -> torch.Tensor:
     """``1 / (d_G d_Aᵀ + λ)``, computed in float32 or better, stored in the eigenvalues' dtype."""
     work = _decomposition_dtype(d_a.dtype)
-    return (1.0 / (torch.outer(d_g.to(work), d_a.to(work)) + damping)).to(d_a.dtype)
+    # d_g[..., :, None] * d_a[..., None, :]: an outer product, batched over leading dims
+    return (1.0 / (d_g.to(work).unsqueeze(-1) * d_a.to(work).unsqueeze(-2) + damping)).to(d_a.dtype)
 
 
 def _decomposition_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -349,3 +418,90 @@ def _robust_eigh(matrix: torch.Tensor, out_dtype: torch.dtype, label: str):
     warnings.warn(f"kron_precond: eigendecomposition of {label} failed in float32 and float64; "
                   "keeping the previous decomposition", RuntimeWarning, stacklevel=2)
     return None
+
+
+def _adopt_into_stacks(layers: Sequence[KFACLayer]) -> list[torch.Tensor | None]:
+    """Stack the layers' refreshed tensors kind by kind and re-point each layer at its slice."""
+    first = layers[0]
+    kinds = [("A", i) for i in range(len(first._refreshed["A"]))] + \
+            [("G", i) for i in range(len(first._refreshed["G"]))]
+    stacks: list[torch.Tensor | None] = []
+    for part, i in kinds:
+        stack = torch.stack([layer._refreshed[part][i] for layer in layers])
+        for layer, view in zip(layers, stack.unbind(0)):
+            layer._refreshed[part][i] = view
+        if i == len(first._refreshed[part]) - 1:
+            stack = stack.reshape(len(layers))  # the one-element validity flags
+        stacks.append(stack)
+    if first.compute_method is ComputeMethod.EIGEN:
+        if first._inverse_denominator is not None:
+            stack = torch.stack([layer._inverse_denominator for layer in layers])
+            for layer, view in zip(layers, stack.unbind(0)):
+                layer._inverse_denominator = view
+            stacks.append(stack)
+        else:
+            stacks.append(None)
+    return stacks
+
+
+def _check_inv_dtype(name: str, value) -> torch.dtype:
+    if value not in (torch.float32, torch.float64, torch.bfloat16):
+        raise ValueError(f"{name} must be torch.float32, torch.float64 or torch.bfloat16 "
+                         f"(float16 overflows 1/λ-sized values), got {value!r}")
+    return value
+
+
+def _check_compute_method(name: str, value) -> ComputeMethod:
+    return ComputeMethod.parse(value, name)
+
+
+def _check_decay(name: str, value) -> float:
+    return check.check_unit_interval(name, value, low_open=True, high_open=False)
+
+
+def _check_outer(name: str, value) -> bool:
+    return bool(value)
+
+
+class KFACSpec(MethodSpec):
+    """K-FAC (Martens & Grosse, 2015; KAISA's distributed form): Kronecker factors of the
+    activations and output gradients of Linear / ConvNd layers, from module hooks."""
+
+    name = "kfac"
+    captures = True
+    reduces_statistics = True
+    default_kl_clip = 1e-3
+    options = {
+        "factor_update_steps": Option(1, check.check_int, per_step="always", collective=True),
+        "inv_update_steps": Option(1, check.check_int, per_step="always", collective=True),
+        "damping": Option(1e-3, check.check_positive, per_step="refresh"),
+        "factor_decay": Option(0.95, _check_decay, per_step="statistics"),
+        "compute_method": Option(ComputeMethod.EIGEN, _check_compute_method, collective=True),
+        "compute_eigenvalue_outer_product": Option(True, _check_outer),
+        "factor_dtype": Option(None, lambda n, v: check.check_float_dtype(n, v, allow_none=True),
+                               collective=True),
+        "inv_dtype": Option(torch.float32, _check_inv_dtype, collective=True),
+    }
+    layer_class = KFACLayer
+
+    def select(self, model, is_skipped, log) -> list[Selected]:
+        return find_kfac_modules(model, is_skipped, log)
+
+    def make_layer(self, index: int, selected: Selected) -> KFACLayer:
+        weight = dict(selected.params)["weight"]
+        return self.layer_class(
+            selected.name, weight.shape, selected.adapter.has_bias,
+            compute_method=self.settings["compute_method"],
+            eigenvalue_outer_product=self.settings["compute_eigenvalue_outer_product"],
+            factor_dtype=self.settings["factor_dtype"] or weight.dtype,
+            inv_dtype=self.settings["inv_dtype"], device=weight.device,
+            weight_transposed=selected.adapter.weight_transposed)
+
+    def make_schedule(self) -> IntervalSchedule:
+        return IntervalSchedule(self.settings["factor_update_steps"], self.settings["inv_update_steps"],
+                                check=check.check_int)
+
+    def describe(self) -> dict[str, Any]:
+        settings = dict(self.settings)
+        settings["compute_method"] = settings["compute_method"].value
+        return settings

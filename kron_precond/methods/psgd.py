@@ -151,6 +151,15 @@ def apply_q_inv_t(q: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: torch.linalg.solve_triangular(q, x, upper=True, left=False)
 
 
+def _multiply_by(q: torch.Tensor, product: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x ↦ QᵀQ x`` on mode fibres, given ``product`` = ``QᵀQ`` / ``q²`` or ``None``."""
+    if product is None:
+        return lambda x: matmul_upper(matmul_upper_t(x, q), q)
+    if product.dim() == 1:
+        return lambda x: x * product
+    return lambda x: x @ product
+
+
 def apply_qtq(q: torch.Tensor, form_p: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     """Map ``x ↦ QᵀQ x`` on mode fibres: ``x (QᵀQ)`` if ``form_p`` (cheaper when the fibres
     outnumber ``n``), else the two products ``(x Qᵀ) Q``; ``x ⊙ q²`` if diagonal."""
@@ -405,12 +414,28 @@ class PSGDFactors:
             torch.where(ok, q_new, q, out=q)
         return ok
 
-    def precondition(self, grad: torch.Tensor) -> torch.Tensor:
-        """Return ``P grad = grad ×_i (Q_iᵀ Q_i)``: a new tensor of ``grad``'s shape and dtype."""
+    def preconditioner_products(self) -> list[torch.Tensor | None]:
+        """Per factor, what :meth:`precondition` multiplies by: ``Q_iᵀQ_i`` for a triangular
+        factor where forming it is cheaper than two triangular products, ``q_i²`` for a
+        diagonal one, ``None`` otherwise. Valid until the factors change."""
+        out: list[torch.Tensor | None] = []
+        for q, form_p in zip(self.q, self._form_p):
+            if q.dim() == 1:
+                out.append(q * q)
+            else:
+                out.append(upper_gram(q) if form_p else None)
+        return out
+
+    def precondition(self, grad: torch.Tensor,
+                     products: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+        """Return ``P grad = grad ×_i (Q_iᵀ Q_i)``: a new tensor of ``grad``'s shape and dtype.
+        ``products`` (from :meth:`preconditioner_products`) saves rebuilding them."""
         if not self.initialized:
             self.initialize_from(grad)
         g = self._work_view(grad, "grad")
-        maps = [apply_qtq(q, form_p) for q, form_p in zip(self.q, self._form_p)]
+        if products is None:
+            products = self.preconditioner_products()
+        maps = [_multiply_by(q, p) for q, p in zip(self.q, products)]
         out = apply_along_dims(g, maps)
         return out.reshape(grad.shape).to(grad.dtype)
 

@@ -1,11 +1,10 @@
-"""PSGD Kron as a :class:`LayerMethod`: whitening factors for each parameter of a module.
+"""PSGD Kron as a preconditioning method: whitening factors for each parameter of a module.
 
-The math of one tensor lives in :mod:`kron_precond.methods.psgd`; this file adds what
-the engine needs around it: one :class:`PSGDFactors` per parameter ("part"), the
-optional gradient average that is fitted instead of the raw gradient, probe vectors
-that depend only on ``(seed, layer, parameter, step)`` -- so the result is the same
-whichever rank owns the layer and however many ranks there are -- and the update-RMS
-clip of kron_torch.
+Each parameter ("part") has one :class:`~kron_precond.methods.psgd_tensor.PSGDTensor`
+(the same per-tensor state the ``Kron`` optimizer uses): factors, the optional fitted
+gradient average, probe vectors that depend only on ``(seed, layer, parameter, step)`` --
+so the result is the same whichever rank owns the layer and however many ranks there are --
+and the update-RMS clip of kron_torch.
 """
 from __future__ import annotations
 
@@ -13,11 +12,12 @@ from typing import Any, Sequence
 
 import torch
 
-from kron_precond.methods.base import LayerMethod, tensor_bytes
-from kron_precond.methods.psgd import PSGDFactors, probe_seed
-
-_RMS_CLIP = 1.1  # as kron_torch: a preconditioned gradient's RMS is capped at 1.1
-_BALANCE_EVERY = 100  # rebalance factor scales every this many updates (numerical hygiene)
+from kron_precond import validation as check
+from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected, tensor_bytes
+from kron_precond.methods.psgd import PSGDFactors, check_memory_save_mode
+from kron_precond.methods.psgd_tensor import PSGDTensor, rms_clip_scale
+from kron_precond.modules import find_parameter_modules
+from kron_precond.schedules import ProbabilitySchedule, StepContext, check_probability
 
 
 class PSGDLayer(LayerMethod):
@@ -44,92 +44,87 @@ class PSGDLayer(LayerMethod):
         self.b1 = b1
         self.seed = seed
         self.layer_index = layer_index
+        self.use_momentum = bool(momentum_into_precond_update)
         self._settings = factor_settings
-        # Built on first use: ranks that are not gradient workers never hold factors.
-        self._factors: dict[str, PSGDFactors | None] = {part: None for part in self.parts}
-        self.momentum = ({part: torch.zeros(shape, device=device) for part, shape in self.shapes.items()}
-                         if momentum_into_precond_update else None)
-        self._momentum_steps = 0
-        self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         self.factor_dtype = factor_settings.get("dtype", torch.float32)
-        self._generator: torch.Generator | None = None  # reseeded for every probe
+        # Built on first use: ranks that are not gradient workers never hold factors.
+        self._tensors: dict[str, PSGDTensor | None] = {part: None for part in self.parts}
+        # The fitted average is advanced on every rank (it is cheap and rank-independent).
+        self._averages: dict[str, PSGDTensor] | None = (
+            {part: self._new_tensor(part, momentum=True) for part in self.parts}
+            if self.use_momentum else None)
+        self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
+        self.holds_state = True
+
+    def _new_tensor(self, part: str, momentum: bool = False) -> PSGDTensor:
+        return PSGDTensor(self.shapes[part], device=self.device, seed=self.seed,
+                          key=(self.layer_index, self.parts.index(part)), momentum=momentum,
+                          b1=self.b1, **self._settings)
+
+    def tensor(self, part: str) -> PSGDTensor:
+        if self._tensors[part] is None:
+            self._tensors[part] = self._new_tensor(part)
+        return self._tensors[part]
 
     def factor(self, part: str) -> PSGDFactors:
-        if self._factors[part] is None:
-            self._factors[part] = PSGDFactors(self.shapes[part], device=self.device, **self._settings)
-        return self._factors[part]
+        return self.tensor(part).factors
 
     @property
     def q_factors(self) -> dict[str, list[torch.Tensor]]:
         return {part: self.factor(part).tensors() for part in self.parts}
 
     # ------------------------------------------------------------------ observe
-    def observe_gradients(self, grads: list[torch.Tensor | None]) -> None:
-        """Advance the fitted gradient average (every step, on every rank)."""
-        if self.momentum is None:
-            return
+    def observe_gradients(self, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:
+        """Advance the fitted average; estimate initial scales (``precond_init_scale=None``)
+        on ranks that hold the factors."""
         for part, grad in zip(self.parts, grads):
             if grad is None:
                 continue
-            buf = self.momentum[part]
-            finite = torch.isfinite(grad).all()
-            buf.copy_(torch.where(finite, torch.lerp(buf, grad.to(buf.dtype), 1.0 - self.b1), buf))
-        self._momentum_steps += 1
-
-    def initialize_from(self, grads: list[torch.Tensor | None]) -> None:
-        """Estimate initial scales from the first gradients (``precond_init_scale=None``)."""
-        for part, grad in zip(self.parts, grads):
-            factor = self.factor(part)
-            if grad is not None and not factor.initialized:
-                try:
-                    factor.initialize_from(grad)
-                except ValueError:  # zero or non-finite first gradient: try again next step
-                    pass
-
-    def shared_statistics(self) -> list[torch.Tensor]:
-        return []  # gradients are already averaged by DDP
+            if self._averages is not None:
+                self._averages[part].accumulate(grad, torch.isfinite(grad).all())
+            if self.holds_state:
+                factors = self.factor(part)
+                if not factors.initialized:
+                    try:
+                        factors.initialize_from(grad)
+                    except ValueError:  # zero or non-finite first gradient: try again next step
+                        pass
 
     # ------------------------------------------------------------------ refresh
-    def refresh(self, part: str, grads: list[torch.Tensor | None], lr: float, *, step: int,
-                update_index: int) -> None:
+    def refresh(self, part: str, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:
         """One Q update of ``part`` (run by its owner); nothing to fit without a gradient
         or before the initial scale could be estimated."""
-        index = self.parts.index(part)
-        grad = grads[index]
-        if grad is None or not self.factor(part).initialized:
+        grad = grads[self.parts.index(part)]
+        state = self.tensor(part)
+        if grad is None or not state.factors.initialized:
             return
-        if self.momentum is not None:
-            debias = 1.0 - self.b1 ** max(self._momentum_steps, 1)
-            fit = self.momentum[part] / debias
-        else:
-            fit = grad
-        factor = self.factor(part)
-        if update_index % _BALANCE_EVERY == 0:
-            factor.balance()
-        if self._generator is None:
-            self._generator = torch.Generator(device=self.device)
-        self._generator.manual_seed(probe_seed(self.seed, self.layer_index, index, step))
-        probe = torch.randn(fit.shape, generator=self._generator, device=self.device, dtype=factor.dtype)
-        applied = factor.update(fit, probe, lr)
+        fit = self._averages[part].debiased_momentum(state.factors.dtype) if self._averages else grad
+        applied = state.update_factors(fit, ctx["precond_lr"], step=ctx.step, update_index=ctx.refresh_index)
         self.nonfinite.add_((~applied).to(self.nonfinite.dtype))
 
     def refreshed_tensors(self, part: str | None = None) -> list[torch.Tensor]:
         parts = self.parts if part is None else (part,)
         return [q for p in parts for q in self.factor(p).tensors()]
 
+    def finalize_refresh(self, ctx: StepContext) -> None:
+        for state in self._tensors.values():  # factors were rewritten in place (update or broadcast)
+            if state is not None:
+                state.invalidate()
+
     def release_refreshed(self) -> None:
-        self._factors = {part: None for part in self.parts}
+        self._tensors = {part: None for part in self.parts}
+        self.holds_state = False
 
     # ------------------------------------------------------------------ apply
-    def apply(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    def apply(self, grads: list[torch.Tensor], ctx: StepContext | None = None) -> list[torch.Tensor]:
         out = []
         for part, grad in zip(self.parts, grads):
-            if not self.factor(part).initialized:  # initial scale not estimated yet
+            state = self.tensor(part)
+            if not state.factors.initialized:  # initial scale not estimated yet
                 out.append(grad)
                 continue
-            update = self.factor(part).precondition(grad)
-            rms = update.float().square().mean().sqrt()
-            out.append(update * (_RMS_CLIP / (rms + 1e-12)).clamp(max=1.0).to(update.dtype))
+            update = state.precondition(grad)
+            out.append(update * rms_clip_scale(update).to(update.dtype))
         return out
 
     # ------------------------------------------------------------------ estimates
@@ -141,10 +136,13 @@ class PSGDLayer(LayerMethod):
         return costs
 
     def memory_by_kind(self) -> dict[str, int]:
-        factors = [q for f in self._factors.values() if f is not None for q in f.tensors()]
-        usage = {"psgd_factors": tensor_bytes(factors)}
-        if self.momentum is not None:
-            usage["psgd_momentum"] = tensor_bytes(self.momentum.values())
+        held = [t for t in self._tensors.values() if t is not None]
+        usage = {"psgd_factors": tensor_bytes([q for t in held for q in t.factors.tensors()])}
+        cached = sum(t.cache_bytes() for t in held)
+        if cached:
+            usage["psgd_cached_products"] = cached
+        if self._averages is not None:
+            usage["psgd_momentum"] = tensor_bytes(t.momentum for t in self._averages.values())
         return usage
 
     # ------------------------------------------------------------------ state
@@ -152,8 +150,10 @@ class PSGDLayer(LayerMethod):
         return {
             "factors": {part: {"q": [q.clone() for q in self.factor(part).tensors()],
                                "initialized": self.factor(part).initialized} for part in self.parts},
-            "momentum": None if self.momentum is None else {k: v.clone() for k, v in self.momentum.items()},
-            "momentum_steps": self._momentum_steps,
+            "momentum": None if self._averages is None else
+            {k: v.momentum.clone() for k, v in self._averages.items()},
+            "momentum_steps": None if self._averages is None else
+            {k: v.steps.clone() for k, v in self._averages.items()},
         }
 
     def check_state(self, state: dict[str, Any]) -> None:
@@ -172,7 +172,70 @@ class PSGDLayer(LayerMethod):
         self.check_state(state)
         for part in self.parts:
             self.factor(part).load_state_dict(state["factors"][part])
-        if self.momentum is not None and state.get("momentum") is not None:
+            self.tensor(part).invalidate()
+        if self._averages is not None and state.get("momentum") is not None:
+            steps = state.get("momentum_steps", 0)
             for part, value in state["momentum"].items():
-                self.momentum[part].copy_(value)
-        self._momentum_steps = int(state.get("momentum_steps", 0))
+                self._averages[part].momentum.copy_(value)
+                # files written before the per-tensor state kept one count for the layer
+                self._averages[part].steps.fill_(steps) if not isinstance(steps, dict) else \
+                    self._averages[part].steps.copy_(steps[part])
+
+
+def _check_memory_save_mode(name: str, value):
+    check_memory_save_mode(value)
+    return value
+
+
+def _check_init_scale(name: str, value):
+    return None if value is None else check.check_positive(name, value)
+
+
+def _check_b1(name: str, value) -> float:
+    return check.check_unit_interval(name, value, low_open=False, high_open=True)
+
+
+def _check_update_probability(name: str, value):
+    if value is None or callable(value):
+        return value
+    return check_probability(value, name)
+
+
+def _check_seed(name: str, value) -> int:
+    return check.check_int(name, value, minimum=-(2**63))
+
+
+class PSGDSpec(MethodSpec):
+    """PSGD Kron (Xi-Lin Li): learned Kronecker-factored whitening of each parameter's
+    gradient; needs only the gradient (no hooks, nothing to reduce under DDP)."""
+
+    name = "psgd"
+    options = {
+        "preconditioner_update_probability": Option(None, _check_update_probability, collective=True),
+        "max_size_triangular": Option(8192, check.check_int),
+        "min_ndim_triangular": Option(2, lambda n, v: check.check_int(n, v, minimum=0)),
+        "memory_save_mode": Option(None, _check_memory_save_mode),
+        "momentum_into_precond_update": Option(False, lambda n, v: bool(v)),
+        "precond_b1": Option(0.9, _check_b1),
+        "precond_lr": Option(0.1, check.check_positive, per_step="refresh"),
+        "precond_init_scale": Option(1.0, _check_init_scale),
+        "precond_dtype": Option(torch.float32, check.check_float_dtype),
+        "merge_dims": Option(False, lambda n, v: bool(v)),
+        "seed": Option(0, _check_seed, collective=True),
+    }
+    health_check_every = 100
+
+    def select(self, model, is_skipped, log) -> list[Selected]:
+        return find_parameter_modules(model, is_skipped, log)
+
+    def make_layer(self, index: int, selected: Selected) -> PSGDLayer:
+        s = self.settings
+        return PSGDLayer(
+            selected.name, [(n, p.shape) for n, p in selected.params], device=selected.params[0][1].device,
+            momentum_into_precond_update=s["momentum_into_precond_update"], b1=s["precond_b1"],
+            seed=s["seed"], layer_index=index, max_size_triangular=s["max_size_triangular"],
+            min_ndim_triangular=s["min_ndim_triangular"], memory_save_mode=s["memory_save_mode"],
+            init_scale=s["precond_init_scale"], dtype=s["precond_dtype"], merge_dims=s["merge_dims"])
+
+    def make_schedule(self) -> ProbabilitySchedule:
+        return ProbabilitySchedule(self.settings["preconditioner_update_probability"])

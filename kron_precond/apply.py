@@ -1,0 +1,128 @@
+"""Apply, global scaling and write-back: the per-step path, batched over layers.
+
+Layers whose methods give equal ``batch_key``s are preconditioned together by one
+``apply_batch`` call (one batched matmul per product); the finiteness checks, ``kl_clip``'s
+sum and the write-back into ``.grad`` use ``torch._foreach_*`` ops over all tensors at once.
+So the number of kernels a plain step launches does not grow with the number of layers
+(measured by ``benchmarks/op_count.py``).
+
+A layer whose gradient holds a NaN or Inf is not preconditioned: its gradient passes through
+(scaled by the same ``kl_clip`` factor as the others) and is left out of ``kl_clip``'s sum, so
+it cannot poison the other layers; the engine warns naming it.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from kron_precond.schedules import StepContext
+
+
+class _Work:
+    __slots__ = ("layer", "raw", "grads", "holds")
+
+    def __init__(self, layer, raw, grads, holds) -> None:
+        self.layer, self.raw, self.grads, self.holds = layer, raw, grads, holds
+
+
+def precondition_gradients(layers: Sequence, *, holds: Callable, owner_of: Callable, runtime, ctx: StepContext,
+                           kl_clip: float | None, lr: float | None, cache: dict) -> tuple[torch.Tensor, list] | None:
+    """Rewrite ``.grad`` of every registered parameter with its preconditioned value.
+
+    Args:
+        layers: the registered layers (``params``, ``method``, ``name``).
+        holds: ``holds(layer)`` -- this rank holds the layer's state and preconditions it.
+        owner_of: ``owner_of(layer)`` -- the rank that owns the layer's work.
+        runtime: the distributed runtime (receives gradients computed elsewhere).
+        kl_clip, lr: scale every update by ``min(1, sqrt(kl_clip / |lr² Σ⟨V, ∇⟩|))``.
+        cache: kept by the engine until the next load; batched methods keep stacked state in it.
+
+    Returns ``(finite, layers)``: one bool per listed layer, whether its gradient was finite
+    (for the engine's warning), or ``None`` when no layer had a gradient.
+    """
+    communicate = runtime.world_size > 1 and runtime.has_receivers
+    work: list[_Work] = []
+    for layer in layers:
+        raw = [p.grad for _, p in layer.params]
+        if all(g is None for g in raw) and not communicate:
+            continue
+        grads = [g if g is not None else torch.zeros_like(p) for g, (_, p) in zip(raw, layer.params)]
+        work.append(_Work(layer, raw, grads, holds(layer)))
+    if not work:
+        return None
+
+    finite = _finite_per_layer([w.grads for w in work], cache)
+    held = [i for i, w in enumerate(work) if w.holds]
+
+    outputs: list[list[torch.Tensor] | None] = [None] * len(work)
+    groups: dict[object, list[int]] = {}
+    for i in held:
+        key = work[i].layer.method.batch_key()
+        groups.setdefault(("alone", i) if key is None else key, []).append(i)
+    for key, members in groups.items():
+        methods = [work[i].layer.method for i in members]
+        keep = finite if len(members) == len(work) else finite[_index(members, finite.device, cache)]
+        batch_cache = cache.setdefault(("batch", key, tuple(id(m) for m in methods)), {})
+        results = type(methods[0]).apply_batch(methods, [work[i].grads for i in members], ctx,
+                                               batch_cache, keep)
+        for i, result in zip(members, results):
+            outputs[i] = result
+    if communicate:
+        by_owner: dict[int, list[torch.Tensor]] = {}
+        for i, w in enumerate(work):
+            if not w.holds:  # receives its preconditioned gradient below
+                outputs[i] = [torch.empty_like(g) for g in w.grads]
+            by_owner.setdefault(owner_of(w.layer), []).extend(outputs[i])
+        runtime.receive_gradients(by_owner)
+
+    sources, destinations, tensor_layer = [], [], []
+    for i, w in enumerate(work):
+        for value, grad in zip(outputs[i], w.raw):
+            if grad is not None:
+                sources.append(value)
+                destinations.append(grad)
+                tensor_layer.append(i)
+    if destinations:
+        if kl_clip is not None:
+            keep = finite[_index(tensor_layer, finite.device, cache)]
+            scale = _kl_clip_scale(sources, destinations, keep, kl_clip, lr)
+            sources = torch._foreach_mul(sources, scale)
+        torch._foreach_copy_(destinations, sources)
+    return finite, [w.layer for w in work]
+
+
+def _index(members: list[int], device, cache: dict) -> torch.Tensor:
+    key = ("index", tuple(members), device)
+    if key not in cache:
+        cache[key] = torch.tensor(members, device=device)
+    return cache[key]
+
+
+def _finite_per_layer(grads: list[list[torch.Tensor]], cache: dict) -> torch.Tensor:
+    """One bool per layer: all of its gradients are finite (a fixed number of ops)."""
+    flat = [g for layer in grads for g in layer]
+    counts = tuple(len(layer) for layer in grads)
+    norms = torch.stack(torch._foreach_norm(flat, float("inf")))
+    bad = (~torch.isfinite(norms)).to(torch.float32)
+    if all(c == 1 for c in counts):
+        return bad == 0
+    key = ("segments", counts, norms.device)
+    if key not in cache:
+        cache[key] = torch.repeat_interleave(torch.arange(len(counts), device=norms.device),
+                                             torch.tensor(counts, device=norms.device))
+    per_layer = torch.zeros(len(counts), dtype=torch.float32, device=norms.device)
+    return per_layer.index_add_(0, cache[key], bad) == 0
+
+
+def _kl_clip_scale(values, grads, keep: torch.Tensor, kl_clip: float, lr: float) -> torch.Tensor:
+    """``min(1, sqrt(κ / |lr² Σ⟨V, ∇⟩|))`` over the tensors of finite layers (``keep``), summed
+    in float32 or better."""
+    accumulate = torch.promote_types(grads[0].dtype, torch.float32)
+    products = torch._foreach_mul(values, grads)
+    # Σ x = ‖max(x, 0)‖₁ − ‖min(x, 0)‖₁: one foreach norm per sign instead of a sum per tensor.
+    positive = torch.stack(torch._foreach_norm(torch._foreach_clamp_min(products, 0.0), 1, dtype=accumulate))
+    negative = torch.stack(torch._foreach_norm(torch._foreach_clamp_max(products, 0.0), 1, dtype=accumulate))
+    terms = torch.where(keep, positive - negative, torch.zeros((), dtype=accumulate, device=keep.device))
+    # a zero sum gives inf, clamped to 1
+    return torch.sqrt(kl_clip / (terms.sum() * lr**2).abs()).clamp(max=1.0)

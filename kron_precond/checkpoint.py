@@ -1,0 +1,52 @@
+"""The preconditioner's checkpoint format, versioned.
+
+Version 2 (this one)::
+
+    {"format": "kron_precond", "version": 2, "method": str, "steps": int,
+     "statistics_steps": int, "refreshes": int, "schedule": dict,
+     "layers": {layer name: the layer method's state_dict()}}
+
+Files written before the format had a version (version 1) hold ``steps``, ``method``,
+``decider``, ``factor_steps``, ``psgd_updates`` and ``layers``; :func:`upgrade` reads them.
+A checkpoint holds what is needed to resume on any number of ranks, never rank placement.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+FORMAT = "kron_precond"
+VERSION = 2
+
+
+def pack(*, method: str, steps: int, statistics_steps: int, refreshes: int, schedule: dict,
+         layers: dict[str, Any]) -> dict[str, Any]:
+    return {"format": FORMAT, "version": VERSION, "method": method, "steps": steps,
+            "statistics_steps": statistics_steps, "refreshes": refreshes, "schedule": schedule,
+            "layers": layers}
+
+
+def upgrade(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` in the current version's layout (a new dict; ``state`` is not modified).
+    ``ValueError`` if it is not a preconditioner checkpoint or comes from a newer version."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"state_dict must be a mapping, got {type(state).__name__}")
+    version = state.get("version", 1)
+    if "format" in state and state["format"] != FORMAT:
+        raise ValueError(f"state_dict has format {state['format']!r}, expected {FORMAT!r}")
+    if not isinstance(version, int) or version < 1:
+        raise ValueError(f"state_dict has an invalid version {version!r}")
+    if version > VERSION:
+        raise ValueError(f"state_dict was written by a newer kron_precond (format version {version}); "
+                         f"this one reads versions up to {VERSION}")
+    required = ("method", "steps", "layers")
+    missing = [key for key in required if key not in state]
+    if missing:
+        raise ValueError(f"state_dict is missing {missing}: not a KronPreconditioner state_dict")
+    if version == 1:
+        method = state["method"]
+        return pack(method=method, steps=int(state["steps"]),
+                    statistics_steps=int(state.get("factor_steps", 0)),
+                    refreshes=int(state.get("psgd_updates", 0)),
+                    schedule=dict(state.get("decider", {})) if method == "psgd" else {},
+                    layers=dict(state["layers"]))
+    return dict(state)

@@ -1,0 +1,140 @@
+"""The engine's only door to ``torch.distributed``: reduce, share, receive, gather, agree.
+
+Knows ranks, the worker grid and buckets; knows nothing of what the tensors mean. With one
+process (or no initialised process group) every operation is a no-op or a local copy.
+Every rank issues the same collectives in the same order: callers pass lists in an order
+that is a function of the registration and the step count only.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kron_precond.distributed import collectives
+from kron_precond.distributed.groups import WorkerGrid
+
+
+class Runtime:
+    """Placement-aware collectives for one preconditioner.
+
+    Args:
+        process_group: the data-parallel group (``None``: the world, if initialised).
+        grad_workers: gradient workers per layer (divides the world size).
+        bucket_cap_bytes: bucket size of all-reduces and broadcasts (0: one call per tensor).
+        symmetric: all-reduce only the upper triangles of square statistics.
+    """
+
+    def __init__(self, process_group, *, bucket_cap_bytes: int, symmetric: bool) -> None:
+        self.process_group = process_group
+        if dist.is_available() and dist.is_initialized():
+            self.world_size = dist.get_world_size(process_group)
+            self.rank = dist.get_rank(process_group)
+        else:
+            self.world_size, self.rank = 1, 0
+        self.bucket_cap_bytes = bucket_cap_bytes
+        self.symmetric = symmetric
+        self.grid: WorkerGrid | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def check_agreement(self, description: str, model: nn.Module) -> None:
+        """Fail on every rank (instead of hanging later) if ranks disagree on ``description``
+        (registration and settings) or on the model's parameters."""
+        if self.world_size == 1:
+            return
+        fingerprint = int(hashlib.sha256(description.encode()).hexdigest()[:13], 16)
+        device = next(iter(model.parameters())).device
+        with torch.no_grad():
+            # Position-weighted, so permuted values do not cancel out.
+            checksum = torch.zeros((), dtype=torch.float64, device=device)
+            for i, p in enumerate(model.parameters()):
+                flat = p.detach().double().reshape(-1)
+                weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=device)
+                checksum += (i + 1) * (flat * weights).sum()
+        local = torch.stack([torch.tensor(float(fingerprint), dtype=torch.float64, device=device), checksum])
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local, group=self.process_group)
+        values = torch.stack(gathered).tolist()
+        if len({v[0] for v in values}) > 1:
+            raise ValueError("ranks registered different layers or use different settings: check "
+                             "skip_layers, method, its options (e.g. factor_update_steps, inv_update_steps, "
+                             "compute_method, seed), grad_worker_fraction, symmetry_aware, "
+                             "allreduce_bucket_cap_mb, colocate_factors and assignment_strategy")
+        checksums = [v[1] for v in values]
+        if any(c != checksums[0] for c in checksums):
+            raise ValueError(f"model parameters differ across ranks (checksums {checksums}); "
+                             "initialise every rank from the same seed or broadcast the model first")
+
+    def create_grid(self, grad_workers: int) -> None:
+        self.grid = WorkerGrid(self.world_size, self.rank, grad_workers, self.process_group)
+
+    # ------------------------------------------------------------------ placement queries
+    def is_grad_worker(self, owner: int) -> bool:
+        return self.grid.is_grad_worker(owner)
+
+    @property
+    def has_receivers(self) -> bool:
+        return self.grid.has_receivers
+
+    # ------------------------------------------------------------------ collectives
+    def reduce_statistics(self, tensors: Sequence[torch.Tensor]) -> collectives.PendingCollective:
+        """Start summing ``tensors`` over the data-parallel group (updated on ``wait()``)."""
+        return collectives.all_reduce(tensors, group=self.process_group, cap_bytes=self.bucket_cap_bytes,
+                                      symmetric=self.symmetric)
+
+    def shares_with(self, owner: int) -> bool:
+        """Whether ``owner`` broadcasts refreshed state to a group this rank is in."""
+        return self.grid.state_group(owner) is not None and self.grid.is_grad_worker(owner)
+
+    def share_refreshed(self, by_owner: dict[int, list[torch.Tensor]]) -> None:
+        """Owners broadcast their refreshed tensors to the gradient workers of their layers.
+        ``by_owner`` holds the tensors of every owner this rank :meth:`shares_with`."""
+        if self.world_size == 1:
+            return
+        pending = [collectives.broadcast(tensors, src=self.grid.global_rank(owner),
+                                         group=self.grid.state_group(owner), cap_bytes=self.bucket_cap_bytes)
+                   for owner, tensors in sorted(by_owner.items())]
+        for handle in pending:
+            handle.wait()
+
+    def share_with_all(self, by_owner: dict[int, list[torch.Tensor]]) -> None:
+        """Owners broadcast tensors to every rank of the group (statistics tensors)."""
+        if self.world_size == 1:
+            return
+        pending = [collectives.broadcast(tensors, src=self.grid.global_rank(owner), group=self.process_group,
+                                         cap_bytes=self.bucket_cap_bytes)
+                   for owner, tensors in sorted(by_owner.items()) if tensors]
+        for handle in pending:
+            handle.wait()
+
+    def receive_gradients(self, by_owner: dict[int, list[torch.Tensor]]) -> None:
+        """Gradient workers send preconditioned gradients along their row; ``by_owner`` holds
+        every layer's output tensors keyed by the layer's owner."""
+        by_source: dict[int, list[torch.Tensor]] = {}
+        for owner, tensors in by_owner.items():
+            by_source.setdefault(self.grid.gradient_source(owner), []).extend(tensors)
+        pending = [collectives.broadcast(tensors, src=self.grid.global_rank(source),
+                                         group=self.grid.row_group, cap_bytes=self.bucket_cap_bytes)
+                   for source, tensors in sorted(by_source.items())]
+        for handle in pending:
+            handle.wait()
+
+    def gather_state(self, owner: int, local_state: dict[str, Any] | None) -> dict[str, Any]:
+        """The state held by ``owner``'s column, on every rank (moved to the CPU so that it
+        unpickles on any device). A collective: every rank calls it for every layer."""
+        payload = [_to_cpu(local_state) if local_state is not None else None]
+        dist.broadcast_object_list(payload, src=self.grid.global_rank(owner), group=self.process_group)
+        return payload[0]
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value

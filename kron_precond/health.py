@@ -1,0 +1,80 @@
+"""Warnings about what the per-step path skipped, read without stalling the device.
+
+* Non-finite gradients: a layer whose gradient holds NaN/Inf is passed through (see
+  :mod:`kron_precond.apply`); the warning names it on that step on the CPU, and as soon as
+  the device has finished that step elsewhere (an event is polled, never waited on).
+* Skipped state updates (non-finite statistics, failed Q updates) and layers registered but
+  never observed: counters on the device, read on refresh steps (one host sync, next to
+  the refresh's own work) or every ``check_every`` steps.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Sequence
+
+import torch
+
+
+class Health:
+    def __init__(self, layers: Sequence, *, captures: bool) -> None:
+        self._layers = list(layers)
+        self._captures = captures
+        self._observed_checked = False
+        self._pending: list[tuple[torch.Tensor, object, list]] = []
+
+    # ------------------------------------------------------------------ gradients
+    def record_gradients(self, finite: torch.Tensor, layers: list) -> None:
+        """``finite[i]``: the gradient of ``layers[i]`` was finite this step."""
+        if finite.device.type == "cpu":
+            self._warn_gradients(finite.tolist(), layers)
+            return
+        host = finite.to("cpu", non_blocking=True)
+        event = torch.cuda.Event() if finite.device.type == "cuda" else None
+        if event is not None:
+            event.record()
+        self._pending.append((host, event, layers))
+
+    def poll(self) -> None:
+        """Report the steps whose flags have reached the host."""
+        while self._pending and (self._pending[0][1] is None or self._pending[0][1].query()):
+            host, _, layers = self._pending.pop(0)
+            self._warn_gradients(host.tolist(), layers)
+
+    def flush(self) -> None:
+        for host, event, layers in self._pending:
+            if event is not None:
+                event.synchronize()
+            self._warn_gradients(host.tolist(), layers)
+        self._pending.clear()
+
+    @staticmethod
+    def _warn_gradients(flags: list, layers: list) -> None:
+        bad = [layer.name for layer, ok in zip(layers, flags) if not ok]
+        if bad:
+            warnings.warn(f"kron_precond: the gradient of {', '.join(bad)} is not finite (NaN/Inf); "
+                          "passed through unpreconditioned and left out of kl_clip's sum",
+                          RuntimeWarning, stacklevel=4)
+
+    # ------------------------------------------------------------------ state updates
+    def report_state(self, statistics_seen: bool) -> None:
+        """Warn about skipped non-finite state updates and, once statistics were gathered,
+        about registered layers whose hooks saw no data (one host sync)."""
+        flags = [layer.method.nonfinite for layer in self._layers]
+        check_observed = self._captures and statistics_seen and not self._observed_checked
+        observed = [layer.method.observed() for layer in self._layers] if check_observed else []
+        if check_observed and any(o is None for o in observed):
+            check_observed, observed = False, []
+        values = torch.stack(flags + [o.to(torch.int64) for o in observed]).tolist()
+        for layer, count in zip(self._layers, values):
+            if count:
+                warnings.warn(f"kron_precond: skipped {count} non-finite update(s) of {layer.name}; "
+                              "its state was left unchanged", RuntimeWarning, stacklevel=3)
+                layer.method.nonfinite.zero_()
+        if check_observed:
+            self._observed_checked = True
+            unseen = [l.name for l, seen in zip(self._layers, values[len(self._layers):]) if not seen]
+            if unseen:
+                warnings.warn(f"kron_precond: layers {unseen} are registered but their hooks saw no data "
+                              "before the first refresh (is the module called functionally?); until "
+                              "they do, their gradients pass through unpreconditioned",
+                              RuntimeWarning, stacklevel=3)

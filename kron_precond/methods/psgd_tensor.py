@@ -1,0 +1,103 @@
+"""Everything PSGD Kron keeps for one tensor, shared by the ``Kron`` optimizer and the PSGD
+layer method: the whitening factors, the fitted gradient average, probe vectors, periodic
+balancing, the cached ``Q_iᵀQ_i`` products and the update-RMS clip.
+
+The math of the factors lives in :mod:`kron_precond.methods.psgd`; this file decides what
+is fitted, with which probe, and when to rebalance.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kron_precond.methods.psgd import PSGDFactors, probe_seed
+
+RMS_CLIP = 1.1  # as kron_torch: a preconditioned update's RMS is capped at 1.1
+BALANCE_EVERY = 100  # rebalance factor scales every this many Q updates (numerical hygiene)
+
+
+def rms_clip_scale(update: torch.Tensor, limit: float = RMS_CLIP) -> torch.Tensor:
+    """``min(1, limit / rms(update))`` as a 0-dim tensor in float32 or better (no host sync)."""
+    rms = torch.linalg.vector_norm(update.float()) / (update.numel() ** 0.5)
+    return (limit / (rms + 1e-12)).clamp(max=1.0)
+
+
+class PSGDTensor:
+    """PSGD state of one tensor.
+
+    Args:
+        shape: the tensor's shape.
+        device: where the state lives.
+        seed, key: probe vectors are drawn from ``probe_seed(seed, *key, step)`` -- the same
+            whichever rank draws them.
+        momentum: keep a running average ``m = b1·m + (1−b1)·g`` of the gradient (the
+            ``Kron`` optimizer's momentum; the layer method's fitted average).
+        b1, momentum_dtype: its decay and dtype.
+        **factor_settings: passed to :class:`PSGDFactors`.
+
+    The tensors (``factors.q``, ``momentum``, ``steps``, ``nonfinite``) may be shared with an
+    optimizer's ``state`` dict: everything here updates them in place.
+    """
+
+    def __init__(self, shape: Sequence[int], *, device: torch.device, seed: int, key: tuple[int, ...],
+                 momentum: bool = False, b1: float = 0.9, momentum_dtype: torch.dtype | None = None,
+                 **factor_settings) -> None:
+        self.factors = PSGDFactors(shape, device=device, **factor_settings)
+        self.device = self.factors.device
+        self.seed = seed
+        self.key = tuple(key)
+        self.b1 = b1
+        self.momentum = (torch.zeros(tuple(shape), dtype=momentum_dtype or torch.float32, device=self.device)
+                         if momentum else None)
+        self.steps = torch.zeros((), dtype=torch.float32, device=self.device)  # finite gradients averaged
+        self._generator: torch.Generator | None = None
+        self._p_cache: list[torch.Tensor | None] | None = None
+
+    # ------------------------------------------------------------------ the fitted average
+    def accumulate(self, grad: torch.Tensor, finite: torch.Tensor) -> None:
+        """Fold a gradient into the running average; a non-finite one leaves it unchanged."""
+        if self.momentum is None:
+            return
+        m = self.momentum
+        g = torch.where(finite, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+        m.lerp_(g.to(m.dtype), finite.to(m.dtype) * (1.0 - self.b1))
+        self.steps.add_(finite.to(self.steps.dtype))
+
+    def debias(self, dtype: torch.dtype) -> torch.Tensor:
+        """``1 − b1^t`` for the ``t`` finite gradients averaged so far (at least tiny)."""
+        return (1.0 - torch.pow(self.b1, self.steps)).clamp_min(1e-30).to(dtype)
+
+    def debiased_momentum(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.momentum.to(dtype) / self.debias(dtype)
+
+    # ------------------------------------------------------------------ Q updates
+    def probe(self, step: int, dtype: torch.dtype) -> torch.Tensor:
+        if self._generator is None:
+            self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(probe_seed(self.seed, *self.key, step))
+        return torch.randn(self.factors.shape, generator=self._generator, dtype=dtype, device=self.device)
+
+    def update_factors(self, fit: torch.Tensor, lr, *, step: int, update_index: int) -> torch.Tensor:
+        """One Q update fitted to ``fit`` with the probe of ``step``; rebalances the factors
+        before every ``BALANCE_EVERY``-th update. Returns the applied flag (0-dim bool)."""
+        if update_index % BALANCE_EVERY == 0:
+            self.factors.balance()
+        applied = self.factors.update(fit, self.probe(step, self.factors.dtype), lr)
+        self.invalidate()
+        return applied
+
+    # ------------------------------------------------------------------ preconditioning
+    def invalidate(self) -> None:
+        """Forget the cached ``Q_iᵀQ_i``: call after anything writes the factors in place."""
+        self._p_cache = None
+
+    def precondition(self, grad: torch.Tensor) -> torch.Tensor:
+        """``P grad``, reusing ``Q_iᵀQ_i`` products between factor changes (they change only
+        on Q updates, so a plain step does no ``n³`` work)."""
+        if self._p_cache is None:
+            self._p_cache = self.factors.preconditioner_products()
+        return self.factors.precondition(grad, products=self._p_cache)
+
+    def cache_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self._p_cache or () if p is not None)

@@ -1,0 +1,26 @@
+"""The preconditioning methods by name. Adding a method is one entry here plus its file."""
+from __future__ import annotations
+
+import enum
+
+from kron_precond.methods.base import MethodSpec
+from kron_precond.methods.kfac import KFACSpec
+from kron_precond.methods.psgd_layer import PSGDSpec
+
+METHODS: dict[str, type[MethodSpec]] = {spec.name: spec for spec in (
+    KFACSpec,
+    PSGDSpec,
+)}
+
+
+def get(method) -> type[MethodSpec]:
+    """The spec registered as ``method`` (a name, case-insensitive, or a ``Method`` member)."""
+    name = method.value if isinstance(method, enum.Enum) else method
+    if isinstance(name, str) and name.lower() in METHODS:
+        return METHODS[name.lower()]
+    choices = ", ".join(repr(n) for n in METHODS)
+    raise ValueError(f"method={method!r} is not one of {choices}")
+
+
+def all_specs() -> list[type[MethodSpec]]:
+    return list(METHODS.values())

@@ -1,0 +1,85 @@
+"""Argument checks shared by the public constructors.
+
+Each check raises ``ValueError`` (or ``TypeError`` for a value of the wrong kind) naming the
+argument and the value, and returns the value normalised to a plain Python number, so that
+numpy scalars and 0-dim tensors are accepted wherever a number is.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+
+
+def as_number(name: str, value: Any) -> float | int:
+    """``value`` as a Python int or float; bools, strings and tensors of >1 element are refused."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            raise ValueError(f"{name} must be a real number, got a tensor of shape {tuple(value.shape)}")
+        value = value.item()
+    elif not isinstance(value, numbers.Real) and hasattr(value, "item"):  # numpy scalar
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
+def check_int(name: str, value: Any, minimum: int = 1) -> int:
+    """An integer ``>= minimum`` (integral floats such as ``2.0`` are refused: say what you mean)."""
+    try:
+        number = as_number(name, value)
+    except ValueError:
+        number = None
+    if not isinstance(number, int) or number < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return number
+
+
+def check_finite(name: str, value: Any) -> float:
+    number = as_number(name, value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(number)
+
+
+def check_positive(name: str, value: Any) -> float:
+    number = check_finite(name, value)
+    if number <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    return number
+
+
+def check_non_negative(name: str, value: Any) -> float:
+    number = check_finite(name, value)
+    if number < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return number
+
+
+def check_unit_interval(name: str, value: Any, *, low_open: bool, high_open: bool) -> float:
+    number = check_finite(name, value)
+    low_ok = number > 0 if low_open else number >= 0
+    high_ok = number < 1 if high_open else number <= 1
+    if not (low_ok and high_ok):
+        interval = ("(" if low_open else "[") + "0, 1" + (")" if high_open else "]")
+        raise ValueError(f"{name} must be in {interval}, got {value!r}")
+    return number
+
+
+def check_float_dtype(name: str, value: Any, *, allow_none: bool = False) -> torch.dtype | None:
+    if value is None and allow_none:
+        return None
+    if not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise ValueError(f"{name} must be a floating torch.dtype{' or None' if allow_none else ''}, "
+                         f"got {value!r}")
+    return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value

@@ -1,0 +1,256 @@
+"""The method-agnostic engine (issue 9): batched apply against the dense reference, the
+checkpoint format's versions, a method plugged in from outside the engine, the non-finite
+layer under kl_clip, and the collectives on strided tensors the batched path produces."""
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from kron_precond import KronPreconditioner
+from kron_precond.methods import registry
+from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected
+from kron_precond.schedules import IntervalSchedule
+from kron_precond import validation
+from kfac_reference import Capture, DenseKFAC, grad_matrix
+from dist_utils import run_workers
+
+F64 = torch.float64
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def deep_mlp(blocks: int = 4, width: int = 6) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = [nn.Linear(5, width), nn.Tanh()]
+    for _ in range(blocks):  # equal shapes: preconditioned together in one batch
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    layers.append(nn.Linear(width, 3))
+    return nn.Sequential(*layers).double()
+
+
+def data(step: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(32, 5, generator=g, dtype=F64), torch.randn(32, 3, generator=g, dtype=F64)
+
+
+@pytest.mark.parametrize("compute_method", ["eigen", "inverse"])
+@pytest.mark.parametrize("outer", [True, False])
+def test_batched_apply_matches_dense_reference(compute_method, outer):
+    model = deep_mlp()
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    precond = KronPreconditioner(model, damping=1e-2, kl_clip=1e-3, lr=0.3, inv_dtype=F64,
+                                 compute_method=compute_method, compute_eigenvalue_outer_product=outer,
+                                 inv_update_steps=2)
+    dense = DenseKFAC(linears, damping=1e-2, compute_method=compute_method, kl_clip=1e-3, lr=0.3,
+                      inv_update_steps=2)
+    for step in range(4):
+        capture = Capture(linears)
+        model.zero_grad()
+        x, y = data(step)
+        ((model(x) - y) ** 2).mean().backward()
+        for name in linears:
+            (a, out), = capture.calls[name]
+            dense.observe(name, [torch.cat([a, a.new_ones(a.shape[0], 1)], 1)], [out.grad * a.shape[0]])
+        capture.handles and [h.remove() for h in capture.handles]
+        expected = dense.precondition({n: grad_matrix(m) for n, m in linears.items()})
+        precond.step()
+        for name, module in linears.items():
+            got = grad_matrix(module)
+            err = (got - expected[name]).norm() / expected[name].norm()
+            assert err < 1e-9, f"step {step} layer {name}: relative error {err:.2e}"
+
+
+def test_batched_layers_share_storage_and_keep_updating():
+    """After batching, the refreshed state lives in one stack; later refreshes must still reach
+    apply (a stale stack would keep using the first decomposition)."""
+    model = deep_mlp()
+    precond = KronPreconditioner(model, damping=1e-2, kl_clip=None, inv_dtype=F64)
+    previous = None
+    for step in range(3):
+        model.zero_grad()
+        x, y = data(step)
+        ((model(x) - y) ** 2).mean().backward()
+        raw = grad_matrix(model[2]).clone()
+        precond.step()
+        layer = precond.layers["2"]
+        a, g = layer.a_factor, layer.g_factor
+        ref = torch.linalg.solve(torch.kron(g, a) + 1e-2 * torch.eye(a.shape[0] * g.shape[0], dtype=F64),
+                                 raw.reshape(-1)).reshape(raw.shape)
+        assert torch.allclose(grad_matrix(model[2]), ref, rtol=1e-9, atol=1e-12), f"step {step}"
+        if previous is not None:
+            assert not torch.allclose(a, previous)
+        previous = a.clone()
+
+
+# ---------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("case", ["kfac", "kfac-inverse", "psgd"])
+def test_version_1_checkpoint_loads_and_continues_like_the_version_that_wrote_it(case):
+    """tests/fixtures/v1_checkpoints.pt was written by kron_precond 0.1.0 (commit d5d680c), with
+    the gradient that version produced one step after saving (make_v1_checkpoints.py)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("make_v1", FIXTURES / "make_v1_checkpoints.py")
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    saved = torch.load(FIXTURES / "v1_checkpoints.pt", weights_only=False)[case]
+    assert "version" not in saved["precond"], "fixture must be of the unversioned format"
+    net = maker.model()
+    net.load_state_dict(saved["model"])
+    precond = KronPreconditioner(net, **maker.CASES[case])
+    precond.load_state_dict(saved["precond"])
+    assert precond.steps == 5
+    x, y = maker.batch(5)
+    ((net(x) - y) ** 2).mean().backward()
+    precond.step()
+    for p, expected in zip(net.parameters(), saved["next_grads"]):
+        err = (p.grad - expected).norm() / expected.norm()
+        assert err < 1e-6, f"{case}: relative error {err:.2e} against version 1's own next step"
+    state = precond.state_dict()
+    assert state["version"] == 2 and state["format"] == "kron_precond"
+
+
+def test_checkpoint_from_a_newer_version_is_refused_and_changes_nothing():
+    model = deep_mlp(1)
+    precond = KronPreconditioner(model)
+    state = precond.state_dict()
+    state["version"] = 99
+    with pytest.raises(ValueError, match="newer"):
+        precond.load_state_dict(state)
+
+
+# ---------------------------------------------------------------------- a method from outside
+class _RMSLayer(LayerMethod):
+    """Divides each gradient by the root of its running mean square, refreshed every 2 steps."""
+
+    def __init__(self, params, device):
+        self.parts = ("all",)
+        self.shapes = [p.shape for _, p in params]
+        self.mean_square = [torch.zeros(s, dtype=F64, device=device) for s in self.shapes]
+        self.frozen = [torch.ones(s, dtype=F64, device=device) for s in self.shapes]
+        self.nonfinite = torch.zeros((), dtype=torch.int64)
+
+    def observe_gradients(self, grads, ctx):
+        for m, g in zip(self.mean_square, grads):
+            m.mul_(0.5).add_(g.square(), alpha=0.5)
+
+    def refresh(self, part, grads, ctx):
+        for f, m in zip(self.frozen, self.mean_square):
+            f.copy_(m.sqrt() + ctx["eps"])
+
+    def refreshed_tensors(self, part=None):
+        return list(self.frozen)
+
+    def release_refreshed(self):
+        pass
+
+    def apply(self, grads, ctx):
+        return [g / f for g, f in zip(grads, self.frozen)]
+
+    def factor_costs(self):
+        return {"all": (1.0, 1.0)}
+
+    def memory_by_kind(self):
+        return {}
+
+    def state_dict(self):
+        return {"frozen": [f.clone() for f in self.frozen]}
+
+    def check_state(self, state):
+        pass
+
+    def load_state_dict(self, state):
+        for f, s in zip(self.frozen, state["frozen"]):
+            f.copy_(s)
+
+
+class _RMSSpec(MethodSpec):
+    name = "test-rms"
+    options = {"eps": Option(1e-3, validation.check_positive, per_step="refresh")}
+
+    def select(self, model, is_skipped, log):
+        return [Selected(n, m, list(m.named_parameters(recurse=False)))
+                for n, m in model.named_modules() if isinstance(m, nn.Linear) and not is_skipped(n, m)]
+
+    def make_layer(self, index, selected):
+        return _RMSLayer(selected.params, selected.params[0][1].device)
+
+    def make_schedule(self):
+        return IntervalSchedule(1, 2, check=validation.check_int)
+
+
+def test_a_method_plugs_in_through_the_registry_alone(monkeypatch):
+    monkeypatch.setitem(registry.METHODS, _RMSSpec.name, _RMSSpec)
+    model = deep_mlp(1)
+    precond = KronPreconditioner(model, method="test-rms", eps=lambda step: 0.1 * (step + 1), skip_layers="^0$")
+    assert sorted(precond.layers) == ["2", "4"]
+    mean_square = {n: [torch.zeros_like(p) for p in model[int(n)].parameters()] for n in ("2", "4")}
+    frozen = {n: [torch.ones_like(p) for p in model[int(n)].parameters()] for n in ("2", "4")}
+    for step in range(4):
+        model.zero_grad()
+        x, y = data(step)
+        ((model(x) - y) ** 2).mean().backward()
+        raw = {n: [p.grad.clone() for p in model[int(n)].parameters()] for n in ("2", "4")}
+        first = model[0].weight.grad.clone()
+        precond.step()
+        for n in ("2", "4"):
+            for i, g in enumerate(raw[n]):
+                mean_square[n][i] = 0.5 * mean_square[n][i] + 0.5 * g.square()
+                if step % 2 == 0:
+                    frozen[n][i] = mean_square[n][i].sqrt() + 0.1 * (step + 1)
+                expected = g / frozen[n][i]
+                torch.testing.assert_close(list(model[int(n)].parameters())[i].grad, expected)
+        assert torch.equal(model[0].weight.grad, first), "a skipped layer must be untouched"
+    with pytest.raises(TypeError, match="damping_typo"):
+        KronPreconditioner(model, method="test-rms", damping_typo=1.0)
+
+
+# ---------------------------------------------------------------------- non-finite layer
+def test_non_finite_layer_neither_poisons_kl_clip_nor_others():
+    model = deep_mlp(2)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    precond = KronPreconditioner(model, damping=1e-2, kl_clip=1e-4, lr=1.0, inv_dtype=F64)
+    dense = DenseKFAC([n for n in linears if n != "2"], damping=1e-2, kl_clip=1e-4, lr=1.0)
+    capture = Capture(linears)
+    x, y = data(0)
+    ((model(x) - y) ** 2).mean().backward()
+    for name in dense.names:
+        (a, out), = capture.calls[name]
+        dense.observe(name, [torch.cat([a, a.new_ones(a.shape[0], 1)], 1)], [out.grad * a.shape[0]])
+    model[2].weight.grad[1, 2] = float("nan")  # after the hooks: statistics are clean
+    bad_raw = grad_matrix(model[2]).clone()
+    expected = dense.precondition({n: grad_matrix(linears[n]) for n in dense.names})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        precond.step()
+    assert any("2" in str(w.message) and "not finite" in str(w.message) for w in caught), \
+        [str(w.message) for w in caught]
+    for name in dense.names:
+        got = grad_matrix(linears[name])
+        assert torch.isfinite(got).all(), f"layer {name} was poisoned"
+        assert torch.allclose(got, expected[name], rtol=1e-9, atol=1e-12), name
+    got = grad_matrix(model[2])
+    finite = torch.isfinite(bad_raw)
+    assert torch.isnan(got[1, 2]) and torch.isfinite(got[finite]).all()
+    ratio = got[finite] / bad_raw[finite]  # passed through, scaled like the others
+    assert torch.allclose(ratio, ratio[0].expand_as(ratio)) and 0 < float(ratio[0]) <= 1
+
+
+# ---------------------------------------------------------------------- collectives
+def _broadcast_strided(rank, world, out_dir):
+    from kron_precond.distributed import collectives
+    received = []
+    for cap in (0, 1 << 20):
+        base = torch.arange(12.0).reshape(3, 4)
+        tensor = base[:, 1] if rank == 0 else torch.zeros(3)  # a strided view, as batched biases are
+        collectives.broadcast([tensor], src=0, group=None, cap_bytes=cap).wait()
+        received.append(tensor.clone())
+    return received
+
+
+def test_broadcast_of_a_strided_tensor_sends_its_values(tmp_path):
+    results = run_workers(_broadcast_strided, 2, tmp_path, timeout=60)
+    for cap, got in zip((0, 1 << 20), results[1]):
+        assert torch.equal(got, torch.tensor([1.0, 5.0, 9.0])), f"cap {cap}: {got}"
