@@ -59,6 +59,9 @@ class Layer:
         self.params = params
         self.method = method_state
         self.adapter = adapter
+        # The parameters' device and dtype when the state was made: when the model is moved
+        # after construction, the state follows (KronPreconditioner._follow_parameters).
+        self.placement = (params[0][1].device, params[0][1].dtype)
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
@@ -94,8 +97,10 @@ class KronPreconditioner:
             at every step, so ``kl_clip`` follows the optimizer and its scheduler.
         accumulation_steps: backward passes per step for methods that capture activations;
             each micro-batch loss is assumed divided by it.
-        grad_scaler: a ``torch.amp.GradScaler`` whose scale is divided out of the output
-            gradients seen by the hooks (mixed precision).
+        grad_scaler: a ``torch.amp.GradScaler``, or a callable returning the current loss
+            scale (float or tensor; kfac-pytorch's ``scaler.get_scale``), whose scale is
+            divided out of the output gradients seen by the hooks (mixed precision).
+            Anything else raises ``TypeError``.
         allreduce_bucket_cap_mb: size of statistic all-reduce buckets (0: one call per tensor).
         assignment_strategy: ``"compute"`` or ``"memory"``: what placing work on ranks balances.
         colocate_factors: keep all of a layer's expensive work on one rank. ``False``
@@ -152,6 +157,7 @@ class KronPreconditioner:
         self.symmetry_aware = bool(symmetry_aware)
         self.colocate_factors = bool(colocate_factors)
         self._grad_scaler = grad_scaler
+        loss_scale = grad_scaler_scale(grad_scaler)  # TypeError for anything else, whatever the method
 
         # ---- distributed context
         self._runtime = Runtime(process_group, bucket_cap_bytes=int(bucket_cap * 2**20),
@@ -196,8 +202,8 @@ class KronPreconditioner:
         self._apply_cache: dict = {}
         self._health = Health(self._layers, captures=self._spec.captures)
         self._capture = (ActivationCapture(self._layers, accumulation_steps=self.accumulation_steps,
-                                           loss_scale=grad_scaler_scale(grad_scaler),
-                                           before_write=self._wait_for_statistics)
+                                           loss_scale=loss_scale, before_write=self._wait_for_statistics,
+                                           before_observe=self._follow_parameters)
                          if self._spec.captures else None)
         self._collecting = False
         self._update_collecting()
@@ -215,6 +221,8 @@ class KronPreconditioner:
         (and ``kl_clip``) must see true gradients.
         """
         with torch.no_grad():
+            for layer in self._layers:
+                self._follow_parameters(layer)
             self._health.poll()
             ctx = self._plan(lr)  # raises before any state changes
             grads = {layer.name: [p.grad for _, p in layer.params] for layer in self._layers}
@@ -320,6 +328,23 @@ class KronPreconditioner:
             self._capture.collecting = self._collecting
 
     # ------------------------------------------------------------------ placement
+    def _follow_parameters(self, layer: Layer) -> None:
+        """Move ``layer``'s state to its parameters if the model was moved since the state
+        was made (``model.to(device / dtype)`` after construction, ``to_empty`` from
+        ``meta``). Compares metadata only: no host sync."""
+        name, param = layer.params[0]
+        current = getattr(layer.module, name, param)
+        if current is not param:  # to_empty() from meta makes new Parameter objects
+            layer.params = [(n, getattr(layer.module, n, p)) for n, p in layer.params]
+            param = current
+        placement = (param.device, param.dtype)
+        if placement == layer.placement:
+            return
+        self._wait_for_statistics()
+        layer.method.to(param.device, param.dtype)
+        layer.placement = placement
+        self._apply_cache.clear()  # batched apply stacked the old tensors
+
     def _layer_owner(self, layer: Layer) -> int:
         return self.assignment.owner(layer.name, layer.method.parts[0])
 

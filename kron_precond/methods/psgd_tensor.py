@@ -54,6 +54,20 @@ class PSGDTensor:
         self._generator: torch.Generator | None = None
         self._p_cache: list[torch.Tensor | None] | None = None
 
+    def to(self, device: torch.device) -> None:
+        """Move everything to ``device`` (values and dtypes kept)."""
+        self.factors.to(device)
+        self.device = self.factors.device
+        if self.momentum is not None:
+            self.momentum = self.momentum.to(self.device)
+        self.steps = self.steps.to(self.device)
+        self._generator = None  # tied to its device; reseeded for every probe anyway
+        self._p_cache = None
+
+    def is_meta(self) -> bool:
+        """Made on the ``meta`` device: it never held values."""
+        return self.device.type == "meta"
+
     # ------------------------------------------------------------------ the fitted average
     def accumulate(self, grad: torch.Tensor, finite: torch.Tensor) -> None:
         """Fold a gradient into the running average; a non-finite one leaves it unchanged."""
