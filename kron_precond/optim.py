@@ -165,6 +165,7 @@ class Kron(torch.optim.Optimizer):
         state["Q"] = tensor.factors.q
         state["q_initialized"] = tensor.factors.initialized
         state["nonfinite_steps"] = torch.zeros((), dtype=torch.int32, device=p.device)
+        state["uses_per_update"] = 1.0  # decides whether Q_iᵀQ_i is formed (saved: bitwise resume)
         return state
 
     def _tensor_of(self, p: torch.Tensor, index: int, group: dict[str, Any], state) -> PSGDTensor:
@@ -175,6 +176,7 @@ class Kron(torch.optim.Optimizer):
             state["Q"] = tensor.factors.q
             tensor.momentum = state["momentum_buffer"]
             tensor.steps = state["step"]
+            tensor.uses_per_update = state.get("uses_per_update", 1.0)
             self._tensors[p] = tensor
         tensor.b1 = group["b1"]  # a scheduler may change it
         return tensor
@@ -197,6 +199,7 @@ class Kron(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        probability = self._decider.current_probability()
         do_update = self._decider()
         if do_update:
             self._q_updates += 1
@@ -223,14 +226,14 @@ class Kron(torch.optim.Optimizer):
                     for i, p, gr, g, fin in work]
 
         for index, p, group, grad, finite in work:
-            self._update_param(index, p, group, grad, finite, do_update)
+            self._update_param(index, p, group, grad, finite, do_update, probability)
 
         if (self._decider.step - 1) % self.nonfinite_warn_interval == 0:
             self._report_nonfinite()
         return loss
 
     def _update_param(self, index: int, p: torch.Tensor, group: dict[str, Any],
-                      grad: torch.Tensor, finite: torch.Tensor, do_update: bool) -> None:
+                      grad: torch.Tensor, finite: torch.Tensor, do_update: bool, probability: float) -> None:
         state = self.state[p]
         if len(state) == 0:
             state = self._init_state(p, index, group)
@@ -251,6 +254,7 @@ class Kron(torch.optim.Optimizer):
                 fit = m.to(pdtype) / bias if group["momentum_into_precond_update"] \
                     else g.to(pdtype)
                 lr_q = finite.to(pdtype) * group["precond_lr"]
+                tensor.uses_per_update = state["uses_per_update"] = 1.0 / max(probability, 1e-3)
                 tensor.update_factors(fit, lr_q, step=self._decider.step, update_index=self._q_updates - 1)
             u = tensor.precondition(m.to(pdtype))
         else:
@@ -332,4 +336,5 @@ class Kron(torch.optim.Optimizer):
             "Q": [q.to(dev, group["precond_dtype"], copy=True) for q in saved["Q"]],
             "q_initialized": bool(saved["q_initialized"]),
             "nonfinite_steps": saved["nonfinite_steps"].to(dev, torch.int32, copy=True),
+            "uses_per_update": float(saved.get("uses_per_update", 1.0)),
         }

@@ -250,7 +250,7 @@ class KronPreconditioner:
         step = self._steps
         statistics = self._collecting
         refresh = self._schedule.refreshes(step)
-        hparams: dict[str, Any] = {}
+        hparams: dict[str, Any] = dict(self._schedule.hparams(step))
         for name, option in self._spec.options.items():
             when = option.per_step
             if when is None:

@@ -175,6 +175,9 @@ class IntervalSchedule:
     def advance(self, step: int) -> None:
         pass
 
+    def hparams(self, step: int) -> dict[str, Any]:
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -195,6 +198,10 @@ class ProbabilitySchedule:
     def refreshes(self, step: int) -> bool:
         """Whether ``step`` refreshes (pure: call :meth:`advance` once the step is committed)."""
         return self.decider.peek()
+
+    def hparams(self, step: int) -> dict[str, Any]:
+        """Values the step's context carries from the schedule: the update probability."""
+        return {"update_probability": self.decider.current_probability()}
 
     def advance(self, step: int) -> None:
         self.decider()

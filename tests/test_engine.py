@@ -254,3 +254,32 @@ def test_broadcast_of_a_strided_tensor_sends_its_values(tmp_path):
     results = run_workers(_broadcast_strided, 2, tmp_path, timeout=60)
     for cap, got in zip((0, 1 << 20), results[1]):
         assert torch.equal(got, torch.tensor([1.0, 5.0, 9.0])), f"cap {cap}: {got}"
+
+
+def test_batched_psgd_apply_matches_explicit_kronecker_product():
+    """Equal-shape layers go through one batched product; each must equal
+    ``(Q_0ᵀQ_0 ⊗ Q_1ᵀQ_1) vec(∇)`` built explicitly (float64), clipped to RMS ≤ 1.1."""
+    model = deep_mlp(3)
+    precond = KronPreconditioner(model, method="psgd", preconditioner_update_probability=0.25,
+                                 precond_dtype=F64, precond_lr=0.5)
+    for step in range(6):
+        model.zero_grad()
+        x, y = data(step)
+        ((model(x) - y) ** 2).mean().backward()
+        raw = {n: [p.grad.clone() for p in m.parameters()] for n, m in model.named_children()
+               if isinstance(m, nn.Linear)}
+        refreshes = step % 4 == 3  # p = 1/4: the counter reaches 1 on every fourth step
+        before = {n: {part: [q.clone() for q in qs] for part, qs in precond.layers[n].q_factors.items()}
+                  for n in raw}
+        precond.step()
+        for name, grads in raw.items():
+            qs = precond.layers[name].q_factors if refreshes else before[name]
+            for (part, factors), g, p in zip(qs.items(), grads, model.get_submodule(name).parameters()):
+                dense = None
+                for q in factors:
+                    qtq = torch.diag(q * q) if q.dim() == 1 else q.T @ q
+                    dense = qtq if dense is None else torch.kron(dense, qtq)
+                expected = (dense @ g.reshape(-1)).reshape(g.shape)
+                rms = expected.square().mean().sqrt()
+                expected = expected * min(1.0, 1.1 / float(rms))
+                assert torch.allclose(p.grad, expected, rtol=1e-9, atol=1e-12), (step, name, part)

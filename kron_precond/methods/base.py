@@ -211,7 +211,8 @@ class MethodSpec(abc.ABC):
     @abc.abstractmethod
     def make_schedule(self):
         """An object with ``collects(step)``, ``refreshes(step)`` (both pure),
-        ``advance(step)``, ``state_dict()`` and ``load_state_dict(state)``."""
+        ``advance(step)``, ``hparams(step)`` (values added to the step's context),
+        ``state_dict()`` and ``load_state_dict(state)``."""
 
     def describe(self) -> dict[str, Any]:
         """Settings shown by the preconditioner's ``repr``."""

@@ -286,11 +286,12 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return ok
 
 
-def _cheaper_to_form_p(n: int, fibres: int, device: torch.device) -> bool:
-    """Whether ``x (QᵀQ)`` beats ``(x Qᵀ) Q`` for ``fibres`` rows (flop estimate)."""
+def _cheaper_to_form_p(n: int, fibres: int, device: torch.device, uses: float = 1.0) -> bool:
+    """Whether forming ``QᵀQ`` once and multiplying ``x (QᵀQ)`` ``uses`` times beats
+    ``(x Qᵀ) Q`` as often, for ``fibres`` rows (flop estimate)."""
     bmin = block_min(device)
-    form = 2 * n ** 3 * _gram_fraction(n, bmin) + 2 * fibres * n * n
-    return form < 4 * fibres * n * n * _dense_fraction(n, bmin)
+    form = 2 * n ** 3 * _gram_fraction(n, bmin) + uses * 2 * fibres * n * n
+    return form < uses * 4 * fibres * n * n * _dense_fraction(n, bmin)
 
 
 # ----------------------------------------------------------------------------- factors
@@ -421,16 +422,19 @@ class PSGDFactors:
             torch.where(ok, q_new, q, out=q)
         return ok
 
-    def preconditioner_products(self) -> list[torch.Tensor | None]:
+    def preconditioner_products(self, uses: float = 1.0) -> list[torch.Tensor | None]:
         """Per factor, what :meth:`precondition` multiplies by: ``Q_iᵀQ_i`` for a triangular
-        factor where forming it is cheaper than two triangular products, ``q_i²`` for a
+        factor where forming it is cheaper than two triangular products over ``uses``
+        applications (the expected number of steps until the factors change), ``q_i²`` for a
         diagonal one, ``None`` otherwise. Valid until the factors change."""
         out: list[torch.Tensor | None] = []
-        for q, form_p in zip(self.q, self._form_p):
+        for q, n, form_p in zip(self.q, self.work_shape, self._form_p):
             if q.dim() == 1:
                 out.append(q * q)
+            elif form_p or (uses > 1 and _cheaper_to_form_p(n, self.numel // max(n, 1), self.device, uses)):
+                out.append(upper_gram(q))
             else:
-                out.append(upper_gram(q) if form_p else None)
+                out.append(None)
         return out
 
     def precondition(self, grad: torch.Tensor,

@@ -8,14 +8,14 @@ and the update-RMS clip of kron_torch.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 
 from kron_precond import validation as check
 from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
 from kron_precond.methods.psgd import PSGDFactors, check_memory_save_mode
-from kron_precond.methods.psgd_tensor import PSGDTensor, rms_clip_scale
+from kron_precond.methods.psgd_tensor import RMS_CLIP, PSGDTensor, rms_clip_scale
 from kron_precond.modules import find_parameter_modules
 from kron_precond.schedules import ProbabilitySchedule, StepContext, check_probability
 
@@ -125,8 +125,10 @@ class PSGDLayer(LayerMethod):
         return [q for p in parts for q in self.factor(p).tensors()]
 
     def finalize_refresh(self, ctx: StepContext) -> None:
+        uses = 1.0 / max(ctx.hparams.get("update_probability", 1.0), 1e-3)
         for state in self._tensors.values():  # factors were rewritten in place (update or broadcast)
             if state is not None:
+                state.uses_per_update = uses
                 state.invalidate()
 
     def release_refreshed(self) -> None:
@@ -144,6 +146,54 @@ class PSGDLayer(LayerMethod):
             update = state.precondition(grad)
             out.append(update * rms_clip_scale(update).to(update.dtype))
         return out
+
+    def batch_key(self) -> Hashable | None:
+        """Layers whose parameters have equal shapes and factor structures, all initialised and
+        with every product formed, of rank at most 2, are preconditioned together."""
+        key = [type(self)]
+        for part in self.parts:
+            state = self.tensor(part)
+            factors = state.factors
+            if not factors.initialized or len(factors.work_shape) > 2 or \
+                    any(p is None for p in state.products()):
+                return None
+            key.append((self.shapes[part], factors.work_shape, tuple(factors.diagonal), factors.dtype))
+        return tuple(key)
+
+    @classmethod
+    def apply_batch(cls, layers: Sequence["PSGDLayer"], grads: Sequence[list[torch.Tensor]],
+                    ctx: StepContext | None, cache: dict, keep: torch.Tensor) -> list[list[torch.Tensor]]:
+        """``P g`` for every parameter of every layer with one batched product per factor:
+        ``P_0 G P_1`` on stacks of equal-shape gradients, the RMS clip per tensor."""
+        if len(layers) == 1:
+            return super().apply_batch(layers, grads, ctx, cache, keep)
+        states = [[layer.tensor(part) for part in layer.parts] for layer in layers]
+        versions = tuple(t.version for row in states for t in row)
+        if cache.get("versions") != versions:  # factors changed since the stacks were built
+            cache["versions"] = versions
+            cache["products"] = [[torch.stack([row[j].products()[i] for row in states])
+                                  for i in range(len(states[0][j].factors.q))]
+                                 for j in range(len(states[0]))]
+        count = len(layers)
+        columns = []
+        for j, products in enumerate(cache["products"]):
+            factors = states[0][j].factors
+            raw = torch.stack([g[j] for g in grads])
+            x = raw.reshape(count, *factors.work_shape).to(factors.dtype)
+            if x.dim() == 2:  # one dim: [L, n]
+                p = products[0]
+                x = x * p if p.dim() == 2 else torch.matmul(x.unsqueeze(1), p).squeeze(1)
+            else:  # [L, m, n]: P_0 X P_1, each side diagonal or a matrix
+                p0, p1 = products
+                x = p0.unsqueeze(2) * x if p0.dim() == 2 else torch.matmul(p0.transpose(1, 2), x)
+                x = x * p1.unsqueeze(1) if p1.dim() == 2 else torch.matmul(x, p1)
+            x = x.reshape(raw.shape).to(raw.dtype)
+            rms = torch.linalg.vector_norm(x.float().reshape(count, -1), dim=1) / (x[0].numel() ** 0.5)
+            scale = (RMS_CLIP / (rms + 1e-12)).clamp(max=1.0).to(x.dtype)
+            shape = (count,) + (1,) * (x.dim() - 1)
+            x = torch.where(keep.reshape(shape), x * scale.reshape(shape), raw)
+            columns.append(x.unbind(0))
+        return [list(row) for row in zip(*columns)]
 
     # ------------------------------------------------------------------ estimates
     def factor_costs(self) -> dict[str, tuple[float, float]]:
@@ -172,6 +222,8 @@ class PSGDLayer(LayerMethod):
             {k: v.momentum.clone() for k, v in self._averages.items()},
             "momentum_steps": None if self._averages is None else
             {k: v.steps.clone() for k, v in self._averages.items()},
+            # decides whether Q_iᵀQ_i is formed: saved so that a resumed run is bitwise the same
+            "uses_per_update": {part: self.tensor(part).uses_per_update for part in self.parts},
         }
 
     def check_state(self, state: dict[str, Any]) -> None:
@@ -188,8 +240,10 @@ class PSGDLayer(LayerMethod):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
+        uses = state.get("uses_per_update", {})
         for part in self.parts:
             self.factor(part).load_state_dict(state["factors"][part])
+            self.tensor(part).uses_per_update = float(uses.get(part, 1.0))
             self.tensor(part).invalidate()
         if self._averages is not None and state.get("momentum") is not None:
             steps = state.get("momentum_steps", 0)

@@ -53,6 +53,10 @@ class PSGDTensor:
         self.steps = torch.zeros((), dtype=torch.float32, device=self.device)  # finite gradients averaged
         self._generator: torch.Generator | None = None
         self._p_cache: list[torch.Tensor | None] | None = None
+        self.version = 0  # bumped whenever the factors change (batched apply re-stacks then)
+        #: expected applications per factor change (1 / update probability): decides whether
+        #: forming ``Q_iᵀQ_i`` pays off
+        self.uses_per_update = 1.0
 
     def to(self, device: torch.device) -> None:
         """Move everything to ``device`` (values and dtypes kept)."""
@@ -105,13 +109,18 @@ class PSGDTensor:
     def invalidate(self) -> None:
         """Forget the cached ``Q_iᵀQ_i``: call after anything writes the factors in place."""
         self._p_cache = None
+        self.version += 1
+
+    def products(self) -> list[torch.Tensor | None]:
+        """``Q_iᵀQ_i`` (or ``q_i²``) per factor, cached until the factors change."""
+        if self._p_cache is None:
+            self._p_cache = self.factors.preconditioner_products(self.uses_per_update)
+        return self._p_cache
 
     def precondition(self, grad: torch.Tensor) -> torch.Tensor:
         """``P grad``, reusing ``Q_iᵀQ_i`` products between factor changes (they change only
         on Q updates, so a plain step does no ``n³`` work)."""
-        if self._p_cache is None:
-            self._p_cache = self.factors.preconditioner_products()
-        return self.factors.precondition(grad, products=self._p_cache)
+        return self.factors.precondition(grad, products=self.products())
 
     def cache_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self._p_cache or () if p is not None)
