@@ -66,7 +66,7 @@ class PSGDTensor:
             self.momentum = self.momentum.to(self.device)
         self.steps = self.steps.to(self.device)
         self._generator = None  # tied to its device; reseeded for every probe anyway
-        self._p_cache = None
+        self.invalidate()  # cached products and batched-apply stacks are on the old device
 
     def is_meta(self) -> bool:
         """Made on the ``meta`` device: it never held values."""
