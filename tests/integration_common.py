@@ -4,7 +4,8 @@ What every framework test checks, with references independent of kron_precond:
 
 * it trains: the final loss of K-FAC + AdamW and PSGD + AdamW is below AdamW's, or within
   ``NOISE`` of it, from the same initial weights on the same batches;
-* the preconditioner saw every micro-batch exactly once: the test's own hooks record the
+* the preconditioner saw every micro-batch exactly once: its row counts for A and G are
+  ``accumulation_steps × batch × rows per sample`` on every step, and the test's own hooks record the
   input rows and output-gradient rows of one layer in every training forward/backward;
   grouped ``accumulation_steps`` micro-batches per optimizer step, they must give that
   layer's K-FAC factors after every step (``A = mean ã ãᵀ``,
@@ -90,26 +91,39 @@ class RowRecorder:
 
 
 class FactorLog:
-    """The preconditioner's factors of one layer after every optimizer step (a step post-hook)."""
+    """One layer's K-FAC row counts as the preconditioner's ``step()`` starts (the statistics
+    of the step's micro-batches, not yet folded; after a closure passed to the optimizer
+    has run) and its factors after every optimizer step."""
 
     def __init__(self, optimizer: PreconditionedOptimizer, layer_name: str) -> None:
+        self.rows: list[list[int]] = []
         self.a: list[torch.Tensor] = []
         self.g: list[torch.Tensor] = []
-        layer = optimizer.preconditioner.layers[layer_name]
+        precond = optimizer.preconditioner
+        layer = precond.layers[layer_name]
+        step = precond.step
+
+        def counting_step(*args, **kwargs):  # [rows seen by A, rows seen by G] this step
+            self.rows.append([int(n) for n in layer.method.shared_statistics()[-1].tolist()])
+            return step(*args, **kwargs)
 
         def record(*_):
             self.a.append(layer.a_factor.detach().double().clone())
             self.g.append(layer.g_factor.detach().double().clone())
 
+        precond.step = counting_step  # this instance only
         optimizer.register_step_post_hook(record)
 
 
-def check_factors_saw_every_micro_batch_once(recorder: RowRecorder, log: FactorLog,
-                                             accumulation_steps: int, has_bias: bool = True) -> None:
-    """Recompute the running-average factors from the recorded rows, ``accumulation_steps``
-    micro-batches per step, and compare with what the preconditioner holds after each step."""
+def check_factors_saw_every_micro_batch_once(recorder: RowRecorder, log: FactorLog, accumulation_steps: int,
+                                             rows_per_step: int, has_bias: bool = True) -> None:
+    """The preconditioner counted ``rows_per_step`` rows (``accumulation_steps`` micro-batches)
+    for A and G on every step, and its running-average factors equal the ones recomputed from
+    the recorded rows, ``accumulation_steps`` micro-batches per step."""
     steps = len(log.a)
     assert steps > 0
+    assert log.rows == [[rows_per_step, rows_per_step]] * steps, (
+        f"rows counted per step {log.rows}; expected {rows_per_step} for A and G on each of {steps} steps")
     assert len(recorder.inputs) == len(recorder.grads) == steps * accumulation_steps, (
         f"{len(recorder.inputs)} forwards / {len(recorder.grads)} backwards for {steps} optimizer steps "
         f"of {accumulation_steps} micro-batches")

@@ -72,7 +72,7 @@ def test_accelerate_trains_and_sees_every_micro_batch_once():
         if method != "adamw":
             assert optimizer.optimizer.preconditioner.steps == STEPS  # AcceleratedOptimizer -> ours
         if method == "kfac":
-            check_factors_saw_every_micro_batch_once(recorder, log, K)
+            check_factors_saw_every_micro_batch_once(recorder, log, K, rows_per_step=K * BATCH)
     print(f"accelerate final losses (initial {initial:.3f}):", losses)
     assert_trains_like_adamw(losses, initial)
 

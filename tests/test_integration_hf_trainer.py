@@ -96,7 +96,7 @@ def test_hf_trainer_trains_and_sees_every_micro_batch_once(tmp_path):
         if method != "adamw":
             assert optimizer.preconditioner.steps == STEPS
         if method == "kfac":
-            check_factors_saw_every_micro_batch_once(recorder, log, K)
+            check_factors_saw_every_micro_batch_once(recorder, log, K, rows_per_step=K * BATCH * SEQ)
     print(f"HF Trainer final losses (initial {initial:.3f}):", losses)
     assert_trains_like_adamw(losses, initial)
 

@@ -89,7 +89,8 @@ def test_lightning_trains_and_sees_every_micro_batch_once(tmp_path):
         losses[method] = classification_loss(module.net, x, y)
         assert module.trainer.global_step == EPOCHS * STEPS_PER_EPOCH
         if method == "kfac":
-            check_factors_saw_every_micro_batch_once(module.recorder, module.log_factors, K)
+            check_factors_saw_every_micro_batch_once(module.recorder, module.log_factors, K,
+                                                     rows_per_step=K * BATCH)
     print(f"lightning final losses (initial {initial:.3f}):", losses)
     assert_trains_like_adamw(losses, initial)
 
