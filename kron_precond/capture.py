@@ -6,8 +6,10 @@ during backward. A tensor hook (rather than a module full-backward hook) keeps w
 an in-place activation follows the module. Hooks do nothing in ``eval()`` mode, under
 ``no_grad``, or on steps whose statistics are not gathered.
 
-Output gradients are rescaled so that, for a loss averaged over the batch, the factors do
-not depend on the batch size: ``δ = grad · batch · accumulation_steps`` (DESIGN.md §2).
+Output gradients are rescaled so that, for the usual mean losses, the factors depend on
+neither the batch size nor the sequence length: ``δ = grad · n · accumulation_steps`` with
+``n`` the rows of the call for Linear-like modules (per-token means) and the batch size for
+convolutions (per-sample means); see ``KFACAdapter.gradient_scale`` and docs/API.md.
 
 Under ``torch.compile(model)`` the observation runs outside the compiled graph
 (``torch.compiler.disable``): inductor cannot compile a graph that writes our statistics
@@ -63,10 +65,8 @@ class ActivationCapture:
                 # whatever the method returns comes back with this call's output gradient
                 call = layer.method.observe_activations(layer.adapter.activation_rows(candidates[0].detach()))
             if isinstance(output, torch.Tensor) and output.requires_grad:
-                spatial = len(getattr(module, "kernel_size", ())) or 0
-                batch = output.shape[0] if output.dim() > max(spatial + 1, 1) else 1
-                scale = float(batch * self.accumulation_steps)
-                output.register_hook(lambda grad: self._observe_output_grad(layer, grad, scale, call))
+                scale = float(_gradient_scale(layer.adapter, module, output) * self.accumulation_steps)
+                on_output_grad(output, lambda grad: self._observe_output_grad(layer, grad, scale, call))
 
         def hook(module: nn.Module, inputs, kwargs, output):
             if self.collecting and module.training and torch.is_grad_enabled():
@@ -79,7 +79,8 @@ class ActivationCapture:
             rows = layer.adapter.output_grad_rows(grad.detach())
             loss_scale = self._loss_scale()
             if loss_scale is not None:
-                rows = rows.to(layer.method.factor_dtype) / loss_scale
+                dtype = getattr(layer.method, "statistics_dtype", layer.method.factor_dtype)
+                rows = rows.to(dtype) / loss_scale
             if call is None:
                 layer.method.observe_output_grads(rows, scale)
             else:
@@ -89,6 +90,34 @@ class ActivationCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _gradient_scale(adapter, module: nn.Module, output: torch.Tensor) -> int:
+    """The adapter's normalisation of output gradients (the batch size for adapters that
+    do not define one)."""
+    if hasattr(adapter, "gradient_scale"):
+        return adapter.gradient_scale(output)
+    spatial = len(getattr(module, "kernel_size", ())) or 0
+    return output.shape[0] if output.dim() > max(spatial + 1, 1) else 1
+
+
+def on_output_grad(output: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+    """Call ``hook`` with the gradient of ``output`` -- as it was when the module returned it.
+
+    A hook on ``output`` itself is lost when ``output`` is a view (Linear on a >2-D input,
+    GPT-2 ``Conv1D``) that is then modified in place: autograd rebases the view and its
+    hooks never fire (the layer would silently never be preconditioned). The view's base
+    keeps its hooks through such changes and its gradient is taken before them, so the
+    hook goes on the base (when contiguous, the view's strides index its gradient
+    directly) and reads the view's elements out of it.
+    """
+    base = output._base
+    if base is None or not base.requires_grad or not base.is_contiguous():
+        output.register_hook(hook)
+        return
+    size, stride = output.size(), output.stride()
+    offset = output.storage_offset() - base.storage_offset()
+    base.register_hook(lambda grad: hook(grad.contiguous().as_strided(size, stride, offset)))
 
 
 def grad_scaler_scale(grad_scaler) -> Callable[[], float | torch.Tensor | None]:

@@ -3,9 +3,10 @@
 * Non-finite gradients: a layer whose gradient holds NaN/Inf is passed through (see
   :mod:`kron_precond.apply`); the warning names it on that step on the CPU, and as soon as
   the device has finished that step elsewhere (an event is polled, never waited on).
-* Skipped state updates (non-finite statistics, failed Q updates) and layers registered but
-  never observed: counters on the device, read on refresh steps (one host sync, next to
-  the refresh's own work) or every ``check_every`` steps.
+* Skipped state updates (non-finite statistics, failed Q updates), layers registered but
+  never observed, and layers that had statistics and then stopped getting them: counters
+  on the device, read on refresh steps (one host sync, next to the refresh's own work) or
+  every ``check_every`` steps.
 """
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ from typing import Sequence
 
 import torch
 
+STALE_STATISTICS_STEPS = 3  # statistics steps in a row without rows before a layer is reported
+
 
 class Health:
     def __init__(self, layers: Sequence, *, captures: bool) -> None:
         self._layers = list(layers)
         self._captures = captures
         self._observed_checked = False
+        self._stale: set[str] = set()  # layers reported as no longer receiving statistics
         self._pending: list[tuple[torch.Tensor, object, list]] = []
 
     # ------------------------------------------------------------------ gradients
@@ -64,7 +68,14 @@ class Health:
         observed = [layer.method.observed() for layer in self._layers] if check_observed else []
         if check_observed and any(o is None for o in observed):
             check_observed, observed = False, []
-        values = torch.stack(flags + [o.to(torch.int64) for o in observed]).tolist()
+        watched = [layer for layer in self._layers if hasattr(layer.method, "statistics_health")] \
+            if self._captures and statistics_seen else []
+        health = [layer.method.statistics_health() for layer in watched]
+        every = [f.reshape(-1) for f in flags + [o.to(torch.int64) for o in observed] + health]
+        values = torch.cat(every).tolist()  # one host sync for every check
+        if watched:
+            tail = values[len(values) - 4 * len(watched):]
+            self._report_stale(watched, [tail[4 * i:4 * i + 4] for i in range(len(watched))])
         for layer, count in zip(self._layers, values):
             if count:
                 warnings.warn(f"kron_precond: skipped {count} non-finite update(s) of {layer.name}; "
@@ -72,9 +83,33 @@ class Health:
                 layer.method.nonfinite.zero_()
         if check_observed:
             self._observed_checked = True
-            unseen = [l.name for l, seen in zip(self._layers, values[len(self._layers):]) if not seen]
+            n = len(self._layers)
+            unseen = [l.name for l, seen in zip(self._layers, values[n:2 * n]) if not seen]
             if unseen:
                 warnings.warn(f"kron_precond: layers {unseen} are registered but their hooks saw no data "
                               "before the first refresh (is the module called functionally?); until "
                               "they do, their gradients pass through unpreconditioned",
                               RuntimeWarning, stacklevel=3)
+
+    def _report_stale(self, layers: list, flags: list[list[int]]) -> None:
+        """Warn (once, until it recovers) about a layer that had statistics and then got
+        none for ``STALE_STATISTICS_STEPS`` statistics steps in a row -- a module no longer
+        called, or whose output-gradient hook was lost: its factors silently go stale.
+        (Shorter gaps -- a layer skipped now and then -- are normal and not reported.)"""
+        for layer, (had_a, had_g, missed_a, missed_g) in zip(layers, flags):
+            if not (missed_a or missed_g):
+                self._stale.discard(layer.name)
+                continue
+            if not (had_a or had_g) or layer.name in self._stale \
+                    or max(missed_a, missed_g) < STALE_STATISTICS_STEPS:
+                continue  # never observed at all: the first-refresh check reports it
+            self._stale.add(layer.name)
+            if not missed_a:
+                what = "activations but no output gradients (is its output detached or unused?)"
+            elif not missed_g:
+                what = "output gradients but no activations"
+            else:
+                what = "no statistics (is the module still called, in training mode?)"
+            warnings.warn(f"kron_precond: layer '{layer.name}' received {what} in the last "
+                          f"{max(missed_a, missed_g)} statistics steps, after having had statistics; "
+                          "its preconditioner is no longer updated", RuntimeWarning, stacklevel=4)

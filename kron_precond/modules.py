@@ -33,6 +33,17 @@ class KFACAdapter:
     def output_grad_rows(self, g: torch.Tensor) -> torch.Tensor:
         return g.reshape(-1, g.shape[-1])
 
+    def gradient_scale(self, output: torch.Tensor) -> int:
+        """Factor by which output gradients are multiplied before ``G = mean(δδᵀ)``: the
+        number of rows of the call, ``N = output.numel() / out_features``.
+
+        For the usual mean loss over every row (per-sample for ``[B, D]`` inputs,
+        per-token for ``[B, T, D]`` or ``[T, B, D]``) each row's gradient carries a factor
+        ``1/N``; undoing it makes G -- and so the meaning of one damping value --
+        independent of the batch size and of the sequence length.
+        """
+        return max(1, output.numel() // max(1, output.shape[-1])) if output.dim() else 1
+
 
 class TransposedLinearAdapter(KFACAdapter):
     """GPT-2 style ``Conv1D`` (Hugging Face, and look-alikes): ``y = x @ W + b``, W ``[in, out]``."""
@@ -66,6 +77,13 @@ class ConvAdapter(KFACAdapter):
         kernel_dims = list(range(2 + spatial, 2 + 2 * spatial))
         x = x.permute(0, *out_dims, 1, *kernel_dims)
         return x.reshape(-1, channels * conv.weight.shape[2:].numel())
+
+    def gradient_scale(self, output: torch.Tensor) -> int:
+        """The batch size: a convolution's loss is usually a mean over samples (each
+        sample's output positions are summed, not averaged), so each position's gradient
+        carries ``1/B``; undoing it makes G independent of the batch size."""
+        spatial = len(self.module.kernel_size)
+        return output.shape[0] if output.dim() > spatial + 1 else 1
 
     def output_grad_rows(self, g: torch.Tensor) -> torch.Tensor:
         spatial = len(self.module.kernel_size)

@@ -23,51 +23,59 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .methods.psgd import check_memory_save_mode
+from . import validation
+from .methods import state_checks as checks
+from .methods.psgd import PSGDFactors, check_memory_save_mode
 from .methods.psgd_tensor import RMS_CLIP, PSGDTensor
 from .schedules import UpdateDecider, check_probability
 
 
-def _check_positive(name: str, value: Any, *, allow_none: bool = False) -> None:
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _check_positive(name: str, value: Any, *, allow_none: bool = False,
+                    maximum: float | None = None, what: str = "") -> float | None:
+    """``value`` as a positive finite Python float (or ``None`` when allowed)."""
     if value is None and allow_none:
-        return
-    try:
-        ok = math.isfinite(float(value)) and float(value) > 0
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ValueError(f"Invalid {name}: {value!r}; expected a positive finite number"
-                         + (" or None" if allow_none else ""))
+        return None
+    number = validation.check_positive(name, value)
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{name} must be at most {maximum:.3g}{what}, got {value!r}")
+    return number
 
 
-def _check_group(group: dict[str, Any], global_clipnorm: float | None) -> None:
-    """Validate one parameter group's hyperparameters (``ValueError`` naming the argument)."""
-    _check_positive("lr", group["lr"])
-    _check_positive("precond_lr", group["precond_lr"])
-    _check_positive("precond_init_scale", group["precond_init_scale"], allow_none=True)
-    _check_positive("clipnorm", group["clipnorm"], allow_none=True)
-    _check_positive("clipvalue", group["clipvalue"], allow_none=True)
-    wd = group["weight_decay"]
-    if not (isinstance(wd, (int, float)) and math.isfinite(wd) and wd >= 0):
-        raise ValueError(f"Invalid weight_decay: {wd!r}; expected a finite float >= 0")
-    b1 = group["b1"]
-    if not (isinstance(b1, (int, float)) and 0.0 <= b1 < 1.0):
-        raise ValueError(f"Invalid b1: {b1!r}; expected a float in [0, 1)")
-    check_memory_save_mode(group["memory_save_mode"])
-    for name in ("max_size_triangular", "min_ndim_triangular"):
-        if not (isinstance(group[name], int) and group[name] >= 0):
-            raise ValueError(f"Invalid {name}: {group[name]!r}; expected an int >= 0")
+def _check_group(group: dict[str, Any], global_clipnorm: float | None) -> dict[str, Any]:
+    """Validate one parameter group's hyperparameters (``ValueError`` naming the argument);
+    return the numeric ones as plain Python numbers."""
+    out: dict[str, Any] = {}
     for name in ("mu_dtype", "precond_dtype"):
         dtype = group[name]
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point) and not (
                 name == "mu_dtype" and dtype is None):
             raise ValueError(f"Invalid {name}: {dtype!r}; expected a floating torch.dtype")
+    out["lr"] = _check_positive("lr", group["lr"])
+    out["precond_lr"] = _check_positive("precond_lr", group["precond_lr"])
+    # P = s²·I must be representable in the factors' dtype.
+    scale_max = math.sqrt(torch.finfo(group["precond_dtype"]).max)
+    out["precond_init_scale"] = _check_positive(
+        "precond_init_scale", group["precond_init_scale"], allow_none=True, maximum=scale_max,
+        what=f" (its square, the initial preconditioner, must be finite in {group['precond_dtype']})")
+    # Norms are taken in float32: larger clip values overflow there and zero the update.
+    for name in ("clipnorm", "clipvalue"):
+        out[name] = _check_positive(name, group[name], allow_none=True, maximum=_FLOAT32_MAX,
+                                    what=" (clipping is computed in float32)")
+    out["weight_decay"] = validation.check_non_negative("weight_decay", group["weight_decay"])
+    out["b1"] = validation.check_unit_interval("b1", group["b1"], low_open=False, high_open=True)
+    check_memory_save_mode(group["memory_save_mode"])
+    for name in ("max_size_triangular", "min_ndim_triangular"):
+        out[name] = validation.check_int(name, group[name], minimum=0)
     clips = [n for n in ("clipnorm", "clipvalue") if group[n] is not None]
     if global_clipnorm is not None:
         clips.append("global_clipnorm")
     if len(clips) > 1:
         raise ValueError(f"Only one of clipnorm, clipvalue and global_clipnorm may be set; "
                          f"got {clips}")
+    return out
 
 
 class Kron(torch.optim.Optimizer):
@@ -112,10 +120,11 @@ class Kron(torch.optim.Optimizer):
                  global_clipnorm: float | None = None, merge_dims: bool = False, seed: int = 0):
         if not callable(preconditioner_update_probability) and (
                 preconditioner_update_probability is not None):
-            check_probability(preconditioner_update_probability)
-        _check_positive("global_clipnorm", global_clipnorm, allow_none=True)
-        self.global_clipnorm = global_clipnorm
-        self.seed = int(seed)
+            preconditioner_update_probability = check_probability(validation.check_finite(
+                "preconditioner_update_probability", preconditioner_update_probability))
+        self.global_clipnorm = _check_positive("global_clipnorm", global_clipnorm, allow_none=True,
+                                               maximum=_FLOAT32_MAX, what=" (clipping is computed in float32)")
+        self.seed = validation.check_int("seed", seed, minimum=-(2**63))
         self._decider = UpdateDecider(preconditioner_update_probability)
         self._q_updates = 0
         self._reported: dict[int, int] = {}
@@ -128,11 +137,16 @@ class Kron(torch.optim.Optimizer):
                         precond_lr=precond_lr, precond_init_scale=precond_init_scale,
                         mu_dtype=mu_dtype, precond_dtype=precond_dtype, clipnorm=clipnorm,
                         clipvalue=clipvalue, merge_dims=merge_dims)
+        defaults.update(_check_group(defaults, self.global_clipnorm))
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (validated like the constructor's arguments)."""
-        _check_group({**self.defaults, **param_group}, self.global_clipnorm)
+        numbers = _check_group({**self.defaults, **param_group}, self.global_clipnorm)
+        param_group = dict(param_group)
+        for name, value in numbers.items():
+            if name in param_group:
+                param_group[name] = value
         super().add_param_group(param_group)
 
     @property
@@ -309,26 +323,67 @@ class Kron(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a :meth:`state_dict`; keeps the saved dtypes of momentum and factors (torch's
-        default would cast them to the parameter dtype)."""
+        default would cast them to the parameter dtype).
+
+        All or nothing: every entry is checked (and converted) before anything changes, so
+        a checkpoint that does not fit raises ``ValueError`` and leaves the optimizer as it
+        was.
+        """
         state_dict = dict(state_dict)
         extra = state_dict.pop("kron", None)
         saved_state = state_dict.get("state", {})
+        saved_groups = state_dict.get("param_groups")
+        if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups):
+            raise ValueError("Kron.load_state_dict: the saved param_groups do not match this "
+                             "optimizer's groups")
+        new_states: dict[torch.Tensor, dict[str, Any]] = {}
+        for index, (saved_group, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if not isinstance(saved_group, dict) or len(saved_group.get("params", ())) != len(group["params"]):
+                raise ValueError(f"Kron.load_state_dict: param group {index} has a different "
+                                 "number of parameters than this optimizer's")
+            settings = {**group, **{k: v for k, v in saved_group.items() if k != "params"}}
+            _check_group(settings, self.global_clipnorm)
+            for key, p in zip(saved_group["params"], group["params"]):
+                if key in saved_state:
+                    new_states[p] = self._load_param_state(saved_state[key], p, settings, f"state[{key!r}]")
+        decider = None
+        if extra is not None:
+            try:
+                decider = UpdateDecider(0.0)
+                decider.load_state_dict(extra["decider"])
+                q_updates = validation.check_int("q_updates", extra["q_updates"], minimum=0)
+            except (KeyError, TypeError, ValueError) as err:
+                raise ValueError(f"Kron.load_state_dict: bad 'kron' entry ({err!r})") from None
+        # Nothing below can fail on a checked state: torch's own loader validates before
+        # it assigns.
         state_dict["state"] = {}
         super().load_state_dict(state_dict)
         self._tensors.clear()
         self._reported.clear()
-        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
-            for key, p in zip(saved_group["params"], group["params"]):
-                if key in saved_state:
-                    self.state[p] = self._load_param_state(saved_state[key], p, group)
-        if extra is not None:
-            self._decider.load_state_dict(extra["decider"])
-            self._q_updates = int(extra["q_updates"])
+        for p, state in new_states.items():
+            self.state[p] = state
+        if decider is not None:
+            self._decider.load_state_dict(decider.state_dict())
+            self._q_updates = q_updates
 
     @staticmethod
-    def _load_param_state(saved: dict[str, Any], p: torch.Tensor,
-                          group: dict[str, Any]) -> dict[str, Any]:
+    def _load_param_state(saved: dict[str, Any], p: torch.Tensor, group: dict[str, Any],
+                          where: str) -> dict[str, Any]:
+        """The per-parameter state to install, checked and on ``p``'s device."""
         dev = p.device
+        for key in ("step", "momentum_buffer", "Q", "q_initialized", "nonfinite_steps"):
+            checks.entry(saved, key, f"Kron.load_state_dict: {where}")
+        where = f"Kron.load_state_dict: {where}"
+        expected = [tuple(q.shape) for q in PSGDFactors(
+            p.shape, max_size_triangular=group["max_size_triangular"],
+            min_ndim_triangular=group["min_ndim_triangular"], memory_save_mode=group["memory_save_mode"],
+            dtype=group["precond_dtype"], device="meta", merge_dims=group["merge_dims"]).q]
+        checks.tensor_list(saved["Q"], expected, f"{where}: Q")
+        checks.float_tensor(saved["momentum_buffer"], p.shape, f"{where}: momentum_buffer")
+        for key in ("step", "nonfinite_steps"):
+            if not isinstance(saved[key], torch.Tensor) or saved[key].numel() != 1:
+                raise ValueError(f"{where}: {key} must be a 1-element tensor, got {saved[key]!r}")
+        checks.boolean(saved["q_initialized"], f"{where}: q_initialized")
         return {
             "step": saved["step"].to(dev, torch.float32, copy=True),
             "momentum_buffer": saved["momentum_buffer"].to(

@@ -16,8 +16,10 @@ registration, never of data.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
+import types
 import warnings
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
@@ -148,8 +150,8 @@ class KronPreconditioner:
             kl_clip = spec_class.default_kl_clip
         if kl_clip is not None and not callable(kl_clip):
             kl_clip = validation.check_positive("kl_clip", kl_clip)
-        if lr is not None and not callable(lr):
-            lr = validation.check_positive("lr", lr)
+        if lr is not None and not callable(lr):  # 0 is meaningful: a warm-up from 0 (scale 1)
+            lr = validation.check_non_negative("lr", lr)
         self._kl_clip, self._lr = kl_clip, lr
         self.accumulation_steps = validation.check_int("accumulation_steps", accumulation_steps)
         bucket_cap = validation.check_non_negative("allreduce_bucket_cap_mb", allreduce_bucket_cap_mb)
@@ -267,7 +269,7 @@ class KronPreconditioner:
     def _kl_clip_lr(self, step: int, step_lr):
         """kl_clip's lr: the constructor's, else the one given to step(), else 0.1 (warned once)."""
         if self._lr is not None:
-            return validation.check_positive("lr", resolve(self._lr, step))
+            return validation.check_non_negative("lr", resolve(self._lr, step))
         if step_lr is not None:
             # An optimizer's lr, which warm-up schedules start at 0: then ν = 1 (no clip).
             if isinstance(step_lr, torch.Tensor):  # a tensor lr (capturable optimizers): no host sync
@@ -353,9 +355,10 @@ class KronPreconditioner:
 
     def _agreement_description(self) -> str:
         """Everything that decides which collectives run when, as text ranks compare."""
-        collective = {name: _describe_value(self._spec.settings[name])
+        collective = {name: _describe_schedule(self._spec.settings[name])
                       for name, option in self._spec.options.items() if option.collective}
-        layers = ";".join(f"{l.name}:{[tuple(p.shape) for _, p in l.params]}" for l in self._layers)
+        layers = ";".join(f"{l.name}:{[(tuple(p.shape), str(p.dtype)) for _, p in l.params]}"
+                          for l in self._layers)
         return (f"{layers}|{self.method}|{sorted(collective.items())}|{self.grad_workers}"
                 f"|{self.symmetry_aware}|{self._runtime.bucket_cap_bytes}|{self.colocate_factors}"
                 f"|{self.assignment_strategy.value}|{self.accumulation_steps}")
@@ -385,11 +388,30 @@ class KronPreconditioner:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume, on any number of ranks (format: :mod:`kron_precond.checkpoint`).
 
-        With ``grad_worker_fraction < 1`` this is a collective (each layer's state comes
-        from its owner): call it on every rank.
+        Local: never communicates, so it is safe to call on rank 0 only (the usual
+        ``if rank == 0: torch.save(...)``). With ``grad_worker_fraction < 1`` a rank holds
+        the refreshed state (decompositions, PSGD factors) only of the layers it is a
+        gradient worker of; on a rank lacking some, this raises ``ValueError`` at once
+        rather than return a partial checkpoint -- call :meth:`gather_state_dict` on every
+        rank there.
         """
+        missing = [layer.name for layer in self._layers if not self._holds_state(layer)]
+        if missing:
+            raise ValueError(
+                f"state_dict(): rank {self.rank} does not hold the state of layers {missing} "
+                f"(grad_worker_fraction={self.grad_worker_fraction!r}: {self.grad_workers} of "
+                f"{self.world_size} ranks hold each layer); call gather_state_dict() on every rank "
+                "instead -- it is a collective")
         self._wait_for_statistics()
-        layers = {layer.name: self._layer_state(layer) for layer in self._layers}
+        return self._pack({layer.name: layer.method.state_dict() for layer in self._layers})
+
+    def gather_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` assembled from the ranks that hold each layer: a collective,
+        to be called on every rank of the process group; every rank gets the whole state."""
+        self._wait_for_statistics()
+        return self._pack({layer.name: self._layer_state(layer) for layer in self._layers})
+
+    def _pack(self, layers: dict[str, Any]) -> dict[str, Any]:
         return checkpoint.pack(method=self.method, steps=self._steps, statistics_steps=self._statistics_steps,
                                refreshes=self._refreshes, schedule=self._schedule.state_dict(), layers=layers)
 
@@ -399,26 +421,56 @@ class KronPreconditioner:
         local = layer.method.state_dict() if self._holds_state(layer) else None
         return self._runtime.gather_state(self._layer_owner(layer), local)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Restore :meth:`state_dict` output (saved with any number of ranks, by this or an
-        earlier version); a rejected state changes nothing."""
+        earlier version).
+
+        All or nothing: the format, method, counters, schedule and every layer's entries
+        (presence, shapes, floating dtypes, finiteness -- NaN and integer factors are
+        rejected) are checked before anything changes; a rejected state raises
+        ``ValueError`` and changes nothing. Layers this model does not have raise too,
+        unless ``strict=False`` (they are then ignored with a warning, as
+        ``nn.Module.load_state_dict(strict=False)`` does); a layer of this model missing
+        from the checkpoint always raises.
+        """
         state = checkpoint.upgrade(state)
         if state["method"] != self.method:
             raise ValueError(f"state_dict is for method={state['method']!r}, "
                              f"this preconditioner uses {self.method!r}")
-        missing = set(self.layers) - set(state["layers"])
+        layers = state["layers"]
+        if not isinstance(layers, dict):
+            raise ValueError(f"state_dict['layers'] must be a dict, got {type(layers).__name__}")
+        missing = set(self.layers) - set(layers)
         if missing:
             raise ValueError(f"state_dict has no state for layers {sorted(missing)}")
-        for layer in self._layers:  # all checks first
-            layer.method.check_state(state["layers"][layer.name])
+        unexpected = sorted(set(layers) - set(self.layers))
+        if unexpected and strict:
+            raise ValueError(f"state_dict holds layers this model does not have: {unexpected} "
+                             "(pass strict=False to ignore them)")
+        counters = {}
+        for key in ("steps", "statistics_steps", "refreshes"):
+            try:
+                counters[key] = validation.check_int(key, state.get(key), minimum=0)
+            except ValueError as err:
+                raise ValueError(f"state_dict: {err}") from None
+        probe = self._spec.make_schedule()
+        try:
+            probe.load_state_dict(state["schedule"])
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ValueError(f"state_dict: bad 'schedule' entry ({err!r})") from None
+        for layer in self._layers:  # all checks first: a rejected state changes nothing
+            layer.method.check_state(layers[layer.name])
+        if unexpected:
+            warnings.warn(f"kron_precond: ignored the state of layers this model does not have: "
+                          f"{unexpected}", UserWarning, stacklevel=2)
         self._wait_for_statistics()
-        self._steps = int(state["steps"])
-        self._statistics_steps = int(state["statistics_steps"])
-        self._refreshes = int(state["refreshes"])
+        self._steps = counters["steps"]
+        self._statistics_steps = counters["statistics_steps"]
+        self._refreshes = counters["refreshes"]
         self._schedule.load_state_dict(state["schedule"])
         self._apply_cache.clear()
         for layer in self._layers:
-            layer.method.load_state_dict(state["layers"][layer.name])
+            layer.method.load_state_dict(layers[layer.name])
             if not self._holds_state(layer):
                 layer.method.release_refreshed()
         self._update_collecting()
@@ -490,6 +542,29 @@ def _is_default(value, defaults) -> bool:
         except Exception:  # e.g. a tensor compared with a float
             continue
     return False
+
+
+_SCHEDULE_SAMPLE_STEPS = 32
+
+
+def _describe_schedule(value) -> str:
+    """A rank-independent description of a setting that may be a callable of the step: its
+    repr (or, for plain functions, whose repr holds an address, its qualified name) and its
+    values over the first steps -- so two lambdas with different constants differ."""
+    if not callable(value) or isinstance(value, type):
+        return repr(value)
+    if isinstance(value, functools.partial):
+        name = f"partial({_describe_schedule(value.func)}, {value.args!r}, {value.keywords!r})"
+    elif isinstance(value, (types.FunctionType, types.MethodType, types.BuiltinFunctionType)) \
+            or type(value).__repr__ is object.__repr__:
+        name = f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+    else:
+        name = repr(value)
+    try:
+        values = [value(step) for step in range(_SCHEDULE_SAMPLE_STEPS)]
+    except Exception as err:  # noqa: BLE001 - step() reports it, on every rank alike
+        values = [f"raises {type(err).__name__}"]
+    return f"{name}:{values!r}"
 
 
 def _describe_value(value):

@@ -207,12 +207,15 @@ class FakeDist:
         self.world = world
         self.created: list[tuple[int, ...]] = []
         self.group = SimpleNamespace(WORLD="WORLD")
+        self.GroupMember = SimpleNamespace(NON_GROUP_MEMBER="not a member")
 
     def get_process_group_ranks(self, group):
         assert group == "WORLD"
         return list(range(self.world))
 
-    def new_group(self, members):
+    def new_group(self, members, use_local_synchronization=False):
+        # only the members create a group (so ranks outside a sub-group are never needed)
+        assert use_local_synchronization
         self.created.append(tuple(members))
         return ("group", tuple(members))
 
@@ -238,8 +241,10 @@ def test_worker_grid_arithmetic(monkeypatch, world, workers):
                 assert group is None  # MEM_OPT: state stays with the owner
             elif columns == 1:
                 assert group == "WORLD"  # COMM_OPT: the whole group
-            else:
+            elif rank in column:
                 assert group == ("group", tuple(column))
+            else:
+                assert group == "not a member"
         assert grid.has_receivers == (columns > 1)
         if columns == 1:
             assert grid.row_group is None
@@ -248,8 +253,13 @@ def test_worker_grid_arithmetic(monkeypatch, world, workers):
         else:
             assert grid.row_group == ("group", tuple(row))
         assert grid.global_rank(rank) == rank
-    # every rank creates the same groups in the same order (new_group is a collective)
-    assert all(created == created_by_rank[0] for created in created_by_rank)
+    # every group is created by exactly its members (group-local synchronisation), each
+    # rank creating its column's group before its row's
+    for rank, created in enumerate(created_by_rank):
+        assert all(rank in members for members in created)
+        assert len(created) == (workers > 1 and columns > 1) * 2
+    for members in {m for created in created_by_rank for m in created}:
+        assert [r for r, created in enumerate(created_by_rank) if members in created] == list(members)
 
 
 def test_worker_grid_single_process_and_invalid():

@@ -104,6 +104,18 @@ CONFIGS: dict[str, dict] = {
         momentum_into_precond_update=True, precond_init_scale=None)),
     "psgd-float-fraction-p05": dict(kw=dict(method="psgd", grad_worker_fraction="float",
                                             preconditioner_update_probability=0.5)),
+    # EK-FAC: bases every inv_update_steps, s re-estimated on every statistics step
+    "ekfac-comm-cap0-sym-i2": dict(kw=dict(method="ekfac", inv_update_steps=2, allreduce_bucket_cap_mb=0,
+                                           symmetry_aware=True)),
+    "ekfac-hybrid-tiny-f2-i3": dict(kw=dict(method="ekfac", grad_worker_fraction=HYBRID, factor_update_steps=2,
+                                            inv_update_steps=3, allreduce_bucket_cap_mb=1e-4)),
+    "ekfac-mem-tiny-sym-i3": dict(kw=dict(method="ekfac", grad_worker_fraction=MEM, inv_update_steps=3,
+                                          allreduce_bucket_cap_mb=1e-4, symmetry_aware=True)),
+    "ekfac-float-fraction-i4": dict(kw=dict(method="ekfac", grad_worker_fraction="float", inv_update_steps=4)),
+    "ekfac-nocolocate-memory-i3": dict(kw=dict(method="ekfac", colocate_factors=False,
+                                               assignment_strategy="memory", inv_update_steps=3)),
+    "ekfac-hybrid-float32-i3": dict(kw=dict(method="ekfac", grad_worker_fraction=HYBRID, inv_update_steps=3),
+                                    dtype=F32),
 }
 
 # Checkpoint configurations (inverse refreshes every 3 steps, so the resume at step 4
@@ -116,6 +128,10 @@ CKPT_CONFIGS: dict[str, dict] = {
                               preconditioner_update_probability=0.5)),
     "psgd-mem": dict(kw=dict(method="psgd", grad_worker_fraction=MEM, precond_init_scale=None,
                              preconditioner_update_probability=0.5)),
+    # saved mid-interval (bases at steps 0 and 3): the resumed s is used before any basis refresh
+    "ekfac-mem": dict(kw=dict(method="ekfac", grad_worker_fraction=MEM, inv_update_steps=3)),
+    "ekfac-hybrid-sym": dict(kw=dict(method="ekfac", grad_worker_fraction=HYBRID, inv_update_steps=3,
+                                     symmetry_aware=True)),
 }
 
 
@@ -196,7 +212,9 @@ class Trainer:
 
     # checkpoints
     def checkpoint(self) -> dict:
-        return {"precond": self.precond.state_dict(), "model": self.model.state_dict(),
+        # gather_state_dict: every rank calls it, and every rank gets the whole state even
+        # where it holds only some layers (MEM_OPT / HYBRID_OPT).
+        return {"precond": self.precond.gather_state_dict(), "model": self.model.state_dict(),
                 "opt": self.opt.state_dict(), "step_index": self.step_index}
 
     def load(self, ckpt: dict) -> None:
@@ -281,6 +299,15 @@ def _scenario_communication(world, rank, counter):
             "per_step": _counted_steps(trainer, counter, 8),
             "grad_bytes": _registered_grad_bytes(trainer.precond),
             "grad_workers": trainer.precond.grad_workers}
+    # EK-FAC: statistics (and s) every step, bases every 4th step.
+    for strategy in (COMM, HYBRID, MEM):
+        trainer = Trainer({"kw": dict(method="ekfac", inv_update_steps=4, grad_worker_fraction=strategy)},
+                          world, rank, collectives=counter.originals)
+        out["plain_steps"][("ekfac", strategy.name)] = {
+            "per_step": _counted_steps(trainer, counter, 5),
+            "grad_bytes": _registered_grad_bytes(trainer.precond),
+            "grad_workers": trainer.precond.grad_workers}
+        trainer.precond.remove()
     return out
 
 
@@ -290,7 +317,7 @@ def _scenario_checkpoint(world, rank, counter, ckpt_dir):
     for name, cfg in CKPT_CONFIGS.items():
         if world in {src for src, _ in RESUME_PAIRS}:
             trainer = Trainer(cfg, world, rank, collectives=originals).run(SAVE_AT)
-            ckpt = trainer.checkpoint()  # a collective for MEM_OPT: every rank calls it
+            ckpt = trainer.checkpoint()  # a collective: every rank calls it
             path = os.path.join(ckpt_dir, f"ckpt-{name}-w{world}.pt")
             if rank == 0:
                 torch.save(ckpt, path + ".tmp")
@@ -568,6 +595,25 @@ def test_gradient_broadcast_every_step_without_comm_opt(runs, world, strategy):
             psgd = result["communication"]["plain_steps"][("psgd", "MEM_OPT")]
             for step in range(8):
                 assert psgd["per_step"][step]["bytes"].get("broadcast", 0) == psgd["grad_bytes"]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ekfac_statistics_only_steps_share_no_bases(runs, world):
+    """EK-FAC steps that re-estimate s but keep the bases all-reduce the statistics and
+    (without COMM_OPT) broadcast gradients, like a K-FAC factor step: nothing refreshed is
+    broadcast, although the method makes every statistics step a refresh step."""
+    for rank, result in enumerate(runs(world)):
+        for strategy in ("COMM_OPT", "HYBRID_OPT", "MEM_OPT"):
+            info = result["communication"]["plain_steps"][("ekfac", strategy)]
+            per_step = info["per_step"]
+            for step in (0, 4):  # basis steps share the refreshed bases
+                assert per_step[step]["calls"].get("broadcast", 0) >= 1, (strategy, rank, step, per_step[step])
+            for step in (1, 2, 3):
+                calls, sent = per_step[step]["calls"], per_step[step]["bytes"]
+                expected = {"all_reduce"} if info["grad_workers"] == world else {"all_reduce", "broadcast"}
+                assert set(calls) == expected, f"{strategy} rank {rank} step {step}: {calls}"
+                if info["grad_workers"] < world:
+                    assert sent["broadcast"] == info["grad_bytes"], f"{strategy} rank {rank} step {step}: {sent}"
 
 
 def test_single_rank_group_issues_no_collectives(runs):

@@ -217,7 +217,7 @@ BAD_ARGS = [
     ("inv_update_steps", -1),
     ("accumulation_steps", 0),
     ("method", "kfac2"),
-    ("method", "shampoo"),
+    ("method", "sophia"),
     ("compute_method", "cholesky"),
     ("compute_method", "eig"),
 ]

@@ -160,7 +160,8 @@ def output_grad_rows(grad_out: torch.Tensor, conv: bool) -> torch.Tensor:
 def reference_factors(module, inputs, outputs, scale=1.0):
     """Independent A and G for one module from recorded calls.
 
-    ``scale`` multiplies δ on top of the per-call batch size (accumulation steps).
+    ``scale`` multiplies δ on top of the per-call normalisation (accumulation steps): the
+    number of rows of the call for a Linear, the batch size for a convolution.
     Rows from every recorded call are pooled before taking the mean.
     """
     is_conv = isinstance(module, nn.modules.conv._ConvNd)
@@ -176,7 +177,9 @@ def reference_factors(module, inputs, outputs, scale=1.0):
             rows = with_ones(rows)
         a_rows.append(rows)
         assert out.grad is not None, "output gradient was not captured"
-        g_rows.append(output_grad_rows(out.grad, is_conv) * x.shape[0] * scale)
+        # δ = grad · rows of the call for a Linear (per-token mean losses), · batch for a conv.
+        per_call = x.shape[0] if is_conv else x.numel() // x.shape[-1]
+        g_rows.append(output_grad_rows(out.grad, is_conv) * per_call * scale)
     return mean_outer(torch.cat(a_rows)), mean_outer(torch.cat(g_rows))
 
 

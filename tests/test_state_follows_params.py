@@ -15,7 +15,10 @@ import torch.nn.functional as F
 from kron_precond import KronPreconditioner
 
 SETTINGS = {"kfac": dict(damping=1e-2, inv_update_steps=2, lr=0.1),
-            "psgd": dict(preconditioner_update_probability=1.0)}
+            "psgd": dict(preconditioner_update_probability=1.0),
+            "ekfac": dict(damping=1e-2, inv_update_steps=2, lr=0.1),
+            "shampoo": dict(inv_update_steps=2)}
+METHODS = list(SETTINGS)
 
 
 def _model(device=None):
@@ -34,7 +37,7 @@ def _train(model, precond, steps=3, dtype=torch.float32):
         optimizer.step()
 
 
-@pytest.mark.parametrize("method", ["kfac", "psgd"])
+@pytest.mark.parametrize("method", METHODS)
 def test_built_before_a_dtype_move_follows_the_parameters(method):
     before = _model()
     after = copy.deepcopy(before).to(torch.float64)
@@ -46,13 +49,13 @@ def test_built_before_a_dtype_move_follows_the_parameters(method):
     for p_before, p_after in zip(before.parameters(), after.parameters()):
         assert p_before.dtype == torch.float64
         torch.testing.assert_close(p_before, p_after, rtol=1e-12, atol=1e-12)
-    if method == "kfac":  # factor_dtype=None means "the parameters' dtype"
+    if method in ("kfac", "ekfac"):  # factor_dtype=None means "the parameters' dtype"
         for name, layer in precond_before.layers.items():
             assert layer.a_factor.dtype == layer.g_factor.dtype == torch.float64, name
             torch.testing.assert_close(layer.a_factor, precond_after.layers[name].a_factor)
 
 
-@pytest.mark.parametrize("method", ["kfac", "psgd"])
+@pytest.mark.parametrize("method", METHODS)
 def test_built_on_meta_then_materialised_on_cpu(method):
     """``meta`` -> ``cpu`` stands in for ``cpu`` -> ``cuda``: the state must be where the
     parameters are when the preconditioner first uses it."""

@@ -35,17 +35,26 @@ class WorkerGrid:
         global_ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
         self._global_ranks = global_ranks
         whole = self.process_group if self.process_group is not None else dist.group.WORLD
-        # Every rank must create every group, in the same order.
+        # Each rank creates only the groups it belongs to (its column, then its row), with
+        # group-local synchronisation: ranks outside ``process_group`` -- which never build
+        # this grid -- must not be needed, or a sub-group would hang the whole world.
+        # (torch's default ``new_group`` is collective over every rank of the world.)
+        my_column, my_row = self.column_of(self.rank), self.row_of(self.rank)
         if self.grad_workers > 1:
             for column in range(self.columns):
-                members = [global_ranks[r] for r in range(column, self.world_size, self.columns)]
-                self._column_groups[column] = whole if self.columns == 1 else dist.new_group(members)
+                if self.columns == 1:
+                    self._column_groups[column] = whole
+                elif column == my_column:
+                    members = [global_ranks[r] for r in range(column, self.world_size, self.columns)]
+                    self._column_groups[column] = _local_group(members)
+                else:  # exists, but this rank is not in it
+                    self._column_groups[column] = dist.GroupMember.NON_GROUP_MEMBER
         if self.columns > 1:
-            for row in range(self.grad_workers):
-                members = [global_ranks[row * self.columns + c] for c in range(self.columns)]
-                group = whole if self.grad_workers == 1 else dist.new_group(members)
-                if row == self.row_of(self.rank):
-                    self._row_group = group
+            if self.grad_workers == 1:
+                self._row_group = whole
+            else:
+                members = [global_ranks[my_row * self.columns + c] for c in range(self.columns)]
+                self._row_group = _local_group(members)
 
     def row_of(self, rank: int) -> int:
         return rank // self.columns
@@ -58,7 +67,8 @@ class WorkerGrid:
         return self.column_of(self.rank) == self.column_of(owner)
 
     def state_group(self, owner: int):
-        """Group over which ``owner`` broadcasts refreshed state, or ``None`` when it has no peers."""
+        """Group over which ``owner`` broadcasts refreshed state, or ``None`` when it has no
+        peers (``GroupMember.NON_GROUP_MEMBER`` when this rank is not in that column)."""
         return self._column_groups.get(self.column_of(owner))
 
     @property
@@ -78,3 +88,8 @@ class WorkerGrid:
         if self.world_size == 1:
             return rank
         return self._global_ranks[rank]
+
+
+def _local_group(members: list[int]):
+    """A new group of the global ranks ``members``, created by those ranks only."""
+    return dist.new_group(members, use_local_synchronization=True)

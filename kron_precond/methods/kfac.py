@@ -4,10 +4,13 @@ For a layer with gradient matrix ``∇ = [W | b]`` of shape ``[out, in(+1)]`` th
 block is approximated by ``G ⊗ A`` with
 
     A = mean_rows(ã ãᵀ)      ã = activation row with a trailing 1 when there is a bias
-    G = mean_rows(δ δᵀ)      δ = output gradient · batch size · accumulation steps
+    G = mean_rows(δ δᵀ)      δ = output gradient · n · accumulation steps
 
-so that, for a loss averaged over the batch, neither factor depends on the batch size
-(and one damping value means the same at any batch size or world size).
+where ``n`` is the number of rows of the call for a Linear-like layer (``B`` for a
+``[B, D]`` input, ``B·T`` for ``[B, T, D]`` or ``[T, B, D]``) and the batch size for a
+convolution, so that for the usual mean losses (per sample, per token) neither factor
+depends on the batch size or the sequence length, and one damping value means the same
+at any batch size, sequence length or world size (:meth:`KFACAdapter.gradient_scale`).
 
 Preconditioning (``compute_method``):
 
@@ -27,10 +30,11 @@ from typing import Any, Hashable, Sequence
 import torch
 
 from kron_precond.enums import ComputeMethod
+from kron_precond import validation as check
+from kron_precond.methods import state_checks as checks
 from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
 from kron_precond.modules import find_kfac_modules
 from kron_precond.schedules import IntervalSchedule, StepContext
-from kron_precond import validation as check
 
 FACTORS = ("A", "G")
 
@@ -77,6 +81,9 @@ class KFACLayer(LayerMethod):
         self.g_dim = weight_shape[0]
         self.a_dim = weight_shape[1:].numel() + int(has_bias)
         kw = dict(device=device, dtype=factor_dtype)
+        # Statistics are summed in float32 or better: a float16 sum overflows past 65,504
+        # rows and a bfloat16 one stops growing at 256 equal terms.
+        self.statistics_dtype = torch.promote_types(factor_dtype, torch.float32)
         self.a_factor = torch.zeros(self.a_dim, self.a_dim, **kw)
         self.g_factor = torch.zeros(self.g_dim, self.g_dim, **kw)
         # Statistics of the current factor step, summed over rows and micro-batches.
@@ -86,9 +93,12 @@ class KFACLayer(LayerMethod):
         # layer holds its factors and decompositions, nothing else.
         self._a_sum: torch.Tensor | None = None
         self._g_sum: torch.Tensor | None = None
-        self._rows = torch.zeros(2, dtype=torch.promote_types(factor_dtype, torch.float32), device=device)
+        self._rows = torch.zeros(2, dtype=self.statistics_dtype, device=device)
         # Whether A / G hold data (on device: deciding it must not need a host sync).
         self._seen = torch.zeros(2, dtype=torch.bool, device=device)
+        # Consecutive factor steps in which A / G received no rows (on device): a layer
+        # that had statistics and stops getting them is reported by name.
+        self._missed = torch.zeros(2, dtype=torch.int64, device=device)
         # Count of factor updates skipped for non-finite statistics; read on refresh steps
         # only, so the per-step path never synchronises with the device.
         self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
@@ -108,7 +118,7 @@ class KFACLayer(LayerMethod):
     # ------------------------------------------------------------------ observe
     def observe_activations(self, rows: torch.Tensor) -> None:
         """Accumulate ``Σ ã ãᵀ`` for activation rows ``[N, in]`` (no bias column)."""
-        rows = rows.to(self.factor_dtype)
+        rows = rows.to(self.statistics_dtype)
         d = rows.shape[1]
         self._allocate_statistics()
         self._a_sum[:d, :d].addmm_(rows.t(), rows)
@@ -122,7 +132,7 @@ class KFACLayer(LayerMethod):
 
     def observe_output_grads(self, rows: torch.Tensor, scale: float) -> None:
         """Accumulate ``Σ δ δᵀ`` for output-gradient rows ``[N, out]``, ``δ = scale · rows``."""
-        rows = rows.to(self.factor_dtype)
+        rows = rows.to(self.statistics_dtype)
         self._allocate_statistics()
         self._g_sum.addmm_(rows.t(), rows, alpha=scale * scale)
         self._rows[1].add_(rows.shape[0])
@@ -135,8 +145,8 @@ class KFACLayer(LayerMethod):
 
     def _allocate_statistics(self) -> None:
         if self._a_sum is None:
-            self._a_sum = torch.zeros_like(self.a_factor)
-            self._g_sum = torch.zeros_like(self.g_factor)
+            self._a_sum = torch.zeros_like(self.a_factor, dtype=self.statistics_dtype)
+            self._g_sum = torch.zeros_like(self.g_factor, dtype=self.statistics_dtype)
 
     def fold_statistics(self, ctx: StepContext) -> None:
         """Fold the (reduced) statistics into the running averages ``F ← d·F + (1−d)·F_new``
@@ -146,16 +156,20 @@ class KFACLayer(LayerMethod):
         rows, or with non-finite statistics, keeps its value; all decided on the device.
         """
         if self._a_sum is None:  # nothing observed on this factor step
+            self._missed.add_(1)
             return
         decay = ctx["factor_decay"]
         for index, (factor, total) in enumerate(((self.a_factor, self._a_sum), (self.g_factor, self._g_sum))):
             rows = self._rows[index]
             new = total / rows.clamp_min(1.0).to(total.dtype)
             new = (new + new.t()) * 0.5  # exact symmetry; accumulation rounding can break it
-            finite = torch.isfinite(new).all()
+            blended = torch.where(self._seen[index], torch.lerp(factor.to(new.dtype), new, 1.0 - decay), new)
+            blended = blended.to(factor.dtype)
+            # Checked after the cast: a float32 mean may still overflow a float16 factor.
+            finite = torch.isfinite(blended).all()
             has_rows = rows > 0
-            blended = torch.where(self._seen[index], torch.lerp(factor, new, 1.0 - decay), new)
             accept = finite & has_rows
+            self._missed[index] = torch.where(has_rows, 0, self._missed[index] + 1)
             factor.copy_(torch.where(accept, blended, factor))
             self._seen[index] |= accept
             self.nonfinite.add_((has_rows & ~finite).to(self.nonfinite.dtype))
@@ -164,6 +178,11 @@ class KFACLayer(LayerMethod):
     def discard_statistics(self) -> None:
         self._a_sum = self._g_sum = None
         self._rows.zero_()
+
+    def statistics_health(self) -> torch.Tensor:
+        """``[ever had A, ever had G, factor steps since A had rows, same for G]`` (int64,
+        on the device)."""
+        return torch.cat([self._seen.to(torch.int64), self._missed])
 
     def observed(self) -> torch.Tensor:
         """Whether both factors hold data (a 0-dim bool tensor)."""
@@ -243,12 +262,14 @@ class KFACLayer(LayerMethod):
             matrix, gamma = g, sqrt_damping / pi
         eye = torch.eye(matrix.shape[0], dtype=work_dtype, device=matrix.device)
         try:
-            inverse = torch.linalg.inv(matrix + gamma * eye)
+            inverse = torch.linalg.inv(matrix + gamma * eye).to(self.inv_dtype)
+            if not bool(torch.isfinite(inverse).all()):  # refresh steps only: a host sync
+                raise RuntimeError("the inverse is not finite")
         except RuntimeError as err:  # singular despite damping: keep the previous inverse
             warnings.warn(f"kron_precond: inverting {self.name}.{factor} failed ({err}); "
                           "keeping the previous inverse", RuntimeWarning, stacklevel=2)
             return None
-        return (inverse.to(self.inv_dtype),)
+        return (inverse,)
 
     # ------------------------------------------------------------------ apply
     def apply(self, grads: list[torch.Tensor], ctx: StepContext | None = None) -> list[torch.Tensor]:
@@ -362,17 +383,19 @@ class KFACLayer(LayerMethod):
         """Move the state to ``device``; factors and statistics also to ``dtype`` when
         ``factor_dtype`` follows the parameters. Decompositions keep ``inv_dtype``."""
         factor_dtype = dtype if self.factor_dtype_follows else self.factor_dtype
+        statistics_dtype = torch.promote_types(factor_dtype, torch.float32)
         self.a_factor = moved(self.a_factor, device, factor_dtype)
         self.g_factor = moved(self.g_factor, device, factor_dtype)
-        self._a_sum = moved(self._a_sum, device, factor_dtype)
-        self._g_sum = moved(self._g_sum, device, factor_dtype)
-        self._rows = moved(self._rows, device, torch.promote_types(factor_dtype, torch.float32))
+        self._a_sum = moved(self._a_sum, device, statistics_dtype)
+        self._g_sum = moved(self._g_sum, device, statistics_dtype)
+        self._rows = moved(self._rows, device, statistics_dtype)
         self._seen = moved(self._seen, device)
+        self._missed = moved(self._missed, device)
         self.nonfinite = moved(self.nonfinite, device)
         if self._refreshed is not None:
             self._refreshed = {k: [moved(t, device) for t in v] for k, v in self._refreshed.items()}
         self._inverse_denominator = moved(self._inverse_denominator, device)
-        self.factor_dtype = factor_dtype
+        self.factor_dtype, self.statistics_dtype = factor_dtype, statistics_dtype
         self._device = device
 
     # ------------------------------------------------------------------ state
@@ -388,15 +411,30 @@ class KFACLayer(LayerMethod):
         }
 
     def check_state(self, state: dict[str, Any]) -> None:
-        """Raise ``ValueError`` if ``state`` was not saved by a layer like this one."""
-        if state.get("compute_method") != self.compute_method.value:
-            raise ValueError(f"state of {self.name} was saved with compute_method="
-                             f"{state.get('compute_method')!r}, this layer uses {self.compute_method.value!r}")
-        if tuple(state["a_factor"].shape) != tuple(self.a_factor.shape) or \
-                tuple(state["g_factor"].shape) != tuple(self.g_factor.shape):
-            raise ValueError(f"state of {self.name} has factor shapes {tuple(state['a_factor'].shape)}, "
-                             f"{tuple(state['g_factor'].shape)}; expected {tuple(self.a_factor.shape)}, "
-                             f"{tuple(self.g_factor.shape)}")
+        """Raise ``ValueError`` if ``state`` was not saved by a layer like this one, or holds
+        something :meth:`load_state_dict` would choke on or should not trust (missing
+        entries, wrong shapes, integer or non-finite tensors)."""
+        where = f"state of {self.name}"
+        method = checks.entry(state, "compute_method", where)
+        if method != self.compute_method.value:
+            raise ValueError(f"{where} was saved with compute_method={method!r}, "
+                             f"this layer uses {self.compute_method.value!r}")
+        checks.float_tensor(checks.entry(state, "a_factor", where), self.a_factor.shape, f"{where}: a_factor")
+        checks.float_tensor(checks.entry(state, "g_factor", where), self.g_factor.shape, f"{where}: g_factor")
+        seen = checks.entry(state, "seen", where)
+        if not isinstance(seen, torch.Tensor) or seen.numel() != 2:
+            raise ValueError(f"{where}: seen must be a tensor of 2 flags, got {seen!r}")
+        refreshed = checks.entry(state, "refreshed", where)
+        for factor, n in (("A", self.a_dim), ("G", self.g_dim)):
+            shapes = [(n, n), (n,), (1,)] if self.compute_method is ComputeMethod.EIGEN else [(n, n), (1,)]
+            checks.tensor_list(checks.entry(refreshed, factor, f"{where}: refreshed"), shapes,
+                               f"{where}: refreshed[{factor!r}]")
+        ready = checks.entry(state, "ready", where)
+        checks.boolean(ready, f"{where}: ready")
+        damping = checks.entry(state, "damping_used", where)
+        if ready and (isinstance(damping, bool) or not isinstance(damping, (int, float))
+                      or not damping > 0 or damping == float("inf")):
+            raise ValueError(f"{where}: damping_used must be a positive number, got {damping!r}")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
@@ -426,7 +464,12 @@ def _decomposition_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _robust_eigh(matrix: torch.Tensor, out_dtype: torch.dtype, label: str):
-    """Eigendecomposition with eigenvalues clamped at 0; float64 retry; ``None`` on failure."""
+    """Eigendecomposition with eigenvalues clamped at 0; float64 retry; ``None`` on failure.
+
+    A decomposition that returns NaN/Inf without raising (it happens on GPUs) is a
+    failure like one that raises. The finiteness check is a host sync, on refresh steps
+    only (``eigh`` itself synchronises to report convergence errors).
+    """
     work_dtype = _decomposition_dtype(out_dtype)
     for dtype in dict.fromkeys((work_dtype, torch.float64)):
         try:
@@ -434,9 +477,13 @@ def _robust_eigh(matrix: torch.Tensor, out_dtype: torch.dtype, label: str):
         except RuntimeError:  # torch.linalg.LinAlgError: no convergence
             continue
         eigenvalues = eigenvalues.clamp_min(0.0)
-        return eigenvectors.to(out_dtype), eigenvalues.to(out_dtype)
-    warnings.warn(f"kron_precond: eigendecomposition of {label} failed in float32 and float64; "
-                  "keeping the previous decomposition", RuntimeWarning, stacklevel=2)
+        result = eigenvectors.to(out_dtype), eigenvalues.to(out_dtype)
+        # Checked in the stored dtype: float64 results may overflow a narrower one.
+        if bool(torch.isfinite(result[0]).all() & torch.isfinite(result[1]).all()):
+            return result
+    warnings.warn(f"kron_precond: eigendecomposition of {label} failed in float32 and float64 "
+                  "(raised or returned non-finite values); keeping the previous decomposition",
+                  RuntimeWarning, stacklevel=3)
     return None
 
 

@@ -13,6 +13,7 @@ from typing import Any, Hashable, Sequence
 import torch
 
 from kron_precond import validation as check
+from kron_precond.methods import state_checks as checks
 from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
 from kron_precond.methods.psgd import PSGDFactors, check_memory_save_mode
 from kron_precond.methods.psgd_tensor import RMS_CLIP, PSGDTensor, rms_clip_scale
@@ -227,16 +228,33 @@ class PSGDLayer(LayerMethod):
         }
 
     def check_state(self, state: dict[str, Any]) -> None:
-        """Raise ``ValueError`` if ``state`` does not hold factors for these parameters."""
-        missing = set(self.parts) - set(state.get("factors", {}))
+        """Raise ``ValueError`` if ``state`` does not hold loadable factors for these
+        parameters (missing entries, wrong shapes, integer or non-finite tensors)."""
+        where = f"state of {self.name}"
+        factors = checks.entry(state, "factors", where)
+        missing = set(self.parts) - set(factors if isinstance(factors, dict) else ())
         if missing:
-            raise ValueError(f"state of {self.name} has no factors for {sorted(missing)}")
+            raise ValueError(f"{where} has no factors for {sorted(missing)}")
         for part in self.parts:
             expected = [tuple(q.shape) for q in PSGDFactors(self.shapes[part], device="meta",
                                                             **self._settings).tensors()]
-            got = [tuple(q.shape) for q in state["factors"][part]["q"]]
-            if got != expected:
-                raise ValueError(f"state of {self.name}.{part} has factor shapes {got}, expected {expected}")
+            saved = factors[part]
+            checks.tensor_list(checks.entry(saved, "q", f"{where}.{part}"), expected, f"{where}.{part}: q")
+            checks.boolean(checks.entry(saved, "initialized", f"{where}.{part}"), f"{where}.{part}: initialized")
+        momentum = state.get("momentum")
+        if self._averages is not None and momentum is not None:
+            for part, shape in self.shapes.items():
+                checks.float_tensor(checks.entry(momentum, part, f"{where}: momentum"), shape,
+                                    f"{where}: momentum[{part!r}]")
+            steps = state.get("momentum_steps", 0)
+            if isinstance(steps, dict):  # per tensor (files before that: one count for the layer)
+                for part in self.parts:
+                    value = checks.entry(steps, part, f"{where}: momentum_steps")
+                    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                        raise ValueError(f"{where}: momentum_steps[{part!r}] must be a 1-element "
+                                         f"tensor, got {value!r}")
+            else:
+                checks.integer(steps, f"{where}: momentum_steps")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
@@ -259,8 +277,18 @@ def _check_memory_save_mode(name: str, value):
     return value
 
 
+# P = s²·I must be finite in float32 (and bfloat16): s at most sqrt(3.4e38) ≈ 1.8e19.
+_INIT_SCALE_MAX = torch.finfo(torch.float32).max ** 0.5
+
+
 def _check_init_scale(name: str, value):
-    return None if value is None else check.check_positive(name, value)
+    if value is None:
+        return None
+    scale = check.check_positive(name, value)
+    if scale > _INIT_SCALE_MAX:
+        raise ValueError(f"{name} must be at most {_INIT_SCALE_MAX:.3g} (its square, the initial "
+                         f"preconditioner, must be finite in float32), got {value!r}")
+    return scale
 
 
 def _check_b1(name: str, value) -> float:
@@ -270,7 +298,7 @@ def _check_b1(name: str, value) -> float:
 def _check_update_probability(name: str, value):
     if value is None or callable(value):
         return value
-    return check_probability(value, name)
+    return check_probability(check.as_number(name, value), name)  # no bools
 
 
 def _check_seed(name: str, value) -> int:
@@ -284,15 +312,19 @@ class PSGDSpec(MethodSpec):
     name = "psgd"
     options = {
         "preconditioner_update_probability": Option(None, _check_update_probability, collective=True),
-        "max_size_triangular": Option(8192, check.check_int),
-        "min_ndim_triangular": Option(2, lambda n, v: check.check_int(n, v, minimum=0)),
-        "memory_save_mode": Option(None, _check_memory_save_mode),
+        # 0: every dim gets a diagonal factor (as in Kron)
+        # The factors' shapes and dtype are collective: owners broadcast them under
+        # grad_worker_fraction < 1, so ranks must agree on them.
+        "max_size_triangular": Option(8192, lambda n, v: check.check_int(n, v, minimum=0), collective=True),
+        "min_ndim_triangular": Option(2, lambda n, v: check.check_int(n, v, minimum=0), collective=True),
+        "memory_save_mode": Option(None, _check_memory_save_mode, collective=True),
         "momentum_into_precond_update": Option(False, lambda n, v: bool(v)),
         "precond_b1": Option(0.9, _check_b1),
-        "precond_lr": Option(0.1, check.check_positive, per_step="refresh"),
+        # 0 is meaningful (a warm-up from 0: no Q change)
+        "precond_lr": Option(0.1, check.check_non_negative, per_step="refresh"),
         "precond_init_scale": Option(1.0, _check_init_scale),
-        "precond_dtype": Option(torch.float32, check.check_float_dtype),
-        "merge_dims": Option(False, lambda n, v: bool(v)),
+        "precond_dtype": Option(torch.float32, check.check_float_dtype, collective=True),
+        "merge_dims": Option(False, lambda n, v: bool(v), collective=True),
         "seed": Option(0, _check_seed, collective=True),
     }
     health_check_every = 100

@@ -4,12 +4,16 @@ from __future__ import annotations
 import enum
 
 from kron_precond.methods.base import MethodSpec
+from kron_precond.methods.ekfac import EKFACSpec
 from kron_precond.methods.kfac import KFACSpec
 from kron_precond.methods.psgd_layer import PSGDSpec
+from kron_precond.methods.shampoo import ShampooSpec
 
 METHODS: dict[str, type[MethodSpec]] = {spec.name: spec for spec in (
     KFACSpec,
     PSGDSpec,
+    EKFACSpec,
+    ShampooSpec,
 )}
 
 

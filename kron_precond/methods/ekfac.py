@@ -1,0 +1,350 @@
+"""EK-FAC for one layer: K-FAC's eigenbases with a re-estimated diagonal scaling.
+
+Eigenvalue-corrected K-FAC (George et al., 2018). With K-FAC's factors
+``A = Q_A diag(d_A) Q_Aᵀ`` and ``G = Q_G diag(d_G) Q_Gᵀ`` (``methods/kfac.py``), K-FAC's
+curvature in the Kronecker eigenbasis ``Q = Q_G ⊗ Q_A`` is the diagonal ``d_G d_Aᵀ``.
+EK-FAC replaces that diagonal by the second moment of the per-row gradients measured in
+the same basis: for a row with activation ``ã`` (a trailing 1 for the bias) and scaled
+output gradient ``δ`` the row's gradient is ``δ ãᵀ``, its projection ``Q_Gᵀ δ ãᵀ Q_A``, and
+
+    s = mean_rows (Q_Gᵀ δ)² (Q_Aᵀ ã)ᵀ²          an ``[out, in(+1)]`` matrix
+
+(the outer product of the squared projections: the projection of a rank-one matrix is
+rank one). The update is ``V = Q_G [(Q_Gᵀ ∇ Q_A) / (s + λ)] Q_Aᵀ``, i.e.
+``Q (diag(s) + λ)⁻¹ Qᵀ vec(∇)``.
+
+Schedule. The eigenbases are recomputed every ``inv_update_steps`` steps, as in K-FAC;
+``s`` is re-estimated on every statistics step (``factor_update_steps``). The per-row
+pairing of ``ã`` and ``δ`` uses the capture's call token: ``observe_activations`` returns
+the squared projected activation rows, which come back with the output gradient of the
+same forward call. Rows are projected with the basis current during the forward and
+backward passes, i.e. the one the last refresh produced.
+
+Initialisation of ``s`` after a basis change. A new basis makes the old ``s`` meaningless
+(it was measured along other directions), and the rows of the step that refreshed were
+projected on the old basis. So a basis refresh sets ``s = d_G d_Aᵀ`` (K-FAC's scaling in
+the new basis: the best estimate available before any row was projected on it) and
+restarts the running average: the n-th statistics step after the refresh folds ``s_new``
+with weight ``1 / w_n``, ``w_n = decay · w_{n−1} + 1``, ``w_0 = 0`` (a bias-corrected
+exponential average: the first measurement replaces the K-FAC scaling, later ones
+approach weight ``1 − decay``). Consequently ``inv_update_steps`` must exceed
+``factor_update_steps`` for the correction to act at all (with both 1 every step refreshes
+the basis and EK-FAC applies K-FAC's scaling); EK-FAC's default is ``inv_update_steps=10``.
+
+Why every statistics step is a refresh step here. The engine folds reduced statistics
+lazily (when a refresh or the next statistics step needs them), so on a plain step a
+layer in a multi-rank run may not have folded yet while a single process has. K-FAC's
+``apply`` only reads what refreshes froze, so this does not matter to it; EK-FAC's reads
+``s`` directly. Declaring every statistics step a refresh step makes the engine fold
+before ``apply`` on every rank, so one process and many agree exactly. ``refresh`` runs
+the eigendecompositions only on basis steps, and on other steps the layer shares no
+tensors (``refreshed_tensors`` / ``statistics_tensors`` are empty), so these extra
+refreshes cost no collective and no decomposition.
+
+Where things live. Every rank projects its own rows, so every rank needs the bases: they
+are the layer's ``statistics_tensors`` (the engine broadcasts them to all ranks when a
+layer has fewer gradient workers than ranks, and non-gradient-workers keep them when the
+engine releases the rest). ``s`` is derived from the reduced statistics on each gradient
+worker (every gradient worker folds the same sums, so they agree without a broadcast).
+"""
+from __future__ import annotations
+
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from kron_precond import validation as check
+from kron_precond.enums import ComputeMethod
+from kron_precond.methods.base import Option, Selected, moved, tensor_bytes
+from kron_precond.methods.kfac import FACTORS, KFACLayer, KFACSpec
+from kron_precond.schedules import IntervalSchedule, StepContext
+
+
+class EKFACLayer(KFACLayer):
+    """K-FAC's factors and eigenbases plus the eigenbasis scaling ``s`` of one layer.
+
+    Takes :class:`KFACLayer`'s arguments; the decomposition is always EIGEN and no
+    ``1 / (d_G d_Aᵀ + λ)`` is cached (``s`` changes on every statistics step).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.update(compute_method=ComputeMethod.EIGEN, eigenvalue_outer_product=False)
+        super().__init__(*args, **kwargs)
+        # s and its sums in float32 or better: they hold fourth powers of the rows.
+        self.scaling_dtype = torch.promote_types(self.factor_dtype, torch.float32)
+        self._work_dtype = torch.promote_types(self.scaling_dtype, self.inv_dtype)
+        # This step's Σ (Q_Gᵀδ)²(Q_Aᵀã)²ᵀ, kept flat: under symmetry_aware the engine
+        # all-reduces 2-D statistics as symmetric matrices, which this one is not.
+        self._s_sum: torch.Tensor | None = None
+        self._s_rows = torch.zeros(1, dtype=self._rows.dtype, device=self._device)
+        # The running scaling and its average's total weight (gradient workers only).
+        self._scaling: torch.Tensor | None = None
+        self._scaling_weight: torch.Tensor | None = None
+        # Whether the engine's current refresh changes the basis (decided from the step
+        # count in observe_gradients, identically on every rank); True outside step().
+        self._basis_step = True
+
+    # ------------------------------------------------------------------ placement
+    def to(self, device: torch.device, dtype: torch.dtype) -> None:
+        """K-FAC's move, plus the scaling ``s`` (in float32 or better of the new factor dtype)."""
+        super().to(device, dtype)
+        self.scaling_dtype = torch.promote_types(self.factor_dtype, torch.float32)
+        self._work_dtype = torch.promote_types(self.scaling_dtype, self.inv_dtype)
+        self._s_sum = moved(self._s_sum, device, self.scaling_dtype)
+        self._s_rows = moved(self._s_rows, device, self._rows.dtype)
+        self._scaling = moved(self._scaling, device, self.scaling_dtype)
+        self._scaling_weight = moved(self._scaling_weight, device, self.scaling_dtype)
+
+    # ------------------------------------------------------------------ observe
+    def observe_activations(self, rows: torch.Tensor) -> torch.Tensor:
+        """Accumulate A's statistics and return ``(Q_Aᵀ ã)²`` per row: the token the capture
+        hands back with this call's output gradient."""
+        super().observe_activations(rows)
+        q_a = self._basis("A")
+        rows = rows.to(self._work_dtype)
+        d = rows.shape[1]
+        projected = rows @ q_a[:d]
+        if self.has_bias:
+            projected = projected + q_a[d]  # the ones column of ã
+        return projected.square_()
+
+    def observe_output_grads(self, rows: torch.Tensor, scale: float, call: Any = None) -> None:
+        """Accumulate G's statistics and, paired with the same call's activation token,
+        ``Σ (Q_Gᵀ δ)² (Q_Aᵀ ã)²ᵀ`` over the rows (``δ = scale · rows``)."""
+        super().observe_output_grads(rows, scale)
+        if call is None:  # activations of this call were not seen: nothing to pair
+            return
+        if call.shape[0] != rows.shape[0]:
+            raise RuntimeError(f"kron_precond: {self.name} saw {call.shape[0]} activation rows but "
+                               f"{rows.shape[0]} output-gradient rows in one call")
+        projected = (rows.to(self._work_dtype) @ self._basis("G")).mul_(scale).square_()
+        self._s_sum.view(self.g_dim, self.a_dim).addmm_(projected.t().to(self.scaling_dtype),
+                                                         call.to(self.scaling_dtype))
+        self._s_rows.add_(rows.shape[0])
+
+    def _basis(self, part: str) -> torch.Tensor:
+        return self._allocated()[part][0].to(self._work_dtype)
+
+    def _allocate_statistics(self) -> None:
+        super()._allocate_statistics()
+        if self._s_sum is None:
+            self._s_sum = torch.zeros(self.g_dim * self.a_dim, dtype=self.scaling_dtype, device=self._device)
+
+    def shared_statistics(self) -> list[torch.Tensor]:
+        """K-FAC's sums and counts, then the scaling's sum (flat) and its row count."""
+        return super().shared_statistics() + [self._s_sum, self._s_rows]
+
+    def observe_gradients(self, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:
+        # Called on every rank before the step's refresh: decide whether it shares tensors.
+        self._basis_step = not ctx.refresh or _basis_due(ctx)
+
+    def fold_statistics(self, ctx: StepContext) -> None:
+        """Fold ``s`` (on gradient workers), then K-FAC's factors."""
+        if self._a_sum is None:  # nothing observed on this statistics step
+            return
+        if self.holds_state and self._scaling is not None:
+            self._fold_scaling(ctx["factor_decay"])
+        super().fold_statistics(ctx)
+
+    def _fold_scaling(self, decay: float) -> None:
+        rows = self._s_rows[0]
+        new = self._s_sum.view(self.g_dim, self.a_dim) / rows.clamp_min(1.0).to(self.scaling_dtype)
+        finite = torch.isfinite(new).all()
+        has_rows = rows > 0
+        # rows projected on a basis that never held data say nothing
+        basis_valid = (self._refreshed["A"][-1] * self._refreshed["G"][-1]).bool().reshape(())
+        accept = finite & has_rows & basis_valid
+        weight = self._scaling_weight * decay + 1.0
+        updated = self._scaling + (new - self._scaling) / weight
+        self._scaling.copy_(torch.where(accept, updated, self._scaling))
+        self._scaling_weight.copy_(torch.where(accept, weight, self._scaling_weight))
+        self.nonfinite.add_((has_rows & ~finite).to(self.nonfinite.dtype))
+
+    def discard_statistics(self) -> None:
+        super().discard_statistics()
+        self._s_sum = None
+        self._s_rows.zero_()
+
+    # ------------------------------------------------------------------ refresh
+    def refresh(self, factor: str, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:
+        """Decompose ``factor`` on basis steps; on other statistics steps there is nothing
+        to do here (``s`` is folded on every gradient worker)."""
+        if _basis_due(ctx):
+            super().refresh(factor, grads, ctx)
+
+    def refreshed_tensors(self, factor: str | None = None) -> list[torch.Tensor]:
+        """K-FAC's ``(Q, d, valid)`` per factor, on steps whose refresh changes the basis;
+        nothing on the other refresh steps (statistics-only), so nothing is broadcast."""
+        return super().refreshed_tensors(factor) if self._basis_step else []
+
+    def statistics_tensors(self, part: str) -> list[torch.Tensor]:
+        """The eigenbasis ``Q`` of ``part``: every rank projects its rows on it."""
+        return [self._allocated()[part][0]] if self._basis_step else []
+
+    def finalize_refresh(self, ctx: StepContext) -> None:
+        """Take this refresh's damping; after a basis change, restart ``s`` from K-FAC's
+        scaling ``d_G d_Aᵀ`` with weight 0 (the next statistics replace it)."""
+        if not ctx.statistics_count:
+            return
+        super().finalize_refresh(ctx)
+        if self._scaling is None or _basis_due(ctx):
+            self._reset_scaling()
+
+    def _reset_scaling(self) -> None:
+        d_a = self._allocated()["A"][1].to(self.scaling_dtype)
+        d_g = self._allocated()["G"][1].to(self.scaling_dtype)
+        if self._scaling is None:
+            self._scaling = torch.empty(self.g_dim, self.a_dim, dtype=self.scaling_dtype, device=self._device)
+            self._scaling_weight = torch.zeros((), dtype=self.scaling_dtype, device=self._device)
+        torch.outer(d_g, d_a, out=self._scaling)
+        self._scaling_weight.zero_()
+
+    def release_refreshed(self) -> None:
+        """Drop what only ``apply`` needs; keep the bases, which this rank still projects on."""
+        self._scaling = self._scaling_weight = None
+        self._inverse_denominator = None
+        self.ready = False
+
+    # ------------------------------------------------------------------ apply
+    def apply(self, grads: list[torch.Tensor], ctx: StepContext | None = None) -> list[torch.Tensor]:
+        if not self.ready or self._scaling is None:
+            return grads
+        matrix = self.grads_to_matrix(grads)
+        out = self.precondition_matrix(matrix.to(self.inv_dtype)).to(matrix.dtype)
+        # until both bases come from factors holding data, the gradient passes through
+        valid = self._refreshed["A"][-1] * self._refreshed["G"][-1]
+        return self.matrix_to_grads(torch.where(valid.bool(), out, matrix))
+
+    def precondition_matrix(self, grad: torch.Tensor) -> torch.Tensor:
+        """``Q_G [(Q_Gᵀ ∇ Q_A) / (s + λ)] Q_Aᵀ``."""
+        q_a = self._refreshed["A"][0]
+        q_g = self._refreshed["G"][0]
+        rotated = q_g.t() @ grad @ q_a
+        work = torch.promote_types(self._work_dtype, torch.float32)
+        inverse = (1.0 / (self._scaling.to(work) + self._damping_used)).to(rotated.dtype)
+        return q_g @ (rotated * inverse) @ q_a.t()
+
+    def batch_key(self) -> Hashable | None:
+        if not self.ready or self._scaling is None:
+            return None  # passes gradients through: nothing to batch
+        # not the damping: it may change on every statistics step, and the layers of a
+        # batch share it anyway (one value per step for all layers)
+        return (type(self), self.weight_shape, self.weight_transposed, self.has_bias, self.inv_dtype,
+                self.scaling_dtype)
+
+    @classmethod
+    def apply_batch(cls, layers: Sequence["EKFACLayer"], grads: Sequence[list[torch.Tensor]],
+                    ctx: StepContext, cache: dict, keep: torch.Tensor) -> list[list[torch.Tensor]]:
+        """All layers of one shape at once: K-FAC's batched EIGEN products with the
+        denominator ``1 / (s + λ)`` in place of ``1 / (d_G d_Aᵀ + λ)``.
+
+        The first call stacks the layers' bases, validity flags and scalings and makes each
+        layer's tensors views into the stacks (refreshes, broadcasts and folds write in
+        place), so a step copies nothing; the denominator is formed once per group and step.
+        """
+        stacks = cache.get("ekfac")
+        if stacks is None:
+            stacks = cache["ekfac"] = _adopt_into_stacks(layers)
+        q_a, valid_a, q_g, valid_g, scaling = stacks
+        first = layers[0]
+        work = torch.promote_types(first._work_dtype, torch.float32)
+        denominator = (1.0 / (scaling.to(work) + first._damping_used)).to(first.inv_dtype)
+        # K-FAC's batched apply reads only Q, validity and the denominator of its stacks
+        kfac_view = {"stacked": [q_a, None, valid_a, q_g, None, valid_g, denominator]}
+        return KFACLayer.apply_batch.__func__(cls, layers, grads, ctx, kfac_view, keep)
+
+    # ------------------------------------------------------------------ estimates, state
+    def memory_by_kind(self) -> dict[str, int]:
+        held = [] if self._refreshed is None else [t for part in FACTORS for t in self._refreshed[part]]
+        return {
+            "factors": tensor_bytes([self.a_factor, self.g_factor]),
+            "statistics": tensor_bytes([self._a_sum, self._g_sum, self._rows, self._s_sum, self._s_rows]),
+            "decompositions": tensor_bytes(held),
+            "scalings": tensor_bytes([self._scaling, self._scaling_weight]),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["scaling"] = None if self._scaling is None else self._scaling.clone()
+        state["scaling_weight"] = None if self._scaling_weight is None else self._scaling_weight.clone()
+        return state
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        super().check_state(state)
+        if "scaling" not in state:
+            raise ValueError(f"state of {self.name} has no EK-FAC scaling (saved by another method?)")
+        scaling = state["scaling"]
+        if scaling is not None and tuple(scaling.shape) != (self.g_dim, self.a_dim):
+            raise ValueError(f"state of {self.name} has scaling shape {tuple(scaling.shape)}; "
+                             f"expected {(self.g_dim, self.a_dim)}")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
+        self._basis_step = True
+        super().load_state_dict(state)
+        if state["scaling"] is None:
+            self._scaling = self._scaling_weight = None
+            return
+        if self._scaling is None:
+            self._reset_scaling()  # allocates
+        self._scaling.copy_(state["scaling"])
+        self._scaling_weight.copy_(state["scaling_weight"])
+
+
+def _adopt_into_stacks(layers: Sequence[EKFACLayer]) -> list[torch.Tensor]:
+    """Stack ``Q_A``, A's validity, ``Q_G``, G's validity and ``s`` over the layers and
+    re-point each layer at its slice."""
+    count = len(layers)
+    stacks = []
+    for part in FACTORS:
+        for index in (0, -1):  # the basis and the one-element validity flag
+            stack = torch.stack([layer._refreshed[part][index] for layer in layers])
+            for layer, view in zip(layers, stack.unbind(0)):
+                layer._refreshed[part][index] = view
+            stacks.append(stack if index == 0 else stack.reshape(count))
+    stack = torch.stack([layer._scaling for layer in layers])
+    for layer, view in zip(layers, stack.unbind(0)):
+        layer._scaling = view
+    stacks.append(stack)
+    return stacks
+
+
+def _basis_due(ctx: StepContext) -> bool:
+    """Whether this step recomputes the eigenbases (every ``inv_update_steps`` steps)."""
+    return ctx.refresh and ctx.step % ctx["inv_update_steps"] == 0
+
+
+class ScalingSchedule(IntervalSchedule):
+    """K-FAC's interval schedule, with every statistics step also a refresh step (where
+    ``s`` is folded before ``apply`` on every rank; see the module docstring)."""
+
+    def refreshes(self, step: int) -> bool:
+        return self.collects(step) or super().refreshes(step)
+
+
+class EKFACSpec(KFACSpec):
+    """EK-FAC (George et al., 2018): K-FAC's eigenbases, refreshed every
+    ``inv_update_steps``, with the diagonal scaling in that basis re-estimated from the
+    projected per-row gradients on every statistics step. Linear / ConvNd layers."""
+
+    name = "ekfac"
+    options = {name: option for name, option in KFACSpec.options.items()
+               if name not in ("compute_method", "compute_eigenvalue_outer_product")}
+    options["inv_update_steps"] = Option(10, check.check_int, per_step="always", collective=True)
+    layer_class = EKFACLayer
+    health_check_every = 100  # refreshes happen on every statistics step: do not sync on each
+
+    def make_layer(self, index: int, selected: Selected) -> EKFACLayer:
+        weight = dict(selected.params)["weight"]
+        return EKFACLayer(
+            selected.name, weight.shape, selected.adapter.has_bias,
+            factor_dtype=self.settings["factor_dtype"] or weight.dtype,
+            inv_dtype=self.settings["inv_dtype"], device=weight.device,
+            weight_transposed=selected.adapter.weight_transposed)
+
+    def make_schedule(self) -> ScalingSchedule:
+        return ScalingSchedule(self.settings["factor_update_steps"], self.settings["inv_update_steps"],
+                               check=check.check_int)
+
+    def describe(self) -> dict[str, Any]:
+        return dict(self.settings)

@@ -1,0 +1,53 @@
+"""Validation of saved per-layer state, run before anything is loaded.
+
+``load_state_dict`` must be all-or-nothing: everything it will copy is checked here
+first (presence, type, shape, dtype kind, finiteness), so a bad checkpoint raises a
+``ValueError`` naming the layer and the entry, and changes nothing.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+
+def entry(state: Any, key: str, where: str) -> Any:
+    """``state[key]``, or ``ValueError`` if ``state`` is not a mapping holding it."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"{where}: expected a dict, got {type(state).__name__}")
+    if key not in state:
+        raise ValueError(f"{where}: missing entry {key!r}")
+    return state[key]
+
+
+def float_tensor(value: Any, shape: Sequence[int], where: str, *, finite: bool = True) -> torch.Tensor:
+    """Check ``value`` is a floating tensor of ``shape`` (and finite): factors and
+    decompositions are never integers, and a NaN would poison every later update."""
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{where}: expected a tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise ValueError(f"{where}: expected a floating tensor, got dtype {value.dtype}")
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{where}: expected shape {tuple(shape)}, got {tuple(value.shape)}")
+    if finite and not bool(torch.isfinite(value).all()):
+        raise ValueError(f"{where}: holds NaN or infinite values")
+    return value
+
+
+def tensor_list(values: Any, shapes: Sequence[Sequence[int]], where: str) -> None:
+    if not isinstance(values, (list, tuple)) or len(values) != len(shapes):
+        got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+        raise ValueError(f"{where}: expected {len(shapes)} tensors of shapes "
+                         f"{[tuple(s) for s in shapes]}, got {got}")
+    for i, (value, shape) in enumerate(zip(values, shapes)):
+        float_tensor(value, shape, f"{where}[{i}]")
+
+
+def boolean(value: Any, where: str) -> None:
+    if not isinstance(value, bool) and not (isinstance(value, torch.Tensor) and value.numel() == 1):
+        raise ValueError(f"{where}: expected a bool, got {value!r}")
+
+
+def integer(value: Any, where: str, minimum: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{where}: expected an integer >= {minimum}, got {value!r}")
