@@ -9,8 +9,9 @@ What every framework test checks, with references independent of kron_precond:
   input rows and output-gradient rows of one layer in every training forward/backward;
   grouped ``accumulation_steps`` micro-batches per optimizer step, they must give that
   layer's K-FAC factors after every step (``A = mean ã ãᵀ``,
-  ``G = mean δδᵀ``, ``δ = grad_output · batch · accumulation_steps``, running average
-  with ``factor_decay``), recomputed here in float64;
+  ``G = mean δδᵀ``, ``δ = grad_output · N · accumulation_steps`` with ``N`` the rows of the
+  call -- samples, or tokens for ``[B, T, D]`` inputs -- running average with
+  ``factor_decay``), recomputed here in float64;
 * a checkpoint saved by the framework resumes to the same parameters as the run that
   was never interrupted.
 """
@@ -75,7 +76,7 @@ class RowRecorder:
     def __init__(self, module: nn.Module, transposed: bool = False) -> None:
         self.inputs: list[torch.Tensor] = []
         self.grads: list[torch.Tensor] = []
-        self.batch_sizes: list[int] = []
+        self.call_rows: list[int] = []
         self._handle = module.register_forward_hook(self._forward)
 
     def _forward(self, module, inputs, output):
@@ -83,7 +84,7 @@ class RowRecorder:
             return
         x = inputs[0].detach()
         self.inputs.append(x.reshape(-1, x.shape[-1]).double())
-        self.batch_sizes.append(output.shape[0])
+        self.call_rows.append(output.numel() // output.shape[-1])  # rows of this call
         output.register_hook(lambda g: self.grads.append(g.detach().reshape(-1, g.shape[-1]).double()))
 
     def remove(self) -> None:
@@ -131,7 +132,7 @@ def check_factors_saw_every_micro_batch_once(recorder: RowRecorder, log: FactorL
     for step in range(steps):
         window = slice(step * accumulation_steps, (step + 1) * accumulation_steps)
         xs, gs = recorder.inputs[window], recorder.grads[window]
-        sizes = recorder.batch_sizes[window]
+        sizes = recorder.call_rows[window]
         a_rows = torch.cat(xs)
         if has_bias:
             a_rows = torch.cat([a_rows, a_rows.new_ones(a_rows.shape[0], 1)], 1)

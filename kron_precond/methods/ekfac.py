@@ -336,11 +336,13 @@ class EKFACSpec(KFACSpec):
 
     def make_layer(self, index: int, selected: Selected) -> EKFACLayer:
         weight = dict(selected.params)["weight"]
-        return EKFACLayer(
+        layer = EKFACLayer(
             selected.name, weight.shape, selected.adapter.has_bias,
             factor_dtype=self.settings["factor_dtype"] or weight.dtype,
             inv_dtype=self.settings["inv_dtype"], device=weight.device,
             weight_transposed=selected.adapter.weight_transposed)
+        layer.factor_dtype_follows = self.settings["factor_dtype"] is None
+        return layer
 
     def make_schedule(self) -> ScalingSchedule:
         return ScalingSchedule(self.settings["factor_update_steps"], self.settings["inv_update_steps"],
