@@ -116,6 +116,20 @@ CONFIGS: dict[str, dict] = {
                                                assignment_strategy="memory", inv_update_steps=3)),
     "ekfac-hybrid-float32-i3": dict(kw=dict(method="ekfac", grad_worker_fraction=HYBRID, inv_update_steps=3),
                                     dtype=F32),
+    # Shampoo: statistics from the (averaged) gradients, nothing reduced; stale roots (i3) with
+    # a larger epsilon; diagonal sides (max_factor_size=8); split placement; float32 (the
+    # relative epsilon bounds how much float32 rounding the roots amplify)
+    "shampoo-comm-ddp": dict(kw=dict(method="shampoo"), ddp=True),
+    "shampoo-hybrid-f2-i3-grafting": dict(kw=dict(method="shampoo", grad_worker_fraction=HYBRID,
+                                                  factor_update_steps=2, inv_update_steps=3, grafting=True,
+                                                  epsilon=1e-2, allreduce_bucket_cap_mb=1e-4)),
+    "shampoo-mem-diagonal-cap0": dict(kw=dict(method="shampoo", grad_worker_fraction=MEM, max_factor_size=8,
+                                              allreduce_bucket_cap_mb=0, exponent=0.125)),
+    "shampoo-float-fraction": dict(kw=dict(method="shampoo", grad_worker_fraction="float")),
+    "shampoo-nocolocate-memory": dict(kw=dict(method="shampoo", colocate_factors=False,
+                                              assignment_strategy="memory")),
+    "shampoo-hybrid-float32": dict(kw=dict(method="shampoo", grad_worker_fraction=HYBRID, epsilon=1e-2),
+                                   dtype=F32),
 }
 
 # Checkpoint configurations (inverse refreshes every 3 steps, so the resume at step 4
@@ -132,6 +146,14 @@ CKPT_CONFIGS: dict[str, dict] = {
     "ekfac-mem": dict(kw=dict(method="ekfac", grad_worker_fraction=MEM, inv_update_steps=3)),
     "ekfac-hybrid-sym": dict(kw=dict(method="ekfac", grad_worker_fraction=HYBRID, inv_update_steps=3,
                                      symmetry_aware=True)),
+    # Shampoo's L / R travel in the state (COMM_OPT with split placement: every rank holds
+    # all of them; MEM / HYBRID: gathered from each layer's owner column)
+    "shampoo-comm-nocolocate": dict(kw=dict(method="shampoo", colocate_factors=False, inv_update_steps=3,
+                                            epsilon=1e-2)),
+    "shampoo-mem": dict(kw=dict(method="shampoo", grad_worker_fraction=MEM, inv_update_steps=3,
+                                factor_update_steps=2, epsilon=1e-2, grafting=True)),
+    "shampoo-hybrid": dict(kw=dict(method="shampoo", grad_worker_fraction=HYBRID, inv_update_steps=3,
+                                   epsilon=1e-2)),
 }
 
 
@@ -231,7 +253,7 @@ def _scenario_equivalence(world, rank, counter):
         trainer = Trainer(cfg, world, rank, collectives=counter.originals).run(STEPS)
         trainer.precond.remove()
         out[name] = {"trajectory": trainer.trajectory, "identical": trainer.identical,
-                     "grad_workers": trainer.precond.grad_workers}
+                     "grad_workers": trainer.precond.grad_workers, "memory": trainer.precond.memory_usage()}
     return out
 
 
@@ -308,6 +330,11 @@ def _scenario_communication(world, rank, counter):
             "grad_bytes": _registered_grad_bytes(trainer.precond),
             "grad_workers": trainer.precond.grad_workers}
         trainer.precond.remove()
+    # Shampoo: statistics every step (from the gradients: nothing to reduce), roots every 3rd.
+    trainer = Trainer({"kw": dict(method="shampoo", inv_update_steps=3)}, world, rank, collectives=counter.originals)
+    out["plain_steps"][("shampoo", "COMM_OPT")] = {"per_step": _counted_steps(trainer, counter, 6),
+                                                   "grad_workers": trainer.precond.grad_workers}
+    trainer.precond.remove()
     return out
 
 
@@ -532,6 +559,7 @@ def test_configurations_precondition_and_cover_the_grid(runs, reference):
     assert workers[4]["kfac-eigen-mem-tiny-sym"] == 1
     assert workers[3]["kfac-eigen-comm-ddp"] == 3
     assert workers[4]["kfac-eigen-float-fraction"] == 2 and workers[3]["kfac-eigen-float-fraction"] == 1
+    assert workers[4]["shampoo-hybrid-f2-i3-grafting"] == 2 and workers[4]["shampoo-mem-diagonal-cap0"] == 1
 
 
 # ----------------------------------------------------------------------------- 3: communication
@@ -614,6 +642,34 @@ def test_ekfac_statistics_only_steps_share_no_bases(runs, world):
                 assert set(calls) == expected, f"{strategy} rank {rank} step {step}: {calls}"
                 if info["grad_workers"] < world:
                     assert sent["broadcast"] == info["grad_bytes"], f"{strategy} rank {rank} step {step}: {sent}"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_shampoo_reduces_nothing_and_plain_steps_are_silent(runs, world):
+    """Shampoo's statistics come from gradients DDP has already averaged: no all-reduce ever;
+    under COMM_OPT a step without a refresh issues no collective, a refresh step only the
+    owners' broadcasts of the roots."""
+    for rank, result in enumerate(runs(world)):
+        for step, counts in enumerate(result["communication"]["plain_steps"][("shampoo", "COMM_OPT")]["per_step"]):
+            calls = counts["calls"]
+            assert set(calls) == (set() if step % 3 else {"broadcast"}), f"rank {rank} step {step}: {calls}"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_shampoo_statistics_live_on_gradient_workers_only(runs, world):
+    """Each layer's L / R are held by its owner's column (the ranks a checkpoint is gathered
+    from): summed over ranks, MEM_OPT holds them once, HYBRID_OPT ``grad_workers`` times,
+    COMM_OPT (split placement too) on every rank."""
+    results = runs(world)
+    for name in [n for n in CONFIGS if n.startswith("shampoo-") and CONFIGS[n].get("dtype", F64) == F64]:
+        single = Trainer(CONFIGS[name]).run(1)
+        single.precond.remove()
+        one_copy = single.precond.memory_usage()["shampoo_statistics"]
+        held = [r["equivalence"][name]["memory"]["shampoo_statistics"] for r in results]
+        workers = results[0]["equivalence"][name]["grad_workers"]
+        assert sum(held) == workers * one_copy, f"{name} world {world}: {held} vs {one_copy} per copy"
+        if workers == world:
+            assert held == [one_copy] * world, f"{name} world {world}: {held}"
 
 
 def test_single_rank_group_issues_no_collectives(runs):

@@ -51,12 +51,14 @@ class DenseEKFAC:
         self.statistics_seen = 0
 
     def rows(self, x: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ã rows with the ones column if biased, δ rows = grad · batch · accumulation) of one call."""
+        """(ã rows with the ones column if biased, δ rows = grad · n · accumulation) of one call,
+        n = the call's rows for a Linear (every leading index), its batch size for a conv."""
         conv = isinstance(self.module, nn.modules.conv._ConvNd)
         a = conv_patch_rows(x, self.module) if conv else x.reshape(-1, x.shape[-1])
         if self.module.bias is not None:
             a = with_ones(a)
-        g = output_grad_rows(out.grad, conv) * x.shape[0] * self.accumulation_steps
+        n = x.shape[0] if conv else a.shape[0]
+        g = output_grad_rows(out.grad, conv) * n * self.accumulation_steps
         return a.to(DT), g.to(DT)
 
     def step(self, step: int, calls: list[tuple[torch.Tensor, torch.Tensor]], grad: torch.Tensor) -> torch.Tensor:

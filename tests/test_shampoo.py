@@ -10,8 +10,9 @@
 * Checkpoints resume bitwise; arguments are checked; non-finite gradients leave the
   statistics unchanged.
 
-The distributed equivalence (world 1-4, every grad-worker fraction) is in
-``test_shampoo_distributed.py``.
+The distributed equivalence (world 1-4, every grad-worker fraction, checkpoints across world
+sizes, where the statistics live, no all-reduce) runs in ``test_distributed.py``'s shared
+spawns: its ``shampoo-*`` configurations and ``test_shampoo_*`` tests.
 """
 from __future__ import annotations
 
@@ -433,3 +434,95 @@ def test_shampoo_beats_sgd_on_badly_scaled_least_squares():
     shampoo = {lr: _least_squares(lr, inv_update_steps=1) for lr in SHAMPOO_GRID}
     best = min(shampoo.values())
     assert best * 10 <= sgd[best_sgd_lr], (shampoo, sgd)
+
+
+# ----------------------------------------------------------------------------- robustness
+def _corrupted(state: dict, how: str) -> dict:
+    state = torch.load(_saved(state), weights_only=False)  # a deep copy
+    layer = state["layers"]["3"]
+    if how == "nan-statistic":
+        layer["statistics"]["weight.R"][0, 0] = float("nan")
+    elif how == "int-root":
+        layer["roots"]["weight.L"][0] = layer["roots"]["weight.L"][0].round().to(torch.int64)
+    elif how == "wrong-shape":
+        layer["statistics"]["bias.L"] = torch.zeros(4, 4, dtype=F64)
+    elif how == "missing-roots":
+        del layer["roots"]
+    elif how == "negative-mass":
+        layer["mass"][0] = -layer["mass"][0]
+    return state
+
+
+def _saved(state) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+@pytest.mark.parametrize("how", ["nan-statistic", "int-root", "wrong-shape", "missing-roots", "negative-mass"])
+def test_corrupted_state_raises_and_changes_nothing(how):
+    model, opt, saved = _trainer(inv_dtype=F64)
+    _train(model, opt, saved, 3, 0)
+    model, opt, target = _trainer(inv_dtype=F64)
+    _train(model, opt, target, 1, 0)
+    before = torch.load(_saved(target.state_dict()), weights_only=False)
+    with pytest.raises(ValueError, match="3"):
+        target.load_state_dict(_corrupted(saved.state_dict(), how))
+    after = target.state_dict()
+    for name, layer in before["layers"].items():
+        for key in ("statistics", "roots"):
+            for part, value in layer[key].items():
+                got = after["layers"][name][key][part]
+                assert all(torch.equal(a, b) for a, b in zip(got, value)) if key == "roots" else torch.equal(got, value)
+    assert target.steps == 1
+
+
+def _nan_eigh_for(dtypes, real_eigh):
+    def eigh(matrix, *args, **kwargs):
+        values, vectors = real_eigh(matrix, *args, **kwargs)
+        return (values * float("nan"), vectors) if matrix.dtype in dtypes else (values, vectors)
+    return eigh
+
+
+def test_eigh_returning_nan_is_retried_in_float64(monkeypatch):
+    """``eigh`` that returns NaN without raising (seen on GPUs) counts as a failure: the
+    float64 retry gives the dense reference's roots."""
+    model = small_model().float()
+    precond = KronPreconditioner(model, method="shampoo")
+    dense = DenseShampoo(decay=0.99, epsilon=1e-4, exponent=0.25)
+    layers = {name: [p for _, p in layer.params] for name, layer in precond.layers.items()}
+    monkeypatch.setattr(torch.linalg, "eigh", _nan_eigh_for({torch.float32}, torch.linalg.eigh))
+    for step in range(2):
+        x, y = small_batch(step)
+        model.zero_grad()
+        F.mse_loss(model(x.float()), y.float()).backward()
+        expected = dense.step(step, {name: [p.grad.clone() for p in params] for name, params in layers.items()})
+        precond.step()
+        for name, params in layers.items():
+            for p, want in zip(params, expected[name]):
+                assert ((p.grad.double() - want).norm() / want.norm()).item() < 1e-5, (step, name)
+
+
+def test_eigh_failing_in_every_dtype_keeps_the_previous_roots(monkeypatch):
+    model = small_model()
+    precond = KronPreconditioner(model, method="shampoo", inv_dtype=F64)
+    dense = DenseShampoo(decay=0.99, epsilon=1e-4, exponent=0.25, refresh_every=10**9)  # keeps step 0's roots
+    layers = {name: [p for _, p in layer.params] for name, layer in precond.layers.items()}
+    real_eigh = torch.linalg.eigh
+    for step in range(3):
+        if step == 1:
+            monkeypatch.setattr(torch.linalg, "eigh", _nan_eigh_for({torch.float32, F64}, real_eigh))
+        x, y = small_batch(step)
+        model.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        expected = dense.step(step, {name: [p.grad.clone() for p in params] for name, params in layers.items()})
+        if step == 0:
+            precond.step()
+        else:
+            with pytest.warns(RuntimeWarning, match="eigendecomposition"):
+                precond.step()
+        for name, params in layers.items():
+            for p, want in zip(params, expected[name]):
+                err = ((p.grad - want).norm() / want.norm()).item()
+                assert err < 1e-10, (step, name, tuple(p.shape), err)

@@ -43,6 +43,7 @@ from typing import Any, Hashable, Sequence
 import torch
 
 from kron_precond import validation as check
+from kron_precond.methods import state_checks as checks
 from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
 from kron_precond.modules import find_parameter_modules
 from kron_precond.schedules import IntervalSchedule, StepContext
@@ -302,20 +303,26 @@ class ShampooLayer(LayerMethod):
         }
 
     def check_state(self, state: dict[str, Any]) -> None:
-        """Raise ``ValueError`` unless ``state`` was saved by a layer with the same sides."""
+        """Raise ``ValueError`` unless ``state`` was saved by a layer with the same sides and
+        holds what :meth:`load_state_dict` can trust (floating, finite tensors of the right
+        shapes)."""
+        where = f"state of {self.name}"
         expected = {part: list(self._side_shape(part)) for part in self.parts}
-        layout = state.get("layout") if isinstance(state, dict) else None
+        layout = checks.entry(state, "layout", where)
         if layout != expected:
-            raise ValueError(f"state of {self.name} has sides {layout}, expected {expected} "
+            raise ValueError(f"{where} has sides {layout}, expected {expected} "
                              "(other parameters, or another max_factor_size)")
-        for key in ("statistics", "roots"):
-            shapes = {part: list(v.shape) if key == "statistics" else list(v[0].shape)
-                      for part, v in state[key].items()}
-            if shapes != expected:
-                raise ValueError(f"state of {self.name} has {key} of shapes {shapes}, expected {expected}")
-        if len(state["mass"]) != len(self.shapes):
-            raise ValueError(f"state of {self.name} has {len(state['mass'])} weights, "
-                             f"expected {len(self.shapes)}")
+        statistics = checks.entry(state, "statistics", where)
+        roots = checks.entry(state, "roots", where)
+        for part, shape in expected.items():
+            checks.float_tensor(checks.entry(statistics, part, f"{where}: statistics"), shape,
+                                f"{where}: statistics[{part!r}]")
+            checks.tensor_list(checks.entry(roots, part, f"{where}: roots"), [shape, [1]], f"{where}: roots[{part!r}]")
+        mass = checks.entry(state, "mass", where)
+        checks.tensor_list(mass, [[]] * len(self.shapes), f"{where}: mass")
+        if any(bool(m < 0) for m in mass):
+            raise ValueError(f"{where}: mass holds a negative weight")
+        checks.boolean(checks.entry(state, "ready", where), f"{where}: ready")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
@@ -345,19 +352,24 @@ def _decayed(stat: torch.Tensor, matrix: torch.Tensor, side: _Side, decay: float
 
 def _matrix_root(average: torch.Tensor, epsilon: float, exponent: float, label: str):
     """``(root, largest eigenvalue)`` of a symmetric PSD matrix, eigenvalues clamped at 0 plus
-    ``epsilon · max λ``; retried in float64; ``None`` (with a warning) if both fail."""
+    ``epsilon · max λ``; retried in float64 if ``eigh`` raises or returns non-finite values;
+    ``None`` (with a warning) if both fail."""
     for dtype in dict.fromkeys((average.dtype, torch.float64)):
         try:
             eigenvalues, eigenvectors = torch.linalg.eigh(average.to(dtype))
         except RuntimeError:  # torch.linalg.LinAlgError: no convergence
+            continue
+        # NaN/Inf without raising (seen on GPUs) is a failure too; a host sync, on refresh
+        # steps only (eigh itself synchronises to report convergence errors)
+        if not bool(torch.isfinite(eigenvalues).all() & torch.isfinite(eigenvectors).all()):
             continue
         eigenvalues = eigenvalues.clamp_min(0.0)
         largest = eigenvalues.max()
         # a zero statistic gives inf here; the caller keeps the previous root then
         powers = (eigenvalues + epsilon * largest).pow(-exponent)
         return (eigenvectors * powers) @ eigenvectors.t(), largest
-    warnings.warn(f"kron_precond: eigendecomposition of {label} failed in float32 and float64; "
-                  "keeping the previous root", RuntimeWarning, stacklevel=3)
+    warnings.warn(f"kron_precond: eigendecomposition of {label} failed in float32 and float64 "
+                  "(raised or returned non-finite values); keeping the previous root", RuntimeWarning, stacklevel=3)
     return None
 
 
