@@ -6,7 +6,7 @@ setup(
     description="Kronecker-factored second-order preconditioning (K-FAC, PSGD Kron) for any "
     "PyTorch optimizer, distributed over torchrun workers.",
     packages=find_packages(include=["kron_precond", "kron_precond.*"]),
-    python_requires=">=3.9",
+    python_requires=">=3.10",  # zip(strict=...), X | Y unions at run time
     # torch is deliberately unpinned here: install it first (README) so pip never swaps it.
     install_requires=["torch>=2.0", "numpy"],
     extras_require={
@@ -14,5 +14,8 @@ setup(
         "examples": ["scikit-learn", "tqdm", "matplotlib"],
         # kron_precond.keras (Keras 3 on JAX, or TensorFlow/torch if installed); no torch.
         "keras": ["keras>=3.15", "jax"],
+        # Optional: the integration tests and examples for trainer frameworks. Never needed by
+        # the core package; install with the torch constraint so none of them swaps torch.
+        "trainers": ["transformers", "accelerate", "lightning"],
     },
 )

@@ -31,11 +31,14 @@ from typing import Sequence
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run from a checkout: `examples.*`, uninstalled kron_precond
+if str(REPO_ROOT) not in sys.path:  # run from a checkout: `benchmarks.*`, uninstalled kron_precond
     sys.path.append(str(REPO_ROOT))
+# The examples' modules are imported by file from examples/, never through a package named
+# `examples` (other wheels, e.g. kfac-pytorch's, install a top-level `examples`).
+sys.path.insert(0, str(REPO_ROOT / "examples"))
 
 from benchmarks.peers import ALL_PEERS, DEFAULT_PEERS, available_peers, parse_peers  # noqa: E402
-from examples.char_lm import (  # noqa: E402
+from char_lm import (  # noqa: E402
     Contender,
     RunResult,
     _psgd_init_scale,
@@ -47,7 +50,7 @@ from examples.char_lm import (  # noqa: E402
     results_table,
     train_round_robin,
 )
-from examples.common import METHODS, PrecondConfig, close_distributed, init_distributed  # noqa: E402
+from kron_examples_common import METHODS, PrecondConfig, close_distributed, init_distributed  # noqa: E402
 
 # The fair sweep: every family gets the same number of learning rates (3), centred on the
 # best point of earlier sweeps, so that each family's best point can land inside its grid.

@@ -31,15 +31,18 @@ import torch
 from torch import nn
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run from a checkout: `examples.*`, uninstalled kron_precond
+if str(REPO_ROOT) not in sys.path:  # run from a checkout: `benchmarks.*`, uninstalled kron_precond
     sys.path.append(str(REPO_ROOT))
+# The examples' modules are imported by file from examples/, never through a package named
+# `examples` (other wheels, e.g. kfac-pytorch's, install a top-level `examples`).
+sys.path.insert(0, str(REPO_ROOT / "examples"))
 
 from benchmarks.peers import ALL_PEERS, DEFAULT_PEERS, available_peers, parse_peers  # noqa: E402
-from examples.char_lm import (  # noqa: E402
+from char_lm import (  # noqa: E402
     SKIP_LAYERS, ByteCorpus, CharTransformer, ModelConfig, TrainConfig, format_table, lm_loss, load_corpus,
 )
-from examples.common import AmpState, PrecondConfig, StepTimer, build_optimizer, build_preconditioner, train_step  # noqa: E402
-from examples.digits_cnn import DigitsCNN, classification_loss, load_digits_tensors  # noqa: E402
+from kron_examples_common import AmpState, PrecondConfig, StepTimer, build_optimizer, build_preconditioner, train_step  # noqa: E402
+from digits_cnn import DigitsCNN, classification_loss, load_digits_tensors  # noqa: E402
 
 LR = {"adamw": 1e-3, "sgd": 0.01, "kron": 3e-4}  # timing only: any stable value will do
 ANNEALED_P = 0.03  # floor of the default update-probability schedule
@@ -231,7 +234,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, list[Timing]]:
-    from examples.common import resolve_device
+    from kron_examples_common import resolve_device
 
     args = parse_args(argv)
     if args.threads:

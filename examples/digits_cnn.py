@@ -20,10 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run from a checkout: `examples.*`, uninstalled kron_precond
+if str(REPO_ROOT) not in sys.path:  # run from a checkout: an uninstalled kron_precond
     sys.path.append(str(REPO_ROOT))
+# Sibling modules are imported by file from this folder, never through a package named
+# `examples` (other wheels, e.g. kfac-pytorch's, install a top-level `examples`).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from examples.common import (  # noqa: E402
+from kron_examples_common import (  # noqa: E402
     AmpState,
     PrecondConfig,
     build_optimizer,

@@ -2,10 +2,15 @@
 
     precond = KronPreconditioner(model, method="kfac")
     loss.backward(); precond.step(); optimizer.step()
+
+or, for loops that only call ``optimizer.step()`` (HF Trainer, Lightning, Accelerate)::
+
+    optimizer = PreconditionedOptimizer(torch.optim.AdamW(model.parameters()), precond)
 """
 from kron_precond.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, Method
 from kron_precond.preconditioner import KronPreconditioner
 from kron_precond.schedules import precond_update_prob_schedule
+from kron_precond.wrapped import PreconditionedOptimizer
 
 try:  # the standalone optimizer lands separately
     from kron_precond.optim import Kron
@@ -14,6 +19,7 @@ except ImportError:  # pragma: no cover
 
 __all__ = [
     "KronPreconditioner",
+    "PreconditionedOptimizer",
     "Kron",
     "Method",
     "ComputeMethod",

@@ -10,6 +10,12 @@ Output gradients are rescaled so that, for the usual mean losses, the factors de
 neither the batch size nor the sequence length: ``δ = grad · n · accumulation_steps`` with
 ``n`` the rows of the call for Linear-like modules (per-token means) and the batch size for
 convolutions (per-sample means); see ``KFACAdapter.gradient_scale`` and docs/API.md.
+
+Under ``torch.compile(model)`` the observation runs outside the compiled graph
+(``torch.compiler.disable``): inductor cannot compile a graph that writes our statistics
+and registers a tensor hook on one of its own intermediates ("Node addmm_N was invalid, but
+is output"). The model's graph is then split at each registered module, and the tensor
+hook sees the output gradient in eager autograd, exactly as without compile.
 """
 from __future__ import annotations
 
@@ -30,33 +36,42 @@ class ActivationCapture:
             ``None`` (no mixed-precision scaler).
         before_write: called before the first write of a step's statistics (so that a
             reduction still reading last step's buffers can finish first).
+        before_observe: called with the layer before its statistics are written (the engine
+            moves the layer's state to where its parameters now are).
     """
 
     def __init__(self, layers: Sequence, *, accumulation_steps: int,
                  loss_scale: Callable[[], float | torch.Tensor | None],
-                 before_write: Callable[[], None]) -> None:
+                 before_write: Callable[[], None],
+                 before_observe: Callable[[object], None] = lambda layer: None) -> None:
         self.accumulation_steps = accumulation_steps
         self._loss_scale = loss_scale
         self._before_write = before_write
+        self._before_observe = before_observe
         self.collecting = False
         self._handles = [layer.module.register_forward_hook(self._forward_hook(layer), with_kwargs=True)
                          for layer in layers]
 
     def _forward_hook(self, layer):
-        def hook(module: nn.Module, inputs, kwargs, output):
-            if not (self.collecting and module.training and torch.is_grad_enabled()):
-                return
+        @torch.compiler.disable  # see the module docstring
+        def observe(module: nn.Module, inputs, kwargs, output):
             # The input may also come as a keyword (``linear(input=x)``).
             candidates = list(inputs[:1]) or list(kwargs.values())[:1]
             if not candidates or not isinstance(candidates[0], torch.Tensor):
                 return
             self._before_write()
+            self._before_observe(layer)
             with torch.no_grad():
                 # whatever the method returns comes back with this call's output gradient
                 call = layer.method.observe_activations(layer.adapter.activation_rows(candidates[0].detach()))
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 scale = float(_gradient_scale(layer.adapter, module, output) * self.accumulation_steps)
                 on_output_grad(output, lambda grad: self._observe_output_grad(layer, grad, scale, call))
+
+        def hook(module: nn.Module, inputs, kwargs, output):
+            if self.collecting and module.training and torch.is_grad_enabled():
+                observe(module, inputs, kwargs, output)
+
         return hook
 
     def _observe_output_grad(self, layer, grad: torch.Tensor, scale: float, call) -> None:
@@ -106,7 +121,18 @@ def on_output_grad(output: torch.Tensor, hook: Callable[[torch.Tensor], None]) -
 
 
 def grad_scaler_scale(grad_scaler) -> Callable[[], float | torch.Tensor | None]:
-    """The current loss scale of a ``torch.amp.GradScaler`` (``None`` before its first use)."""
+    """A function returning the loss scale to divide out of output gradients (``None``: none).
+
+    ``grad_scaler``: ``None``; a ``torch.amp.GradScaler``, whose scale tensor is read
+    directly (no host sync; ``None`` before its first ``scale()`` and while disabled); or a
+    callable returning the current scale, a float or a tensor (kfac-pytorch's
+    ``grad_scaler=scaler.get_scale``). Anything else raises ``TypeError``.
+    """
     if grad_scaler is None:
         return lambda: None
-    return lambda: getattr(grad_scaler, "_scale", None)
+    if isinstance(grad_scaler, torch.amp.GradScaler):
+        return lambda: grad_scaler._scale if grad_scaler.is_enabled() else None
+    if callable(grad_scaler):
+        return grad_scaler
+    raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, a callable returning the current loss "
+                    f"scale, or None; got {type(grad_scaler).__name__} {grad_scaler!r}")

@@ -42,6 +42,7 @@ from kron_precond.schedules import StepContext, resolve
 logger = logging.getLogger("kron_precond")
 
 _KL_CLIP_DEFAULT = object()  # the method's default: 1e-3 for K-FAC; off for PSGD (already whitened)
+_LR_FALLBACK = 0.1  # kl_clip's lr when none is given anywhere (with a warning)
 
 
 class Layer:
@@ -60,6 +61,9 @@ class Layer:
         self.params = params
         self.method = method_state
         self.adapter = adapter
+        # The parameters' device and dtype when the state was made: when the model is moved
+        # after construction, the state follows (KronPreconditioner._follow_parameters).
+        self.placement = (params[0][1].device, params[0][1].dtype)
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
@@ -90,10 +94,15 @@ class KronPreconditioner:
             ``min(1, sqrt(kl_clip / |Σ lr² ⟨V, ∇⟩|))``; ``None`` disables. Default: the
             method's (1e-3 for K-FAC, off for PSGD). A value or a callable of the step.
         lr: learning rate used only by ``kl_clip`` (a value or a callable of the step).
+            ``None`` (default): the ``lr`` given to :meth:`step` —
+            :class:`~kron_precond.PreconditionedOptimizer` passes its current learning rate
+            at every step, so ``kl_clip`` follows the optimizer and its scheduler.
         accumulation_steps: backward passes per step for methods that capture activations;
             each micro-batch loss is assumed divided by it.
-        grad_scaler: a ``torch.amp.GradScaler`` whose scale is divided out of the output
-            gradients seen by the hooks (mixed precision).
+        grad_scaler: a ``torch.amp.GradScaler``, or a callable returning the current loss
+            scale (float or tensor; kfac-pytorch's ``scaler.get_scale``), whose scale is
+            divided out of the output gradients seen by the hooks (mixed precision).
+            Anything else raises ``TypeError``.
         allreduce_bucket_cap_mb: size of statistic all-reduce buckets (0: one call per tensor).
         assignment_strategy: ``"compute"`` or ``"memory"``: what placing work on ranks balances.
         colocate_factors: keep all of a layer's expensive work on one rank. ``False``
@@ -117,7 +126,7 @@ class KronPreconditioner:
         method: str = "kfac",
         skip_layers: str | list[str] | tuple[str, ...] = (),
         kl_clip: float | None | Callable[[int], float] = _KL_CLIP_DEFAULT,  # type: ignore[assignment]
-        lr: float | Callable[[int], float] = 0.1,
+        lr: float | Callable[[int], float] | None = None,
         accumulation_steps: int = 1,
         grad_scaler=None,
         allreduce_bucket_cap_mb: float = 25.0,
@@ -141,7 +150,7 @@ class KronPreconditioner:
             kl_clip = spec_class.default_kl_clip
         if kl_clip is not None and not callable(kl_clip):
             kl_clip = validation.check_positive("kl_clip", kl_clip)
-        if not callable(lr):  # 0 is meaningful: a warm-up from 0 (kl_clip's scale is then 1)
+        if lr is not None and not callable(lr):  # 0 is meaningful: a warm-up from 0 (scale 1)
             lr = validation.check_non_negative("lr", lr)
         self._kl_clip, self._lr = kl_clip, lr
         self.accumulation_steps = validation.check_int("accumulation_steps", accumulation_steps)
@@ -150,6 +159,7 @@ class KronPreconditioner:
         self.symmetry_aware = bool(symmetry_aware)
         self.colocate_factors = bool(colocate_factors)
         self._grad_scaler = grad_scaler
+        loss_scale = grad_scaler_scale(grad_scaler)  # TypeError for anything else, whatever the method
 
         # ---- distributed context
         self._runtime = Runtime(process_group, bucket_cap_bytes=int(bucket_cap * 2**20),
@@ -193,11 +203,12 @@ class KronPreconditioner:
         self._statistics_steps = 0  # identical on every rank
         self._refreshes = 0  # identical on every rank
         self._pending_statistics: tuple[Any, StepContext] | None = None
+        self._warned_lr_fallback = False
         self._apply_cache: dict = {}
         self._health = Health(self._layers, captures=self._spec.captures)
         self._capture = (ActivationCapture(self._layers, accumulation_steps=self.accumulation_steps,
-                                           loss_scale=grad_scaler_scale(grad_scaler),
-                                           before_write=self._wait_for_statistics)
+                                           loss_scale=loss_scale, before_write=self._wait_for_statistics,
+                                           before_observe=self._follow_parameters)
                          if self._spec.captures else None)
         self._collecting = False
         self._update_collecting()
@@ -233,15 +244,22 @@ class KronPreconditioner:
                              else [None] * len(layer.params)) for layer in self._layers}
 
     # ------------------------------------------------------------------ step
-    def step(self) -> None:
+    def step(self, *, lr: float | torch.Tensor | None = None) -> None:
         """Replace ``.grad`` of every registered parameter with its preconditioned value.
+
+        Args:
+            lr: the base optimizer's current learning rate, read by ``kl_clip`` when the
+                constructor was given no ``lr`` (e.g.
+                ``precond.step(lr=optimizer.param_groups[0]["lr"])``).
 
         With AMP's ``GradScaler``, call ``scaler.unscale_(optimizer)`` first: the update
         (and ``kl_clip``) must see true gradients.
         """
         with torch.no_grad():
+            for layer in self._layers:
+                self._follow_parameters(layer)
             self._health.poll()
-            ctx = self._plan()  # raises before any state changes
+            ctx = self._plan(lr)  # raises before any state changes
             grads = self._gradients()
             if ctx.statistics:
                 self._statistics_steps += 1
@@ -264,7 +282,7 @@ class KronPreconditioner:
             self._steps += 1
             self._update_collecting()
 
-    def _plan(self) -> StepContext:
+    def _plan(self, step_lr=None) -> StepContext:
         """This step's decisions and hyperparameters, all checked before anything changes."""
         step = self._steps
         statistics = self._collecting
@@ -279,9 +297,26 @@ class KronPreconditioner:
         kl_clip = resolve(self._kl_clip, step)
         if kl_clip is not None:
             hparams["kl_clip"] = validation.check_positive("kl_clip", kl_clip)
-            hparams["lr"] = validation.check_non_negative("lr", resolve(self._lr, step))
+            hparams["lr"] = self._kl_clip_lr(step, step_lr)
         return StepContext(step=step, statistics=statistics, refresh=refresh, refresh_index=self._refreshes,
                            statistics_count=self._statistics_steps + int(statistics), hparams=hparams)
+
+    def _kl_clip_lr(self, step: int, step_lr):
+        """kl_clip's lr: the constructor's, else the one given to step(), else 0.1 (warned once)."""
+        if self._lr is not None:
+            return validation.check_non_negative("lr", resolve(self._lr, step))
+        if step_lr is not None:
+            # An optimizer's lr, which warm-up schedules start at 0: then ν = 1 (no clip).
+            if isinstance(step_lr, torch.Tensor):  # a tensor lr (capturable optimizers): no host sync
+                return step_lr
+            return validation.check_non_negative("step(lr=...)", step_lr)
+        if not self._warned_lr_fallback:
+            self._warned_lr_fallback = True
+            warnings.warn(f"kron_precond: kl_clip needs the learning rate but none was given; using "
+                          f"lr={_LR_FALLBACK}. Pass lr= to KronPreconditioner, call "
+                          "step(lr=optimizer.param_groups[0]['lr']), or use PreconditionedOptimizer",
+                          UserWarning, stacklevel=4)
+        return _LR_FALLBACK
 
     def _fold_or_reduce(self, ctx: StepContext) -> None:
         if self.world_size == 1 or not self._spec.reduces_statistics:
@@ -337,6 +372,23 @@ class KronPreconditioner:
             self._capture.collecting = self._collecting
 
     # ------------------------------------------------------------------ placement
+    def _follow_parameters(self, layer: Layer) -> None:
+        """Move ``layer``'s state to its parameters if the model was moved since the state
+        was made (``model.to(device / dtype)`` after construction, ``to_empty`` from
+        ``meta``). Compares metadata only: no host sync."""
+        name, param = layer.params[0]
+        current = getattr(layer.module, name, param)
+        if current is not param:  # to_empty() from meta makes new Parameter objects
+            layer.params = [(n, getattr(layer.module, n, p)) for n, p in layer.params]
+            param = current
+        placement = (param.device, param.dtype)
+        if placement == layer.placement:
+            return
+        self._wait_for_statistics()
+        layer.method.to(param.device, param.dtype)
+        layer.placement = placement
+        self._apply_cache.clear()  # batched apply stacked the old tensors
+
     def _layer_owner(self, layer: Layer) -> int:
         return self.assignment.owner(layer.name, layer.method.parts[0])
 

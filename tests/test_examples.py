@@ -58,8 +58,12 @@ def test_muon_split_and_chain_follow_one_schedule():
     # The usual Muon split: hidden nn.Linear weights to Muon; embeddings, the output layer,
     # norms and biases to AdamW; one LR scheduler drives both halves.
     import torch
-    from examples.char_lm import SKIP_LAYERS, CharTransformer, ModelConfig, warmup_cosine
-    from examples.common import build_muon
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from char_lm import SKIP_LAYERS, CharTransformer, ModelConfig, warmup_cosine
+        from kron_examples_common import build_muon
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
 
     model = CharTransformer(ModelConfig(d_model=16, n_layers=2, n_heads=2, seq_len=8))
     chain = build_muon(model, lr=8e-3, weight_decay=0.0, exclude=SKIP_LAYERS)
@@ -76,3 +80,47 @@ def test_muon_split_and_chain_follow_one_schedule():
     scheduler.step()
     assert muon.param_groups[0]["lr"] == adamw.param_groups[0]["lr"] == 8e-3  # end of warm-up
     assert chain.state  # both halves' state is visible through the chain
+
+
+@pytest.mark.parametrize("script", ["examples/digits_cnn.py", "examples/char_lm.py",
+                                    "benchmarks/step_overhead.py"])
+def test_scripts_ignore_an_installed_top_level_examples_package(tmp_path, script):
+    """kfac-pytorch's wheel installs a regular top-level package named ``examples``; it used
+    to shadow the checkout's folder (``No module named 'examples.common'``). ``--help`` runs
+    every import of the script."""
+    fake = tmp_path / "site" / "examples"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("# stands in for another wheel's top-level `examples`\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(ROOT)]),
+               OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{script} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    assert "usage" in done.stdout.lower()
+
+
+@pytest.mark.parametrize("script,framework,args", [
+    ("hf_trainer.py", "transformers", ["--max-steps", "4", "--batch-size", "4", "--seq-len", "16",
+                                       "--grad-accum", "2"]),
+    ("lightning_digits.py", "lightning", ["--max-steps", "4", "--epochs", "1"]),
+    ("accelerate_digits.py", "accelerate", ["--epochs", "1", "--cpu"]),
+])
+@pytest.mark.parametrize("method", ["kfac", "psgd"])
+def test_trainer_framework_examples_run(tmp_path, monkeypatch, script, framework, args, method):
+    """The examples/ scripts for each trainer framework, in-process with tiny settings."""
+    import importlib.util
+
+    from integration_common import require
+
+    require(framework)
+    if framework == "accelerate":
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    monkeypatch.chdir(tmp_path)  # runs/ and checkpoints land here
+    spec = importlib.util.spec_from_file_location(f"kron_example_{script[:-3]}", ROOT / "examples" / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    metrics = module.main(["--method", method, *args])
+    assert metrics and all(value == value for value in metrics.values()), metrics  # no NaN

@@ -372,7 +372,7 @@ KFAC_IGNORED = dict(preconditioner_update_probability=0.5, max_size_triangular=1
                     precond_lr=0.2, precond_init_scale=None, precond_dtype=torch.float64, merge_dims=True)
 PSGD_IGNORED = dict(factor_update_steps=2, inv_update_steps=5, damping=1e-2, factor_decay=0.9,
                     accumulation_steps=2, compute_method="inverse", compute_eigenvalue_outer_product=False,
-                    factor_dtype=torch.float64, inv_dtype=torch.float64, grad_scaler=object(),
+                    factor_dtype=torch.float64, inv_dtype=torch.float64, grad_scaler=lambda: 1.0,
                     symmetry_aware=True)
 
 

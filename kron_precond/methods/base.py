@@ -172,6 +172,14 @@ class LayerMethod(abc.ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         ...
 
+    def to(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Move all state to ``device``: the engine calls this when it finds the layer's
+        parameters moved since the state was made (``model.to(...)`` after construction).
+        ``dtype`` is the parameters' new dtype, for state that follows it. State on ``meta``
+        never held data and is created afresh (:func:`moved`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot follow its parameters to {device}/{dtype}; "
+                                  "build the preconditioner after moving the model")
+
 
 class MethodSpec(abc.ABC):
     """A preconditioning method as the engine sees it.
@@ -223,3 +231,14 @@ class MethodSpec(abc.ABC):
 def tensor_bytes(tensors) -> int:
     """Total storage of the given tensors (``None`` entries ignored)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def moved(tensor: torch.Tensor | None, device: torch.device,
+          dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """``tensor`` on ``device`` (and ``dtype``); a ``meta`` tensor becomes zeros, which is
+    what every piece of state starts as."""
+    if tensor is None:
+        return None
+    if tensor.is_meta:
+        return torch.zeros(tensor.shape, dtype=dtype or tensor.dtype, device=device)
+    return tensor.to(device=device, dtype=dtype or tensor.dtype)

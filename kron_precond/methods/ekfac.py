@@ -55,7 +55,7 @@ import torch
 
 from kron_precond import validation as check
 from kron_precond.enums import ComputeMethod
-from kron_precond.methods.base import Option, Selected, tensor_bytes
+from kron_precond.methods.base import Option, Selected, moved, tensor_bytes
 from kron_precond.methods.kfac import FACTORS, KFACLayer, KFACSpec
 from kron_precond.schedules import IntervalSchedule, StepContext
 
@@ -83,6 +83,17 @@ class EKFACLayer(KFACLayer):
         # Whether the engine's current refresh changes the basis (decided from the step
         # count in observe_gradients, identically on every rank); True outside step().
         self._basis_step = True
+
+    # ------------------------------------------------------------------ placement
+    def to(self, device: torch.device, dtype: torch.dtype) -> None:
+        """K-FAC's move, plus the scaling ``s`` (in float32 or better of the new factor dtype)."""
+        super().to(device, dtype)
+        self.scaling_dtype = torch.promote_types(self.factor_dtype, torch.float32)
+        self._work_dtype = torch.promote_types(self.scaling_dtype, self.inv_dtype)
+        self._s_sum = moved(self._s_sum, device, self.scaling_dtype)
+        self._s_rows = moved(self._s_rows, device, self._rows.dtype)
+        self._scaling = moved(self._scaling, device, self.scaling_dtype)
+        self._scaling_weight = moved(self._scaling_weight, device, self.scaling_dtype)
 
     # ------------------------------------------------------------------ observe
     def observe_activations(self, rows: torch.Tensor) -> torch.Tensor:
@@ -326,11 +337,13 @@ class EKFACSpec(KFACSpec):
 
     def make_layer(self, index: int, selected: Selected) -> EKFACLayer:
         weight = dict(selected.params)["weight"]
-        return EKFACLayer(
+        layer = EKFACLayer(
             selected.name, weight.shape, selected.adapter.has_bias,
             factor_dtype=self.settings["factor_dtype"] or weight.dtype,
             inv_dtype=self.settings["inv_dtype"], device=weight.device,
             weight_transposed=selected.adapter.weight_transposed)
+        layer.factor_dtype_follows = self.settings["factor_dtype"] is None
+        return layer
 
     def make_schedule(self) -> ScalingSchedule:
         return ScalingSchedule(self.settings["factor_update_steps"], self.settings["inv_update_steps"],

@@ -32,7 +32,7 @@ import torch
 from kron_precond.enums import ComputeMethod
 from kron_precond import validation as check
 from kron_precond.methods import state_checks as checks
-from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected, tensor_bytes
+from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
 from kron_precond.modules import find_kfac_modules
 from kron_precond.schedules import IntervalSchedule, StepContext
 
@@ -112,6 +112,8 @@ class KFACLayer(LayerMethod):
         self._damping_used: float | None = None
         # True once a refresh step has finalised this layer (decided from the step count).
         self.ready = False
+        # factor_dtype was not given: factors take the parameters' dtype, also after a move.
+        self.factor_dtype_follows = False
 
     # ------------------------------------------------------------------ observe
     def observe_activations(self, rows: torch.Tensor) -> None:
@@ -389,6 +391,26 @@ class KFACLayer(LayerMethod):
             "decompositions" if self.compute_method is ComputeMethod.EIGEN else "inverses": refreshed,
         }
 
+    # ------------------------------------------------------------------ placement
+    def to(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Move the state to ``device``; factors and statistics also to ``dtype`` when
+        ``factor_dtype`` follows the parameters. Decompositions keep ``inv_dtype``."""
+        factor_dtype = dtype if self.factor_dtype_follows else self.factor_dtype
+        statistics_dtype = torch.promote_types(factor_dtype, torch.float32)
+        self.a_factor = moved(self.a_factor, device, factor_dtype)
+        self.g_factor = moved(self.g_factor, device, factor_dtype)
+        self._a_sum = moved(self._a_sum, device, statistics_dtype)
+        self._g_sum = moved(self._g_sum, device, statistics_dtype)
+        self._rows = moved(self._rows, device, statistics_dtype)
+        self._seen = moved(self._seen, device)
+        self._missed = moved(self._missed, device)
+        self.nonfinite = moved(self.nonfinite, device)
+        if self._refreshed is not None:
+            self._refreshed = {k: [moved(t, device) for t in v] for k, v in self._refreshed.items()}
+        self._inverse_denominator = moved(self._inverse_denominator, device)
+        self.factor_dtype, self.statistics_dtype = factor_dtype, statistics_dtype
+        self._device = device
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """The layer's state. What this rank does not hold is left out: the running factors
@@ -559,13 +581,15 @@ class KFACSpec(MethodSpec):
 
     def make_layer(self, index: int, selected: Selected) -> KFACLayer:
         weight = dict(selected.params)["weight"]
-        return self.layer_class(
+        layer = self.layer_class(
             selected.name, weight.shape, selected.adapter.has_bias,
             compute_method=self.settings["compute_method"],
             eigenvalue_outer_product=self.settings["compute_eigenvalue_outer_product"],
             factor_dtype=self.settings["factor_dtype"] or weight.dtype,
             inv_dtype=self.settings["inv_dtype"], device=weight.device,
             weight_transposed=selected.adapter.weight_transposed)
+        layer.factor_dtype_follows = self.settings["factor_dtype"] is None
+        return layer
 
     def make_schedule(self) -> IntervalSchedule:
         return IntervalSchedule(self.settings["factor_update_steps"], self.settings["inv_update_steps"],

@@ -422,6 +422,13 @@ class PSGDFactors:
         return (f"PSGDFactors(shape={self.shape}, work_shape={self.work_shape}, "
                 f"factors={kinds}, dtype={self.dtype})")
 
+    def to(self, device: torch.device | str) -> None:
+        """Move the factors to ``device`` (their values and dtype are kept)."""
+        self.device = torch.device(device)
+        self.q = [q.to(self.device) for q in self.q]
+        self._form_p = [_cheaper_to_form_p(n, self.numel // max(n, 1), self.device)
+                        for n in self.work_shape]
+
     # -- initialisation --------------------------------------------------------------
     def _reset(self, scale: float) -> None:
         """Every factor to ``s^(1/r)·I`` (triangular) or ``s^(1/r)·1`` (diagonal)."""

@@ -14,7 +14,7 @@ import torch
 
 from kron_precond import validation as check
 from kron_precond.methods import state_checks as checks
-from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected, tensor_bytes
+from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
 from kron_precond.methods.psgd import PSGDFactors, check_memory_save_mode, check_update_rule
 from kron_precond.methods.psgd_tensor import RMS_CLIP, PSGDTensor, rms_clip_scale
 from kron_precond.modules import find_parameter_modules
@@ -73,6 +73,24 @@ class PSGDLayer(LayerMethod):
     @property
     def q_factors(self) -> dict[str, list[torch.Tensor]]:
         return {part: self.factor(part).tensors() for part in self.parts}
+
+    # ------------------------------------------------------------------ placement
+    def to(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Move the state to ``device`` (``precond_dtype`` is an explicit setting, so
+        ``dtype`` is not followed). State made on ``meta`` is made afresh, lazily."""
+        self.device = device
+        for part, state in self._tensors.items():
+            if state is not None:
+                if state.is_meta():
+                    self._tensors[part] = None  # rebuilt on first use, on ``device``
+                else:
+                    state.to(device)
+        if self._averages is not None:
+            self._averages = {part: self._new_tensor(part, momentum=True) if state.is_meta() else state
+                              for part, state in self._averages.items()}
+            for state in self._averages.values():
+                state.to(device)
+        self.nonfinite = moved(self.nonfinite, device)
 
     # ------------------------------------------------------------------ observe
     def observe_gradients(self, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:

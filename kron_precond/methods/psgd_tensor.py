@@ -58,6 +58,20 @@ class PSGDTensor:
         #: forming ``Q_iᵀQ_i`` pays off
         self.uses_per_update = 1.0
 
+    def to(self, device: torch.device) -> None:
+        """Move everything to ``device`` (values and dtypes kept)."""
+        self.factors.to(device)
+        self.device = self.factors.device
+        if self.momentum is not None:
+            self.momentum = self.momentum.to(self.device)
+        self.steps = self.steps.to(self.device)
+        self._generator = None  # tied to its device; reseeded for every probe anyway
+        self.invalidate()  # cached products and batched-apply stacks are on the old device
+
+    def is_meta(self) -> bool:
+        """Made on the ``meta`` device: it never held values."""
+        return self.device.type == "meta"
+
     # ------------------------------------------------------------------ the fitted average
     def accumulate(self, grad: torch.Tensor, finite: torch.Tensor) -> None:
         """Fold a gradient into the running average; a non-finite one leaves it unchanged."""

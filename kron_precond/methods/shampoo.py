@@ -44,7 +44,7 @@ import torch
 
 from kron_precond import validation as check
 from kron_precond.methods import state_checks as checks
-from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected, tensor_bytes
+from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
 from kron_precond.modules import find_parameter_modules
 from kron_precond.schedules import IntervalSchedule, StepContext
 
@@ -116,6 +116,24 @@ class ShampooLayer(LayerMethod):
         self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         # True once a refresh step has finalised this layer (decided from the step count).
         self.ready = False
+
+    # ------------------------------------------------------------------ placement
+    factor_dtype_follows = False  # factor_dtype was not given: float32 or better of the parameters'
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Move the state to ``device``; statistics also to the parameters' new dtype (in
+        float32 or better) when ``factor_dtype`` follows them. Roots keep ``inv_dtype``."""
+        if self.factor_dtype_follows:
+            self.factor_dtype = torch.promote_types(dtype, torch.float32)
+        mass_dtype = torch.promote_types(self.factor_dtype, torch.float32)
+        if self._stats is not None:
+            self._stats = {k: moved(t, device, self.factor_dtype) for k, t in self._stats.items()}
+        if self._mass is not None:
+            self._mass = [moved(t, device, mass_dtype) for t in self._mass]
+        if self._roots is not None:
+            self._roots = {k: [moved(t, device) for t in v] for k, v in self._roots.items()}
+        self.nonfinite = moved(self.nonfinite, device)
+        self.device = device
 
     # ------------------------------------------------------------------ state allocation
     def _side_shape(self, part: str) -> tuple[int, ...]:
@@ -443,9 +461,11 @@ class ShampooSpec(MethodSpec):
     def make_layer(self, index: int, selected: Selected) -> ShampooLayer:
         first = selected.params[0][1]
         factor_dtype = self.settings["factor_dtype"] or torch.promote_types(first.dtype, torch.float32)
-        return ShampooLayer(selected.name, [(n, p.shape) for n, p in selected.params],
-                            max_factor_size=self.settings["max_factor_size"], grafting=self.settings["grafting"],
-                            factor_dtype=factor_dtype, inv_dtype=self.settings["inv_dtype"], device=first.device)
+        layer = ShampooLayer(selected.name, [(n, p.shape) for n, p in selected.params],
+                             max_factor_size=self.settings["max_factor_size"], grafting=self.settings["grafting"],
+                             factor_dtype=factor_dtype, inv_dtype=self.settings["inv_dtype"], device=first.device)
+        layer.factor_dtype_follows = self.settings["factor_dtype"] is None
+        return layer
 
     def make_schedule(self) -> IntervalSchedule:
         return IntervalSchedule(self.settings["factor_update_steps"], self.settings["inv_update_steps"],

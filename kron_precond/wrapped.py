@@ -1,0 +1,182 @@
+"""PreconditionedOptimizer: a base optimizer and a KronPreconditioner behind one ``step()``.
+
+Trainer frameworks (Hugging Face ``Trainer``, PyTorch Lightning, Accelerate) call
+``optimizer.step()``, ``optimizer.zero_grad()`` and ``optimizer.state_dict()`` and hand
+``optimizer.param_groups`` to learning-rate schedulers; they never call a second object's
+``step()``. This class is that one object: its ``step()`` rewrites the gradients with the
+preconditioner, then steps the base optimizer. It owns no parameter groups of its own —
+``param_groups``, ``state`` and ``defaults`` are the base optimizer's, so a scheduler built
+on the wrapper changes the base optimizer's learning rate.
+"""
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+
+from kron_precond.preconditioner import KronPreconditioner
+
+_FORMAT = "kron_precond.PreconditionedOptimizer"
+_FORMAT_VERSION = 1
+
+
+class PreconditionedOptimizer(torch.optim.Optimizer):
+    """``optimizer.step()`` = ``preconditioner.step()`` then ``base.step()``.
+
+    Example::
+
+        base = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        precond = KronPreconditioner(model, method="kfac", accumulation_steps=4)
+        optimizer = PreconditionedOptimizer(base, precond)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)  # drives base's lr
+
+    Args:
+        optimizer: the base ``torch.optim.Optimizer`` that applies the update.
+        preconditioner: a :class:`KronPreconditioner` built on the model whose
+            parameters ``optimizer`` steps. Its ``accumulation_steps`` must equal the
+            number of backward passes (micro-batches) per ``step()``.
+
+    K-FAC's ``kl_clip`` reads the learning rate of ``param_groups[0]`` at every step
+    (so it follows schedulers), unless the preconditioner was given its own ``lr``.
+
+    ``state_dict()`` holds the base optimizer's state in torch's usual layout
+    (``"state"``, ``"param_groups"``) plus the preconditioner's under
+    ``"preconditioner"``; ``load_state_dict`` restores both or, if either part is
+    rejected, neither.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, preconditioner: KronPreconditioner) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, PreconditionedOptimizer):
+            raise TypeError("optimizer is already a PreconditionedOptimizer; wrap its base optimizer instead")
+        if not isinstance(preconditioner, KronPreconditioner):
+            raise TypeError(f"preconditioner must be a KronPreconditioner, got {type(preconditioner).__name__}")
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        missing = [f"{layer.name}.{name}" for layer in preconditioner.layers.values()
+                   for name, p in layer.params if id(p) not in stepped]
+        if missing:
+            raise ValueError(f"preconditioner registers parameters that optimizer does not step: {missing}; "
+                             "build both on the same model (or skip_layers= those modules)")
+        self.optimizer = optimizer
+        self.preconditioner = preconditioner
+        # What torch.optim.Optimizer.__init__ sets up, minus parameter groups of our own.
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._patch_step_function()  # step pre/post hooks and the profiler label
+
+    # The base optimizer's, looked up on every access: its load_state_dict replaces
+    # the group dicts, and a scheduler must keep seeing the live ones.
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer, "preconditioner": self.preconditioner}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["optimizer"], state["preconditioner"])
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Precondition the gradients, then step the base optimizer.
+
+        ``closure`` (as torch.optim) recomputes the loss and its gradients; it is called
+        once, before preconditioning, and its result is returned. The base optimizer is
+        stepped without it, so the closure's forward/backward never runs twice.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.preconditioner.step(lr=self.param_groups[0]["lr"])
+        self.optimizer.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The base optimizer's ``zero_grad`` (every parameter it steps)."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the base optimizer (its parameters are stepped, not preconditioned)."""
+        self.optimizer.add_param_group(param_group)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The base optimizer's state dict with the preconditioner's under ``"preconditioner"``.
+
+        With ``grad_worker_fraction < 1`` this is a collective: call it on every rank.
+        """
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        state = dict(self.optimizer.state_dict())
+        state["preconditioner"] = self.preconditioner.state_dict()
+        state["format"] = _FORMAT
+        state["format_version"] = _FORMAT_VERSION
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, state)
+            if result is not None:
+                state = result
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output: both parts, or — if either raises — neither."""
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        if not isinstance(state_dict, dict) or "preconditioner" not in state_dict:
+            keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(f"state_dict has no 'preconditioner' entry (got {keys}); it was not saved by "
+                             "PreconditionedOptimizer.state_dict()")
+        version = state_dict.get("format_version", _FORMAT_VERSION)
+        if version > _FORMAT_VERSION:
+            raise ValueError(f"state_dict has format_version={version!r}; this version of kron_precond "
+                             f"reads up to {_FORMAT_VERSION}")
+        base = {k: v for k, v in state_dict.items()
+                if k not in ("preconditioner", "format", "format_version")}
+        # Snapshots to roll back to: a base optimizer may fail after changing itself,
+        # and either part may be rejected after the other was loaded.
+        base_before = copy.deepcopy(self.optimizer.state_dict())
+        precond_before = self.preconditioner.state_dict()
+        try:
+            self.preconditioner.load_state_dict(state_dict["preconditioner"])
+            self.optimizer.load_state_dict(base)
+        except Exception:
+            self.optimizer.load_state_dict(base_before)
+            self.preconditioner.load_state_dict(precond_before)
+            raise
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def __repr__(self) -> str:
+        inner = "\n".join("  " + line for line in repr(self.optimizer).splitlines())
+        return f"{type(self).__name__}(\n{inner},\n  preconditioner={str(self.preconditioner.method)!r} " \
+               f"with {len(self.preconditioner.layers)} layers\n)"

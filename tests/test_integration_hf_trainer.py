@@ -1,0 +1,112 @@
+"""Hugging Face ``transformers.Trainer`` with ``optimizers=(PreconditionedOptimizer, scheduler)``
+(K-FAC and PSGD) on a one-block GPT-2 built from a config (no downloads), trained on the
+bytes of Python's ``os.py`` with ``gradient_accumulation_steps``.
+
+K-FAC registers GPT-2's ``Conv1D`` layers (the tied ``lm_head`` is skipped); the Trainer
+calls the wrapper's ``step()`` once per accumulation window. See ``integration_common``
+for what is checked.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from integration_common import (FactorLog, RowRecorder, assert_same_parameters, assert_trains_like_adamw,
+                                check_factors_saw_every_micro_batch_once, make_optimizer, require)
+
+BATCH, K, STEPS, SEQ, LR = 8, 2, 30, 32, 3e-3
+KFAC = dict(damping=1e-2, inv_update_steps=2, factor_decay=0.9, skip_layers=["lm_head"])
+RECORDED = "transformer.h.0.mlp.c_fc"
+
+
+def _transformers():
+    transformers = require("transformers")
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("accelerate").setLevel(logging.ERROR)
+    return transformers
+
+
+def _sequences(count: int) -> torch.Tensor:
+    data = torch.frombuffer(bytearray(open(os.__file__, "rb").read()), dtype=torch.uint8).long()
+    return data[: count * SEQ].reshape(count, SEQ)
+
+
+class _Dataset(torch.utils.data.Dataset):
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[index], "labels": self.tokens[index]}
+
+
+def _model(transformers):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=32, n_layer=1, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _fit(method, steps, out_dir, *, record=False, save_steps=None, resume_from=None):
+    transformers = _transformers()
+    model = _model(transformers)
+    optimizer = make_optimizer(method, model, LR, accumulation_steps=K, kfac=KFAC)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5))
+    recorder = log = None
+    if record:
+        recorder = RowRecorder(model.get_submodule(RECORDED))
+        log = FactorLog(optimizer, RECORDED)
+    args = transformers.TrainingArguments(
+        output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=K, use_cpu=True, report_to=[], seed=0, data_seed=0,
+        logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Dataset(_sequences(BATCH * K * STEPS)),
+                                   optimizers=(optimizer, scheduler))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train(resume_from_checkpoint=resume_from)
+    return model, optimizer, recorder, log, trainer
+
+
+@torch.no_grad()
+def _lm_loss(model) -> float:
+    model.eval()
+    tokens = _sequences(BATCH * K * STEPS)
+    logits = model(input_ids=tokens).logits
+    return F.cross_entropy(logits[:, :-1].reshape(-1, 256), tokens[:, 1:].reshape(-1)).item()
+
+
+def test_hf_trainer_trains_and_sees_every_micro_batch_once(tmp_path):
+    transformers = _transformers()
+    initial = _lm_loss(_model(transformers))
+    losses = {}
+    for method in ("adamw", "kfac", "psgd"):
+        model, optimizer, recorder, log, trainer = _fit(method, STEPS, tmp_path / method, record=method == "kfac")
+        assert trainer.state.global_step == STEPS
+        losses[method] = _lm_loss(model)
+        if method != "adamw":
+            assert optimizer.preconditioner.steps == STEPS
+        if method == "kfac":
+            check_factors_saw_every_micro_batch_once(recorder, log, K, rows_per_step=K * BATCH * SEQ)
+    print(f"HF Trainer final losses (initial {initial:.3f}):", losses)
+    assert_trains_like_adamw(losses, initial)
+
+
+@pytest.mark.parametrize("method", ["kfac", "psgd"])
+def test_hf_trainer_checkpoint_resumes_to_the_same_update(tmp_path, method):
+    steps, save_at = 6, 4
+    straight, *_ = _fit(method, steps, tmp_path / "a", save_steps=save_at)
+    checkpoint = tmp_path / "a" / f"checkpoint-{save_at}"
+    assert checkpoint.is_dir()
+    resumed, optimizer, *_ = _fit(method, steps, tmp_path / "b", resume_from=str(checkpoint))
+    assert optimizer.preconditioner.steps == steps
+    assert_same_parameters(straight, resumed)

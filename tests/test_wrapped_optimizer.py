@@ -1,0 +1,278 @@
+"""PreconditionedOptimizer: one torch.optim.Optimizer for loops that only call ``optimizer.step()``.
+
+References: the K-FAC step (with ``kl_clip``) is recomputed densely in float64 from the
+layer's recorded input and output gradient; the torch.optim behaviours (schedulers,
+closures, hooks, checkpoints) are compared with the two-object loop
+``precond.step(); base.step()`` or with the state before a failed load.
+"""
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kron_precond import KronPreconditioner, PreconditionedOptimizer
+
+DT = torch.float64
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(DT)
+
+
+def batch(step, n=16):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(n, 6, generator=g, dtype=DT), torch.randn(n, 3, generator=g, dtype=DT)
+
+
+def build(method, seed=0, lr=0.05, **kw):
+    model = make_model(seed)
+    base = torch.optim.AdamW(model.parameters(), lr=lr)
+    precond = KronPreconditioner(model, method=method, **kw)
+    return model, PreconditionedOptimizer(base, precond)
+
+
+def train(model, opt, steps, start=0, scheduler=None):
+    for step in range(start, start + steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+
+
+KW = {"kfac": dict(damping=1e-2, inv_update_steps=2, kl_clip=None),
+      "psgd": dict(preconditioner_update_probability=0.5)}
+
+
+# ------------------------------------------------------------------ it is an Optimizer
+def test_is_an_optimizer_sharing_the_base_param_groups():
+    model, opt = build("kfac", **KW["kfac"])
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert opt.param_groups is opt.optimizer.param_groups
+    assert opt.state is opt.optimizer.state
+    assert opt.defaults is opt.optimizer.defaults
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns if the scheduler steps before the optimizer
+        train(model, opt, 2, scheduler=sched)
+    assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(0.05 * 0.25)
+
+
+@pytest.mark.parametrize("method", ["kfac", "psgd"])
+def test_step_equals_preconditioner_step_then_base_step(method):
+    model_a, opt = build(method, **KW[method])
+    model_b = make_model()
+    base_b = torch.optim.AdamW(model_b.parameters(), lr=0.05)
+    precond_b = KronPreconditioner(model_b, method=method, **KW[method])
+    for step in range(4):
+        train(model_a, opt, 1, start=step)
+        x, y = batch(step)
+        base_b.zero_grad()
+        F.mse_loss(model_b(x), y).backward()
+        precond_b.step()
+        base_b.step()
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0)
+    assert opt.preconditioner.steps == 4
+
+
+def test_zero_grad_and_add_param_group_go_to_the_base_optimizer():
+    model, opt = build("kfac", **KW["kfac"])
+    x, y = batch(0)
+    F.mse_loss(model(x), y).backward()
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    F.mse_loss(model(x), y).backward()
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    extra = nn.Parameter(torch.ones(3, dtype=DT))
+    opt.add_param_group({"params": [extra], "lr": 0.5})
+    assert len(opt.optimizer.param_groups) == 2 and opt.param_groups[1]["params"][0] is extra
+    (F.mse_loss(model(x), y) + extra.sum()).backward()
+    opt.step()
+    assert not torch.equal(extra.detach(), torch.ones(3, dtype=DT))  # stepped, not preconditioned
+
+
+def test_closure_runs_once_before_preconditioning_and_its_loss_is_returned():
+    model_a, opt = build("kfac", **KW["kfac"])
+    model_b, opt_b = build("kfac", **KW["kfac"])
+    x, y = batch(0)
+    calls = []
+
+    def closure():
+        calls.append(1)
+        opt.zero_grad()
+        loss = F.mse_loss(model_a(x), y)
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert len(calls) == 1
+    opt_b.zero_grad()
+    expected = F.mse_loss(model_b(x), y)
+    expected.backward()
+    opt_b.step()
+    assert torch.equal(loss.detach(), expected.detach())
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_step_hooks_run():
+    model, opt = build("psgd", **KW["psgd"])
+    seen = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: seen.append("post"))
+    train(model, opt, 1)
+    assert seen == ["pre", "post"]
+
+
+def test_construction_errors_name_the_argument():
+    model = make_model()
+    precond = KronPreconditioner(model, **KW["kfac"])
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="optimizer"):
+        PreconditionedOptimizer(model, precond)
+    with pytest.raises(TypeError, match="preconditioner"):
+        PreconditionedOptimizer(base, model)
+    with pytest.raises(ValueError, match=r"0\.weight"):
+        PreconditionedOptimizer(torch.optim.SGD(model[2].parameters(), lr=0.1), precond)
+
+
+# ------------------------------------------------------------------ kl_clip reads the optimizer's lr
+def test_kl_clip_uses_the_optimizers_current_lr():
+    """One K-FAC step on a single Linear: V = (G⊗A + λI)⁻¹∇ densely in float64, scaled by
+    ν = min(1, sqrt(κ / |lr² ⟨V, ∇⟩|)) with lr the *scheduled* learning rate."""
+    torch.manual_seed(0)
+    layer = nn.Linear(5, 4).to(DT)
+    damping, kappa = 1e-2, 1e-4
+    precond = KronPreconditioner(layer, damping=damping, kl_clip=kappa, inv_dtype=DT)
+    base = torch.optim.SGD(layer.parameters(), lr=0.5)
+    opt = PreconditionedOptimizer(base, precond)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.3)  # lr is now 0.15
+    lr = opt.param_groups[0]["lr"]
+    assert lr == pytest.approx(0.15)
+
+    x = torch.randn(10, 5, dtype=DT)
+    out = layer(x)
+    out.retain_grad()
+    out.square().sum().div(10).backward()
+    a = torch.cat([x, torch.ones(10, 1, dtype=DT)], 1)
+    d = out.grad * 10
+    A, G = a.T @ a / 10, d.T @ d / 10
+    grad = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], 1)
+    V = torch.linalg.solve(torch.kron(G, A) + damping * torch.eye(4 * 6, dtype=DT),
+                           grad.reshape(-1)).reshape(grad.shape)
+    nu = min(1.0, (kappa / abs(lr**2 * (V * grad).sum().item())) ** 0.5)
+    assert nu < 0.5  # the clip is active, so the lr matters
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "no lr given" fallback warning
+        opt.step()
+    got = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], 1)
+    torch.testing.assert_close(got, nu * V, rtol=1e-6, atol=1e-10)
+
+
+def test_standalone_kl_clip_without_lr_warns_once():
+    model = make_model()
+    precond = KronPreconditioner(model)  # K-FAC: kl_clip on, no lr
+    with pytest.warns(UserWarning, match="kl_clip needs the learning rate"):
+        train_standalone(model, precond, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_standalone(model, precond, 1)
+
+
+def train_standalone(model, precond, step):
+    x, y = batch(step)
+    model.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    precond.step()
+
+
+# ------------------------------------------------------------------ checkpoints
+@pytest.mark.parametrize("method", ["kfac", "psgd"])
+def test_state_dict_resumes_to_the_same_trajectory(method):
+    model, opt = build(method, **KW[method])
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+    train(model, opt, 3, scheduler=sched)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, buffer)
+    train(model, opt, 3, start=3, scheduler=sched)
+
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)  # what HF Trainer / Accelerate use
+    assert "preconditioner" in saved["opt"] and "state" in saved["opt"] and "param_groups" in saved["opt"]
+    model2, opt2 = build(method, seed=1, **KW[method])
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.7)
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    sched2.load_state_dict(saved["sched"])
+    assert opt2.preconditioner.steps == 3
+    train(model2, opt2, 3, start=3, scheduler=sched2)
+    for pa, pb in zip(model.parameters(), model2.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0)
+
+
+def _snapshot(opt):
+    return copy.deepcopy(opt.state_dict())
+
+
+def _assert_same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("broken", ["preconditioner", "base"])
+def test_failed_load_changes_nothing(broken):
+    model, opt = build("kfac", **KW["kfac"])
+    train(model, opt, 3)
+    good = _snapshot(opt)
+    other_model, other = build("kfac", seed=3, **KW["kfac"])
+    train(other_model, other, 2)
+    bad = _snapshot(other)
+    if broken == "preconditioner":  # valid base part, precond part for another layer shape
+        first = next(iter(bad["preconditioner"]["layers"]))
+        bad["preconditioner"]["layers"][first]["a_factor"] = torch.zeros(2, 2, dtype=DT)
+    else:  # valid precond part, base part for a different set of groups
+        bad["param_groups"] = bad["param_groups"] * 2
+    with pytest.raises(ValueError):
+        opt.load_state_dict(bad)
+    _assert_same(_snapshot(opt), good)
+
+
+def test_load_rejects_a_plain_optimizer_state():
+    model, opt = build("kfac", **KW["kfac"])
+    with pytest.raises(ValueError, match="preconditioner"):
+        opt.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
+
+
+def test_warmup_from_lr_zero_steps_without_clipping():
+    """Warm-up schedules start at lr = 0: kl_clip's ν = min(1, sqrt(κ / 0)) = 1."""
+    model_a, opt = build("kfac", damping=1e-2, kl_clip=1e-6)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda step: step / 10)  # lr 0 at the first step
+    model_b, opt_b = build("kfac", damping=1e-2, kl_clip=None)
+    for model, o in ((model_a, opt), (model_b, opt_b)):
+        x, y = batch(0)
+        o.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        o.optimizer.step = lambda: None  # keep the preconditioned .grad to compare
+        o.step()
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(pa.grad, pb.grad)
