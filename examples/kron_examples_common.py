@@ -96,7 +96,7 @@ class MethodSpec:
 
     label: str
     base: str  # "adamw" | "sgd" | "muon" | "kron" (the library's standalone PSGD optimizer)
-    precond: str | None  # None | "kfac" | "psgd"
+    precond: str | None  # None | "kfac" | "psgd" | "ekfac" | "shampoo"
 
 
 METHODS: dict[str, MethodSpec] = {
@@ -110,6 +110,9 @@ METHODS: dict[str, MethodSpec] = {
     "muon": MethodSpec("Muon (hidden 2-D weights) + AdamW (rest)", base="muon", precond=None),
     "kfac_muon": MethodSpec("K-FAC + Muon", base="muon", precond="kfac"),
     "psgd_muon": MethodSpec("PSGD precond + Muon", base="muon", precond="psgd"),
+    "ekfac": MethodSpec("EK-FAC + AdamW", base="adamw", precond="ekfac"),
+    "ekfac_muon": MethodSpec("EK-FAC + Muon", base="muon", precond="ekfac"),
+    "shampoo": MethodSpec("Shampoo (grafted) + AdamW", base="adamw", precond="shampoo"),
 }
 
 
@@ -265,6 +268,16 @@ def build_preconditioner(
             accumulation_steps=config.accumulation_steps,
             grad_scaler=grad_scaler,
         )
+    if kind == "ekfac":  # K-FAC's settings; the scaling is re-estimated on every statistics step
+        return KronPreconditioner(
+            model, method="ekfac", skip_layers=list(config.skip_layers),
+            factor_update_steps=config.factor_update_steps, inv_update_steps=config.inv_update_steps,
+            damping=config.damping, factor_decay=config.factor_decay, kl_clip=config.kl_clip, lr=lr,
+            accumulation_steps=config.accumulation_steps, grad_scaler=grad_scaler)
+    if kind == "shampoo":  # statistics every step, roots refreshed with K-FAC's interval, grafted
+        return KronPreconditioner(
+            model, method="shampoo", skip_layers=list(config.skip_layers),
+            inv_update_steps=max(1, config.inv_update_steps // 10), grafting=True)
     if kind == "psgd":
         return KronPreconditioner(
             model,
