@@ -10,9 +10,17 @@ timeout) whose ranks run the core scenarios of ``tests/test_distributed.py`` --
 single-process equivalence of every configuration and checkpoint save/resume across world
 sizes -- plus a bare PSGD/COMM_OPT/DDP loop (the configuration of the rare SIGABRT of
 issue 10). Every result is compared with a single-process reference computed once here;
-a rank that raises, dies (e.g. SIGABRT) or hangs is a failure. Failures are printed with
-their tracebacks as they happen, and a summary ``N of M repeats failed`` ends the run
+a rank that raises, dies (e.g. SIGABRT) or hangs is a failure (a hang also prints every
+thread's stack, dumped shortly before the harness kills the group). Failures are printed
+with their tracebacks as they happen, and a summary ``N of M repeats failed`` ends the run
 (exit status 1 if any failed).
+
+Issue 10 (2026-11-22, 2 shared cores at load average 15-18, 56 min): ``0 of 50 repeats
+failed`` with::
+
+    nice -n 10 python tests/stress/stress_distributed.py --repeats 50 --worlds 2 3 \
+        --scenarios psgd-ddp equivalence --timeout 300 --configs kfac-eigen-comm-ddp \
+        kfac-eigen-hybrid-tiny-f2-i3 kfac-inverse-mem-f2-i2 psgd-mem-cap0 psgd-float-fraction-p05
 """
 from __future__ import annotations
 
