@@ -65,7 +65,7 @@ class ActivationCapture:
                 # whatever the method returns comes back with this call's output gradient
                 call = layer.method.observe_activations(layer.adapter.activation_rows(candidates[0].detach()))
             if isinstance(output, torch.Tensor) and output.requires_grad:
-                scale = float(_gradient_scale(layer.adapter, module, output) * self.accumulation_steps)
+                scale = float(layer.adapter.gradient_scale(output) * self.accumulation_steps)
                 on_output_grad(output, lambda grad: self._observe_output_grad(layer, grad, scale, call))
 
         def hook(module: nn.Module, inputs, kwargs, output):
@@ -90,15 +90,6 @@ class ActivationCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-
-
-def _gradient_scale(adapter, module: nn.Module, output: torch.Tensor) -> int:
-    """The adapter's normalisation of output gradients (the batch size for adapters that
-    do not define one)."""
-    if hasattr(adapter, "gradient_scale"):
-        return adapter.gradient_scale(output)
-    spatial = len(getattr(module, "kernel_size", ())) or 0
-    return output.shape[0] if output.dim() > max(spatial + 1, 1) else 1
 
 
 def on_output_grad(output: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:

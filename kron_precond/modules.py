@@ -151,6 +151,20 @@ def _owners(model: nn.Module) -> dict[int, list[str]]:
     return owners
 
 
+def _candidates(model: nn.Module, is_skipped, log):
+    """``(name, module, own parameters, label)`` of every module with parameters of its own
+    that ``skip_layers`` does not exclude (a skip is logged)."""
+    for name, module in model.named_modules():
+        own = [(n, p) for n, p in module.named_parameters(recurse=False)]
+        if not own:
+            continue
+        label = name or "<root>"
+        if is_skipped(name, module):
+            log(f"skipping {label} ({type(module).__name__}): matches skip_layers")
+            continue
+        yield name, module, own, label
+
+
 def find_kfac_modules(model: nn.Module, is_skipped, log) -> list:
     """Leaf Linear/ConvNd-like modules whose parameters all train and belong to no other
     module (a tied weight's gradient mixes two layers' statistics), in
@@ -163,14 +177,7 @@ def find_kfac_modules(model: nn.Module, is_skipped, log) -> list:
     functional = {f"{name}.out_proj" if name else "out_proj" for name, module in model.named_modules()
                   if isinstance(module, nn.MultiheadAttention)}
     found = []
-    for name, module in model.named_modules():
-        own = [(n, p) for n, p in module.named_parameters(recurse=False)]
-        if not own:
-            continue
-        label = name or "<root>"
-        if is_skipped(name, module):
-            log(f"skipping {label} ({type(module).__name__}): matches skip_layers")
-            continue
+    for name, module, own, label in _candidates(model, is_skipped, log):
         adapter, reason = kfac_adapter(module)
         if adapter is None:
             log(f"skipping {label}: {reason}")
@@ -200,14 +207,7 @@ def find_parameter_modules(model: nn.Module, is_skipped, log) -> list:
     from kron_precond.methods.base import Selected
 
     found, taken = [], set()
-    for name, module in model.named_modules():
-        own = [(n, p) for n, p in module.named_parameters(recurse=False)]
-        if not own:
-            continue
-        label = name or "<root>"
-        if is_skipped(name, module):
-            log(f"skipping {label} ({type(module).__name__}): matches skip_layers")
-            continue
+    for name, module, own, label in _candidates(model, is_skipped, log):
         if getattr(module, "sparse", False) is True:
             log(f"skipping {label}: sparse gradients cannot be preconditioned")
             continue

@@ -336,14 +336,7 @@ class EKFACSpec(KFACSpec):
     health_check_every = 100  # refreshes happen on every statistics step: do not sync on each
 
     def make_layer(self, index: int, selected: Selected) -> EKFACLayer:
-        weight = dict(selected.params)["weight"]
-        layer = EKFACLayer(
-            selected.name, weight.shape, selected.adapter.has_bias,
-            factor_dtype=self.settings["factor_dtype"] or weight.dtype,
-            inv_dtype=self.settings["inv_dtype"], device=weight.device,
-            weight_transposed=selected.adapter.weight_transposed)
-        layer.factor_dtype_follows = self.settings["factor_dtype"] is None
-        return layer
+        return self._make_factored_layer(selected)
 
     def make_schedule(self) -> ScalingSchedule:
         return ScalingSchedule(self.settings["factor_update_steps"], self.settings["inv_update_steps"],

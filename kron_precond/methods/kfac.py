@@ -580,14 +580,19 @@ class KFACSpec(MethodSpec):
         return find_kfac_modules(model, is_skipped, log)
 
     def make_layer(self, index: int, selected: Selected) -> KFACLayer:
+        return self._make_factored_layer(
+            selected, compute_method=self.settings["compute_method"],
+            eigenvalue_outer_product=self.settings["compute_eigenvalue_outer_product"])
+
+    def _make_factored_layer(self, selected: Selected, **method_kwargs) -> KFACLayer:
+        """``layer_class`` for ``selected``'s weight with the factor settings shared by the
+        K-FAC family (subclasses pass their own extra arguments)."""
         weight = dict(selected.params)["weight"]
         layer = self.layer_class(
             selected.name, weight.shape, selected.adapter.has_bias,
-            compute_method=self.settings["compute_method"],
-            eigenvalue_outer_product=self.settings["compute_eigenvalue_outer_product"],
             factor_dtype=self.settings["factor_dtype"] or weight.dtype,
             inv_dtype=self.settings["inv_dtype"], device=weight.device,
-            weight_transposed=selected.adapter.weight_transposed)
+            weight_transposed=selected.adapter.weight_transposed, **method_kwargs)
         layer.factor_dtype_follows = self.settings["factor_dtype"] is None
         return layer
 
