@@ -7,10 +7,10 @@ that Keras serializes it.
 """
 from __future__ import annotations
 
-import math
-
 import keras
 from keras import ops
+
+from kron_precond.schedules import precond_update_prob_schedule
 
 
 @keras.saving.register_keras_serializable(package="kron_precond")
@@ -26,17 +26,10 @@ class PrecondUpdateProbSchedule(keras.optimizers.schedules.LearningRateSchedule)
 
     def __init__(self, max_prob: float = 1.0, min_prob: float = 0.03, decay: float = 0.001,
                  flat_start: float = 500):
-        for name, value in (("max_prob", max_prob), ("min_prob", min_prob)):
-            if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
-                raise ValueError(f"Invalid {name}: {value!r}; expected a probability in [0, 1]")
-        if min_prob > max_prob:
-            raise ValueError(f"Invalid min_prob: {min_prob!r} > max_prob {max_prob!r}")
-        if not (isinstance(decay, (int, float)) and math.isfinite(decay) and decay >= 0):
-            raise ValueError(f"Invalid decay: {decay!r}; expected a finite float >= 0")
-        if not (isinstance(flat_start, (int, float)) and math.isfinite(flat_start)):
-            raise ValueError(f"Invalid flat_start: {flat_start!r}; expected a finite number")
-        self.max_prob, self.min_prob = float(max_prob), float(min_prob)
-        self.decay, self.flat_start = float(decay), float(flat_start)
+        # the torch package's schedule checks the arguments (naming the bad one) and normalises them
+        checked = precond_update_prob_schedule(max_prob, min_prob, decay, flat_start)
+        self.max_prob, self.min_prob = checked.max_prob, checked.min_prob
+        self.decay, self.flat_start = checked.decay, checked.flat_start
 
     def __call__(self, step):
         n = ops.cast(step, "float32")
