@@ -70,19 +70,22 @@ VARIANT_KEYS = {
     "fu": "factor_update_steps", "iu": "inv_update_steps", "damping": "damping",
     "decay": "factor_decay", "kl": "kl_clip", "p": "update_probability",
     "plr": "psgd_precond_lr", "init": "psgd_init_scale", "rule": "psgd_update",
+    "cm": "compute_method", "skip": "skip_layers", "rows": "statistics_rows",
 }
 _FAMILY = re.compile(r"^(?P<method>\w+)(?:\{(?P<variant>[^}]*)\})?=(?P<lrs>.+)$")
 
 
 def _variant_value(field: str, text: str):
-    if field in ("factor_update_steps", "inv_update_steps"):
+    if field in ("factor_update_steps", "inv_update_steps", "statistics_rows"):
         return int(text)
     if field == "update_probability":
         return _psgd_update_probability(text)
     if field == "psgd_init_scale":
         return _psgd_init_scale(text)
-    if field == "psgd_update":
+    if field in ("psgd_update", "compute_method"):
         return text
+    if field == "skip_layers":  # e.g. skip=Embedding: lm_head is preconditioned too
+        return tuple(filter(None, text.split("+")))
     if field == "kl_clip":
         return None if float(text) <= 0 else float(text)
     return float(text)
@@ -127,6 +130,8 @@ def sweep_contenders(grid, peers: dict, peer_lrs: Sequence[float],
                      weight_decay: float, precond: PrecondConfig) -> list[Contender]:
     contenders = []
     for family, method, overrides, lrs in grid:
+        if "skip_layers" in overrides:  # the Muon split stays the usual one
+            overrides = {"muon_exclude": precond.skip_layers, **overrides}
         config = replace(precond, **overrides)
         for lr in lrs:
             contender = method_contender(method, lr, weight_decay, config)

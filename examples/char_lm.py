@@ -449,7 +449,8 @@ DEFAULT_PSGD_INIT_SCALE = "auto"  # estimated from the first gradient
 DEFAULT_PSGD_UPDATE = "eq"
 DEFAULT_LRS = {"adamw": 2e-3, "kfac": 4e-3, "psgd": 2e-3, "psgd_adamw": 2e-3, "sgd": 0.1, "kfac_sgd": 0.1,
                "psgd_sgd": 0.1, "muon": 8e-3, "kfac_muon": 8e-3, "psgd_muon": 8e-3,
-               "ekfac": 4e-3, "ekfac_muon": 8e-3, "shampoo": 2e-3}  # the last three: not swept
+               "ekfac": 4e-3, "ekfac_muon": 8e-3, "shampoo": 2e-3,  # these three: not swept
+               "muon_kron": 8e-3, "kfac_muon_kron": 8e-3}
 
 
 def _psgd_update_probability(value: str):

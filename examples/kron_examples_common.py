@@ -95,7 +95,7 @@ class MethodSpec:
     """How one compared method is built: a base optimizer, maybe a preconditioner."""
 
     label: str
-    base: str  # "adamw" | "sgd" | "muon" | "kron" (the library's standalone PSGD optimizer)
+    base: str  # "adamw" | "sgd" | "muon" | "muon_kron" | "kron" (the library's PSGD optimizer)
     precond: str | None  # None | "kfac" | "psgd" | "ekfac" | "shampoo"
 
 
@@ -108,6 +108,8 @@ METHODS: dict[str, MethodSpec] = {
     "kfac_sgd": MethodSpec("K-FAC + SGD", base="sgd", precond="kfac"),
     "psgd_sgd": MethodSpec("PSGD precond + SGD", base="sgd", precond="psgd"),
     "muon": MethodSpec("Muon (hidden 2-D weights) + AdamW (rest)", base="muon", precond=None),
+    "muon_kron": MethodSpec("Muon (hidden 2-D weights) + PSGD Kron (rest)", base="muon_kron", precond=None),
+    "kfac_muon_kron": MethodSpec("K-FAC + Muon (hidden) + PSGD Kron (rest)", base="muon_kron", precond="kfac"),
     "kfac_muon": MethodSpec("K-FAC + Muon", base="muon", precond="kfac"),
     "psgd_muon": MethodSpec("PSGD precond + Muon", base="muon", precond="psgd"),
     "ekfac": MethodSpec("EK-FAC + AdamW", base="adamw", precond="ekfac"),
@@ -121,6 +123,9 @@ class PrecondConfig:
     """The preconditioner knobs the examples expose (the rest keep library defaults)."""
 
     skip_layers: Sequence[str] = ()
+    # Modules Muon leaves to AdamW (default: ``skip_layers``); set apart so that a variant can
+    # precondition a layer (e.g. lm_head) without handing it to Muon.
+    muon_exclude: Sequence[str] | None = None
     factor_update_steps: int = 10
     inv_update_steps: int = 100
     damping: float = 3e-3
@@ -133,6 +138,8 @@ class PrecondConfig:
     psgd_update: str = "eq"  # how PSGD fits Q: "eq" (triangular) or "procrustes"
     # K-FAC extras (library defaults unless a sweep variant sets them):
     factor_decay: float = 0.95
+    compute_method: str = "eigen"  # "eigen" (exact damping) or "inverse" (half the apply's matmuls)
+    statistics_rows: int | None = None  # rows per module call in K-FAC's statistics (None: all)
 
 
 class OptimizerChain(torch.optim.Optimizer):
@@ -202,15 +209,17 @@ def muon_param_split(model: nn.Module, exclude: Sequence[str]) -> tuple[list, li
     return hidden, rest
 
 
-def build_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequence[str]) -> OptimizerChain:
-    """``torch.optim.Muon`` on hidden 2-D weights + AdamW on the rest, one peak ``lr``.
+def build_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequence[str],
+               rest_optimizer: str = "adamw", psgd: PrecondConfig | None = None) -> OptimizerChain:
+    """``torch.optim.Muon`` on hidden 2-D weights + ``rest_optimizer`` (AdamW, or the library's
+    ``Kron``) on the rest, one peak ``lr``.
 
     ``adjust_lr_fn="match_rms_adamw"`` scales Muon's orthogonalised update to AdamW's
-    typical RMS, so one learning rate (and one schedule) serves both halves."""
+    typical RMS, so one learning rate (and one schedule) serves both halves; ``Kron``'s
+    update has AdamW's scale too (its best lr alone equals AdamW's)."""
     hidden, rest = muon_param_split(model, exclude)
     muon = torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
-    adamw = torch.optim.AdamW(rest, lr=lr, weight_decay=weight_decay)
-    return OptimizerChain([muon, adamw])
+    return OptimizerChain([muon, build_optimizer(rest_optimizer, rest, lr, weight_decay, psgd)])
 
 
 def _psgd_update_option(config: PrecondConfig) -> dict:
@@ -263,6 +272,8 @@ def build_preconditioner(
             inv_update_steps=config.inv_update_steps,
             damping=config.damping,
             factor_decay=config.factor_decay,
+            compute_method=config.compute_method,
+            statistics_rows=config.statistics_rows,
             kl_clip=config.kl_clip,
             lr=lr,  # only read by kl_clip
             accumulation_steps=config.accumulation_steps,
@@ -273,6 +284,7 @@ def build_preconditioner(
             model, method="ekfac", skip_layers=list(config.skip_layers),
             factor_update_steps=config.factor_update_steps, inv_update_steps=config.inv_update_steps,
             damping=config.damping, factor_decay=config.factor_decay, kl_clip=config.kl_clip, lr=lr,
+            statistics_rows=config.statistics_rows,
             accumulation_steps=config.accumulation_steps, grad_scaler=grad_scaler)
     if kind == "shampoo":  # statistics every step, roots refreshed with K-FAC's interval, grafted
         return KronPreconditioner(
@@ -302,8 +314,10 @@ def build_method(
     """Optimizer and preconditioner for ``method`` (a key of ``METHODS``)."""
     spec = METHODS[method]
     bare = unwrap(model)
-    if spec.base == "muon":
-        optimizer = build_muon(bare, lr, weight_decay, config.skip_layers)
+    if spec.base in ("muon", "muon_kron"):
+        exclude = config.skip_layers if config.muon_exclude is None else config.muon_exclude
+        rest = "kron" if spec.base == "muon_kron" else "adamw"
+        optimizer = build_muon(bare, lr, weight_decay, exclude, rest, config)
     else:
         optimizer = build_optimizer(spec.base, bare.parameters(), lr, weight_decay, config)
     precond = None

@@ -100,6 +100,7 @@ class EKFACLayer(KFACLayer):
         """Accumulate A's statistics and return ``(Q_Aᵀ ã)²`` per row: the token the capture
         hands back with this call's output gradient."""
         super().observe_activations(rows)
+        rows = self.statistics_subset(rows)
         q_a = self._basis("A")
         rows = rows.to(self._work_dtype)
         d = rows.shape[1]
@@ -112,6 +113,7 @@ class EKFACLayer(KFACLayer):
         """Accumulate G's statistics and, paired with the same call's activation token,
         ``Σ (Q_Gᵀ δ)² (Q_Aᵀ ã)²ᵀ`` over the rows (``δ = scale · rows``)."""
         super().observe_output_grads(rows, scale)
+        rows = self.statistics_subset(rows)
         if call is None:  # activations of this call were not seen: nothing to pair
             return
         if call.shape[0] != rows.shape[0]:

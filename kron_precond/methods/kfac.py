@@ -53,6 +53,9 @@ class KFACLayer(LayerMethod):
             trading ``out·in`` memory for a cheaper ``apply``.
         factor_dtype: dtype of A and G and of the statistics.
         inv_dtype: dtype of the stored decompositions / inverses.
+        statistics_rows: at most this many rows of each module call enter the factor
+            statistics (the first ones: whole samples, as rows are stored sample-major);
+            ``None`` keeps every row.
     """
 
     def __init__(
@@ -67,8 +70,10 @@ class KFACLayer(LayerMethod):
         inv_dtype: torch.dtype,
         device: torch.device,
         weight_transposed: bool = False,
+        statistics_rows: int | None = None,
     ) -> None:
         self.name = name
+        self.statistics_rows = statistics_rows
         self.weight_shape = torch.Size(weight_shape)
         self.weight_transposed = weight_transposed
         if weight_transposed:  # [in, out] storage: the math below sees [out, in]
@@ -118,7 +123,7 @@ class KFACLayer(LayerMethod):
     # ------------------------------------------------------------------ observe
     def observe_activations(self, rows: torch.Tensor) -> None:
         """Accumulate ``Σ ã ãᵀ`` for activation rows ``[N, in]`` (no bias column)."""
-        rows = rows.to(self.statistics_dtype)
+        rows = self.statistics_subset(rows).to(self.statistics_dtype)
         d = rows.shape[1]
         self._allocate_statistics()
         self._a_sum[:d, :d].addmm_(rows.t(), rows)
@@ -132,10 +137,17 @@ class KFACLayer(LayerMethod):
 
     def observe_output_grads(self, rows: torch.Tensor, scale: float) -> None:
         """Accumulate ``Σ δ δᵀ`` for output-gradient rows ``[N, out]``, ``δ = scale · rows``."""
-        rows = rows.to(self.statistics_dtype)
+        rows = self.statistics_subset(rows).to(self.statistics_dtype)
         self._allocate_statistics()
         self._g_sum.addmm_(rows.t(), rows, alpha=scale * scale)
         self._rows[1].add_(rows.shape[0])
+
+    def statistics_subset(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows that enter the statistics: a prefix (a view, no copy), so that the
+        activation and output-gradient sides of one call keep the same rows. The factors
+        are means, so fewer rows change their noise, not their scale; the ``N·d²`` cost of
+        a statistics step falls in proportion."""
+        return rows if self.statistics_rows is None else rows[: self.statistics_rows]
 
     def shared_statistics(self) -> list[torch.Tensor]:
         """This step's sums of ``ã ãᵀ`` and ``δ δᵀ`` and their row counts, to be summed
@@ -546,6 +558,10 @@ def _check_compute_method(name: str, value) -> ComputeMethod:
     return ComputeMethod.parse(value, name)
 
 
+def _check_statistics_rows(name: str, value) -> int | None:
+    return None if value is None else check.check_int(name, value)
+
+
 def _check_decay(name: str, value) -> float:
     return check.check_unit_interval(name, value, low_open=True, high_open=False)
 
@@ -573,6 +589,7 @@ class KFACSpec(MethodSpec):
         "factor_dtype": Option(None, lambda n, v: check.check_float_dtype(n, v, allow_none=True),
                                collective=True),
         "inv_dtype": Option(torch.float32, _check_inv_dtype, collective=True),
+        "statistics_rows": Option(None, _check_statistics_rows),
     }
     layer_class = KFACLayer
 
@@ -592,7 +609,8 @@ class KFACSpec(MethodSpec):
             selected.name, weight.shape, selected.adapter.has_bias,
             factor_dtype=self.settings["factor_dtype"] or weight.dtype,
             inv_dtype=self.settings["inv_dtype"], device=weight.device,
-            weight_transposed=selected.adapter.weight_transposed, **method_kwargs)
+            weight_transposed=selected.adapter.weight_transposed,
+            statistics_rows=self.settings["statistics_rows"], **method_kwargs)
         layer.factor_dtype_follows = self.settings["factor_dtype"] is None
         return layer
 
