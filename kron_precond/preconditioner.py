@@ -113,7 +113,8 @@ class KronPreconditioner:
         process_group: the data-parallel group (default: the world, if initialised).
         **options: the method's own settings; see ``docs/API.md`` and each method's spec
             (e.g. K-FAC: ``factor_update_steps``, ``inv_update_steps``, ``damping``,
-            ``factor_decay``, ``compute_method``, ``factor_dtype``, ``inv_dtype``; PSGD:
+            ``factor_decay``, ``compute_method``, ``factor_dtype``, ``inv_dtype``,
+            ``statistics_rows``; PSGD:
             ``preconditioner_update_probability``, ``precond_lr``, ``memory_save_mode``, ...).
             Numeric ones marked per-step also accept a callable of the step. A setting of
             another method warns and is ignored; an unknown name raises ``TypeError``.
