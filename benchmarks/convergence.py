@@ -132,6 +132,8 @@ def sweep_contenders(grid, peers: dict, peer_lrs: Sequence[float],
     for family, method, overrides, lrs in grid:
         if "skip_layers" in overrides:  # the Muon split stays the usual one
             overrides = {"muon_exclude": precond.skip_layers, **overrides}
+        if "update_probability" in overrides:  # p= sets it for PSGD in every role
+            overrides = {**overrides, "precond_update_probability": overrides["update_probability"]}
         config = replace(precond, **overrides)
         for lr in lrs:
             contender = method_contender(method, lr, weight_decay, config)

@@ -447,6 +447,9 @@ DEFAULT_PSGD_UPDATE_PROB = "anneal:100:0.01"
 DEFAULT_METHODS = "adamw,muon,psgd,kfac_muon,psgd_muon"
 DEFAULT_PSGD_INIT_SCALE = "auto"  # estimated from the first gradient
 DEFAULT_PSGD_UPDATE = "eq"
+DEFAULT_PSGD_PRECOND_UPDATE_PROB = "same"
+DEFAULT_KFAC_COMPUTE_METHOD = "eigen"
+DEFAULT_KFAC_STATISTICS_ROWS = "all"
 DEFAULT_LRS = {"adamw": 2e-3, "kfac": 4e-3, "psgd": 2e-3, "psgd_adamw": 2e-3, "sgd": 0.1, "kfac_sgd": 0.1,
                "psgd_sgd": 0.1, "muon": 8e-3, "kfac_muon": 8e-3, "psgd_muon": 8e-3,
                "ekfac": 4e-3, "ekfac_muon": 8e-3, "shampoo": 2e-3,  # these three: not swept
@@ -463,6 +466,16 @@ def _psgd_update_probability(value: str):
         _, flat_start, decay = value.split(":")
         return precond_update_prob_schedule(flat_start=int(flat_start), decay=float(decay))
     return float(value)
+
+
+def _precond_update_probability(value: str):
+    """``--psgd-precond-update-prob``: as ``--psgd-update-prob``, or ``same``."""
+    return "same" if value == "same" else _psgd_update_probability(value)
+
+
+def _optional_rows(value: str) -> int | None:
+    """``--kfac-statistics-rows``: a row count, or ``all``."""
+    return None if value == "all" else int(value)
 
 
 def _psgd_init_scale(value: str) -> float | None:
@@ -488,10 +501,19 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                    help="K-FAC: steps between factor updates")
     p.add_argument("--inv-update-steps", type=int, default=PrecondConfig.inv_update_steps,
                    help="K-FAC: steps between eigendecompositions")
+    p.add_argument("--kfac-compute-method", choices=("eigen", "inverse"), default=DEFAULT_KFAC_COMPUTE_METHOD,
+                   help="K-FAC (and K-FAC + Muon): 'eigen' (exact damping, 4 matmuls per layer "
+                        "and step) or 'inverse' (factored damping, 2 matmuls)")
+    p.add_argument("--kfac-statistics-rows", type=_optional_rows, default=DEFAULT_KFAC_STATISTICS_ROWS,
+                   help="K-FAC / EK-FAC: rows per module call entering the factor statistics, or 'all'")
     p.add_argument("--kl-clip", type=float, default=PrecondConfig.kl_clip, help="K-FAC kl_clip; <= 0 disables")
     p.add_argument("--psgd-update-prob", type=_psgd_update_probability, default=DEFAULT_PSGD_UPDATE_PROB,
                    help="PSGD preconditioner update probability: a number, 'anneal' (library default: "
                         "1.0 for 500 steps, then down to 0.03 by ~4000) or 'anneal:FLAT_START:DECAY'")
+    p.add_argument("--psgd-precond-update-prob", type=_precond_update_probability,
+                   default=DEFAULT_PSGD_PRECOND_UPDATE_PROB,
+                   help="the same for PSGD in front of another optimizer (psgd_muon, psgd_adamw, "
+                        "psgd_sgd); 'same': --psgd-update-prob")
     p.add_argument("--psgd-init-scale", type=_psgd_init_scale, default=DEFAULT_PSGD_INIT_SCALE,
                    help="PSGD initial preconditioner scale, or 'auto' (estimated from the first gradient)")
     p.add_argument("--psgd-update", choices=("eq", "procrustes"), default=DEFAULT_PSGD_UPDATE,
@@ -536,7 +558,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
         inv_update_steps=args.inv_update_steps, damping=args.damping,
         kl_clip=args.kl_clip if args.kl_clip > 0 else None,
         update_probability=args.psgd_update_prob, psgd_init_scale=args.psgd_init_scale,
+        precond_update_probability=args.psgd_precond_update_prob,
         psgd_update=args.psgd_update,
+        compute_method=args.kfac_compute_method, statistics_rows=args.kfac_statistics_rows,
         accumulation_steps=args.grad_accum,
     )
     return model, train, precond

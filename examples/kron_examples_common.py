@@ -132,6 +132,8 @@ class PrecondConfig:
     kl_clip: float | None = 1e-3
     # PSGD (the Kron optimizer and method="psgd"):
     update_probability: float | Callable[[int], float] | None = None  # None: annealed default
+    # method="psgd" in front of another optimizer (psgd_muon, ...): "same" takes update_probability.
+    precond_update_probability: float | Callable[[int], float] | None | str = "same"
     psgd_init_scale: float | None = 1.0  # None: estimated from the first gradient
     accumulation_steps: int = 1
     psgd_precond_lr: float | Callable[[int], float] = 0.1
@@ -295,7 +297,9 @@ def build_preconditioner(
             model,
             method="psgd",
             skip_layers=list(config.skip_layers),
-            preconditioner_update_probability=config.update_probability,
+            preconditioner_update_probability=(config.update_probability
+                                               if config.precond_update_probability == "same"
+                                               else config.precond_update_probability),
             precond_init_scale=config.psgd_init_scale,
             precond_lr=config.psgd_precond_lr,
             **_psgd_update_option(config),
