@@ -124,3 +124,47 @@ def test_trainer_framework_examples_run(tmp_path, monkeypatch, script, framework
     spec.loader.exec_module(module)
     metrics = module.main(["--method", method, *args])
     assert metrics and all(value == value for value in metrics.values()), metrics  # no NaN
+
+
+def test_step_cost_benchmark_reports_every_configuration(tmp_path):
+    out = _run([sys.executable, "benchmarks/step_cost.py", "--d-model", "32", "--steps", "2",
+                "--factor-update-steps", "2", "--threads", "1"], tmp_path)
+    from benchmarks.step_cost import CONFIGS
+
+    rows = {line[:30].strip(): line.split() for line in out.splitlines()[2:]}
+    assert set(rows) == set(CONFIGS)
+    assert float(rows["muon"][-1]) == 1.0  # the ratio column is against Muon
+
+
+def test_sweep_variants_keep_the_usual_muon_split_and_reach_the_preconditioner():
+    """``skip=`` changes what the preconditioner takes, never Muon's split; ``rows``, ``cm``
+    and ``p`` reach the layers and the PSGD schedule of a preconditioner in front of Muon."""
+
+    import torch
+
+    from benchmarks.convergence import parse_family, sweep_contenders
+    from kron_examples_common import PrecondConfig
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from char_lm import SKIP_LAYERS, CharTransformer, ModelConfig
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    grid = [parse_family("kfac_muon{skip=Embedding,rows=7,cm=inverse}=8e-3"),
+            parse_family("psgd_muon{p=0.25}=8e-3"), parse_family("muon_kron=8e-3")]
+    base = PrecondConfig(skip_layers=SKIP_LAYERS, precond_update_probability=0.5)
+    kfac_run, psgd_run, kron_run = sweep_contenders(grid, {}, (), 0.0, base)
+    model = CharTransformer(ModelConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8))
+    chain, precond = kfac_run.build(model, None)
+    assert "lm_head" in precond.layers and len(precond.layers) == 7  # 6 hidden + the head
+    muon_params = {id(p) for g in chain.optimizers[0].param_groups for p in g["params"]}
+    assert id(model.lm_head.weight) not in muon_params and len(muon_params) == 6
+    layer = precond.layers["blocks.0.mlp.0"]
+    assert layer.statistics_rows == 7 and layer.compute_method.value == "inverse"
+    precond.remove()
+    _, precond = psgd_run.build(model, None)
+    assert precond._spec.settings["preconditioner_update_probability"] == 0.25  # not 0.5
+    precond.remove()
+    chain, precond = kron_run.build(model, None)
+    assert precond is None and type(chain.optimizers[1]).__name__ == "Kron"
+    assert isinstance(chain.optimizers[0], torch.optim.Muon)

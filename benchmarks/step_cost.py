@@ -1,0 +1,130 @@
+"""Where the time of a preconditioned Muon step goes, on the main job's model.
+
+For Muon alone and K-FAC in front of Muon (eigen / inverse, every row / a prefix of rows in
+the statistics) and PSGD in front of Muon, every configuration steps round-robin on the
+same batches (so that background load hits them alike) and each step is split into:
+
+* ``fwd+bwd``: forward and backward (K-FAC's hooks run here on statistics steps);
+* ``precond``: ``precond.step()`` (statistics fold, refresh, apply);
+* ``optim``: ``optimizer.step()`` (Muon on the hidden weights, AdamW on the rest),
+
+reported as medians over statistics steps and over plain steps, and as the amortised step
+time (statistics every ``--factor-update-steps``) against Muon's. On CUDA the blocks are
+timed with synchronised CUDA events.
+
+    python benchmarks/step_cost.py --threads 1
+    python benchmarks/step_cost.py --d-model 256 --steps 40 --threads 1
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.append(str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "examples"))  # the examples' modules, imported by file
+
+from char_lm import SKIP_LAYERS, ByteCorpus, CharTransformer, ModelConfig, lm_loss, load_corpus  # noqa: E402
+from kron_examples_common import PrecondConfig, build_method, resolve_device  # noqa: E402
+
+# name -> (method of the examples, PrecondConfig overrides)
+CONFIGS = {
+    "muon": ("muon", {}),
+    "kfac_muon eigen, all rows": ("kfac_muon", {}),
+    "kfac_muon inverse, all rows": ("kfac_muon", {"compute_method": "inverse"}),
+    "kfac_muon eigen, 1024 rows": ("kfac_muon", {"statistics_rows": 1024}),
+    "kfac_muon inverse, 1024 rows": ("kfac_muon", {"compute_method": "inverse", "statistics_rows": 1024}),
+    "psgd_muon p=0.05": ("psgd_muon", {"update_probability": 0.05}),
+}
+
+
+class Blocks:
+    """Elapsed milliseconds of consecutive blocks of one step (CUDA events on a GPU)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            import time
+            self.marks.append(time.perf_counter())
+
+    def elapsed_ms(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [1000 * (b - a) for a, b in zip(self.marks, self.marks[1:])]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=60, help="timed steps per configuration")
+    p.add_argument("--d-model", type=int, default=ModelConfig.d_model)
+    p.add_argument("--factor-update-steps", type=int, default=10, help="K-FAC statistics interval")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    model_config = ModelConfig(d_model=args.d_model)
+    corpus = ByteCorpus(load_corpus(4 * 2**20), model_config.seq_len)
+    data_order = torch.Generator().manual_seed(0)
+    base = PrecondConfig(skip_layers=SKIP_LAYERS, factor_update_steps=args.factor_update_steps)
+    runs = {}
+    for name, (method, overrides) in CONFIGS.items():
+        torch.manual_seed(0)
+        model = CharTransformer(model_config).to(device)
+        optimizer, precond = build_method(method, model, 8e-3, 0.0, replace(base, **overrides))
+        runs[name] = (model, optimizer, precond, {"statistics": [], "plain": []})
+    warmup = 2  # step 1 is a statistics and refresh step that allocates everything
+    for step in range(1, warmup + args.steps + 1):
+        inputs, targets = (t.to(device) for t in corpus.sample_train(64, data_order))
+        kind = "statistics" if (step - 1) % args.factor_update_steps == 0 else "plain"
+        for model, optimizer, precond, times in runs.values():
+            blocks = Blocks(device)
+            optimizer.zero_grad(set_to_none=True)
+            blocks.mark()
+            lm_loss(model, inputs, targets).backward()
+            blocks.mark()
+            if precond is not None:
+                precond.step()
+            blocks.mark()
+            optimizer.step()
+            blocks.mark()
+            if step > warmup:
+                times[kind].append(blocks.elapsed_ms())
+
+    def median(rows: list[list[float]], i: int) -> float:
+        return statistics.median(r[i] for r in rows) if rows else float("nan")
+
+    every = args.factor_update_steps
+    amortised = {}
+    print(f"median ms per block, d_model={args.d_model}, 4096 tokens/step, K-FAC statistics every "
+          f"{every} steps, {args.steps} steps, device {device}")
+    print(f"{'configuration':30s} {'stat fwd+bwd':>12s} {'stat precond':>12s} {'fwd+bwd':>8s} "
+          f"{'precond':>8s} {'optim':>7s} {'amortised':>9s} {'x Muon':>7s}")
+    for name, (*_, times) in runs.items():
+        stat, plain = times["statistics"], times["plain"]
+        plain_total = sum(median(plain, i) for i in range(3))
+        stat_total = sum(median(stat, i) for i in range(3))
+        amortised[name] = ((every - 1) * plain_total + stat_total) / every
+        print(f"{name:30s} {median(stat, 0):12.1f} {median(stat, 1):12.1f} {median(plain, 0):8.1f} "
+              f"{median(plain, 1):8.1f} {median(plain, 2):7.1f} {amortised[name]:9.1f} "
+              f"{amortised[name] / amortised['muon']:7.3f}")
+
+
+if __name__ == "__main__":
+    main()
