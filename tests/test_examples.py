@@ -168,3 +168,36 @@ def test_sweep_variants_keep_the_usual_muon_split_and_reach_the_preconditioner()
     chain, precond = kron_run.build(model, None)
     assert precond is None and type(chain.optimizers[1]).__name__ == "Kron"
     assert isinstance(chain.optimizers[0], torch.optim.Muon)
+
+
+def test_sweep_best_point_is_the_fastest_to_the_target():
+    """The sweep ranks a family's points by seconds to the target (the issue's measure),
+    final loss breaking ties and ranking points that never reach it; the AdamW reference is
+    its lowest final loss, which defines the target."""
+    from benchmarks.convergence import _best_per_family, best_of, grid_edges
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from char_lm import RunResult
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+
+    def run(name, lr, losses, seconds):
+        return RunResult(name=f"{name} lr={lr:g}", lr=lr, eval_steps=list(range(len(losses))),
+                         eval_losses=losses, eval_train_seconds=seconds, step_seconds=[1.0])
+
+    results = [
+        run("adamw", 1e-3, [3, 2.0, 1.5, 1.2], [0, 1, 2, 3]),
+        run("adamw", 2e-3, [3, 1.8, 1.4, 1.0], [0, 1, 2, 3]),
+        run("muon", 4e-3, [3, 0.9, 0.8, 0.7], [0, 1, 2, 3]),  # fastest to 1.0 (1 s)
+        run("muon", 8e-3, [3, 1.1, 0.9, 0.5], [0, 1, 2, 3]),  # lowest final loss, 2 s to 1.0
+        run("muon", 1.6e-2, [3, 2.5, 2.0, 1.9], [0, 1, 2, 3]),  # never reaches it
+    ]
+    assert best_of(results, "adamw").lr == 2e-3
+    assert best_of(results, "muon", target=1.0).lr == 4e-3
+    assert best_of(results, "muon", target=0.9).lr == 4e-3  # 1 s against 2 s
+    ties = [run("sgd", 0.1, [3, 0.9, 0.8], [0, 1, 2]), run("sgd", 0.2, [3, 0.9, 0.7], [0, 1, 2])]
+    assert best_of(ties, "sgd", target=1.0).lr == 0.2  # both at 1 s: the final loss decides
+    assert best_of(results, "muon").lr == 8e-3
+    assert [r.lr for r in _best_per_family(results, 1.0)] == [2e-3, 4e-3]
+    assert grid_edges(results, 1.0) == {"adamw": "high edge", "muon": "low edge"}
