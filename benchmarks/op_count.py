@@ -70,6 +70,9 @@ def make_model(blocks: int, d: int) -> nn.Module:
 def make_preconditioner(method: str, model: nn.Module) -> KronPreconditioner:
     if method == "kfac":
         return KronPreconditioner(model, method="kfac", **KFAC_INTERVALS)
+    if method == "kfac_inverse":  # the main job's K-FAC: inverse form, a prefix of the rows
+        return KronPreconditioner(model, method="kfac", compute_method="inverse", statistics_rows=64,
+                                  **KFAC_INTERVALS)
     # Q updates on the warm-up steps only (probability 1, then 0): the counted step is plain.
     return KronPreconditioner(model, method="psgd",
                               preconditioner_update_probability=lambda s: 1.0 if s < WARMUP_STEPS else 0.0)
@@ -97,7 +100,8 @@ def count_plain_step(method: str, blocks: int, d: int, tokens: int, device: torc
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--methods", default="kfac,psgd", help="comma-separated: kfac, psgd")
+    p.add_argument("--methods", default="kfac,kfac_inverse,psgd",
+                   help="comma-separated: kfac, kfac_inverse, psgd")
     p.add_argument("--blocks", default="2,8,32", help="comma-separated block counts")
     p.add_argument("--d", type=int, default=32, help="block width (op counts do not depend on it)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per batch")
@@ -112,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[int, int]]:
     blocks = [int(b) for b in args.blocks.split(",")]
     device = torch.device(args.device)
     print(f"aten ops in one plain precond.step(), blocks of 6 nn.Linear (d={args.d}), device {device}")
-    print(f"{'method':<6} " + " ".join(f"{b:>6} blk" for b in blocks)
+    print(f"{'method':<12} " + " ".join(f"{b:>6} blk" for b in blocks)
           + f"  ops/layer  x{blocks[-1]} vs {blocks[0]} blk")
     totals: dict[str, dict[int, int]] = {}
     for method in args.methods.split(","):
@@ -120,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[int, int]]:
         totals[method] = {b: sum(c.values()) for b, c in counts.items()}
         per_layer = (totals[method][blocks[-1]] - totals[method][blocks[0]]) / (6 * (blocks[-1] - blocks[0]))
         growth = totals[method][blocks[-1]] / max(1, totals[method][blocks[0]])
-        print(f"{method:<6} " + " ".join(f"{totals[method][b]:>10}" for b in blocks)
+        print(f"{method:<12} " + " ".join(f"{totals[method][b]:>10}" for b in blocks)
               + f"  {per_layer:9.1f}  {growth:6.2f}x (target <= 1.2x: {'met' if growth <= 1.2 else 'missed'})")
         if args.top:
             common = counts[blocks[-1]].most_common(args.top)
