@@ -70,7 +70,7 @@ def make_model(blocks: int, d: int) -> nn.Module:
 def make_preconditioner(method: str, model: nn.Module) -> KronPreconditioner:
     if method == "kfac":
         return KronPreconditioner(model, method="kfac", **KFAC_INTERVALS)
-    if method == "kfac_inverse":  # the main job's K-FAC: inverse form, a prefix of the rows
+    if method == "kfac_inverse":  # the main job's K-FAC form (the row cap acts on statistics steps only)
         return KronPreconditioner(model, method="kfac", compute_method="inverse", statistics_rows=64,
                                   **KFAC_INTERVALS)
     # Q updates on the warm-up steps only (probability 1, then 0): the counted step is plain.

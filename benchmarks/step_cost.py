@@ -8,9 +8,11 @@ same batches (so that background load hits them alike) and each step is split in
 * ``precond``: ``precond.step()`` (statistics fold, refresh, apply);
 * ``optim``: ``optimizer.step()`` (Muon on the hidden weights, AdamW on the rest),
 
-reported as medians over statistics steps and over plain steps, and as the amortised step
-time (statistics every ``--factor-update-steps``) against Muon's. On CUDA the blocks are
-timed with synchronised CUDA events.
+reported as medians over statistics steps and over plain steps, and as the mean step time
+over every timed step against Muon's: the mean holds the statistics steps (every
+``--factor-update-steps``), the refreshes (every ``--inv-update-steps``; the default 100
+timed steps hold one) and PSGD's random preconditioner updates in their proportions. On
+CUDA the blocks are timed with synchronised CUDA events.
 
     python benchmarks/step_cost.py --threads 1
     python benchmarks/step_cost.py --d-model 256 --steps 40 --threads 1
@@ -70,9 +72,10 @@ class Blocks:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=60, help="timed steps per configuration")
+    p.add_argument("--steps", type=int, default=100, help="timed steps per configuration (after step 1)")
     p.add_argument("--d-model", type=int, default=ModelConfig.d_model)
     p.add_argument("--factor-update-steps", type=int, default=10, help="K-FAC statistics interval")
+    p.add_argument("--inv-update-steps", type=int, default=100, help="K-FAC refresh interval")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = p.parse_args(argv)
@@ -82,14 +85,15 @@ def main(argv=None) -> None:
     model_config = ModelConfig(d_model=args.d_model)
     corpus = ByteCorpus(load_corpus(4 * 2**20), model_config.seq_len)
     data_order = torch.Generator().manual_seed(0)
-    base = PrecondConfig(skip_layers=SKIP_LAYERS, factor_update_steps=args.factor_update_steps)
+    base = PrecondConfig(skip_layers=SKIP_LAYERS, factor_update_steps=args.factor_update_steps,
+                         inv_update_steps=args.inv_update_steps)
     runs = {}
     for name, (method, overrides) in CONFIGS.items():
         torch.manual_seed(0)
         model = CharTransformer(model_config).to(device)
         optimizer, precond = build_method(method, model, 8e-3, 0.0, replace(base, **overrides))
-        runs[name] = (model, optimizer, precond, {"statistics": [], "plain": []})
-    warmup = 2  # step 1 is a statistics and refresh step that allocates everything
+        runs[name] = (model, optimizer, precond, {"statistics": [], "plain": [], "all": []})
+    warmup = 1  # step 1 is a statistics and refresh step that allocates everything
     for step in range(1, warmup + args.steps + 1):
         inputs, targets = (t.to(device) for t in corpus.sample_train(64, data_order))
         kind = "statistics" if (step - 1) % args.factor_update_steps == 0 else "plain"
@@ -106,24 +110,22 @@ def main(argv=None) -> None:
             blocks.mark()
             if step > warmup:
                 times[kind].append(blocks.elapsed_ms())
+                times["all"].append(sum(times[kind][-1]))
 
     def median(rows: list[list[float]], i: int) -> float:
         return statistics.median(r[i] for r in rows) if rows else float("nan")
 
-    every = args.factor_update_steps
-    amortised = {}
-    print(f"median ms per block, d_model={args.d_model}, 4096 tokens/step, K-FAC statistics every "
-          f"{every} steps, {args.steps} steps, device {device}")
+    mean = {name: statistics.fmean(times["all"]) for name, (*_, times) in runs.items()}
+    print(f"ms per block (medians), d_model={args.d_model}, 4096 tokens/step, K-FAC statistics every "
+          f"{args.factor_update_steps} / refresh every {args.inv_update_steps} steps, {args.steps} timed "
+          f"steps, device {device}")
     print(f"{'configuration':30s} {'stat fwd+bwd':>12s} {'stat precond':>12s} {'fwd+bwd':>8s} "
-          f"{'precond':>8s} {'optim':>7s} {'amortised':>9s} {'x Muon':>7s}")
+          f"{'precond':>8s} {'optim':>7s} {'mean step':>9s} {'x Muon':>7s}")
     for name, (*_, times) in runs.items():
         stat, plain = times["statistics"], times["plain"]
-        plain_total = sum(median(plain, i) for i in range(3))
-        stat_total = sum(median(stat, i) for i in range(3))
-        amortised[name] = ((every - 1) * plain_total + stat_total) / every
         print(f"{name:30s} {median(stat, 0):12.1f} {median(stat, 1):12.1f} {median(plain, 0):8.1f} "
-              f"{median(plain, 1):8.1f} {median(plain, 2):7.1f} {amortised[name]:9.1f} "
-              f"{amortised[name] / amortised['muon']:7.3f}")
+              f"{median(plain, 1):8.1f} {median(plain, 2):7.1f} {mean[name]:9.1f} "
+              f"{mean[name] / mean['muon']:7.3f}")
 
 
 if __name__ == "__main__":

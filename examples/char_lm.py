@@ -25,7 +25,7 @@ import json
 import math
 import sys
 import sysconfig
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -450,11 +450,16 @@ DEFAULT_PSGD_UPDATE = "eq"
 # In front of Muon (docs/benchmarks.md, the fair sweep and seed 1): PSGD at a constant 5 %
 # update probability reaches the target 1.14x / 1.05x Muon's wall-clock (seeds 0 / 1)
 # against 1.27x / 1.25x with the anneal above, and ends 0.3 % / 2.3 % higher.
-DEFAULT_PSGD_PRECOND_UPDATE_PROB = "0.05"
 # K-FAC on the first 1024 of 4096 rows with the inverse form: 1.09x / 1.10x Muon's
 # wall-clock against 1.16x / 1.16x on every row in the eigenbasis, and a lower final loss.
-DEFAULT_KFAC_COMPUTE_METHOD = "inverse"
-DEFAULT_KFAC_STATISTICS_ROWS = "1024"
+# Both were measured in front of Muon only: "auto" applies them to psgd_muon / kfac_muon
+# and keeps the earlier settings for the methods they were not measured with.
+MUON_SETTINGS = {"psgd_muon": {"precond_update_probability": 0.05},
+                 "kfac_muon": {"compute_method": "inverse", "statistics_rows": 1024}}
+AUTO_FALLBACK = {"precond_update_probability": "same", "compute_method": "eigen", "statistics_rows": None}
+DEFAULT_PSGD_PRECOND_UPDATE_PROB = "auto"
+DEFAULT_KFAC_COMPUTE_METHOD = "auto"
+DEFAULT_KFAC_STATISTICS_ROWS = "auto"
 DEFAULT_LRS = {"adamw": 2e-3, "kfac": 4e-3, "psgd": 2e-3, "psgd_adamw": 2e-3, "sgd": 0.1, "kfac_sgd": 0.1,
                "psgd_sgd": 0.1, "muon": 8e-3, "kfac_muon": 8e-3, "psgd_muon": 8e-3,
                "ekfac": 4e-3, "ekfac_muon": 8e-3, "shampoo": 2e-3,  # these three: not swept
@@ -474,13 +479,19 @@ def _psgd_update_probability(value: str):
 
 
 def _precond_update_probability(value: str):
-    """``--psgd-precond-update-prob``: as ``--psgd-update-prob``, or ``same``."""
-    return "same" if value == "same" else _psgd_update_probability(value)
+    """``--psgd-precond-update-prob``: as ``--psgd-update-prob``, ``same`` or ``auto``."""
+    return value if value in ("same", "auto") else _psgd_update_probability(value)
 
 
-def _optional_rows(value: str) -> int | None:
-    """``--kfac-statistics-rows``: a row count, or ``all``."""
-    return None if value == "all" else int(value)
+def _optional_rows(value: str) -> int | None | str:
+    """``--kfac-statistics-rows``: a row count, ``all`` or ``auto``."""
+    return None if value == "all" else value if value == "auto" else int(value)
+
+
+def resolve_auto(method: str, precond: PrecondConfig) -> PrecondConfig:
+    """``precond`` with each ``"auto"`` setting replaced by ``method``'s measured one."""
+    chosen = {**AUTO_FALLBACK, **MUON_SETTINGS.get(method, {})}
+    return replace(precond, **{k: v for k, v in chosen.items() if getattr(precond, k) == "auto"})
 
 
 def _psgd_init_scale(value: str) -> float | None:
@@ -506,11 +517,12 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                    help="K-FAC: steps between factor updates")
     p.add_argument("--inv-update-steps", type=int, default=PrecondConfig.inv_update_steps,
                    help="K-FAC: steps between eigendecompositions")
-    p.add_argument("--kfac-compute-method", choices=("eigen", "inverse"), default=DEFAULT_KFAC_COMPUTE_METHOD,
-                   help="K-FAC (and K-FAC + Muon): 'eigen' (exact damping, 4 matmuls per layer "
-                        "and step) or 'inverse' (factored damping, 2 matmuls)")
+    p.add_argument("--kfac-compute-method", choices=("auto", "eigen", "inverse"), default=DEFAULT_KFAC_COMPUTE_METHOD,
+                   help="K-FAC: 'eigen' (exact damping, 4 matmuls per layer and step), 'inverse' "
+                        "(factored damping, 2 matmuls) or 'auto' (inverse for kfac_muon, else eigen)")
     p.add_argument("--kfac-statistics-rows", type=_optional_rows, default=DEFAULT_KFAC_STATISTICS_ROWS,
-                   help="K-FAC / EK-FAC: rows per module call entering the factor statistics, or 'all'")
+                   help="K-FAC / EK-FAC: rows per module call entering the factor statistics, 'all', "
+                        "or 'auto' (1024 for kfac_muon, else all)")
     p.add_argument("--kl-clip", type=float, default=PrecondConfig.kl_clip, help="K-FAC kl_clip; <= 0 disables")
     p.add_argument("--psgd-update-prob", type=_psgd_update_probability, default=DEFAULT_PSGD_UPDATE_PROB,
                    help="PSGD preconditioner update probability: a number, 'anneal' (library default: "
@@ -518,7 +530,7 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--psgd-precond-update-prob", type=_precond_update_probability,
                    default=DEFAULT_PSGD_PRECOND_UPDATE_PROB,
                    help="the same for PSGD in front of another optimizer (psgd_muon, psgd_adamw, "
-                        "psgd_sgd); 'same': --psgd-update-prob")
+                        "psgd_sgd); 'same': --psgd-update-prob; 'auto': 0.05 for psgd_muon, else same")
     p.add_argument("--psgd-init-scale", type=_psgd_init_scale, default=DEFAULT_PSGD_INIT_SCALE,
                    help="PSGD initial preconditioner scale, or 'auto' (estimated from the first gradient)")
     p.add_argument("--psgd-update", choices=("eq", "procrustes"), default=DEFAULT_PSGD_UPDATE,
@@ -573,6 +585,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
 
 def method_contender(method: str, lr: float, weight_decay: float, precond: PrecondConfig) -> Contender:
     """A Contender for one of the library's METHODS."""
+    precond = resolve_auto(method, precond)
     return Contender(
         name=method, lr=lr,
         build=lambda model, scaler: build_method(method, model, lr, weight_decay, precond, scaler),

@@ -96,10 +96,11 @@ class EKFACLayer(KFACLayer):
         self._scaling_weight = moved(self._scaling_weight, device, self.scaling_dtype)
 
     # ------------------------------------------------------------------ observe
-    def observe_activations(self, rows: torch.Tensor) -> torch.Tensor:
-        """Accumulate A's statistics and return ``(Q_Aᵀ ã)²`` per row: the token the capture
-        hands back with this call's output gradient."""
+    def observe_activations(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Accumulate A's statistics and return ``(Q_Aᵀ ã)²`` per kept row and the call's row
+        count: the token the capture hands back with this call's output gradient."""
         super().observe_activations(rows)
+        rows_seen = rows.shape[0]  # before the subset: the pairing check compares whole calls
         rows = self.statistics_subset(rows)
         q_a = self._basis("A")
         rows = rows.to(self._work_dtype)
@@ -107,18 +108,19 @@ class EKFACLayer(KFACLayer):
         projected = rows @ q_a[:d]
         if self.has_bias:
             projected = projected + q_a[d]  # the ones column of ã
-        return projected.square_()
+        return projected.square_(), rows_seen
 
     def observe_output_grads(self, rows: torch.Tensor, scale: float, call: Any = None) -> None:
         """Accumulate G's statistics and, paired with the same call's activation token,
         ``Σ (Q_Gᵀ δ)² (Q_Aᵀ ã)²ᵀ`` over the rows (``δ = scale · rows``)."""
         super().observe_output_grads(rows, scale)
-        rows = self.statistics_subset(rows)
         if call is None:  # activations of this call were not seen: nothing to pair
             return
-        if call.shape[0] != rows.shape[0]:
-            raise RuntimeError(f"kron_precond: {self.name} saw {call.shape[0]} activation rows but "
+        call, activation_rows = call
+        if activation_rows != rows.shape[0]:
+            raise RuntimeError(f"kron_precond: {self.name} saw {activation_rows} activation rows but "
                                f"{rows.shape[0]} output-gradient rows in one call")
+        rows = self.statistics_subset(rows)
         projected = (rows.to(self._work_dtype) @ self._basis("G")).mul_(scale).square_()
         self._s_sum.view(self.g_dim, self.a_dim).addmm_(projected.t().to(self.scaling_dtype),
                                                          call.to(self.scaling_dtype))

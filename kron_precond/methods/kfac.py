@@ -54,8 +54,10 @@ class KFACLayer(LayerMethod):
         factor_dtype: dtype of A and G and of the statistics.
         inv_dtype: dtype of the stored decompositions / inverses.
         statistics_rows: at most this many rows of each module call enter the factor
-            statistics (the first ones: whole samples, as rows are stored sample-major);
-            ``None`` keeps every row.
+            statistics, the first in the layer's row order: for a batch-first Linear input
+            ``[B, T, d]`` whole samples when it is a multiple of ``T``; for a sequence-first
+            input the first time steps of every sample; for a convolution the first output
+            positions of the first samples. ``None`` keeps every row.
     """
 
     def __init__(
@@ -143,10 +145,10 @@ class KFACLayer(LayerMethod):
         self._rows[1].add_(rows.shape[0])
 
     def statistics_subset(self, rows: torch.Tensor) -> torch.Tensor:
-        """The rows that enter the statistics: a prefix (a view, no copy), so that the
-        activation and output-gradient sides of one call keep the same rows. The factors
-        are means, so fewer rows change their noise, not their scale; the ``N·d²`` cost of
-        a statistics step falls in proportion."""
+        """The rows that enter the statistics: a prefix, so that the activation and
+        output-gradient sides of one call keep the same rows. The factors are means, so
+        fewer rows change their noise, not their scale; the ``N·d²`` products shrink in
+        proportion (building the rows, e.g. a convolution's unfold, still sees them all)."""
         return rows if self.statistics_rows is None else rows[: self.statistics_rows]
 
     def shared_statistics(self) -> list[torch.Tensor]:
