@@ -77,12 +77,13 @@ VARIANT_KEYS = {
     "decay": "factor_decay", "kl": "kl_clip", "p": "update_probability",
     "plr": "psgd_precond_lr", "init": "psgd_init_scale", "rule": "psgd_update",
     "cm": "compute_method", "skip": "skip_layers", "rows": "statistics_rows",
+    "maxtri": "psgd_max_size_triangular", "msm": "psgd_memory_save_mode",
 }
 _FAMILY = re.compile(r"^(?P<method>\w+)(?:\{(?P<variant>[^}]*)\})?=(?P<lrs>.+)$")
 
 
 def _variant_value(field: str, text: str):
-    if field in ("factor_update_steps", "inv_update_steps"):
+    if field in ("factor_update_steps", "inv_update_steps", "psgd_max_size_triangular"):
         return int(text)
     if field == "statistics_rows":
         return _optional_rows(text)
@@ -90,7 +91,7 @@ def _variant_value(field: str, text: str):
         return _psgd_update_probability(text)
     if field == "psgd_init_scale":
         return _psgd_init_scale(text)
-    if field in ("psgd_update", "compute_method"):
+    if field in ("psgd_update", "compute_method", "psgd_memory_save_mode"):
         return text
     if field == "skip_layers":  # '+'-separated; e.g. skip=Embedding: lm_head is preconditioned too
         return tuple(filter(None, text.split("+")))

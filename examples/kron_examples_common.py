@@ -138,6 +138,9 @@ class PrecondConfig:
     accumulation_steps: int = 1
     psgd_precond_lr: float | Callable[[int], float] = 0.1
     psgd_update: str = "eq"  # how PSGD fits Q: "eq" (triangular) or "procrustes"
+    # PSGD factor shapes: dims above this get a diagonal factor; "one_diag" etc. (None: library's)
+    psgd_max_size_triangular: int | None = None
+    psgd_memory_save_mode: str | None = None
     # K-FAC extras (library defaults unless a sweep variant sets them):
     factor_decay: float = 0.95
     compute_method: str = "eigen"  # "eigen" (exact damping) or "inverse" (half the apply's matmuls)
@@ -303,6 +306,9 @@ def build_preconditioner(
             precond_init_scale=config.psgd_init_scale,
             precond_lr=config.psgd_precond_lr,
             **_psgd_update_option(config),
+            **({} if config.psgd_max_size_triangular is None
+               else {"max_size_triangular": config.psgd_max_size_triangular}),
+            **({} if config.psgd_memory_save_mode is None else {"memory_save_mode": config.psgd_memory_save_mode}),
         )  # PSGD reads only the (accumulated) gradient: no accumulation setting
     raise ValueError(f"unknown preconditioner {kind!r}")
 
