@@ -151,7 +151,7 @@ def test_sweep_variants_keep_the_usual_muon_split_and_reach_the_preconditioner()
     finally:
         sys.path.remove(str(ROOT / "examples"))
     grid = [parse_family("kfac_muon{skip=Embedding,rows=7,cm=inverse}=8e-3"),
-            parse_family("psgd_muon{p=0.25}=8e-3"), parse_family("muon_kron=8e-3")]
+            parse_family("psgd_muon{p=0.25,maxtri=12,msm=one_diag}=8e-3"), parse_family("muon_kron=8e-3")]
     base = PrecondConfig(skip_layers=SKIP_LAYERS, precond_update_probability=0.5)
     kfac_run, psgd_run, kron_run = sweep_contenders(grid, {}, (), 0.0, base)
     model = CharTransformer(ModelConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8))
@@ -163,7 +163,9 @@ def test_sweep_variants_keep_the_usual_muon_split_and_reach_the_preconditioner()
     assert layer.statistics_rows == 7 and layer.compute_method.value == "inverse"
     precond.remove()
     _, precond = psgd_run.build(model, None)
-    assert precond._spec.settings["preconditioner_update_probability"] == 0.25  # not 0.5
+    settings = precond._spec.settings
+    assert settings["preconditioner_update_probability"] == 0.25  # not 0.5
+    assert settings["max_size_triangular"] == 12 and settings["memory_save_mode"] == "one_diag"
     precond.remove()
     chain, precond = kron_run.build(model, None)
     assert precond is None and type(chain.optimizers[1]).__name__ == "Kron"
