@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -59,7 +60,6 @@ class Blocks:
             event.record()
             self.marks.append(event)
         else:
-            import time
             self.marks.append(time.perf_counter())
 
     def elapsed_ms(self) -> list[float]:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from kron_precond import KronPreconditioner
 from test_kfac_math import conv_patch_rows, output_grad_rows, with_ones
-from test_kfac_training import SGD_GRID, _ls_run, _mlp, _train_digits
+from test_kfac_training import SGD_GRID, _ls_run, _mlp, _train_digits, digits  # noqa: F401 (fixture)
 
 DT = torch.float64
 PRECOND_RTOL = 1e-8
@@ -275,19 +275,6 @@ def test_ekfac_beats_sgd_on_badly_scaled_least_squares():
     best = min(ekfac.values())
     print(f"least squares: SGD best {best_sgd:.3e}, EK-FAC {ekfac}")
     assert best * 10 <= best_sgd, (ekfac, sgd)
-
-
-@pytest.fixture(scope="module")
-def digits():
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-    from sklearn.preprocessing import StandardScaler
-
-    X, y = load_digits(return_X_y=True)
-    Xtr, Xte, ytr, yte = train_test_split(X, y, test_size=0.25, random_state=0, stratify=y)
-    scaler = StandardScaler().fit(Xtr)
-    f = lambda a: torch.tensor(scaler.transform(a), dtype=torch.float32)
-    return f(Xtr), torch.tensor(ytr), f(Xte), torch.tensor(yte)
 
 
 def test_digits_mlp_accuracy_with_sgd(digits):

@@ -211,13 +211,9 @@ class EKFACLayer(KFACLayer):
 
     # ------------------------------------------------------------------ apply
     def apply(self, grads: list[torch.Tensor], ctx: StepContext | None = None) -> list[torch.Tensor]:
-        if not self.ready or self._scaling is None:
+        if self._scaling is None:  # no scaling estimated yet: pass through
             return grads
-        matrix = self.grads_to_matrix(grads)
-        out = self.precondition_matrix(matrix.to(self.inv_dtype)).to(matrix.dtype)
-        # until both bases come from factors holding data, the gradient passes through
-        valid = self._refreshed["A"][-1] * self._refreshed["G"][-1]
-        return self.matrix_to_grads(torch.where(valid.bool(), out, matrix))
+        return super().apply(grads, ctx)  # K-FAC's, through this class's precondition_matrix
 
     def precondition_matrix(self, grad: torch.Tensor) -> torch.Tensor:
         """``Q_G [(Q_Gᵀ ∇ Q_A) / (s + λ)] Q_Aᵀ``."""
