@@ -184,6 +184,8 @@ class Kron(torch.optim.Optimizer):
         state["momentum_buffer"] = tensor.momentum
         state["Q"] = tensor.factors.q
         state["q_initialized"] = tensor.factors.initialized
+        if tensor.factors.lipschitz:  # the Procrustes-style fit's running estimates (updated in place)
+            state["lipschitz"] = tensor.factors.lipschitz
         state["nonfinite_steps"] = torch.zeros((), dtype=torch.int32, device=p.device)
         state["uses_per_update"] = 1.0  # decides whether Q_iᵀQ_i is formed (saved: bitwise resume)
         return state
@@ -192,8 +194,11 @@ class Kron(torch.optim.Optimizer):
         tensor = self._tensors.get(p)
         if tensor is None or tensor.factors.q is not state["Q"]:  # e.g. after load_state_dict
             tensor = self._make_tensor(p, index, group, 1.0)
-            tensor.factors.load_state_dict({"q": state["Q"], "initialized": state["q_initialized"]})
+            tensor.factors.load_state_dict({"q": state["Q"], "initialized": state["q_initialized"],
+                                            "lipschitz": state.get("lipschitz", ())})
             state["Q"] = tensor.factors.q
+            if tensor.factors.lipschitz:
+                state["lipschitz"] = tensor.factors.lipschitz
             tensor.momentum = state["momentum_buffer"]
             tensor.steps = state["step"]
             tensor.uses_per_update = state.get("uses_per_update", 1.0)
@@ -390,7 +395,10 @@ class Kron(torch.optim.Optimizer):
             if not isinstance(saved[key], torch.Tensor) or saved[key].numel() != 1:
                 raise ValueError(f"{where}: {key} must be a 1-element tensor, got {saved[key]!r}")
         checks.boolean(saved["q_initialized"], f"{where}: q_initialized")
-        return {
+        lipschitz = saved.get("lipschitz", [])  # Procrustes-style fit only; older files lack it
+        if lipschitz:
+            checks.tensor_list(lipschitz, [()] * len(lipschitz), f"{where}: lipschitz")
+        loaded = {
             "step": saved["step"].to(dev, torch.float32, copy=True),
             "momentum_buffer": saved["momentum_buffer"].to(
                 dev, group["mu_dtype"] or p.dtype, copy=True),
@@ -399,3 +407,6 @@ class Kron(torch.optim.Optimizer):
             "nonfinite_steps": saved["nonfinite_steps"].to(dev, torch.int32, copy=True),
             "uses_per_update": float(saved.get("uses_per_update", 1.0)),
         }
+        if lipschitz:
+            loaded["lipschitz"] = [t.to(dev, group["precond_dtype"], copy=True) for t in lipschitz]
+        return loaded

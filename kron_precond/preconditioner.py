@@ -233,8 +233,8 @@ class KronPreconditioner:
         ``.grad``; for sharded models the full values, all-gathered, or in owner-exchange mode
         gathered to the owner only (other ranks see ``None`` for layers they do not own)."""
         raw = {layer.name: [p.grad for _, p in layer.params] for layer in self._layers}
-        if self._runtime.sharding is None or self.world_size == 1:
-            return raw
+        if self._runtime.sharding is None:
+            return raw  # (a one-rank mesh still holds DTensors: full_tensor() makes them plain)
         if not self._exchange:
             return self._runtime.full_gradients(raw)
         by_owner: dict[int, list] = {r: [] for r in range(self.world_size)}
@@ -269,6 +269,8 @@ class KronPreconditioner:
                 layer.method.observe_gradients(grads[layer.name], ctx)
             if ctx.refresh:
                 self._refresh(ctx, grads)
+            elif ctx.statistics and self._spec.apply_reads_statistics:
+                self._wait_for_statistics()
             apply = precondition_exchanged if self._exchange else functools.partial(
                 precondition_gradients, holds=self._holds_state)
             written = apply(self._layers, owner_of=self._layer_owner, runtime=self._runtime, ctx=ctx,

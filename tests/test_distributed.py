@@ -629,7 +629,7 @@ def test_gradient_broadcast_every_step_without_comm_opt(runs, world, strategy):
 def test_ekfac_statistics_only_steps_share_no_bases(runs, world):
     """EK-FAC steps that re-estimate s but keep the bases all-reduce the statistics and
     (without COMM_OPT) broadcast gradients, like a K-FAC factor step: nothing refreshed is
-    broadcast, although the method makes every statistics step a refresh step."""
+    broadcast (s is folded from the all-reduced sums on every gradient worker)."""
     for rank, result in enumerate(runs(world)):
         for strategy in ("COMM_OPT", "HYBRID_OPT", "MEM_OPT"):
             info = result["communication"]["plain_steps"][("ekfac", strategy)]

@@ -15,7 +15,11 @@ gradients captured with ``retain_grad``, and follows the documented rules (docs/
   row's gradient ``δ_i ã_iᵀ`` projected on the basis the rows were observed with;
   ``w ← decay·w + 1``, ``s ← s + (s_new − s) / w``;
 * the update ``Q (diag(vec s) + λ)⁻¹ Qᵀ vec(∇)`` with ``Q = Q_G ⊗ Q_A`` built by
-  ``torch.kron`` (row-major vec of ``∇ = [W | b]``).
+  ``torch.kron`` (row-major vec of ``∇ = [W | b]``);
+* where a factor has clusters of equal eigenvalues (a null space: fewer rows than its
+  dimension), ``eigh``'s basis of the cluster is arbitrary: every ``s`` (measured or reset)
+  is replaced on each block ``C_G × C_A`` by its mean there, found by a Python loop over the
+  sorted eigenvalues (neighbours closer than ``n · eps · max`` chain into one cluster).
 """
 from __future__ import annotations
 
@@ -72,7 +76,7 @@ class DenseEKFAC:
                 for a_i, g_i in zip(a, g):  # one row's gradient δ_i ã_iᵀ at a time
                     projected = self.q_g.t() @ torch.outer(g_i, a_i) @ self.q_a
                     s_new += projected**2
-                s_new /= a.shape[0]
+                s_new = self.pool(s_new / a.shape[0])
                 self.weight = self.decay * self.weight + 1.0
                 self.s = self.s + (s_new - self.s) / self.weight
             A_new, G_new = a.t() @ a / a.shape[0], g.t() @ g / g.shape[0]
@@ -82,11 +86,23 @@ class DenseEKFAC:
         if step % self.basis_every == 0 and self.statistics_seen:
             d_a, self.q_a = torch.linalg.eigh(self.A)
             d_g, self.q_g = torch.linalg.eigh(self.G)
-            self.s = self.kfac_scaling = torch.outer(d_g.clamp_min(0), d_a.clamp_min(0))
+            self.clusters = (_clusters(d_g.clamp_min(0)), _clusters(d_a.clamp_min(0)))
+            self.s = self.kfac_scaling = self.pool(torch.outer(d_g.clamp_min(0), d_a.clamp_min(0)))
             self.weight = 0.0
         if self.q_a is None:
             return grad.clone()
         return self.precondition(grad.to(DT), self.s)
+
+    def pool(self, s: torch.Tensor) -> torch.Tensor:
+        """``s`` with each block of (row cluster of G) x (column cluster of A) set to its mean."""
+        out = s.clone()
+        for rows in self.clusters[0]:
+            for cols in self.clusters[1]:
+                block = s[rows][:, cols]
+                for i in rows:
+                    for j in cols:
+                        out[i, j] = block.mean()
+        return out
 
     def precondition(self, grad: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         Q = torch.kron(self.q_g, self.q_a)
@@ -96,6 +112,18 @@ class DenseEKFAC:
     def kfac_update(self, grad: torch.Tensor) -> torch.Tensor:
         """K-FAC's update with the current basis: what EK-FAC must differ from."""
         return self.precondition(grad.to(DT), self.kfac_scaling)
+
+
+def _clusters(eigenvalues: torch.Tensor) -> list[list[int]]:
+    """Index lists of the runs of ascending eigenvalues whose neighbours are closer than
+    ``n · eps · max``."""
+    tolerance = len(eigenvalues) * torch.finfo(eigenvalues.dtype).eps * float(eigenvalues.abs().max())
+    clusters = [[0]]
+    for i in range(1, len(eigenvalues)):
+        if float(eigenvalues[i] - eigenvalues[i - 1]) > tolerance:
+            clusters.append([])
+        clusters[-1].append(i)
+    return clusters
 
 
 def grad_matrix(module: nn.Module) -> torch.Tensor:
@@ -158,6 +186,9 @@ CASES = {
                                                          nn.Linear(5, 3)), ["0", "2", "4"], (16, 5), 1, 3),
     "linear-called-twice": (lambda: TwiceLinear(True), ["fc1"], (16, 5), 1, 4),
     "linear-f2-i3": (lambda: _linear_net(True), ["0", "2"], (16, 5), 2, 3),
+    # A (41 x 41) from 6 rows a step: a null space, whose basis eigh may choose freely
+    "linear-wide-singular": (lambda: nn.Sequential(nn.Linear(40, 5), nn.Tanh(), nn.Linear(5, 3)), ["0"],
+                             (6, 40), 1, 4),
     "conv2d": (lambda: ConvOnly(nn.Conv2d(2, 3, 3), (2, 6, 6)), ["conv"], (4, 2, 6, 6), 1, 3),
     "conv2d-stride-pad-nobias": (lambda: ConvOnly(nn.Conv2d(2, 3, 3, stride=2, padding=1, bias=False), (2, 7, 6)),
                                  ["conv"], (5, 2, 7, 6), 1, 3),

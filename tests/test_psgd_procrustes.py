@@ -92,3 +92,61 @@ def test_options_threaded_and_validated():
         Kron(model.parameters(), precond_update="qr")
     with pytest.raises(ValueError, match="precond_update"):
         KronPreconditioner(torch.nn.Sequential(torch.nn.Linear(4, 3)), method="psgd", precond_update="qr")
+
+
+# -- checkpoints carry the running Lipschitz estimates (found by tests/test_equivalence.py) --
+def _shrinking_batches(steps):
+    """Inputs whose scale halves every step: the fit's ℓ shrinks, so the running Lipschitz
+    estimate (not ℓ alone) sets the step size and a resume that forgot it diverges."""
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randn(16, 6, generator=gen, dtype=F64) * 0.5 ** s for s in range(steps)]
+
+
+def _procrustes_run(make_step, batches, resume_at=None):
+    """Train a Linear(6, 5); at ``resume_at`` rebuild everything from state dicts."""
+    model, step_fn, save, load = make_step()
+    for s, x in enumerate(batches):
+        if s == resume_at:
+            import copy
+            saved, weights = copy.deepcopy(save()), copy.deepcopy(model.state_dict())
+            model, step_fn, save, load = make_step()
+            model.load_state_dict(weights)
+            load(saved)
+        step_fn(model, x)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _kron_step():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 5).to(F64)
+    opt = Kron(model.parameters(), lr=1e-2, precond_update="procrustes", precond_dtype=F64,
+               preconditioner_update_probability=1.0)
+
+    def step(m, x):
+        opt.zero_grad()
+        (m(x) ** 2).mean().backward()
+        opt.step()
+    return model, step, opt.state_dict, opt.load_state_dict
+
+
+def _precond_step():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 5).to(F64)
+    precond = KronPreconditioner(model, method="psgd", precond_update="procrustes", precond_dtype=F64,
+                                 preconditioner_update_probability=1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    def step(m, x):
+        opt.zero_grad()
+        (m(x) ** 2).mean().backward()
+        precond.step()
+        opt.step()
+    return model, step, precond.state_dict, precond.load_state_dict
+
+
+@pytest.mark.parametrize("make_step", [_kron_step, _precond_step], ids=["Kron", "KronPreconditioner"])
+def test_resume_continues_bitwise(make_step):
+    batches = _shrinking_batches(8)
+    straight = _procrustes_run(make_step, batches)
+    resumed = _procrustes_run(make_step, batches, resume_at=4)
+    assert torch.equal(straight, resumed), (straight - resumed).abs().max()

@@ -190,6 +190,10 @@ class MethodSpec(abc.ABC):
         captures: needs activation and output-gradient rows from module hooks.
         reduces_statistics: its ``shared_statistics`` are summed across data-parallel ranks.
         owner_only_statistics: only the owner's ``refresh`` reads the folded statistics.
+        apply_reads_statistics: ``apply`` reads state folded from the statistics (EK-FAC's
+            scaling), so on statistics steps the engine folds before applying -- at every
+            world size, where with several ranks it would otherwise fold lazily, as late as
+            the next refresh, to overlap the reduction with other work.
         default_kl_clip: ``kl_clip`` when the user gives none.
     """
 
@@ -200,6 +204,8 @@ class MethodSpec(abc.ABC):
     #: its folded statistics are read by the layer's owner only (in ``refresh``), so a sharded
     #: model may reduce them to the owner alone and drop them elsewhere (docs/design.md)
     owner_only_statistics: ClassVar[bool] = False
+    #: ``apply`` reads what ``fold_statistics`` folded on this very step
+    apply_reads_statistics: ClassVar[bool] = False
     default_kl_clip: ClassVar[float | None] = None
     #: steps between reads of the skipped-update counters (``None``: on refresh steps)
     health_check_every: ClassVar[int | None] = None

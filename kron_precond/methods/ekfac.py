@@ -18,11 +18,13 @@ Schedule. The eigenbases are recomputed every ``inv_update_steps`` steps, as in 
 pairing of ``ã`` and ``δ`` uses the capture's call token: ``observe_activations`` returns
 the squared projected activation rows, which come back with the output gradient of the
 same forward call. Rows are projected with the basis current during the forward and
-backward passes, i.e. the one the last refresh produced.
+backward passes, i.e. the one the last refresh produced. ``apply`` reads ``s``, so the
+spec sets ``apply_reads_statistics``: on statistics steps the engine folds the (reduced)
+statistics before it applies, at every world size alike.
 
 Initialisation of ``s`` after a basis change. A new basis makes the old ``s`` meaningless
 (it was measured along other directions), and the rows of the step that refreshed were
-projected on the old basis. So a basis refresh sets ``s = d_G d_Aᵀ`` (K-FAC's scaling in
+projected on the old basis. So a refresh sets ``s = d_G d_Aᵀ`` (K-FAC's scaling in
 the new basis: the best estimate available before any row was projected on it) and
 restarts the running average: the n-th statistics step after the refresh folds ``s_new``
 with weight ``1 / w_n``, ``w_n = decay · w_{n−1} + 1``, ``w_0 = 0`` (a bias-corrected
@@ -31,15 +33,18 @@ approach weight ``1 − decay``). Consequently ``inv_update_steps`` must exceed
 ``factor_update_steps`` for the correction to act at all (with both 1 every step refreshes
 the basis and EK-FAC applies K-FAC's scaling); EK-FAC's default is ``inv_update_steps=10``.
 
-Why every statistics step is a refresh step here. The engine folds reduced statistics
-lazily (when a refresh or the next statistics step needs them), so on a plain step a
-layer in a multi-rank run may not have folded yet while a single process has. K-FAC's
-``apply`` only reads what refreshes froze, so this does not matter to it; EK-FAC's reads
-``s`` directly. Declaring every statistics step a refresh step makes the engine fold
-before ``apply`` on every rank, so one process and many agree exactly. ``refresh`` runs
-the eigendecompositions only on basis steps, and on other steps the layer shares no
-tensors (``refreshed_tensors`` / ``statistics_tensors`` are empty), so these extra
-refreshes cost no collective and no decomposition.
+Directions the basis cannot tell apart. Within a cluster of (numerically) equal
+eigenvalues -- above all the null space of a factor that has seen fewer rows than its
+dimension, e.g. a wide layer early in training -- ``eigh`` may return any orthonormal
+basis of the cluster, and the last bits of the factor decide which: the same rows summed
+in another order (one process, or several ranks' partial sums) give another basis. K-FAC
+and Shampoo do not notice (their scaling is constant on a cluster), but a diagonal ``s``
+measured in an arbitrary basis of the cluster is arbitrary too. So ``s`` is averaged over
+each cluster (columns over A's clusters, rows over G's): ``Σ_{j∈C} (q_jᵀ ã)² = ‖P_C ã‖²``
+does not depend on the basis, and neither does the update on the cluster,
+``Q_C (s̄ + λ)⁻¹ Q_Cᵀ = (s̄ + λ)⁻¹ P_C``. Clusters chain consecutive eigenvalues closer than
+``n · eps · max(d)`` (the numerical-rank tolerance of the decomposition's dtype); they are
+found on refreshes, on the device, and applied where ``s`` is folded or reset.
 
 Where things live. Every rank projects its own rows, so every rank needs the bases: they
 are the layer's ``statistics_tensors`` (the engine broadcasts them to all ranks when a
@@ -57,7 +62,7 @@ from kron_precond import validation as check
 from kron_precond.enums import ComputeMethod
 from kron_precond.methods.base import Option, Selected, moved, tensor_bytes
 from kron_precond.methods.kfac import FACTORS, KFACLayer, KFACSpec
-from kron_precond.schedules import IntervalSchedule, StepContext
+from kron_precond.schedules import StepContext
 
 
 class EKFACLayer(KFACLayer):
@@ -80,9 +85,10 @@ class EKFACLayer(KFACLayer):
         # The running scaling and its average's total weight (gradient workers only).
         self._scaling: torch.Tensor | None = None
         self._scaling_weight: torch.Tensor | None = None
-        # Whether the engine's current refresh changes the basis (decided from the step
-        # count in observe_gradients, identically on every rank); True outside step().
-        self._basis_step = True
+        # Per factor, the cluster index of each eigenvalue and each cluster's size (see
+        # "Directions the basis cannot tell apart"): found from the bases' eigenvalues when
+        # first needed after a refresh, a load or a move.
+        self._clusters: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ placement
     def to(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -94,6 +100,7 @@ class EKFACLayer(KFACLayer):
         self._s_rows = moved(self._s_rows, device, self._rows.dtype)
         self._scaling = moved(self._scaling, device, self.scaling_dtype)
         self._scaling_weight = moved(self._scaling_weight, device, self.scaling_dtype)
+        self._clusters = {}
 
     # ------------------------------------------------------------------ observe
     def observe_activations(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -138,10 +145,6 @@ class EKFACLayer(KFACLayer):
         """K-FAC's sums and counts, then the scaling's sum (flat) and its row count."""
         return super().shared_statistics() + [self._s_sum, self._s_rows]
 
-    def observe_gradients(self, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:
-        # Called on every rank before the step's refresh: decide whether it shares tensors.
-        self._basis_step = not ctx.refresh or _basis_due(ctx)
-
     def fold_statistics(self, ctx: StepContext) -> None:
         """Fold ``s`` (on gradient workers), then K-FAC's factors."""
         if self._a_sum is None:  # nothing observed on this statistics step
@@ -152,7 +155,7 @@ class EKFACLayer(KFACLayer):
 
     def _fold_scaling(self, decay: float) -> None:
         rows = self._s_rows[0]
-        new = self._s_sum.view(self.g_dim, self.a_dim) / rows.clamp_min(1.0).to(self.scaling_dtype)
+        new = self._pooled(self._s_sum.view(self.g_dim, self.a_dim) / rows.clamp_min(1.0).to(self.scaling_dtype))
         finite = torch.isfinite(new).all()
         has_rows = rows > 0
         # rows projected on a basis that never held data say nothing
@@ -170,29 +173,34 @@ class EKFACLayer(KFACLayer):
         self._s_rows.zero_()
 
     # ------------------------------------------------------------------ refresh
-    def refresh(self, factor: str, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:
-        """Decompose ``factor`` on basis steps; on other statistics steps there is nothing
-        to do here (``s`` is folded on every gradient worker)."""
-        if _basis_due(ctx):
-            super().refresh(factor, grads, ctx)
-
-    def refreshed_tensors(self, factor: str | None = None) -> list[torch.Tensor]:
-        """K-FAC's ``(Q, d, valid)`` per factor, on steps whose refresh changes the basis;
-        nothing on the other refresh steps (statistics-only), so nothing is broadcast."""
-        return super().refreshed_tensors(factor) if self._basis_step else []
-
     def statistics_tensors(self, part: str) -> list[torch.Tensor]:
         """The eigenbasis ``Q`` of ``part``: every rank projects its rows on it."""
-        return [self._allocated()[part][0]] if self._basis_step else []
+        return [self._allocated()[part][0]]
 
     def finalize_refresh(self, ctx: StepContext) -> None:
-        """Take this refresh's damping; after a basis change, restart ``s`` from K-FAC's
-        scaling ``d_G d_Aᵀ`` with weight 0 (the next statistics replace it)."""
+        """Take this refresh's damping and the new bases' clusters; restart ``s`` from
+        K-FAC's scaling ``d_G d_Aᵀ`` with weight 0 (the next statistics replace it)."""
         if not ctx.statistics_count:
             return
         super().finalize_refresh(ctx)
-        if self._scaling is None or _basis_due(ctx):
-            self._reset_scaling()
+        self._reset_scaling()
+
+    def _finalize(self, damping: float) -> None:
+        """K-FAC's; the bases may have changed, so their clusters are found anew."""
+        super()._finalize(damping)
+        self._clusters = {}
+
+    def _pooled(self, scaling: torch.Tensor) -> torch.Tensor:
+        """``scaling`` averaged over each cluster of A's eigenvalues (columns) and of G's
+        (rows): the part of it that does not depend on the basis ``eigh`` chose."""
+        if not self._clusters:
+            self._clusters = {part: _eigenvalue_clusters(self._allocated()[part][1]) for part in FACTORS}
+        for dim, part in ((1, "A"), (0, "G")):
+            index, size = self._clusters[part]
+            sums = torch.zeros_like(scaling).index_add_(dim, index, scaling)
+            means = sums / size.to(scaling.dtype).unsqueeze(1 - dim)
+            scaling = means.index_select(dim, index)
+        return scaling
 
     def _reset_scaling(self) -> None:
         d_a = self._allocated()["A"][1].to(self.scaling_dtype)
@@ -200,7 +208,7 @@ class EKFACLayer(KFACLayer):
         if self._scaling is None:
             self._scaling = torch.empty(self.g_dim, self.a_dim, dtype=self.scaling_dtype, device=self._device)
             self._scaling_weight = torch.zeros((), dtype=self.scaling_dtype, device=self._device)
-        torch.outer(d_g, d_a, out=self._scaling)
+        self._scaling.copy_(self._pooled(torch.outer(d_g, d_a)))
         self._scaling_weight.zero_()
 
     def release_refreshed(self) -> None:
@@ -280,8 +288,8 @@ class EKFACLayer(KFACLayer):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
-        self._basis_step = True
         super().load_state_dict(state)
+        self._clusters = {}
         if state["scaling"] is None:
             self._scaling = self._scaling_weight = None
             return
@@ -309,17 +317,18 @@ def _adopt_into_stacks(layers: Sequence[EKFACLayer]) -> list[torch.Tensor]:
     return stacks
 
 
-def _basis_due(ctx: StepContext) -> bool:
-    """Whether this step recomputes the eigenbases (every ``inv_update_steps`` steps)."""
-    return ctx.refresh and ctx.step % ctx["inv_update_steps"] == 0
-
-
-class ScalingSchedule(IntervalSchedule):
-    """K-FAC's interval schedule, with every statistics step also a refresh step (where
-    ``s`` is folded before ``apply`` on every rank; see the module docstring)."""
-
-    def refreshes(self, step: int) -> bool:
-        return self.collects(step) or super().refreshes(step)
+def _eigenvalue_clusters(eigenvalues: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ascending ``eigenvalues`` of one factor: each one's cluster index and each
+    cluster's size (``n`` entries, zero past the last cluster). A cluster chains neighbours
+    closer than ``n · eps · max`` of the decomposition's dtype, below which ``eigh`` cannot
+    tell their eigenvectors apart. On the device, no host sync."""
+    n = eigenvalues.shape[0]
+    tolerance = n * torch.finfo(eigenvalues.dtype).eps * eigenvalues.abs().max()
+    starts = (eigenvalues[1:] - eigenvalues[:-1]) > tolerance
+    index = torch.cat([starts.new_zeros(1, dtype=torch.long), starts.long().cumsum(0)])
+    size = torch.zeros(n, dtype=torch.long, device=eigenvalues.device).index_add_(
+        0, index, torch.ones_like(index))
+    return index, size.clamp_min(1)
 
 
 class EKFACSpec(KFACSpec):
@@ -332,15 +341,12 @@ class EKFACSpec(KFACSpec):
     options = {name: option for name, option in KFACSpec.options.items()
                if name not in ("compute_method", "compute_eigenvalue_outer_product")}
     options["inv_update_steps"] = Option(10, check.check_int, per_step="always", collective=True)
+    #: ``apply`` divides by the scaling folded from each statistics step
+    apply_reads_statistics = True
     layer_class = EKFACLayer
-    health_check_every = 100  # refreshes happen on every statistics step: do not sync on each
 
     def make_layer(self, index: int, selected: Selected) -> EKFACLayer:
         return self._make_factored_layer(selected)
-
-    def make_schedule(self) -> ScalingSchedule:
-        return ScalingSchedule(self.settings["factor_update_steps"], self.settings["inv_update_steps"],
-                               check=check.check_int)
 
     def describe(self) -> dict[str, Any]:
         return dict(self.settings)

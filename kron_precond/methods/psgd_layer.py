@@ -218,8 +218,11 @@ class PSGDLayer(LayerMethod):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         return {
-            "factors": {part: {"q": [q.clone() for q in self.factor(part).tensors()],
-                               "initialized": self.factor(part).initialized} for part in self.parts},
+            # the factors, their initialised flag and, for the Procrustes-style fit, its running
+            # Lipschitz estimates (without them a resumed run takes other steps)
+            "factors": {part: {key: [t.clone() for t in value] if isinstance(value, list) else value
+                               for key, value in self.factor(part).state_dict().items()}
+                        for part in self.parts},
             "momentum": None if self._averages is None else
             {k: v.momentum.clone() for k, v in self._averages.items()},
             "momentum_steps": None if self._averages is None else
@@ -237,11 +240,13 @@ class PSGDLayer(LayerMethod):
         if missing:
             raise ValueError(f"{where} has no factors for {sorted(missing)}")
         for part in self.parts:
-            expected = [tuple(q.shape) for q in PSGDFactors(self.shapes[part], device="meta",
-                                                            **self._settings).tensors()]
+            probe = PSGDFactors(self.shapes[part], device="meta", **self._settings)
+            expected = [tuple(q.shape) for q in probe.tensors()]
             saved = factors[part]
             checks.tensor_list(checks.entry(saved, "q", f"{where}.{part}"), expected, f"{where}.{part}: q")
             checks.boolean(checks.entry(saved, "initialized", f"{where}.{part}"), f"{where}.{part}: initialized")
+            if "lipschitz" in saved and probe.lipschitz:  # Procrustes-style fit (older files lack it)
+                checks.tensor_list(saved["lipschitz"], [()] * len(probe.lipschitz), f"{where}.{part}: lipschitz")
         momentum = state.get("momentum")
         if self._averages is not None and momentum is not None:
             for part, shape in self.shapes.items():
