@@ -337,8 +337,9 @@ def test_sample_covers_the_space():
         if f and i and f != i:
             unequal += 1
             nonmultiple += bool(i % f and f % i)
-    if "KRON_EQUIV_METHODS" not in os.environ:
-        assert seen["method"] == {spec.name for spec in registry.all_specs()}
+    if "KRON_EQUIV_METHODS" in os.environ or SAMPLES < 24:
+        pytest.skip("a restricted sample (KRON_EQUIV_METHODS / KRON_EQUIV_SAMPLES < 24) need not cover the space")
+    assert seen["method"] == {spec.name for spec in registry.all_specs()}
     assert seen["wrapper"] == {"ddp", "manual", "fsdp2"}
     assert seen["grad_worker_fraction"] == set(ENGINE_VALUES["grad_worker_fraction"])
     assert seen["accumulation_steps"] == {1, 2}

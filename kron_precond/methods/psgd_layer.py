@@ -122,8 +122,10 @@ class PSGDLayer(LayerMethod):
         self.nonfinite.add_((~applied).to(self.nonfinite.dtype))
 
     def refreshed_tensors(self, part: str | None = None) -> list[torch.Tensor]:
+        """The Q factors, and the Procrustes-style fit's running Lipschitz estimates (0-dim):
+        the next update of a part owned elsewhere, and a checkpoint saved here, need them."""
         parts = self.parts if part is None else (part,)
-        return [q for p in parts for q in self.factor(p).tensors()]
+        return [t for p in parts for t in self.factor(p).tensors() + self.factor(p).lipschitz]
 
     def finalize_refresh(self, ctx: StepContext) -> None:
         uses = 1.0 / max(ctx.hparams.get("update_probability", 1.0), 1e-3)
