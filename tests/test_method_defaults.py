@@ -70,9 +70,8 @@ def train(data, lr: float, method: str | None, activation: type[nn.Module] = nn.
         if precond is not None:
             precond.step()
         opt.step()
-    with torch.no_grad():
-        accuracy = (model(Xte).argmax(1) == yte).float().mean().item()
-    return accuracy if accuracy == accuracy else 0.0
+    with torch.no_grad():  # a diverged (NaN) model predicts class 0: ~10 %, never NaN
+        return (model(Xte).argmax(1) == yte).float().mean().item()
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +84,7 @@ def _row(name: str, accuracies: dict[float, float]) -> str:
     return f"{name:>8}  {cells}  best {max(accuracies.values()):6.2%}"
 
 
-def test_registry_is_covered():
+def test_exclusions_name_registered_methods_with_reasons():
     """Every exclusion names a registered method (a stale one would hide nothing) and gives a reason."""
     assert set(EXCLUDED) <= set(registry.METHODS), EXCLUDED
     assert all(reason.strip() for reason in EXCLUDED.values()), EXCLUDED
