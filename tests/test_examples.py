@@ -9,11 +9,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from example_modules import ROOT, load
 TINY_LM = ["--steps", "4", "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
            "--batch-size", "4", "--seq-len", "16", "--eval-every", "2", "--eval-seqs", "4",
            "--corpus-mb", "0.2", "--warmup-steps", "1", "--threads", "1"]
@@ -27,7 +26,7 @@ def _run(args, tmp_path, timeout=240):
 
 
 def test_main_job_runs_and_reports_every_method(tmp_path):
-    from examples.char_lm import DEFAULT_METHODS
+    DEFAULT_METHODS = load("examples/char_lm.py").DEFAULT_METHODS
 
     out = _run([sys.executable, "examples/char_lm.py", *TINY_LM, "--out", str(tmp_path)], tmp_path)
     results = json.loads((tmp_path / "results.json").read_text())
@@ -58,12 +57,10 @@ def test_muon_split_and_chain_follow_one_schedule():
     # The usual Muon split: hidden nn.Linear weights to Muon; embeddings, the output layer,
     # norms and biases to AdamW; one LR scheduler drives both halves.
     import torch
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        from char_lm import SKIP_LAYERS, CharTransformer, ModelConfig, warmup_cosine
-        from kron_examples_common import build_muon
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
+
+    char_lm = load("examples/char_lm.py")
+    SKIP_LAYERS, CharTransformer, ModelConfig = char_lm.SKIP_LAYERS, char_lm.CharTransformer, char_lm.ModelConfig
+    build_muon = load("examples/kron_examples_common.py").build_muon
 
     model = CharTransformer(ModelConfig(d_model=16, n_layers=2, n_heads=2, seq_len=8))
     chain = build_muon(model, lr=8e-3, weight_decay=0.0, exclude=SKIP_LAYERS)
@@ -74,7 +71,7 @@ def test_muon_split_and_chain_follow_one_schedule():
     assert hidden == expected and len(hidden) == 12  # q, k, v, out, fc1, fc2 per block
     rest = {id(p) for g in adamw.param_groups for p in g["params"]}
     assert rest.isdisjoint(hidden) and len(rest | hidden) == len(list(model.parameters()))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(chain, warmup_cosine(2, 10))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(chain, char_lm.warmup_cosine(2, 10))
     model(torch.randint(0, 256, (2, 8))).sum().backward()
     chain.step()
     scheduler.step()
@@ -82,21 +79,51 @@ def test_muon_split_and_chain_follow_one_schedule():
     assert chain.state  # both halves' state is visible through the chain
 
 
-@pytest.mark.parametrize("script", ["examples/digits_cnn.py", "examples/char_lm.py",
-                                    "benchmarks/step_overhead.py"])
-def test_scripts_ignore_an_installed_top_level_examples_package(tmp_path, script):
-    """kfac-pytorch's wheel installs a regular top-level package named ``examples``; it used
-    to shadow the checkout's folder (``No module named 'examples.common'``). ``--help`` runs
-    every import of the script."""
+@pytest.fixture
+def foreign_examples_env(tmp_path):
+    """An environment whose PYTHONPATH starts with a folder holding a regular top-level
+    ``examples`` package, as another wheel (kfac-pytorch's) installs one, then the checkout."""
     fake = tmp_path / "site" / "examples"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("# stands in for another wheel's top-level `examples`\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(ROOT)]),
-               OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, env=env,
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(ROOT)]),
+                OMP_NUM_THREADS="1")
+
+
+@pytest.mark.parametrize("script", ["examples/digits_cnn.py", "examples/char_lm.py",
+                                    "benchmarks/step_overhead.py"])
+def test_scripts_ignore_an_installed_top_level_examples_package(foreign_examples_env, script):
+    """kfac-pytorch's wheel installs a regular top-level package named ``examples``; it used
+    to shadow the checkout's folder (``No module named 'examples.common'``). ``--help`` runs
+    every import of the script."""
+    done = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, env=foreign_examples_env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{script} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
     assert "usage" in done.stdout.lower()
+
+
+# Tests of this file that load examples/ and benchmarks/ modules (char_lm, kron_examples_common,
+# convergence): the main job's (the one the issue saw fail; it runs a tiny main job, ~10-40 s)
+# and three that spawn nothing.
+LOADING_TESTS = ["test_main_job_runs_and_reports_every_method",
+                 "test_muon_split_and_chain_follow_one_schedule",
+                 "test_sweep_variants_keep_the_usual_muon_split_and_reach_the_preconditioner",
+                 "test_sweep_best_point_is_the_first_to_reach_the_target"]
+
+
+def test_tests_ignore_an_installed_top_level_examples_package(foreign_examples_env):
+    """The README's test command for a user who also has kfac-pytorch installed: the tests
+    load the checkout's scripts by path, so a foreign ``examples`` package first on the path
+    changes nothing. The control shows that the foreign package does shadow the folder for
+    an import by package name (``from examples.char_lm import ...``, the old style)."""
+    control = subprocess.run([sys.executable, "-c", "import examples.char_lm"], cwd=ROOT,
+                             env=foreign_examples_env, capture_output=True, text=True, timeout=60)
+    assert control.returncode != 0 and "No module named 'examples.char_lm'" in control.stderr, control.stderr
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_examples.py",
+                           "-k", " or ".join(LOADING_TESTS)], cwd=ROOT, env=foreign_examples_env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"tests failed under a foreign `examples`:\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}"
+    assert f"{len(LOADING_TESTS)} passed" in done.stdout, done.stdout[-2000:]
 
 
 @pytest.mark.parametrize("script,framework,args", [
@@ -129,7 +156,7 @@ def test_trainer_framework_examples_run(tmp_path, monkeypatch, script, framework
 def test_step_cost_benchmark_reports_every_configuration(tmp_path):
     out = _run([sys.executable, "benchmarks/step_cost.py", "--d-model", "32", "--steps", "3",
                 "--factor-update-steps", "2", "--inv-update-steps", "3", "--threads", "1"], tmp_path)
-    from benchmarks.step_cost import CONFIGS
+    CONFIGS = load("benchmarks/step_cost.py").CONFIGS
 
     rows = {line[:30].strip(): line.split() for line in out.splitlines()[2:]}
     assert set(rows) == set(CONFIGS)
@@ -142,14 +169,11 @@ def test_sweep_variants_keep_the_usual_muon_split_and_reach_the_preconditioner()
 
     import torch
 
-    from benchmarks.convergence import parse_family, sweep_contenders
-    from kron_examples_common import PrecondConfig
-
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        from char_lm import SKIP_LAYERS, CharTransformer, ModelConfig
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
+    convergence = load("benchmarks/convergence.py")
+    parse_family, sweep_contenders = convergence.parse_family, convergence.sweep_contenders
+    PrecondConfig = load("examples/kron_examples_common.py").PrecondConfig
+    char_lm = load("examples/char_lm.py")
+    SKIP_LAYERS, CharTransformer, ModelConfig = char_lm.SKIP_LAYERS, char_lm.CharTransformer, char_lm.ModelConfig
     grid = [parse_family("kfac_muon{skip=Embedding,rows=7,cm=inverse}=8e-3"),
             parse_family("psgd_muon{p=0.25,maxtri=12,msm=one_diag}=8e-3"), parse_family("muon_kron=8e-3")]
     base = PrecondConfig(skip_layers=SKIP_LAYERS, precond_update_probability=0.5)
@@ -176,13 +200,9 @@ def test_sweep_best_point_is_the_first_to_reach_the_target():
     """The sweep ranks a family's points by the step that first reaches the target (one
     family costs the same per step), final loss breaking ties and ranking points that never
     reach it; the AdamW reference is its lowest final loss, which defines the target."""
-    from benchmarks.convergence import _best_per_family, best_of, grid_edges
-
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        from char_lm import RunResult
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
+    convergence = load("benchmarks/convergence.py")
+    _best_per_family, best_of, grid_edges = convergence._best_per_family, convergence.best_of, convergence.grid_edges
+    RunResult = load("examples/char_lm.py").RunResult
 
     def run(name, lr, losses, seconds):
         return RunResult(name=f"{name} lr={lr:g}", lr=lr, eval_steps=list(range(len(losses))),
