@@ -233,8 +233,8 @@ class KronPreconditioner:
         ``.grad``; for sharded models the full values, all-gathered, or in owner-exchange mode
         gathered to the owner only (other ranks see ``None`` for layers they do not own)."""
         raw = {layer.name: [p.grad for _, p in layer.params] for layer in self._layers}
-        if self._runtime.sharding is None or self.world_size == 1:
-            return raw
+        if self._runtime.sharding is None:
+            return raw  # (a one-rank mesh still gives DTensors: torchtitan shards at any size)
         if not self._exchange:
             return self._runtime.full_gradients(raw)
         by_owner: dict[int, list] = {r: [] for r in range(self.world_size)}
