@@ -11,7 +11,7 @@ This script runs the same trainer anywhere, this CPU included, and downloads not
     python examples/torchtitan_debugmodel.py --steps 20                       # one process
     torchrun --nproc_per_node=2 examples/torchtitan_debugmodel.py --steps 20  # FSDP2 over 2 ranks
     python examples/torchtitan_debugmodel.py --method none                     # torchtitan's AdamW alone
-    python examples/torchtitan_debugmodel.py -- --training.local_batch_size 2  # more torchtitan flags
+    python examples/torchtitan_debugmodel.py -- --training.local_batch_size 4  # more torchtitan flags
 
 It writes a word-level tokenizer and a small text dataset (Python's standard-library sources)
 under ``--out``, and on a machine without an accelerator applies the workarounds of
@@ -173,7 +173,7 @@ def torchtitan_args(*, steps: int, tokenizer: Path, data: Path, dump: Path, meth
     if cpu:
         imports.append(f"{sdpa_attention.__module__}.sdpa_attention")
     args = ["--module", "llama3", "--config", "llama3_debugmodel",
-            "--training.steps", str(steps), "--training.seq_len", "256", "--training.local_batch_size", "4",
+            "--training.steps", str(steps), "--training.seq_len", "128", "--training.local_batch_size", "2",
             "--hf_assets_path", str(tokenizer), "--dataloader.dataset_path", str(data),
             "--dump_folder", str(dump), "--validator.no-enable", "--checkpoint.no-enable"]
     if imports:

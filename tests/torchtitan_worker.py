@@ -38,8 +38,10 @@ def _phase(rank: int, phase: dict, flags: list[str]) -> dict:
         group.optimizer_kwargs.update(phase.get("optimizer_kwargs", {}))
     trainer = config.build()
     try:
-        params = lambda: {canonical_fqn(name): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                          for name, p in trainer.model_parts[0].named_parameters()}
+        def params() -> dict[str, torch.Tensor]:  # full values: all-gathers under FSDP2
+            return {canonical_fqn(name): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                    for name, p in trainer.model_parts[0].named_parameters()}
+
         if phase.get("seed_checkpoint"):
             trainer.checkpointer.save(curr_step=0, last_step=True)  # what torchtitan.train does
             return {"params": params()}

@@ -90,6 +90,10 @@ class KronOptimizersContainer(OptimizersContainer):
                              "(pipeline parallelism is not supported)")
         spec = registry.get(config.method)
         options = dict(config.options)
+        fields = sorted({"method", "skip_layers", "accumulation_steps"} & set(options))
+        if fields:
+            raise ValueError(f"options={config.options!r}: {fields} are fields of the optimizer config, "
+                             "not options; set them there")
         if isinstance(options.get("grad_worker_fraction"), str):
             name = options["grad_worker_fraction"]
             try:
@@ -99,7 +103,8 @@ class KronOptimizersContainer(OptimizersContainer):
                 raise ValueError(f"grad_worker_fraction={name!r} is not one of {choices} or a float") from None
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if spec.captures:
-            options["accumulation_steps"] = world if config.accumulation_steps is None else config.accumulation_steps
+            given = config.accumulation_steps
+            options["accumulation_steps"] = world if given is None else given
         elif config.accumulation_steps is not None:
             raise ValueError(f"accumulation_steps={config.accumulation_steps!r} does not apply to "
                              f"method={config.method!r} (it only rescales captured statistics)")
@@ -148,8 +153,7 @@ class KronOptimizersContainer(OptimizersContainer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if STATE_KEY not in state_dict:
             raise ValueError(f"the optimizer checkpoint has no {STATE_KEY!r} entry: it was not saved by "
-                             "KronOptimizersContainer (start the preconditioner afresh with "
-                             "checkpoint.exclude_from_loading or load from a KronOptimizersContainer checkpoint)")
+                             "KronOptimizersContainer")
         state = dict(state_dict)
         precond_state = dict(state.pop(STATE_KEY))
         names = {canonical_fqn(name): name for name in self.preconditioner.layers}
