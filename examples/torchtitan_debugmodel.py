@@ -120,9 +120,8 @@ def cpu_workarounds() -> list[str]:
     * gloo has no ``PREMUL_SUM``, which FSDP2 uses once torchtitan sets the gradient divide
       factor to 1: FSDP modules reduce with a plain sum instead (the same result);
     * FlexAttention has no CPU backward: ``--override.imports`` adds :func:`sdpa_attention`;
-    * ``fully_shard`` rejects the default ``spmd_types`` backend here:
-      ``--parallelism.spmd_backend partial_dtensor``;
-    * CUDA graphs: ``--training.disable_cuda_graphs``.
+    * ``fully_shard`` rejects the default ``spmd_types`` backend here ("all parameters must be
+      DTensors on the full SPMD mesh"): ``--parallelism.spmd_backend partial_dtensor``.
     """
     import importlib
 
@@ -151,7 +150,7 @@ def cpu_workarounds() -> list[str]:
                     module.set_force_sum_reduction_for_comms(True)
         disable_division_and_sum.kron_example_sum = True
         titan_fsdp.disable_fsdp_gradient_division = disable_division_and_sum
-    return ["--parallelism.spmd_backend", "partial_dtensor", "--training.disable_cuda_graphs"]
+    return ["--parallelism.spmd_backend", "partial_dtensor"]
 
 
 def needs_cpu_workarounds() -> bool:
