@@ -103,7 +103,7 @@ def runs(tmp_path_factory):
     one = run_workers(run_phases, 1, tmp / "out-one", [
         ("seed", {"seed_checkpoint": True, "args": _args(
             tmp, "seed", data="data-one", local_batch=GLOBAL_BATCH, kron=None,
-            extra=["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"])}),
+            extra=["--checkpoint.enable", "--checkpoint.create_seed_checkpoint", "--debug.seed", "0"])}),
         ("ref", {"optimizer_kwargs": ADAM, "args": _args(
             tmp, "ref", data="data-one", local_batch=GLOBAL_BATCH,
             extra=from_seed + ["--checkpoint.interval", str(SAVE_AT)])}),
@@ -183,3 +183,77 @@ def _state_name(state: dict, canonical: str) -> str:
     assert len(matches) == 1, (canonical, sorted(state["layers"]))
     return matches[0]
 
+
+
+# ---------------------------------------------------------------------- in-process, no trainer
+def _plain_container(model, **fields):
+    from torchtitan.components.optimizer import default_adamw
+
+    from kron_precond.integrations.torchtitan import kron_optimizers
+
+    config = kron_optimizers(default_adamw(lr=1e-2, implementation="for-loop"), **fields)
+    return config.build(model_parts=[model])
+
+
+def _tiny_model(wrap: bool = False):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(1)
+    body = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh())
+    return torch.nn.Sequential(checkpoint_wrapper(body) if wrap else body, torch.nn.Linear(5, 3))
+
+
+def test_override_keeps_the_stock_groups_and_routes_settings():
+    from torchtitan.components.optimizer import default_adamw
+
+    from kron_precond.integrations.torchtitan import KronOptimizersContainer, kron_optimizers
+
+    stock = default_adamw(lr=3e-4)
+    config = kron_optimizers(stock, method="psgd", skip_layers="lm_head", precond_lr=0.2)
+    assert isinstance(config, KronOptimizersContainer.Config)
+    assert config.param_groups == stock.param_groups and config.implementation == stock.implementation
+    assert (config.method, config.skip_layers, config.options) == ("psgd", ["lm_head"], {"precond_lr": 0.2})
+    with pytest.raises(ValueError, match="method='nope'"):
+        kron_optimizers(stock, method="nope")
+    with pytest.raises(ValueError, match="accumulation_steps"):
+        KronOptimizersContainer.Config(param_groups=stock.param_groups,
+                                       options={"accumulation_steps": 2}).build(model_parts=[_tiny_model()])
+
+
+def test_container_step_is_precondition_then_adamw():
+    """Reference: KronPreconditioner + torch.optim.AdamW driven by hand on a copy of the model."""
+    from kron_precond import KronPreconditioner
+
+    model, twin = _tiny_model(), _tiny_model()
+    container = _plain_container(model, **KFAC)
+    precond = KronPreconditioner(twin, **KFAC)
+    adamw = torch.optim.AdamW(twin.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                              foreach=False)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+        for net, step in ((model, container.step), (twin, lambda: (precond.step(lr=1e-2), adamw.step()))):
+            net.zero_grad()
+            ((net(x) - y) ** 2).mean().backward()
+            step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_container_state_round_trips_under_canonical_names():
+    model = _tiny_model(wrap=True)
+    container = _plain_container(model, **KFAC)
+    x = torch.randn(4, 6)
+    model(x).pow(2).mean().backward()
+    container.step()
+    state = container.state_dict()
+    assert sorted(state["kron_precond"]["layers"]) == ["0.0", "1"]  # no "_checkpoint_wrapped_module."
+    fresh = _plain_container(_tiny_model(wrap=True), **KFAC)
+    fresh.load_state_dict(state)
+    assert fresh.preconditioner.steps == 1
+    for name, layer in container.preconditioner.state_dict()["layers"].items():
+        loaded = fresh.preconditioner.state_dict()["layers"][name]
+        for factor in ("a_factor", "g_factor"):
+            torch.testing.assert_close(loaded[factor], layer[factor], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="kron_precond"):
+        fresh.load_state_dict({k: v for k, v in state.items() if k != "kron_precond"})

@@ -109,7 +109,7 @@ class KronOptimizersContainer(OptimizersContainer):
             raise ValueError(f"accumulation_steps={config.accumulation_steps!r} does not apply to "
                              f"method={config.method!r} (it only rescales captured statistics)")
         self.preconditioner = KronPreconditioner(model_parts[0], method=config.method,
-                                                 skip_layers=list(config.skip_layers), **options)
+                                                 skip_layers=_patterns(config.skip_layers), **options)
         # Micro-batches of the first step, counted to check accumulation_steps once; the hook
         # is removed at the first step, so later steps pay nothing.
         self._micro_batches = 0
@@ -173,5 +173,10 @@ def kron_optimizers(cfg: OptimizersContainer.Config, *, method: str = "kfac",
     :class:`KronOptimizersContainer.Config` fields; any other keyword is a
     :class:`~kron_precond.KronPreconditioner` option."""
     registry.get(method)  # an unknown method fails here, before anything is built
-    return derive(cfg, KronOptimizersContainer.Config, method=method, skip_layers=list(skip_layers),
+    return derive(cfg, KronOptimizersContainer.Config, method=method, skip_layers=_patterns(skip_layers),
                   accumulation_steps=accumulation_steps, options=dict(options))
+
+
+def _patterns(skip_layers) -> list[str]:
+    """One regex or several, as ``KronPreconditioner(skip_layers=...)`` takes them."""
+    return [skip_layers] if isinstance(skip_layers, str) else list(skip_layers)
