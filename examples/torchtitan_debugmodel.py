@@ -41,6 +41,7 @@ from torchtitan.config import override  # noqa: E402
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention  # noqa: E402
 
 OVERRIDE = "kron_precond.integrations.torchtitan.kron_optimizers"
+KFAC_SETTINGS = {"damping": 0.003, "factor_update_steps": 1, "inv_update_steps": 10}
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"
 
 
@@ -195,9 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--method", default="kfac", help="kfac, ekfac, shampoo, psgd, or none (AdamW alone)")
-    parser.add_argument("--settings", default='{"damping": 0.003, "factor_update_steps": 1, '
-                                               '"inv_update_steps": 10}',
-                        help="JSON: KronOptimizersContainer.Config fields and KronPreconditioner options")
+    parser.add_argument("--settings", default=None,
+                        help="JSON: KronOptimizersContainer.Config fields and KronPreconditioner options "
+                             f"(default for K-FAC / EK-FAC: {json.dumps(KFAC_SETTINGS)}; else none)")
     parser.add_argument("--out", default="runs/torchtitan_debugmodel")
     args, extra = parser.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
@@ -212,8 +213,10 @@ def main(argv: list[str] | None = None) -> None:
     if cpu:
         extra = cpu_workarounds() + extra
     method = None if args.method == "none" else args.method
+    settings = json.loads(args.settings) if args.settings else (
+        KFAC_SETTINGS if method in ("kfac", "ekfac") else {})
     sys.argv = [sys.argv[0], *torchtitan_args(steps=args.steps, tokenizer=tokenizer, data=data, dump=out / "dump",
-                                              method=method, settings=json.loads(args.settings), cpu=cpu,
+                                              method=method, settings=settings, cpu=cpu,
                                               extra=extra)]
     from torchtitan.train import main as titan_main
 
