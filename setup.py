@@ -17,5 +17,9 @@ setup(
         # Optional: the integration tests and examples for trainer frameworks. Never needed by
         # the core package; install with the torch constraint so none of them swaps torch.
         "trainers": ["transformers", "accelerate", "lightning"],
+        # kron_precond.integrations.torchtitan (pinned: it builds on torchtitan's config and
+        # override internals). torchtitan also needs `triton` importable: on CPU-only machines
+        # install it with `--no-deps` (see .ci/run).
+        "torchtitan": ["torchtitan==0.3.0"],
     },
 )

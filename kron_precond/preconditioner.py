@@ -234,7 +234,7 @@ class KronPreconditioner:
         gathered to the owner only (other ranks see ``None`` for layers they do not own)."""
         raw = {layer.name: [p.grad for _, p in layer.params] for layer in self._layers}
         if self._runtime.sharding is None:
-            return raw  # (a one-rank mesh still holds DTensors: full_tensor() makes them plain)
+            return raw  # (a one-rank mesh still gives DTensors, e.g. torchtitan at any size)
         if not self._exchange:
             return self._runtime.full_gradients(raw)
         by_owner: dict[int, list] = {r: [] for r in range(self.world_size)}

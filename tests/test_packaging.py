@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FRAMEWORKS = ("transformers", "accelerate", "lightning", "pytorch_lightning")
+FRAMEWORKS = ("transformers", "accelerate", "lightning", "pytorch_lightning", "torchtitan")
 
 
 def _setup_call() -> dict:
@@ -51,6 +51,11 @@ def test_trainer_frameworks_are_an_optional_extra_never_a_requirement():
     assert not any(name.replace("_", "-") in core or name in core for name in FRAMEWORKS), core
     extra = " ".join(spec["extras_require"]["trainers"]).lower()
     assert "transformers" in extra and "accelerate" in extra and "lightning" in extra
+
+
+def test_torchtitan_is_a_pinned_extra():
+    # kron_precond.integrations.torchtitan builds on torchtitan's config internals
+    assert _setup_call()["extras_require"]["torchtitan"] == ["torchtitan==0.3.0"]
 
 
 def test_importing_the_package_imports_no_trainer_framework():

@@ -1,0 +1,260 @@
+"""torchtitan: its own ``Trainer`` on the llama3 debug model (6.2M parameters; FSDP2, selective
+activation checkpointing) with ``--override.imports kron_precond.integrations.torchtitan.
+kron_optimizers``, on 2 gloo ranks against one process.
+
+Reference, independent of the code under test: one process training on the same global
+batches (torchtitan then still wraps the model with ``fully_shard``, on a one-rank mesh). Both
+runs start from one seed checkpoint (torchtitan's ``create_seed_checkpoint``: its sharded
+initialisation on a CPU mesh draws other numbers than an unsharded one). Checked:
+
+* the override swaps the container in, and all 31 leaf ``Linear`` layers are registered;
+* 2 ranks x 2 sequences and 1 process x 4 sequences give the same logged losses, the same
+  K-FAC factors (so the output-gradient scale, ``accumulation_steps`` = world size, is right:
+  torchtitan divides each rank's summed loss by the global token count) and the same
+  parameters after 4 steps, within float32 tolerance (float32 parameters: with torchtitan's
+  bf16 mixed precision the two runs round at different places);
+* a torchtitan DCP checkpoint saved by the one process at step 2 resumes on 2 ranks (the
+  preconditioner's state resharded by DCP) to the same parameters as the run that went on;
+* gradient accumulation without the matching ``accumulation_steps`` is refused on the first
+  step with the value to set.
+
+Data: a word-level tokenizer and documents of exactly ``SEQ + 1`` tokens (one document is one
+training sequence), written per run in the order each layout reads them (torchtitan gives
+each rank a contiguous half of the documents).
+
+Run time: two spawns (1 and 2 ranks), each importing torchtitan once (~15 s) and running its
+phases in turn; 222 s on the shared 2-core machine at a load of ~10, where a phase's trainer
+build and 4 steps took 35 s (1 process) and 59 s (2 ranks).
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+# The trainer, not just the package: torchtitan's trainer also needs triton importable.
+pytest.importorskip(
+    "torchtitan.trainer", reason="torchtitan's trainer is not importable; install it with `pip install -c "
+    "/tmp/kron_precond_constraints.txt -e '.[torchtitan]'` and `triton --no-deps` (see .ci/run)")
+
+from dist_utils import run_workers  # noqa: E402
+from examples.torchtitan_debugmodel import write_texts, write_tokenizer  # noqa: E402
+from torchtitan_worker import run_phases  # noqa: E402
+
+SEQ, STEPS, SAVE_AT, GLOBAL_BATCH, WORLD = 32, 4, 2, 4, 2
+WORDS = [f"w{i}" for i in range(200)]
+KFAC = {"method": "kfac", "damping": 0.01, "factor_update_steps": 1, "inv_update_steps": 2}
+OVERRIDE = "kron_precond.integrations.torchtitan.kron_optimizers"
+TIMEOUT = 400.0
+# float32 end to end; the runs differ only in summation order (batch split, reductions). The
+# factors and losses agree to rounding (measured 1.5e-6, 1e-7); K-FAC's inverse (damping 0.01)
+# and Adam's normalisation amplify it in the parameters (measured gap 4.6e-5).
+PARAM_TOL, LOSS_TOL, FACTOR_TOL = 2e-4, 1e-5, 1e-5
+# AdamW's eps, raised from the debug config's 1e-8: Adam's first step is g / (|g| + eps), so an
+# entry of the preconditioned gradient near 1e-8, which the two runs round differently, moves by
+# up to +-lr in one and not the other (measured with 1e-8: a parameter gap of 4.7e-4, entries off by
+# up to lr). With 1e-5 the update is smooth in g there and rounding stays rounding.
+ADAM = {"eps": 1e-5}
+
+
+def _sequences() -> list[list[str]]:
+    """``STEPS x GLOBAL_BATCH`` documents of ``SEQ - 1`` words (+ BOS / EOS = ``SEQ + 1`` tokens)."""
+    rng = random.Random(0)
+    return [[" ".join(rng.choice(WORDS) for _ in range(SEQ - 1)) for _ in range(GLOBAL_BATCH)]
+            for _ in range(STEPS)]
+
+
+def _layout(docs: list[list[str]], steps: range, world: int) -> list[str]:
+    """File order so that at step s the ranks together read ``docs[s]``: rank r's contiguous
+    part of the file holds its ``GLOBAL_BATCH // world`` documents of every step in turn."""
+    per_rank = GLOBAL_BATCH // world
+    return [doc for r in range(world) for s in steps for doc in docs[s][r * per_rank:(r + 1) * per_rank]]
+
+
+def _args(tmp_path, name: str, *, data: str, local_batch: int, steps: int = STEPS, kron: dict | None = KFAC,
+          extra: list[str] = ()) -> list[str]:
+    args = ["--module", "llama3", "--config", "llama3_debugmodel",
+            "--training.steps", str(steps), "--training.seq_len", str(SEQ),
+            "--training.local_batch_size", str(local_batch), "--training.mixed_precision_param", "float32",
+            "--hf_assets_path", str(tmp_path / "tokenizer"), "--dataloader.dataset_path", str(tmp_path / data),
+            "--dump_folder", str(tmp_path / name), "--validator.no-enable", "--metrics.log_freq", "1",
+            "--override.imports", "examples.torchtitan_debugmodel.sdpa_attention"]
+    if kron is not None:
+        args.append(f"{OVERRIDE}={json.dumps(kron)}")
+    return args + list(extra)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("torchtitan")
+    write_tokenizer(tmp / "tokenizer", WORDS)
+    docs = _sequences()
+    write_texts(tmp / "data-one", _layout(docs, range(STEPS), 1))
+    write_texts(tmp / "data-two", _layout(docs, range(STEPS), WORLD))
+    write_texts(tmp / "data-two-resume", _layout(docs, range(SAVE_AT, STEPS), WORLD))
+    seed = str(tmp / "seed" / "checkpoint" / "step-0")
+    from_seed = ["--checkpoint.enable", "--checkpoint.initial_load_path", seed]
+    no_saves = ["--checkpoint.interval", str(10 * STEPS), "--checkpoint.last_save_model_only"]
+    resume = ["--checkpoint.enable", *no_saves,
+              "--checkpoint.initial_load_path", str(tmp / "ref" / "checkpoint" / f"step-{SAVE_AT}"),
+              "--checkpoint.no-initial-load-model-only", "--checkpoint.exclude_from_loading", "dataloader"]
+    half = GLOBAL_BATCH // WORLD
+    one = run_workers(run_phases, 1, tmp / "out-one", [
+        ("seed", {"seed_checkpoint": True, "args": _args(
+            tmp, "seed", data="data-one", local_batch=GLOBAL_BATCH, kron=None,
+            extra=["--checkpoint.enable", "--checkpoint.create_seed_checkpoint", "--debug.seed", "0"])}),
+        ("ref", {"optimizer_kwargs": ADAM, "args": _args(
+            tmp, "ref", data="data-one", local_batch=GLOBAL_BATCH,
+            extra=from_seed + ["--checkpoint.interval", str(SAVE_AT)])}),
+        ("accumulating", {"expect_error": True, "args": _args(
+            tmp, "accumulating", data="data-one", local_batch=half, steps=1,
+            extra=["--training.global_batch_size", str(GLOBAL_BATCH)])}),
+        ("accumulating-set", {"args": _args(
+            tmp, "accumulating-set", data="data-one", local_batch=half, steps=1,
+            kron={**KFAC, "accumulation_steps": GLOBAL_BATCH // half},
+            extra=["--training.global_batch_size", str(GLOBAL_BATCH)])}),
+    ], timeout=TIMEOUT)[0]
+    two = run_workers(run_phases, WORLD, tmp / "out-two", [
+        ("fsdp", {"optimizer_kwargs": ADAM, "args": _args(
+            tmp, "fsdp", data="data-two", local_batch=half, extra=from_seed + no_saves)}),
+        ("resumed", {"optimizer_kwargs": ADAM, "args": _args(
+            tmp, "resumed", data="data-two-resume", local_batch=half, extra=resume)}),
+    ], timeout=TIMEOUT)
+    return one, two
+
+
+def _relative_gap(params, reference, start) -> float:
+    """``‖p − p_ref‖ / ‖p_ref − p_start‖`` over every parameter: 0 is identical, 1 is as far
+    apart as the whole training displacement."""
+    gap = sum(float((params[k].double() - reference[k].double()).pow(2).sum()) for k in reference)
+    moved = sum(float((reference[k].double() - start[k].double()).pow(2).sum()) for k in reference)
+    assert moved > 0, "the reference did not train"
+    return (gap / moved) ** 0.5
+
+
+def test_override_registers_every_linear_layer(runs):
+    one, two = runs
+    for run in (one["ref"], two[0]["fsdp"], two[1]["fsdp"]):
+        assert run["container"] == "KronOptimizersContainer"
+        assert run["method"] == "kfac" and run["steps"] == STEPS
+        assert len(run["layers"]) == 31, run["layers"]  # 6 x (wqkv, wo, w1, w2, w3) + lm_head
+        assert "lm_head" in run["layers"] and all("_checkpoint_wrapped_module" not in n for n in run["layers"])
+    assert one["ref"]["accumulation_steps"] == 1
+    assert two[0]["fsdp"]["accumulation_steps"] == WORLD and two[0]["fsdp"]["world_size"] == WORLD
+
+
+def test_two_ranks_match_one_process(runs):
+    one, two = runs
+    ref, fsdp = one["ref"], two[0]["fsdp"]
+    assert len(ref["losses"]) == STEPS and all(loss == loss for loss in ref["losses"])
+    for rank in range(WORLD):
+        assert two[rank]["fsdp"]["losses"] == pytest.approx(ref["losses"], rel=LOSS_TOL, abs=0)
+    for name in ("layers.0.attention.qkv_linear.wqkv", "layers.5.feed_forward.w2", "lm_head"):
+        for factor in ("a_factor", "g_factor"):
+            expected = ref["state"]["layers"][_state_name(ref["state"], name)][factor]
+            got = fsdp["state"]["layers"][_state_name(fsdp["state"], name)][factor]
+            err = float((got - expected).norm() / expected.norm())
+            assert err < FACTOR_TOL, f"{name} {factor}: relative error {err:.2e}"
+    gap = _relative_gap(fsdp["params"], ref["params"], one["seed"]["params"])
+    assert gap < PARAM_TOL, f"2 ranks vs 1 process: relative gap {gap:.2e}"
+
+
+def test_checkpoint_resumes_on_another_world_size(runs):
+    one, two = runs
+    resumed, ref = two[0]["resumed"], one["ref"]
+    assert resumed["steps"] == STEPS  # the preconditioner's counters came back from step SAVE_AT
+    assert resumed["losses"] == pytest.approx(ref["losses"][SAVE_AT:], rel=LOSS_TOL, abs=0)
+    gap = _relative_gap(resumed["params"], ref["params"], one["seed"]["params"])
+    assert gap < PARAM_TOL, f"resumed on 2 ranks from 1 process's step {SAVE_AT}: relative gap {gap:.2e}"
+
+
+def test_gradient_accumulation_needs_matching_accumulation_steps(runs):
+    one, _ = runs
+    message = one["accumulating"]["error"]
+    assert "accumulation_steps=1" in message and "to 2" in message, message
+    matching = one["accumulating-set"]
+    assert matching["accumulation_steps"] == 2 and matching["steps"] == 1
+    assert all(loss == loss for loss in matching["losses"])
+
+
+def _state_name(state: dict, canonical: str) -> str:
+    matches = [n for n in state["layers"] if n.replace("_checkpoint_wrapped_module.", "") == canonical]
+    assert len(matches) == 1, (canonical, sorted(state["layers"]))
+    return matches[0]
+
+
+
+# ---------------------------------------------------------------------- in-process, no trainer
+def _plain_container(model, **fields):
+    from torchtitan.components.optimizer import default_adamw
+
+    from kron_precond.integrations.torchtitan import kron_optimizers
+
+    config = kron_optimizers(default_adamw(lr=1e-2, implementation="for-loop"), **fields)
+    return config.build(model_parts=[model])
+
+
+def _tiny_model(wrap: bool = False):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(1)
+    body = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh())
+    return torch.nn.Sequential(checkpoint_wrapper(body) if wrap else body, torch.nn.Linear(5, 3))
+
+
+def test_override_keeps_the_stock_groups_and_routes_settings():
+    from torchtitan.components.optimizer import default_adamw
+
+    from kron_precond.integrations.torchtitan import KronOptimizersContainer, kron_optimizers
+
+    stock = default_adamw(lr=3e-4)
+    config = kron_optimizers(stock, method="psgd", skip_layers="lm_head", precond_lr=0.2)
+    assert isinstance(config, KronOptimizersContainer.Config)
+    assert config.param_groups == stock.param_groups and config.implementation == stock.implementation
+    assert (config.method, config.skip_layers, config.options) == ("psgd", ["lm_head"], {"precond_lr": 0.2})
+    with pytest.raises(ValueError, match="method='nope'"):
+        kron_optimizers(stock, method="nope")
+    with pytest.raises(ValueError, match="accumulation_steps"):
+        KronOptimizersContainer.Config(param_groups=stock.param_groups,
+                                       options={"accumulation_steps": 2}).build(model_parts=[_tiny_model()])
+
+
+def test_container_step_is_precondition_then_adamw():
+    """Reference: KronPreconditioner + torch.optim.AdamW driven by hand on a copy of the model."""
+    from kron_precond import KronPreconditioner
+
+    model, twin = _tiny_model(), _tiny_model()
+    container = _plain_container(model, **KFAC)
+    precond = KronPreconditioner(twin, **KFAC)
+    adamw = torch.optim.AdamW(twin.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                              foreach=False)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+        for net, step in ((model, container.step), (twin, lambda: (precond.step(lr=1e-2), adamw.step()))):
+            net.zero_grad()
+            ((net(x) - y) ** 2).mean().backward()
+            step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_container_state_round_trips_under_canonical_names():
+    model = _tiny_model(wrap=True)
+    container = _plain_container(model, **KFAC)
+    x = torch.randn(4, 6)
+    model(x).pow(2).mean().backward()
+    container.step()
+    state = container.state_dict()
+    assert sorted(state["kron_precond"]["layers"]) == ["0.0", "1"]  # no "_checkpoint_wrapped_module."
+    fresh = _plain_container(_tiny_model(wrap=True), **KFAC)
+    fresh.load_state_dict(state)
+    assert fresh.preconditioner.steps == 1
+    for name, layer in container.preconditioner.state_dict()["layers"].items():
+        loaded = fresh.preconditioner.state_dict()["layers"][name]
+        for factor in ("a_factor", "g_factor"):
+            torch.testing.assert_close(loaded[factor], layer[factor], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="kron_precond"):
+        fresh.load_state_dict({k: v for k, v in state.items() if k != "kron_precond"})
