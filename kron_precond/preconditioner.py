@@ -158,6 +158,7 @@ class KronPreconditioner:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         model = _unwrap(model)
+        self._model = model
         self.method = spec_class.name
         self.assignment_strategy = AssignmentStrategy.parse(assignment_strategy, "assignment_strategy")
         if kl_clip is _KL_CLIP_DEFAULT:
@@ -434,6 +435,16 @@ class KronPreconditioner:
                   if option.per_step}
         values.update(kl_clip=self._kl_clip, lr=self._lr)
         return values
+
+    def coverage(self) -> dict[str, float]:
+        """How much of the model is preconditioned, in parameter elements: ``{"registered": n,
+        "trainable": N, "fraction": n / N}``. ``trainable`` counts each parameter of the model
+        that requires grad once (tied weights once); ``registered`` the elements of the
+        registered layers (an expert counts its row of the stacked weight)."""
+        trainable = sum(p.numel() for p in self._model.parameters() if p.requires_grad)
+        registered = sum(shape.numel() for layer in self._layers for shape in layer.shapes)
+        return {"registered": registered, "trainable": trainable,
+                "fraction": registered / trainable if trainable else 0.0}
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of preconditioner state held on this rank, by kind of state (after finishing
