@@ -213,9 +213,15 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-def _call_arguments(inputs: tuple, kwargs: dict, count: int) -> list:
-    """The first ``count`` arguments of a call, positional first, then keywords in order."""
-    return (list(inputs) + list(kwargs.values()))[:count]
+def _routing_arguments(inputs: tuple, kwargs: dict) -> list:
+    """``(hidden, index, weights)`` of a call: the first three arguments, positional first,
+    then keywords in order; index and weights told apart by dtype when given by keyword
+    in the other order."""
+    hidden, index, weights = ((list(inputs) + list(kwargs.values()))[:3] + [None] * 3)[:3]
+    if (isinstance(index, torch.Tensor) and index.is_floating_point() and isinstance(weights, torch.Tensor)
+            and not weights.is_floating_point() and len(inputs) < 3):
+        index, weights = weights, index
+    return [hidden, index, weights]
 
 
 class TransformersExpertsAdapter(RoutedExpertsAdapter):
@@ -244,7 +250,7 @@ class TransformersExpertsAdapter(RoutedExpertsAdapter):
         self._gated = gated
 
     def routing(self, inputs: tuple, kwargs: dict, output: Any) -> Routing:
-        hidden, index, weights = (_call_arguments(inputs, kwargs, 3) + [None] * 3)[:3]
+        hidden, index, weights = _routing_arguments(inputs, kwargs)
         return top_k_routing(type(self.module).__name__, self.num_experts, hidden, index, weights)
 
     def combine(self, outputs: list[torch.Tensor]) -> torch.Tensor:
@@ -328,7 +334,7 @@ class RoutedExpertsModuleAdapter(RoutedExpertsAdapter):
                          output=ExpertWeight("down_weight", "down_bias" if bias else None))
 
     def routing(self, inputs: tuple, kwargs: dict, output: Any) -> Routing:
-        x, index, weights = (_call_arguments(inputs, kwargs, 3) + [None] * 3)[:3]
+        x, index, weights = _routing_arguments(inputs, kwargs)
         return top_k_routing(type(self.module).__name__, self.num_experts, x, index, weights)
 
     def combine(self, outputs: list[torch.Tensor]) -> torch.Tensor:

@@ -343,6 +343,23 @@ def test_reference_experts_checks_its_arguments():
         RoutedExperts(2, 4, 4, activation="relu")
 
 
+def test_routing_given_by_keyword_in_any_order():
+    torch.manual_seed(12)
+    model = RoutedExperts(3, 4, 5, dtype=F64)
+    x = torch.randn(10, 4, dtype=F64)
+    index, weights = routing(10, 3, 2, seed=13)
+    factors = []
+    for call in (lambda: model(x, index, weights), lambda: model(x, weights=weights, index=index)):
+        precond = KronPreconditioner(model, method="kfac", kl_clip=None)
+        model.zero_grad()
+        call().sum().backward()
+        precond.step()
+        factors.append([layer.g_factor.clone() for layer in precond.layers.values()])
+        precond.remove()
+    for a, b in zip(*factors):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_experts_called_with_unexpected_arguments_fail_loudly():
     model = RoutedExperts(2, 4, 3)
     precond = KronPreconditioner(model, method="kfac")
