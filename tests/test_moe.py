@@ -260,6 +260,22 @@ def test_expert_without_rows_keeps_its_factors():
     assert torch.isfinite(model.up_weight.grad).all()
 
 
+def test_expert_left_without_tokens_is_reported_as_such():
+    torch.manual_seed(14)
+    model = RoutedExperts(3, 4, 5, dtype=F64)
+    precond = KronPreconditioner(model, method="kfac", kl_clip=None)
+    x = torch.randn(20, 4, dtype=F64)
+    index, weights = routing(20, 3, 2, seed=15)
+    model(x, index, weights).sum().backward()
+    precond.step()
+    index, weights = routing(20, 3, 1, seed=16, empty=2)
+    with pytest.warns(RuntimeWarning, match=r"'up_weight.2' received no rows \(the router sent this expert no token\)"):
+        for _ in range(3):
+            model.zero_grad()
+            model(x, index, weights).sum().backward()
+            precond.step()
+
+
 # ---------------------------------------------------------------------- a registered adapter
 class GroupedExperts(nn.Module):
     """torchtitan-like: rows arrive grouped by expert with their counts; SwiGLU experts with
