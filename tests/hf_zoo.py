@@ -12,15 +12,16 @@ VOCAB = 32
 SEQ = 16
 
 
-def _tiny(**extra) -> dict:
-    config = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64)
-    config.update(extra)
-    return config
-
-
-def build(name: str, transformers, experts_implementation: str | None = None):
+def build(name: str, transformers, experts_implementation: str | None = None, **overrides):
+    """The zoo model ``name``; ``overrides`` replace config entries (not for gpt2 / bert)."""
     t = transformers
+
+    def _tiny(**extra) -> dict:
+        config = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64)
+        config.update(extra, **overrides)
+        return config
+
     if name == "gpt2":
         model = t.GPT2LMHeadModel(t.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4))
     elif name == "llama":
