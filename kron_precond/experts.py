@@ -30,9 +30,9 @@ implementation the library runs (transformers' ``eager``, ``batched_mm``, ``grou
 Splitting rows by expert needs the per-expert counts on the host: one sync per call on
 statistics steps (transformers' own eager and grouped fallback paths sync too).
 
-Built in: transformers' ``@use_experts_implementation`` modules (Mixtral, Qwen2-MoE,
-Qwen3-MoE, DeepSeek-V3, OLMoE, GPT-OSS, ... -- every module with its attributes; tested on
-transformers 5.23.0) and :class:`RoutedExperts`, the library's own reference module. Other
+Built in: transformers' ``@use_experts_implementation`` modules (recognised by the
+attributes that decorator sets; tested on transformers 5.23.0 with Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE and GPT-OSS) and :class:`RoutedExperts`, the library's own reference module. Other
 modules: subclass :class:`RoutedExpertsAdapter` and :func:`~kron_precond.modules.register_adapter`.
 """
 from __future__ import annotations
