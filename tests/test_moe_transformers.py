@@ -206,7 +206,7 @@ def test_ddp_world_2_equals_one_process(tmp_path):
     although the ranks route their halves differently (expert row counts differ per rank).
 
     Every expert gets several times more rows than its factors' size. With fewer (batch 4 or
-    8 per rank), K-FAC still agrees to 1e-12 but EK-FAC drifts (1e-9 to 1e-7 after three
+    8 per rank), K-FAC still agrees within 1e-9 but EK-FAC drifts (1e-9 to 1e-7 after three
     steps): near-equal eigenvalues of nearly singular factors let the rounding of a
     different summation order rotate the eigenbasis, and EK-FAC's scaling, measured in that
     basis, is not invariant to such rotations as K-FAC's eigenvalues are."""
