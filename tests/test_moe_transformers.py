@@ -189,15 +189,18 @@ def _run(model, method, batches, rank=0, world=1):
         precond.step()
         optimizer.step()
     hook.remove()
-    return {n: p.detach().clone() for n, p in inner.named_parameters()}, routed[0]
+    owners = {name: precond.assignment.owner(name, "A") for name, layer in precond.layers.items()
+              if layer.expert is not None}
+    return {n: p.detach().clone() for n, p in inner.named_parameters()}, routed[0], owners
 
 
 def ddp_worker(rank, world, out_dir):
     results = {}
     for method in ("kfac", "ekfac"):
         model = torch.nn.parallel.DistributedDataParallel(_ddp_model())
-        params, routed = _run(model, method, _ddp_batches(), rank, world)
-        results[method] = {"params": params, "routed": torch.bincount(routed.reshape(-1), minlength=4)}
+        params, routed, owners = _run(model, method, _ddp_batches(), rank, world)
+        results[method] = {"params": params, "routed": torch.bincount(routed.reshape(-1), minlength=4),
+                           "owners": owners}
     return results
 
 
@@ -213,8 +216,10 @@ def test_ddp_world_2_equals_one_process(tmp_path):
     ranks = run_workers(ddp_worker, 2, tmp_path, timeout=240)
     initial = dict(_ddp_model().named_parameters())
     for method in ("kfac", "ekfac"):
-        single, _ = _run(_ddp_model(), method, _ddp_batches())
+        single, _, _ = _run(_ddp_model(), method, _ddp_batches())
         assert not torch.equal(ranks[0][method]["routed"], ranks[1][method]["routed"])
+        owners = ranks[0][method]["owners"]
+        assert len(owners) == 2 * 4 and set(owners.values()) == {0, 1}  # experts are placed like layers
         for name, value in single.items():
             for rank in ranks:
                 torch.testing.assert_close(rank[method]["params"][name], value, rtol=1e-9, atol=1e-11,
