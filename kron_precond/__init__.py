@@ -8,6 +8,8 @@ or, for loops that only call ``optimizer.step()`` (HF Trainer, Lightning, Accele
     optimizer = PreconditionedOptimizer(torch.optim.AdamW(model.parameters()), precond)
 """
 from kron_precond.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, Method
+from kron_precond.experts import RoutedExperts, RoutedExpertsAdapter  # also registers the experts adapters
+from kron_precond.modules import register_adapter
 from kron_precond.preconditioner import KronPreconditioner
 from kron_precond.schedules import precond_update_prob_schedule
 from kron_precond.wrapped import PreconditionedOptimizer
@@ -26,5 +28,8 @@ __all__ = [
     "AssignmentStrategy",
     "DistributedStrategy",
     "precond_update_prob_schedule",
+    "RoutedExperts",
+    "RoutedExpertsAdapter",
+    "register_adapter",
 ]
 __version__ = "0.1.0"

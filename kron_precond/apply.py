@@ -32,7 +32,8 @@ def precondition_gradients(layers: Sequence, *, holds: Callable, owner_of: Calla
     """Rewrite ``.grad`` of every registered parameter with its preconditioned value.
 
     Args:
-        layers: the registered layers (``params``, ``method``, ``name``).
+        layers: the registered layers (``params``, ``shapes``, ``gradients()``, ``method``, ``name``;
+            an expert's gradients are views into its stacked parameter's ``.grad``).
         holds: ``holds(layer)`` -- this rank holds the layer's state and preconditions it.
         owner_of: ``owner_of(layer)`` -- the rank that owns the layer's work.
         runtime: the distributed runtime (receives gradients computed elsewhere).
@@ -48,11 +49,11 @@ def precondition_gradients(layers: Sequence, *, holds: Callable, owner_of: Calla
     communicate = runtime.world_size > 1 and runtime.has_receivers
     work: list[_Work] = []
     for layer in layers:
-        raw = grads[layer.name] if grads is not None else [p.grad for _, p in layer.params]
+        raw = grads[layer.name] if grads is not None else layer.gradients()
         if all(g is None for g in raw) and not communicate:
             continue
-        full = [g if g is not None else torch.zeros(p.shape, dtype=p.dtype, device=p.device)
-                for g, (_, p) in zip(raw, layer.params)]
+        full = [g if g is not None else torch.zeros(shape, dtype=p.dtype, device=p.device)
+                for g, (_, p), shape in zip(raw, layer.params, layer.shapes)]
         work.append(_Work(layer, raw, full, holds(layer)))
     if not work:
         return None

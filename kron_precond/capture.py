@@ -8,8 +8,9 @@ an in-place activation follows the module. Hooks do nothing in ``eval()`` mode, 
 
 Output gradients are rescaled so that, for the usual mean losses, the factors depend on
 neither the batch size nor the sequence length: ``δ = grad · n · accumulation_steps`` with
-``n`` the rows of the call for Linear-like modules (per-token means) and the batch size for
-convolutions (per-sample means); see ``KFACAdapter.gradient_scale`` and docs/API.md.
+``n`` the rows of the call for Linear-like modules (per-token means), the batch size for
+convolutions (per-sample means) and the tokens of the call for routed experts; see
+``KFACAdapter.gradient_scale``, :mod:`kron_precond.experts` and docs/API.md.
 
 Under ``torch.compile(model)`` the observation runs outside the compiled graph
 (``torch.compiler.disable``): inductor cannot compile a graph that writes our statistics
@@ -29,8 +30,10 @@ class ActivationCapture:
     """Hooks on the registered modules of one preconditioner.
 
     Args:
-        layers: objects with ``module``, ``adapter`` (activation / output-gradient rows) and
-            ``method`` (``observe_activations`` / ``observe_output_grads``).
+        layers: objects with ``module``, ``adapter`` (the module's rows per unit, see
+            :mod:`kron_precond.modules`), ``slot`` (the unit's key in them) and ``method``
+            (``observe_activations`` / ``observe_output_grads``). Layers of one module (the
+            experts of a fused experts module) share one hook.
         accumulation_steps: backward passes per optimizer step.
         loss_scale: returns the current loss scale to divide out of output gradients, or
             ``None`` (no mixed-precision scaler).
@@ -49,24 +52,31 @@ class ActivationCapture:
         self._before_write = before_write
         self._before_observe = before_observe
         self.collecting = False
-        self._handles = [layer.module.register_forward_hook(self._forward_hook(layer), with_kwargs=True)
-                         for layer in layers]
+        by_module: dict[int, tuple[nn.Module, object, dict[int, object]]] = {}
+        for layer in layers:
+            by_module.setdefault(id(layer.module), (layer.module, layer.adapter, {}))[2][layer.slot] = layer
+        self._handles = [module.register_forward_hook(self._forward_hook(adapter, units), with_kwargs=True)
+                         for module, adapter, units in by_module.values()]
 
-    def _forward_hook(self, layer):
+    def _forward_hook(self, adapter, units: dict):
         @torch.compiler.disable  # see the module docstring
         def observe(module: nn.Module, inputs, kwargs, output):
-            # The input may also come as a keyword (``linear(input=x)``).
-            candidates = list(inputs[:1]) or list(kwargs.values())[:1]
-            if not candidates or not isinstance(candidates[0], torch.Tensor):
-                return
-            self._before_write()
-            self._before_observe(layer)
             with torch.no_grad():
-                # whatever the method returns comes back with this call's output gradient
-                call = layer.method.observe_activations(layer.adapter.activation_rows(candidates[0].detach()))
+                observed = adapter.forward_rows(inputs, kwargs, output)
+            if observed is None:
+                return
+            rows, context = observed
+            self._before_write()
+            calls = {}
+            with torch.no_grad():
+                for slot, unit_rows in rows:
+                    layer = units.get(slot)
+                    if layer is not None:
+                        self._before_observe(layer)
+                        # whatever the method returns comes back with this call's output gradient
+                        calls[slot] = layer.method.observe_activations(unit_rows)
             if isinstance(output, torch.Tensor) and output.requires_grad:
-                scale = float(layer.adapter.gradient_scale(output) * self.accumulation_steps)
-                on_output_grad(output, lambda grad: self._observe_output_grad(layer, grad, scale, call))
+                on_output_grad(output, lambda grad: self._observe_output_grads(adapter, units, grad, context, calls))
 
         def hook(module: nn.Module, inputs, kwargs, output):
             if self.collecting and module.training and torch.is_grad_enabled():
@@ -74,17 +84,22 @@ class ActivationCapture:
 
         return hook
 
-    def _observe_output_grad(self, layer, grad: torch.Tensor, scale: float, call) -> None:
+    def _observe_output_grads(self, adapter, units: dict, grad: torch.Tensor, context, calls: dict) -> None:
         with torch.no_grad():
-            rows = layer.adapter.output_grad_rows(grad.detach())
             loss_scale = self._loss_scale()
-            if loss_scale is not None:
-                dtype = getattr(layer.method, "statistics_dtype", layer.method.factor_dtype)
-                rows = rows.to(dtype) / loss_scale
-            if call is None:
-                layer.method.observe_output_grads(rows, scale)
-            else:
-                layer.method.observe_output_grads(rows, scale, call)
+            for slot, rows, scale in adapter.backward_rows(grad.detach(), context):
+                layer = units.get(slot)
+                if layer is None:
+                    continue
+                if loss_scale is not None:
+                    dtype = getattr(layer.method, "statistics_dtype", layer.method.factor_dtype)
+                    rows = rows.to(dtype) / loss_scale
+                scale = float(scale * self.accumulation_steps)
+                call = calls.get(slot)
+                if call is None:
+                    layer.method.observe_output_grads(rows, scale)
+                else:
+                    layer.method.observe_output_grads(rows, scale, call)
 
     def remove(self) -> None:
         for handle in self._handles:

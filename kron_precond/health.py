@@ -87,8 +87,9 @@ class Health:
             unseen = [l.name for l, seen in zip(self._layers, values[n:2 * n]) if not seen]
             if unseen:
                 warnings.warn(f"kron_precond: layers {unseen} are registered but their hooks saw no data "
-                              "before the first refresh (is the module called functionally?); until "
-                              "they do, their gradients pass through unpreconditioned",
+                              "before the first refresh (is the module called functionally? an expert "
+                              "routed no token?); until they do, their gradients pass through "
+                              "unpreconditioned",
                               RuntimeWarning, stacklevel=3)
 
     def _report_stale(self, layers: list, flags: list[list[int]]) -> None:
@@ -108,6 +109,8 @@ class Health:
                 what = "activations but no output gradients (is its output detached or unused?)"
             elif not missed_g:
                 what = "output gradients but no activations"
+            elif getattr(layer, "expert", None) is not None:
+                what = "no rows (the router sent this expert no token)"
             else:
                 what = "no statistics (is the module still called, in training mode?)"
             warnings.warn(f"kron_precond: layer '{layer.name}' received {what} in the last "

@@ -1,21 +1,76 @@
 """Which modules can be preconditioned, and how K-FAC reads their inputs and gradients.
 
-One adapter per module kind turns the module's input into activation rows and its
-output gradient into gradient rows, so that the layer's gradient matrix
-``[W.reshape(out, -1) | b]`` equals ``Σ_rows g_rowᵀ a_row`` (with a 1 appended for b).
+One adapter per module kind describes the module to the engine: the *units of work* it
+holds (:class:`Selected`; a Linear is one unit, a fused experts module one unit per expert
+and weight) and, per forward call, each unit's activation rows and, in backward, its
+output-gradient rows, so that a unit's gradient matrix ``[W.reshape(out, -1) | b]`` equals
+``Σ_rows g_rowᵀ a_row`` (with a 1 appended for b).
+
+The adapter protocol (what :mod:`kron_precond.capture` and the methods use):
+
+* ``units(name, params) -> list[Selected]`` -- the module's units, each naming its
+  parameters, its ``slot`` (the key of its rows) and, for a slice of a stacked parameter,
+  its ``index`` along dim 0;
+* ``forward_rows(inputs, kwargs, output) -> (list[(slot, rows)], context) | None`` -- the
+  activation rows of one call, per unit (units that saw no row are left out);
+* ``backward_rows(grad_output, context) -> list[(slot, rows, scale)]`` -- the same call's
+  output-gradient rows and the factor ``scale`` that undoes the loss's mean.
+
+Adapters describe modules; they know nothing of any method. Methods and the engine use
+them (:class:`Selected` is re-exported by :mod:`kron_precond.methods.base`). Another
+library's module kind is added with :func:`register_adapter` (fused MoE experts:
+:mod:`kron_precond.experts`).
 """
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
+class UnsupportedModule(ValueError):
+    """Raised by an adapter's constructor for a module it cannot describe; the message is
+    logged as the reason the module is skipped."""
+
+
+@dataclass(frozen=True)
+class Selected:
+    """One unit of work a method takes: a module, or one expert of a fused experts module.
+
+    Attributes:
+        name: the unit's name (the module's qualified name; ``<module>.<weight>.<expert>``
+            for an expert), used for layer names, checkpoints and work placement.
+        module: the module whose hooks deliver the unit's rows.
+        params: ``(attribute name, parameter)`` of the module, weight first.
+        adapter: the module's adapter (``None`` for methods that need only gradients).
+        index: ``None``, or the unit is row ``index`` (dim 0) of each parameter: its gradient
+            is ``param.grad[index]``, a view written back in place.
+        slot: the key of this unit's rows in the adapter's ``forward_rows`` / ``backward_rows``.
+        has_bias: the last parameter is a bias (a trailing 1 on every activation row).
+        weight_transposed: the weight is stored ``[in, out]``.
+    """
+
+    name: str
+    module: nn.Module
+    params: list[tuple[str, nn.Parameter]]
+    adapter: Any = None
+    index: int | None = None
+    slot: int = 0
+    has_bias: bool = False
+    weight_transposed: bool = False
+
+    @property
+    def shapes(self) -> list[torch.Size]:
+        """The shapes of the unit's gradients (a slice of each parameter when ``index`` is set)."""
+        return [p.shape if self.index is None else p.shape[1:] for _, p in self.params]
+
+
 class KFACAdapter:
-    """Rows of activations and output gradients of a Linear-like module."""
+    """Rows of activations and output gradients of a Linear-like module (one unit)."""
 
     weight_transposed = False  # weight stored [out, in]
 
@@ -25,6 +80,24 @@ class KFACAdapter:
     @property
     def has_bias(self) -> bool:
         return getattr(self.module, "bias", None) is not None
+
+    def units(self, name: str, params: list[tuple[str, nn.Parameter]]) -> list[Selected]:
+        # weight first, then bias: the order of the gradient matrix [W | b]
+        params = [(n, p) for n, p in params if n == "weight"] + [(n, p) for n, p in params if n == "bias"]
+        return [Selected(name, self.module, params, self, has_bias=self.has_bias,
+                         weight_transposed=self.weight_transposed)]
+
+    def forward_rows(self, inputs: tuple, kwargs: dict, output: Any):
+        """The call's activation rows (slot 0) and, as context, its gradient scale."""
+        # The input may also come as a keyword (``linear(input=x)``).
+        candidates = list(inputs[:1]) or list(kwargs.values())[:1]
+        if not candidates or not isinstance(candidates[0], torch.Tensor):
+            return None
+        scale = self.gradient_scale(output) if isinstance(output, torch.Tensor) else 1
+        return [(0, self.activation_rows(candidates[0].detach()))], scale
+
+    def backward_rows(self, grad: torch.Tensor, scale: int) -> list[tuple[int, torch.Tensor, float]]:
+        return [(0, self.output_grad_rows(grad), scale)]
 
     def activation_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``[N, in]``: every leading index of the input is a row."""
@@ -104,18 +177,58 @@ def _pad_like_conv(conv: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tens
     return F.pad(x, list(pad), mode=mode)
 
 
-def kfac_adapter(module: nn.Module) -> tuple[KFACAdapter | None, str]:
+def _conv_adapter(module: nn.Module) -> ConvAdapter:
+    if module.groups != 1:
+        raise UnsupportedModule(f"grouped convolution (groups={module.groups}) is not supported by K-FAC")
+    return ConvAdapter(module)
+
+
+# (matches, factory): consulted in order; register_adapter puts user entries first.
+_ADAPTERS: list[tuple[Callable[[nn.Module], bool], Callable[[nn.Module], Any]]] = [
+    (lambda m: isinstance(m, nn.Linear), KFACAdapter),
+    (_is_transposed_linear, TransposedLinearAdapter),
+    (lambda m: isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)), _conv_adapter),
+]
+
+
+def register_adapter(matches: type | Callable[[nn.Module], bool], factory: Callable[[nn.Module], Any], *,
+                     builtin: bool = False) -> None:
+    """Teach the capturing methods (K-FAC, EK-FAC) a module kind.
+
+    Args:
+        matches: a module class (``isinstance``) or a predicate ``matches(module) -> bool``.
+        factory: ``factory(module) -> adapter``, an object following this module's adapter
+            protocol (for routed experts, a subclass of
+            :class:`kron_precond.experts.RoutedExpertsAdapter`); it may raise
+            :class:`UnsupportedModule` with the reason the module is skipped.
+        builtin: append after the library's adapters instead of before them (used by the
+            library itself); user registrations take precedence, the latest first.
+
+    Registrations apply to preconditioners built afterwards.
+    """
+    if isinstance(matches, type):
+        cls = matches
+        matches = lambda module: isinstance(module, cls)  # noqa: E731
+    if not callable(matches):
+        raise TypeError(f"matches must be a module class or a predicate, got {matches!r}")
+    if not callable(factory):
+        raise TypeError(f"factory must be callable (module -> adapter), got {factory!r}")
+    if builtin:
+        _ADAPTERS.append((matches, factory))
+    else:
+        _ADAPTERS.insert(0, (matches, factory))
+
+
+def kfac_adapter(module: nn.Module) -> tuple[Any | None, str]:
     """Adapter for ``module`` under K-FAC, or ``(None, reason)`` when it is not supported."""
-    if isinstance(module, nn.Linear):
-        return KFACAdapter(module), ""
-    if _is_transposed_linear(module):
-        return TransposedLinearAdapter(module), ""
-    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-        if module.groups != 1:
-            return None, f"grouped convolution (groups={module.groups}) is not supported by K-FAC"
-        return ConvAdapter(module), ""
-    return None, (f"{type(module).__name__} is not a K-FAC layer kind "
-                  "(Linear, Conv1d/2d/3d, GPT-2 style Conv1D)")
+    for matches, factory in _ADAPTERS:
+        if matches(module):
+            try:
+                return factory(module), ""
+            except UnsupportedModule as err:
+                return None, str(err)
+    return None, (f"{type(module).__name__} is not a K-FAC layer kind (Linear, Conv1d/2d/3d, "
+                  "GPT-2 style Conv1D, fused MoE experts; see register_adapter)")
 
 
 def compile_skip_patterns(skip_layers) -> list[re.Pattern]:
@@ -165,12 +278,11 @@ def _candidates(model: nn.Module, is_skipped, log):
         yield name, module, own, label
 
 
-def find_kfac_modules(model: nn.Module, is_skipped, log) -> list:
-    """Leaf Linear/ConvNd-like modules whose parameters all train and belong to no other
-    module (a tied weight's gradient mixes two layers' statistics), in
-    ``model.named_modules()`` order, as :class:`~kron_precond.methods.base.Selected`."""
-    from kron_precond.methods.base import Selected
-
+def find_kfac_modules(model: nn.Module, is_skipped, log) -> list[Selected]:
+    """The units of modules an adapter describes (Linear/ConvNd-like, fused experts, ...)
+    whose parameters all train and belong to no other module (a tied weight's gradient
+    mixes two layers' statistics), in ``model.named_modules()`` order; modules with a child
+    that holds parameters are skipped (its own hooks would see part of the work)."""
     owners = _owners(model)
     # MultiheadAttention uses its out_proj's weight functionally: out_proj.forward never
     # runs, so K-FAC's hooks would never see it.
@@ -182,8 +294,8 @@ def find_kfac_modules(model: nn.Module, is_skipped, log) -> list:
         if adapter is None:
             log(f"skipping {label}: {reason}")
             continue
-        if any(True for _ in module.children()):
-            log(f"skipping {label}: not a leaf module")
+        if any(True for child in module.children() for _ in child.parameters()):
+            log(f"skipping {label}: not a leaf module (a child module holds parameters)")
             continue
         if name in functional:
             log(f"skipping {label}: nn.MultiheadAttention applies it functionally (no forward hook)")
@@ -195,17 +307,13 @@ def find_kfac_modules(model: nn.Module, is_skipped, log) -> list:
         if shared:
             log(f"skipping {label}: a parameter is shared with {', '.join(shared)} (tied weights)")
             continue
-        # weight first, then bias: the order of the gradient matrix [W | b]
-        own = [(n, p) for n, p in own if n == "weight"] + [(n, p) for n, p in own if n == "bias"]
-        found.append(Selected(name, module, own, adapter))
+        found.extend(adapter.units(name, own))
     return found
 
 
-def find_parameter_modules(model: nn.Module, is_skipped, log) -> list:
+def find_parameter_modules(model: nn.Module, is_skipped, log) -> list[Selected]:
     """Every module with trainable parameters of its own, each parameter once (so tied
     weights are preconditioned once); for methods that need only the gradient."""
-    from kron_precond.methods.base import Selected
-
     found, taken = [], set()
     for name, module, own, label in _candidates(model, is_skipped, log):
         if getattr(module, "sparse", False) is True:

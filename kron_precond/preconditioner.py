@@ -36,7 +36,7 @@ from kron_precond.enums import AssignmentStrategy, DistributedStrategy
 from kron_precond.health import Health
 from kron_precond.methods import registry
 from kron_precond.methods.base import LayerMethod, MethodSpec
-from kron_precond.modules import compile_skip_patterns, is_skipped
+from kron_precond.modules import Selected, compile_skip_patterns, is_skipped
 from kron_precond.schedules import StepContext, resolve
 
 logger = logging.getLogger("kron_precond")
@@ -50,20 +50,32 @@ class Layer:
 
     Attributes the method state holds (K-FAC's ``a_factor`` / ``g_factor``, PSGD's
     ``q_factors``, ...) are readable here too, after pending reductions have finished.
+
+    A layer may be one expert of a fused experts module: ``expert`` is then its row (dim 0)
+    of each parameter, its gradients are views ``param.grad[expert]`` and the preconditioned
+    values are written back into them in place.
     """
 
-    def __init__(self, owner: "KronPreconditioner", index: int, name: str, module: nn.Module,
-                 params: list[tuple[str, nn.Parameter]], method_state: LayerMethod, adapter) -> None:
+    def __init__(self, owner: "KronPreconditioner", index: int, unit: Selected, method_state: LayerMethod) -> None:
         self._owner = owner
         self.index = index
-        self.name = name
-        self.module = module
-        self.params = params
+        self.name = unit.name
+        self.module = unit.module
+        self.params = unit.params
         self.method = method_state
-        self.adapter = adapter
+        self.adapter = unit.adapter
+        self.expert = unit.index
+        self.slot = unit.slot
+        self.shapes = unit.shapes
         # The parameters' device and dtype when the state was made: when the model is moved
         # after construction, the state follows (KronPreconditioner._follow_parameters).
-        self.placement = (params[0][1].device, params[0][1].dtype)
+        self.placement = (self.params[0][1].device, self.params[0][1].dtype)
+
+    def gradients(self) -> list[torch.Tensor | None]:
+        """This layer's gradients: ``.grad`` of each parameter (its row for an expert)."""
+        if self.expert is None:
+            return [p.grad for _, p in self.params]
+        return [None if p.grad is None else p.grad[self.expert] for _, p in self.params]
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
@@ -72,7 +84,8 @@ class Layer:
         return getattr(self.method, name)
 
     def __repr__(self) -> str:
-        shapes = ", ".join(f"{n}{tuple(p.shape)}" for n, p in self.params)
+        shapes = ", ".join(f"{n}{'' if self.expert is None else f'[{self.expert}]'}{tuple(shape)}"
+                           for (n, _), shape in zip(self.params, self.shapes))
         return f"Layer({self.name!r}, {type(self.module).__name__}, {shapes})"
 
 
@@ -145,6 +158,7 @@ class KronPreconditioner:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         model = _unwrap(model)
+        self._model = model
         self.method = spec_class.name
         self.assignment_strategy = AssignmentStrategy.parse(assignment_strategy, "assignment_strategy")
         if kl_clip is _KL_CLIP_DEFAULT:
@@ -181,8 +195,10 @@ class KronPreconditioner:
         if not selected:
             raise ValueError(f"no module of {type(model).__name__} can be preconditioned with "
                              f"method={self.method!r} (skip_layers={skip_layers!r})")
-        self._layers = [Layer(self, i, s.name, s.module, s.params, self._spec.make_layer(i, s), s.adapter)
-                        for i, s in enumerate(selected)]
+        if self._runtime.sharding is not None and any(s.index is not None for s in selected):
+            raise ValueError("fused experts (one layer per expert of a stacked parameter) are not supported on "
+                             "FSDP2 / HSDP sharded models yet; skip_layers= the experts modules or use DDP")
+        self._layers = [Layer(self, i, s, self._spec.make_layer(i, s)) for i, s in enumerate(selected)]
         self.layers: Mapping[str, Layer] = MappingProxyType({l.name: l for l in self._layers})
 
         # ---- placement
@@ -232,7 +248,7 @@ class KronPreconditioner:
         """Per layer, the gradients this rank works with (``None`` where a parameter has none):
         ``.grad``; for sharded models the full values, all-gathered, or in owner-exchange mode
         gathered to the owner only (other ranks see ``None`` for layers they do not own)."""
-        raw = {layer.name: [p.grad for _, p in layer.params] for layer in self._layers}
+        raw = {layer.name: layer.gradients() for layer in self._layers}
         if self._runtime.sharding is None:
             return raw  # (a one-rank mesh still gives DTensors, e.g. torchtitan at any size)
         if not self._exchange:
@@ -402,7 +418,7 @@ class KronPreconditioner:
         """Everything that decides which collectives run when, as text ranks compare."""
         collective = {name: _describe_schedule(self._spec.settings[name])
                       for name, option in self._spec.options.items() if option.collective}
-        layers = ";".join(f"{l.name}:{[(tuple(p.shape), str(p.dtype)) for _, p in l.params]}"
+        layers = ";".join(f"{l.name}:{l.expert}:{[(tuple(p.shape), str(p.dtype)) for _, p in l.params]}"
                           for l in self._layers)
         return (f"{layers}|{self.method}|{sorted(collective.items())}|{self.grad_workers}"
                 f"|{self.symmetry_aware}|{self._runtime.bucket_cap_bytes}|{self.colocate_factors}"
@@ -421,6 +437,16 @@ class KronPreconditioner:
                   if option.per_step}
         values.update(kl_clip=self._kl_clip, lr=self._lr)
         return values
+
+    def coverage(self) -> dict[str, float]:
+        """How much of the model is preconditioned, in parameter elements: ``{"registered": n,
+        "trainable": N, "fraction": n / N}``. ``trainable`` counts each parameter of the model
+        that requires grad once (tied weights once); ``registered`` the elements of the
+        registered layers (an expert counts its row of the stacked weight)."""
+        trainable = sum(p.numel() for p in self._model.parameters() if p.requires_grad)
+        registered = sum(shape.numel() for layer in self._layers for shape in layer.shapes)
+        return {"registered": registered, "trainable": trainable,
+                "fraction": registered / trainable if trainable else 0.0}
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of preconditioner state held on this rank, by kind of state (after finishing

@@ -30,7 +30,10 @@ from typing import Any, Callable, ClassVar, Hashable, Sequence
 import torch
 from torch import nn
 
+from kron_precond.modules import Selected  # a unit of work, as the module adapters describe it
 from kron_precond.schedules import StepContext
+
+__all__ = ["Option", "Selected", "LayerMethod", "MethodSpec", "tensor_bytes", "moved"]
 
 
 @dataclass(frozen=True)
@@ -51,16 +54,6 @@ class Option:
     check: Callable[[str, Any], Any]
     per_step: str | None = None
     collective: bool = False
-
-
-@dataclass(frozen=True)
-class Selected:
-    """A module a method takes: its name, the module, its parameters, a method-specific adapter."""
-
-    name: str
-    module: nn.Module
-    params: list[tuple[str, nn.Parameter]]
-    adapter: Any = None
 
 
 class LayerMethod(abc.ABC):

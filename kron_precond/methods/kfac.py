@@ -606,12 +606,12 @@ class KFACSpec(MethodSpec):
     def _make_factored_layer(self, selected: Selected, **method_kwargs) -> KFACLayer:
         """``layer_class`` for ``selected``'s weight with the factor settings shared by the
         K-FAC family (subclasses pass their own extra arguments)."""
-        weight = dict(selected.params)["weight"]
+        weight = selected.params[0][1]  # weight first (an expert: its row of the stacked weight)
         layer = self.layer_class(
-            selected.name, weight.shape, selected.adapter.has_bias,
+            selected.name, selected.shapes[0], selected.has_bias,
             factor_dtype=self.settings["factor_dtype"] or weight.dtype,
             inv_dtype=self.settings["inv_dtype"], device=weight.device,
-            weight_transposed=selected.adapter.weight_transposed,
+            weight_transposed=selected.weight_transposed,
             statistics_rows=self.settings["statistics_rows"], **method_kwargs)
         layer.factor_dtype_follows = self.settings["factor_dtype"] is None
         return layer
