@@ -33,9 +33,10 @@ Each (cell, seed) is written to ``OUT/w{width}_r{ratio}_t{tokens}_s{seed}.json``
 it is done and skipped when the script is rerun, so a partial map is usable and a killed run
 resumes. ``--report-only`` rebuilds the table and the heat map from the JSON files.
 
-    python benchmarks/regimes.py --threads 1 --out /work/runs-regime          # the map (~30 min, 1 core)
-    python benchmarks/regimes.py --report-only --out /work/runs-regime --png docs/img/regimes.png
-    python benchmarks/regimes.py --grid "adamw=4e-3" --grid "muon=1.6e-2" --grid "ikfac_muon=1.6e-2" ...
+    python benchmarks/regimes.py --threads 1 --out runs/regimes    # the map: ~20 min of one idle core
+    python benchmarks/regimes.py --report-only --out runs/regimes --png docs/img/regimes.png
+    python benchmarks/regimes.py --grid adamw=4e-3,8e-3,1.6e-2 --grid muon=1.6e-2,3.2e-2,6.4e-2 \
+        --grid "kfac_muon{rows=all}=1.6e-2,3.2e-2,6.4e-2" --out runs/regimes_kfac_all   # other "ours"
 """
 from __future__ import annotations
 
@@ -392,7 +393,7 @@ def _ints(text: str) -> list[int]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--widths", type=_ints, default=[16, 32], help="d_model of the two (or more) panels")
+    p.add_argument("--widths", type=_ints, default=[16, 24], help="d_model of the two (or more) panels")
     p.add_argument("--ratios", type=_floats, default=[5.0, 40.0, 160.0],
                    help="training tokens per non-embedding parameter (Chinchilla: ~20)")
     p.add_argument("--tokens-per-step", type=_ints, default=[4096, 16384], help="tokens per optimizer step")
