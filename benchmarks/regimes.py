@@ -198,7 +198,7 @@ def _grid_entries(grid: Sequence[tuple], lrs: dict[str, Sequence[float]]) -> lis
 
 
 def run_cell(width: int, ratio: float, tokens_per_step: int, seed: int, args, grid, ours, first_seed_json: dict | None,
-             train_fn: TrainFn) -> dict:
+             train_fn: TrainFn, transfer_from: str | None = None) -> dict:
     """Train one (cell, seed) and return its JSON record."""
     model, base_train, precond = configs_from_args(args)
     model = replace(model, d_model=width)
@@ -241,6 +241,7 @@ def run_cell(width: int, ratio: float, tokens_per_step: int, seed: int, args, gr
         "params_non_embedding": body, "params_all": total, "ratio_all_params": ratio * body / total,
         "steps": steps, "model": asdict(model), "train": asdict(train), "ours": list(ours),
         "lr_grid": {family: sorted(v) for family, v in lrs.items()}, "extensions": extensions,
+        "lrs_from": transfer_from,
         "edges_left": edge_families(results, measures) if first_seed_json is None else {},
         "chosen_lrs": chosen_lrs(measures) if first_seed_json is None else first_seed_json["chosen_lrs"],
         "measures": measures, "runs": [asdict(r) for r in results],
@@ -267,6 +268,10 @@ def run_map(args, train_fn: TrainFn = train_round_robin) -> None:
         raise SystemExit("--grid needs at least one family besides adamw and muon")
     model, _, _ = configs_from_args(args)
     cells = [(w, r, t) for w in args.widths for r in args.ratios for t in args.tokens_per_step]
+    if not args.sweep_ratios:
+        args.sweep_ratios = list(args.ratios)
+    if min(args.ratios) not in args.sweep_ratios:
+        raise SystemExit(f"--sweep-ratios {args.sweep_ratios} must hold the smallest ratio {min(args.ratios)}")
 
     def cost(cell):  # training tokens of one run: run the cheap cells first
         width, ratio, _ = cell
@@ -279,9 +284,14 @@ def run_map(args, train_fn: TrainFn = train_round_robin) -> None:
             path = args.out / f"{cell_name(width, ratio, tokens, seed)}.json"
             if path.exists():
                 continue
-            first_json = None if seed == first else json.loads(
-                (args.out / f"{cell_name(width, ratio, tokens, first)}.json").read_text())
-            record = run_cell(width, ratio, tokens, seed, args, grid, ours, first_json, train_fn)
+            source = None
+            if seed != first:
+                source = cell_name(width, ratio, tokens, first)
+            elif ratio not in args.sweep_ratios and (width, ratio, tokens) not in args.check:
+                source = cell_name(width, max(r for r in args.sweep_ratios if r < ratio), tokens, first)
+            first_json = None if source is None else json.loads((args.out / f"{source}.json").read_text())
+            record = run_cell(width, ratio, tokens, seed, args, grid, ours, first_json, train_fn,
+                              transfer_from=source if seed == first else None)
             m = record["measures"]
             print(f"{path.stem}: {record['steps']} steps, time x Muon {m['time_ratio']:.3f} ({m['time_ratio_by']}), "
                   f"to Muon's loss {m['time_ratio_muon_target']:.3f}, final loss x Muon {m['loss_ratio']:.4f} "
@@ -315,10 +325,10 @@ def _fmt(x: float, digits: int = 2) -> str:
 
 
 def markdown_table(cells: dict[tuple, list[dict]]) -> str:
-    rows = ["| width | tokens/param (non-emb; all) | tokens/step | steps | seeds | time to AdamW's loss x Muon "
+    rows = ["| width | tokens/param (non-emb; all) | tokens/step | steps | lrs | seeds | time to AdamW's loss x Muon "
             "(per seed) | time to Muon's loss x Muon | final loss x Muon | final losses Muon / best of ours "
             "(seed 0) | lrs AdamW / Muon / ours (seed 0) |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (width, ratio, tokens), records in sorted(cells.items()):
         records = sorted(records, key=lambda r: r["seed"])
         first = records[0]
@@ -333,11 +343,38 @@ def markdown_table(cells: dict[tuple, list[dict]]) -> str:
         best_final = min(fams[f]["final_loss"] for f in first["ours"])
         rows.append(
             f"| {width} | {ratio:g}; {first['ratio_all_params']:.0f} | {tokens} | {first['steps']}"
-            f"{'*' if first['steps'] < FEW_STEPS else ''} | {','.join(str(r['seed']) for r in records)} | "
+            f"{'*' if first['steps'] < FEW_STEPS else ''} | {_lr_origin(first)} | "
+            f"{','.join(str(r['seed']) for r in records)} | "
             f"{per_seed('time_ratio', 2)} ({m['time_ratio_by']}) | {per_seed('time_ratio_muon_target', 2)} | "
             f"{per_seed('loss_ratio', 4)} ({m['loss_ratio_by']}) | {m['muon_final_loss']:.4f} / {best_final:.4f} | "
             f"{m['adamw_lr']:g} / {fams[MUON]['lr_time']:g}/{fams[MUON]['lr_final']:g} / {ours_lrs} |")
     return "\n".join(rows)
+
+
+def _lr_origin(record: dict) -> str:
+    source = record.get("lrs_from")
+    return "swept" if not source else "from " + source.split("_")[1].replace("r", "ratio ")
+
+
+def transfer_check(cells: dict[tuple, list[dict]]) -> str:
+    """For each swept cell at a ratio where other cells took transferred lrs: the lrs its own
+    sweep chose against those the transfer rule gives (the cell it would have taken them from)."""
+    first = {cell: min(records, key=lambda r: r["seed"]) for cell, records in cells.items()}
+    transferred = {(c[0], c[1]): r["lrs_from"] for c, r in first.items() if r.get("lrs_from")}
+    lines = []
+    for (width, ratio, tokens), record in sorted(first.items()):
+        if record.get("lrs_from") or not any(r == ratio for _, r in transferred):
+            continue
+        source_ratio = float(next(v for (w, r), v in transferred.items() if r == ratio).split("_")[1][1:])
+        source = first.get((width, source_ratio, tokens))
+        if source is None:
+            continue
+        lines.append(f"- d={width}, {ratio:g} tokens/param, {tokens} tokens/step: its own sweep chose "
+                     f"{record['chosen_lrs']} (grid {record['lr_grid']}); the transfer rule (ratio "
+                     f"{source_ratio:g}) gives {source['chosen_lrs']}; with its own lrs: time x Muon "
+                     f"{_fmt(_ratio(record['measures']['time_ratio']))}, final loss x Muon "
+                     f"{_fmt(_ratio(record['measures']['loss_ratio']), 4)}")
+    return "\n".join(lines)
 
 
 def plot_map(cells: dict[tuple, list[dict]], path: Path) -> None:
@@ -392,6 +429,14 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def _cells(text: str) -> list[tuple[int, float, int]]:
+    cells = []
+    for item in filter(None, text.split(",")):
+        width, ratio, tokens = item.split(":")
+        cells.append((int(width), float(ratio), int(tokens)))
+    return cells
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -405,6 +450,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help=f"families and lrs as in benchmarks/convergence.py (repeatable); default {DEFAULT_GRID}; "
                         "every family but adamw and muon is one of ours")
     p.add_argument("--max-extend", type=int, default=2, help="grid extensions past an edge per cell")
+    p.add_argument("--sweep-ratios", type=_floats, default=[],
+                   help="ratios whose cells run the lr sweep on the first seed (default: all); a cell at "
+                        "another ratio reuses the lrs chosen at the largest swept ratio below it (same width "
+                        "and tokens per step): the transfer rule")
+    p.add_argument("--check", type=_cells, default=[],
+                   help="cells WIDTH:RATIO:TOKENS that run the full sweep anyway, to check the transfer rule")
     p.add_argument("--report-only", action="store_true", help="only rebuild the table and heat map from --out")
     p.add_argument("--png", type=Path, default=None, help="heat map path (default OUT/regimes.png)")
     p.add_argument("--out", type=Path, default=Path("runs/regimes"), help="folder of the per-cell JSON files")
@@ -426,6 +477,9 @@ def main(argv: Sequence[str] | None = None, train_fn: TrainFn = train_round_robi
         run_map(args, train_fn)
     cells = load_cells(args.out)
     table = markdown_table(cells)
+    check = transfer_check(cells)
+    if check:
+        table += "\n\ntransfer-rule check (cells swept at a ratio where others reuse lrs):\n" + check
     print(table)
     (args.out / "regimes.md").write_text(table + "\n")
     if cells:

@@ -118,3 +118,18 @@ def test_map_trains_for_real_on_a_toy_cell(tmp_path):
     assert record["steps"] == round(2 * non_embedding_params(8, 1) / 128)
     assert [run["name"] for run in record["runs"]] == ["adamw lr=0.004", "muon lr=0.01", "psgd_muon lr=0.01"]
     assert all(len(run["step_seconds"]) == record["steps"] for run in record["runs"])
+
+
+def test_transfer_rule_reuses_the_lrs_swept_below_and_check_cells_sweep(tmp_path):
+    fake = FakeTrainer()
+    regimes.main([*TOY, "--ratios", "10,20,40", "--tokens-per-step", "256,512", "--seeds", "0",
+                  "--sweep-ratios", "10", "--check", "8:40:512", *GRID, "--out", str(tmp_path)], train_fn=fake)
+    source = json.loads((tmp_path / "w8_r10_t256_s0.json").read_text())
+    for name in ("w8_r20_t256_s0", "w8_r40_t256_s0"):
+        record = json.loads((tmp_path / f"{name}.json").read_text())
+        assert record["lrs_from"] == "w8_r10_t256_s0" and record["extensions"] == []
+        assert {run["name"] for run in record["runs"]} == {
+            f"{family} lr={lr:g}" for family, lrs in source["chosen_lrs"].items() for lr in lrs}
+    check = json.loads((tmp_path / "w8_r40_t512_s0.json").read_text())
+    assert check["lrs_from"] is None and len(check["runs"]) > 4  # its own sweep
+    assert "d=8, 40 tokens/param, 512 tokens/step: its own sweep chose" in (tmp_path / "regimes.md").read_text()
