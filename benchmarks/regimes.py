@@ -33,7 +33,7 @@ Each (cell, seed) is written to ``OUT/w{width}_r{ratio}_t{tokens}_s{seed}.json``
 it is done and skipped when the script is rerun, so a partial map is usable and a killed run
 resumes. ``--report-only`` rebuilds the table and the heat map from the JSON files.
 
-    python benchmarks/regimes.py --threads 1 --out runs/regimes    # the map: ~20 min of one idle core
+    python benchmarks/regimes.py --threads 1 --sweep-ratios 5,40 --check 12:160:16384 --out runs/regimes  # the map
     python benchmarks/regimes.py --report-only --out runs/regimes --png docs/img/regimes.png
     python benchmarks/regimes.py --grid adamw=8e-3,1.6e-2,3.2e-2 --grid muon=3.2e-2,6.4e-2,1.28e-1 \
         --grid "kfac_muon{rows=all}=3.2e-2,6.4e-2,1.28e-1" --out runs/regimes_kfac_all   # other "ours"
@@ -403,8 +403,11 @@ def plot_map(cells: dict[tuple, list[dict]], path: Path) -> None:
                     value = seed_mean(records, key)
                     grid[i][j] = min(value, 10.0)
                     few = records[0]["steps"] < FEW_STEPS
-                    text = _fmt(value, digits) + ("*" if few else "") + f"\n{records[0]['measures'][key + '_by']}"
-                    ax.text(j, i, text.replace("_muon", "+Muon"), ha="center", va="center", fontsize=7)
+                    text = (_fmt(value, digits) + ("*" if few else "") + f"\n{records[0]['measures'][key + '_by']}"
+                            + f"\n{records[0]['steps']} steps, {len(records)} seed{'s' * (len(records) > 1)}")
+                    shade = float(norm(min(value, 10.0)))
+                    ax.text(j, i, text.replace("_muon", "+Muon"), ha="center", va="center", fontsize=7,
+                            color="white" if shade < 0.15 or shade > 0.85 else "black")
             image = ax.imshow(grid, cmap="RdBu_r", norm=norm, origin="lower", aspect="auto")
             ax.set_xticks(range(len(ratios)), [f"{r:g}" for r in ratios])
             ax.set_yticks(range(len(tokens)), [f"{t // 1024}k" for t in tokens])
@@ -440,7 +443,7 @@ def _cells(text: str) -> list[tuple[int, float, int]]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--widths", type=_ints, default=[16, 24], help="d_model of the two (or more) panels")
+    p.add_argument("--widths", type=_ints, default=[12, 16], help="d_model of the two (or more) panels")
     p.add_argument("--ratios", type=_floats, default=[5.0, 40.0, 160.0],
                    help="training tokens per non-embedding parameter (Chinchilla: ~20)")
     p.add_argument("--tokens-per-step", type=_ints, default=[4096, 16384], help="tokens per optimizer step")
