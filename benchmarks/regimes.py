@@ -19,8 +19,12 @@ held-out loss is evaluated ~30 times per run.
 Learning rates (the same budget for every method in every cell): on the first seed every
 family runs its whole ``--grid``; a family whose best point sits on a grid edge (for any of
 the three measures) gets the next lr beyond that edge, up to ``--max-extend`` times, so best
-points end inside their grids. Later seeds rerun each family at the lrs the first seed chose
-(a different data order and initialisation). A family's best point is chosen with
+points end inside their grids. With ``--sweep-ratios`` only the cells at those ratios sweep;
+a cell at a larger ratio reuses, on its first seed, the lrs chosen at the largest swept ratio
+below it (same width and tokens per step), and ``--check`` cells sweep anyway to test that
+transfer (the report prints their own choice next to the transferred one). Later seeds rerun
+each family at the lrs its cell's first seed used or chose (a different data order and
+initialisation). A family's best point is chosen with
 benchmarks/convergence.py's ``best_of`` (first evaluation to reach the target, final loss
 breaking ties; lowest final loss for the final-loss measure).
 
