@@ -92,6 +92,10 @@ def test_map_ratios_match_the_closed_form_and_the_run_resumes(tmp_path):
             assert m["loss_ratio"] == pytest.approx(final["psgd_muon"] / final["muon"])
             assert m["loss_ratio_by"] == "psgd_muon"
             assert m["families"]["muon"]["lr_time"] == pytest.approx(8e-2)
+            # steps alone (no timing): psgd_muon's higher slope wins; with its dearer step, K-FAC's
+            assert m["steps_ratio"] == pytest.approx(SLOPE["muon"] / SLOPE["psgd_muon"])
+            assert m["steps_ratio_by"] == "psgd_muon"
+            assert m["time_ratio_pooled"] == pytest.approx(seconds_to["kfac_muon"] / seconds_to["muon"])
         first = next(r for r in records if r["seed"] == 0)
         # Muon's best lay past its grid: two extensions (4e-2 -> 8e-2 -> 1.6e-1) put it inside.
         assert first["lr_grid"]["muon"] == pytest.approx([1e-2, 2e-2, 4e-2, 8e-2, 1.6e-1])
