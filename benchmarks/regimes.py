@@ -350,6 +350,10 @@ def add_pooled_measures(cells: dict[tuple, list[dict]]) -> None:
             m["steps_ratio"], m["steps_ratio_by"] = min((steps[f] / muon_steps, f) for f in record["ours"])
             m["time_ratio_pooled"], m["time_ratio_pooled_by"] = min(
                 (steps[f] / muon_steps * costs[(width, tokens)][f], f) for f in record["ours"])
+            # to Muon's own final loss: steps recovered from seconds / the process's step time
+            to_muon = {f: _ratio(fams[f]["seconds_to_muon_loss"]) / fams[f]["step_seconds"] for f in [MUON, *record["ours"]]}
+            m["time_ratio_muon_target_pooled"] = min(
+                to_muon[f] / to_muon[MUON] * costs[(width, tokens)][f] for f in record["ours"])
 
 
 def seed_mean(records: Sequence[dict], key: str) -> float:
@@ -365,7 +369,7 @@ def markdown_table(cells: dict[tuple, list[dict]]) -> str:
     costs = pooled_step_costs(cells)
     rows = ["| width | tokens/param (non-emb; all) | tokens/step | steps | lrs | seeds | time to AdamW's loss x Muon "
             "(per seed) | steps to it x Muon | time to it x Muon, pooled step cost (step x Muon) | "
-            "time to Muon's loss x Muon | final loss x Muon | final losses Muon / best of ours "
+            "time to Muon's loss x Muon (measured; pooled step cost) | final loss x Muon | final losses Muon / best of ours "
             "(seed 0) | lrs AdamW / Muon / ours (seed 0) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (width, ratio, tokens), records in sorted(cells.items()):
@@ -387,7 +391,7 @@ def markdown_table(cells: dict[tuple, list[dict]]) -> str:
             f"{per_seed('time_ratio', 2)} ({m['time_ratio_by']}) | {per_seed('steps_ratio', 2)} | "
             f"{per_seed('time_ratio_pooled', 2)} ({m['time_ratio_pooled_by']}; "
             f"{', '.join(f'{costs[(width, tokens)][f]:.2f}' for f in first['ours'])}) | "
-            f"{per_seed('time_ratio_muon_target', 2)} | "
+            f"{per_seed('time_ratio_muon_target', 2)}; pooled {per_seed('time_ratio_muon_target_pooled', 2)} | "
             f"{per_seed('loss_ratio', 4)} ({m['loss_ratio_by']}) | {m['muon_final_loss']:.4f} / {best_final:.4f} | "
             f"{m['adamw_lr']:g} / {fams[MUON]['lr_time']:g}/{fams[MUON]['lr_final']:g} / {ours_lrs} |")
     return "\n".join(rows)

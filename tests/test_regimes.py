@@ -96,6 +96,7 @@ def test_map_ratios_match_the_closed_form_and_the_run_resumes(tmp_path):
             assert m["steps_ratio"] == pytest.approx(SLOPE["muon"] / SLOPE["psgd_muon"])
             assert m["steps_ratio_by"] == "psgd_muon"
             assert m["time_ratio_pooled"] == pytest.approx(seconds_to["kfac_muon"] / seconds_to["muon"])
+            assert m["time_ratio_muon_target_pooled"] == pytest.approx(to_muon_loss["kfac_muon"] / to_muon_loss["muon"])
         first = next(r for r in records if r["seed"] == 0)
         # Muon's best lay past its grid: two extensions (4e-2 -> 8e-2 -> 1.6e-1) put it inside.
         assert first["lr_grid"]["muon"] == pytest.approx([1e-2, 2e-2, 4e-2, 8e-2, 1.6e-1])
