@@ -1,0 +1,140 @@
+"""benchmarks/regimes.py on a 2-cell toy grid, against a closed-form calculation.
+
+The training function is replaced by one that returns known loss curves: the held-out
+loss falls linearly, ``L0 - slope * step``, with a slope that peaks at a chosen lr of each
+family, and every family has a fixed cost per step. Crossings of a linear curve are exact
+under linear interpolation, so the ratios the map reports have a closed form the test
+computes by hand. A real (tiny) training run checks the wiring and the resume.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+
+from benchmarks import regimes  # noqa: E402
+from char_lm import RunResult  # noqa: E402
+
+L0 = 3.0
+SLOPE = {"adamw": 0.010, "muon": 0.020, "kfac_muon": 0.024, "psgd_muon": 0.026}  # loss per step at the best lr
+SECONDS = {"adamw": 1.0, "muon": 1.1, "kfac_muon": 1.2, "psgd_muon": 1.4}  # per step
+BEST_LR = {"adamw": 2e-3, "muon": 8e-2, "kfac_muon": 2e-2, "psgd_muon": 2e-2}  # muon's lies past its grid
+GRID = ["--grid", "adamw=1e-3,2e-3,4e-3", "--grid", "muon=1e-2,2e-2,4e-2",
+        "--grid", "kfac_muon=1e-2,2e-2,4e-2", "--grid", "psgd_muon=1e-2,2e-2,4e-2"]
+TOY = ["--widths", "8", "--ratios", "10,20", "--tokens-per-step", "256", "--seq-len", "16",
+       "--n-layers", "1", "--seeds", "0,1", "--max-extend", "2"]
+
+
+def slope(family: str, lr: float) -> float:
+    return SLOPE[family] * (1 - 0.2 * math.log2(lr / BEST_LR[family]) ** 2)
+
+
+class FakeTrainer:
+    """Stands in for char_lm.train_round_robin: known curves, counted calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, contenders, model, train, ctx, corpus=None, progress=True):
+        self.calls.append([c.name for c in contenders])
+        steps = list(range(0, train.steps + 1, train.eval_every))
+        if steps[-1] != train.steps:
+            steps.append(train.steps)
+        results = []
+        for c in contenders:
+            family = c.name.split(" lr=")[0]
+            s = slope(family, c.lr)
+            results.append(RunResult(c.name, c.lr, eval_steps=steps, eval_losses=[L0 - s * k for k in steps],
+                                     eval_train_seconds=[SECONDS[family] * k for k in steps],
+                                     step_seconds=[SECONDS[family]] * train.steps))
+        return results
+
+
+def non_embedding_params(d: int, layers: int) -> int:
+    # per block: q, k, v, out (d*d + d each), MLP d->4d->d, two LayerNorms; then the final LayerNorm
+    return layers * (4 * (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d) + 4 * d) + 2 * d
+
+
+def test_crossing_is_interpolated_between_evaluations():
+    run = RunResult("x lr=1", 1.0, eval_steps=[0, 10, 20], eval_losses=[3.0, 2.0, 1.0])
+    assert regimes.crossing_step(run, 1.5) == pytest.approx(15.0)
+    assert regimes.crossing_step(run, 2.0) == 10.0
+    assert regimes.crossing_step(run, 0.5) is None
+
+
+def test_map_ratios_match_the_closed_form_and_the_run_resumes(tmp_path):
+    fake = FakeTrainer()
+    cells = regimes.main([*TOY, *GRID, "--out", str(tmp_path)], train_fn=fake)
+    assert len(cells) == 2 and all(len(records) == 2 for records in cells.values())
+    params = non_embedding_params(8, 1)
+    for (width, ratio, tokens), records in cells.items():
+        steps = round(ratio * params / tokens)
+        final = {f: L0 - SLOPE[f] * steps for f in SLOPE}  # every family at its best lr
+        target = final["adamw"]
+        seconds_to = {f: (L0 - target) / SLOPE[f] * SECONDS[f] for f in SLOPE}
+        to_muon_loss = {f: (L0 - final["muon"]) / SLOPE[f] * SECONDS[f] for f in SLOPE}
+        for record in records:
+            m = record["measures"]
+            assert record["steps"] == steps and record["params_non_embedding"] == params
+            assert m["target"] == pytest.approx(target)
+            assert m["time_ratio"] == pytest.approx(seconds_to["kfac_muon"] / seconds_to["muon"])
+            assert m["time_ratio_by"] == "kfac_muon"  # psgd_muon's slope is higher, its step dearer
+            assert m["time_ratio_muon_target"] == pytest.approx(to_muon_loss["kfac_muon"] / to_muon_loss["muon"])
+            assert m["loss_ratio"] == pytest.approx(final["psgd_muon"] / final["muon"])
+            assert m["loss_ratio_by"] == "psgd_muon"
+            assert m["families"]["muon"]["lr_time"] == pytest.approx(8e-2)
+            # steps alone (no timing): psgd_muon's higher slope wins; with its dearer step, K-FAC's
+            assert m["steps_ratio"] == pytest.approx(SLOPE["muon"] / SLOPE["psgd_muon"])
+            assert m["steps_ratio_by"] == "psgd_muon"
+            assert m["time_ratio_pooled"] == pytest.approx(seconds_to["kfac_muon"] / seconds_to["muon"])
+            assert m["time_ratio_muon_target_pooled"] == pytest.approx(to_muon_loss["kfac_muon"] / to_muon_loss["muon"])
+        first = next(r for r in records if r["seed"] == 0)
+        # Muon's best lay past its grid: two extensions (4e-2 -> 8e-2 -> 1.6e-1) put it inside.
+        assert first["lr_grid"]["muon"] == pytest.approx([1e-2, 2e-2, 4e-2, 8e-2, 1.6e-1])
+        assert first["edges_left"] == {} and first["lr_grid"]["adamw"] == pytest.approx([1e-3, 2e-3, 4e-3])
+        second = next(r for r in records if r["seed"] == 1)
+        assert sorted({run["name"] for run in second["runs"]}) == [
+            "adamw lr=0.002", "kfac_muon lr=0.02", "muon lr=0.08", "psgd_muon lr=0.02"]
+    calls = len(fake.calls)
+    regimes.main([*TOY, *GRID, "--out", str(tmp_path)], train_fn=fake)
+    assert len(fake.calls) == calls  # every cell was on disk: nothing retrained
+    assert (tmp_path / "regimes.png").stat().st_size > 0
+    assert "| 8 | 10;" in (tmp_path / "regimes.md").read_text()
+
+
+def test_map_trains_for_real_on_a_toy_cell(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    args = [sys.executable, "benchmarks/regimes.py", "--widths", "8", "--ratios", "2", "--tokens-per-step", "128",
+            "--seq-len", "16", "--n-layers", "1", "--seeds", "0", "--eval-seqs", "4", "--threads", "1",
+            "--max-extend", "0", "--grid", "adamw=4e-3", "--grid", "muon=1e-2", "--grid", "psgd_muon=1e-2",
+            "--out", str(tmp_path)]
+    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    record = json.loads((tmp_path / "w8_r2_t128_s0.json").read_text())
+    assert record["steps"] == round(2 * non_embedding_params(8, 1) / 128)
+    assert [run["name"] for run in record["runs"]] == ["adamw lr=0.004", "muon lr=0.01", "psgd_muon lr=0.01"]
+    assert all(len(run["step_seconds"]) == record["steps"] for run in record["runs"])
+
+
+def test_transfer_rule_reuses_the_lrs_swept_below_and_check_cells_sweep(tmp_path):
+    fake = FakeTrainer()
+    regimes.main([*TOY, "--ratios", "10,20,40", "--tokens-per-step", "256,512", "--seeds", "0",
+                  "--sweep-ratios", "10", "--check", "8:40:512", *GRID, "--out", str(tmp_path)], train_fn=fake)
+    source = json.loads((tmp_path / "w8_r10_t256_s0.json").read_text())
+    for name in ("w8_r20_t256_s0", "w8_r40_t256_s0"):
+        record = json.loads((tmp_path / f"{name}.json").read_text())
+        assert record["lrs_from"] == "w8_r10_t256_s0" and record["extensions"] == []
+        assert {run["name"] for run in record["runs"]} == {
+            f"{family} lr={lr:g}" for family, lrs in source["chosen_lrs"].items() for lr in lrs}
+    check = json.loads((tmp_path / "w8_r40_t512_s0.json").read_text())
+    assert check["lrs_from"] is None and len(check["runs"]) > 4  # its own sweep
+    assert "d=8, 40 tokens/param, 512 tokens/step: its own sweep chose" in (tmp_path / "regimes.md").read_text()
