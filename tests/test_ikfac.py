@@ -253,3 +253,18 @@ def test_two_ranks_equal_one_process_on_the_full_batch(tmp_path):
         for rank_result in results:
             for got, p in zip(rank_result[step], net.parameters()):
                 torch.testing.assert_close(got, p.grad, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["ikfac", "ikfac_moment", "second_moment"])
+def test_plain_step_op_count_does_not_grow_with_depth(method):
+    """One batched matmul per shape group: 2 and 8 blocks of 6 Linears dispatch the same ops."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    try:
+        from benchmarks.op_count import count_plain_step
+    finally:
+        sys.path.pop(0)
+    small, large = (sum(count_plain_step(method, b, 8, 32, torch.device("cpu")).values()) for b in (2, 8))
+    assert large == small, (small, large)

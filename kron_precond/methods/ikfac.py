@@ -27,7 +27,8 @@ import torch
 from kron_precond import validation as check
 from kron_precond.methods import state_checks as checks
 from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
-from kron_precond.methods.second_moment import adopt_moments, check_moment_decay, scale_by_moment
+from kron_precond.methods.second_moment import (adopt_moments, check_moment_decay, scale_by_moment,
+                                                stack_matrices, unstack_matrices)
 from kron_precond.modules import find_kfac_modules
 from kron_precond.schedules import IntervalSchedule, StepContext
 
@@ -175,17 +176,6 @@ class InputKFACLayer(LayerMethod):
             self.ready = True
 
     # ------------------------------------------------------------------ apply
-    def grads_to_matrix(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        weight = grads[0].t() if self.weight_transposed else grads[0].reshape(self.g_dim, -1)
-        if self.has_bias:
-            return torch.cat([weight, grads[1].reshape(self.g_dim, 1)], dim=1)
-        return weight
-
-    def matrix_to_grads(self, matrix: torch.Tensor) -> list[torch.Tensor]:
-        weight = matrix[:, :-1] if self.has_bias else matrix
-        weight = weight.t().contiguous() if self.weight_transposed else weight.reshape(self.weight_shape)
-        return [weight, matrix[:, -1].contiguous()] if self.has_bias else [weight]
-
     def apply(self, grads: list[torch.Tensor], ctx: StepContext) -> list[torch.Tensor]:
         if not self.ready:
             return grads
@@ -205,11 +195,13 @@ class InputKFACLayer(LayerMethod):
         layers' inverses (and moments) and makes each layer's tensors views into the stacks,
         so refreshes and broadcasts, in place, update them: nothing is copied per step."""
         first = layers[0]
+        if not all(layer.ready for layer in layers):  # no refresh yet: nothing to apply
+            return [list(g) for g in grads]
         stacked = cache.get("stacked")
         if stacked is None:
             stacked = cache["stacked"] = _adopt(layers)
         inverses, valid, moments = stacked
-        matrix = torch.stack([layer.grads_to_matrix(g) for layer, g in zip(layers, grads)])
+        matrix = stack_matrices(layers, grads)
         out = torch.matmul(matrix.to(first.inv_dtype), inverses)
         use = valid.bool() & keep
         if moments is not None:
@@ -217,8 +209,7 @@ class InputKFACLayer(LayerMethod):
                 layer.updates += 1
             out = scale_by_moment(out, moments, first.moment_decay, first.moment_eps,
                                   [layer.updates for layer in layers], use)
-        out = torch.where(use.reshape(-1, 1, 1), out.to(matrix.dtype), matrix)
-        return [layer.matrix_to_grads(m) for layer, m in zip(layers, out.unbind(0))]
+        return unstack_matrices(layers, torch.where(use.reshape(-1, 1, 1), out.to(matrix.dtype), matrix))
 
     # ------------------------------------------------------------------ estimates, placement
     def factor_costs(self) -> dict[str, tuple[float, float]]:
