@@ -268,3 +268,27 @@ def test_plain_step_op_count_does_not_grow_with_depth(method):
         sys.path.pop(0)
     small, large = (sum(count_plain_step(method, b, 8, 32, torch.device("cpu")).values()) for b in (2, 8))
     assert large == small, (small, large)
+
+
+def test_failed_cholesky_keeps_the_previous_inverse(monkeypatch):
+    """A refresh whose factorisation fails in float32 and float64 warns, names the layer and
+    keeps the last good inverse (the gradient is still preconditioned with it)."""
+    net = make_net()
+    precond = KronPreconditioner(net, method="ikfac", factor_update_steps=1, inv_update_steps=1, inv_dtype=F64)
+    loss_of(net, *batch(0)).backward()
+    precond.step()
+    before = precond.layers["a"].method.refreshed_tensors()[0].clone()
+    real = torch.linalg.cholesky_ex
+
+    def failing(matrix, *args, **kwargs):
+        lower, info = real(matrix, *args, **kwargs)
+        return lower, torch.ones_like(info)
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", failing)
+    net.zero_grad()
+    loss_of(net, *batch(1)).backward()
+    raw = grad_matrix(net.a).clone()
+    with pytest.warns(RuntimeWarning, match=r"a\.A \+ λI failed"):
+        precond.step()
+    assert torch.equal(precond.layers["a"].method.refreshed_tensors()[0], before)
+    torch.testing.assert_close(grad_matrix(net.a), raw @ before)
