@@ -78,14 +78,16 @@ VARIANT_KEYS = {
     "plr": "psgd_precond_lr", "init": "psgd_init_scale", "rule": "psgd_update",
     "cm": "compute_method", "skip": "skip_layers", "rows": "statistics_rows",
     "maxtri": "psgd_max_size_triangular", "msm": "psgd_memory_save_mode",
+    "ie": "ikfac_every", "idamp": "ikfac_damping", "idecay": "ikfac_factor_decay",
+    "irows": "ikfac_statistics_rows", "m2": "moment_decay",
 }
 _FAMILY = re.compile(r"^(?P<method>\w+)(?:\{(?P<variant>[^}]*)\})?=(?P<lrs>.+)$")
 
 
 def _variant_value(field: str, text: str):
-    if field in ("factor_update_steps", "inv_update_steps", "psgd_max_size_triangular"):
+    if field in ("factor_update_steps", "inv_update_steps", "psgd_max_size_triangular", "ikfac_every"):
         return int(text)
-    if field == "statistics_rows":
+    if field in ("statistics_rows", "ikfac_statistics_rows"):
         return _optional_rows(text)
     if field == "update_probability":
         return _psgd_update_probability(text)

@@ -73,6 +73,13 @@ def make_preconditioner(method: str, model: nn.Module) -> KronPreconditioner:
     if method == "kfac_inverse":  # the main job's K-FAC form (the row cap acts on statistics steps only)
         return KronPreconditioner(model, method="kfac", compute_method="inverse", statistics_rows=64,
                                   **KFAC_INTERVALS)
+    if method == "ikfac":  # statistics and refresh on step 0 only: the counted step is plain
+        return KronPreconditioner(model, method="ikfac", factor_update_steps=100, inv_update_steps=100)
+    if method == "ikfac_moment":
+        return KronPreconditioner(model, method="ikfac", factor_update_steps=100, inv_update_steps=100,
+                                  moment_decay=0.95)
+    if method == "second_moment":
+        return KronPreconditioner(model, method="second_moment")
     # Q updates on the warm-up steps only (probability 1, then 0): the counted step is plain.
     return KronPreconditioner(model, method="psgd",
                               preconditioner_update_probability=lambda s: 1.0 if s < WARMUP_STEPS else 0.0)
@@ -101,7 +108,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--methods", default="kfac,kfac_inverse,psgd",
-                   help="comma-separated: kfac, kfac_inverse, psgd")
+                   help="comma-separated: kfac, kfac_inverse, psgd, ikfac, ikfac_moment, second_moment")
     p.add_argument("--blocks", default="2,8,32", help="comma-separated block counts")
     p.add_argument("--d", type=int, default=32, help="block width (op counts do not depend on it)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per batch")

@@ -44,7 +44,20 @@ CONFIGS = {
     "kfac_muon eigen, 1024 rows": ("kfac_muon", {"statistics_rows": 1024}),
     "kfac_muon inverse, 1024 rows": ("kfac_muon", {"compute_method": "inverse", "statistics_rows": 1024}),
     "psgd_muon p=0.05": ("psgd_muon", {"update_probability": 0.05}),
+    # issue 17: input-side K-FAC (statistics + Cholesky refresh every ikfac_every steps) and the
+    # elementwise second moment
+    "ikfac_muon every 32": ("ikfac_muon", {}),
+    "ikfac_muon every 10": ("ikfac_muon", {"ikfac_every": 10}),
+    "muon2": ("muon2", {}),
+    "ikfac_muon2 every 32": ("ikfac_muon2", {}),
 }
+
+
+def statistics_interval(method: str, overrides: dict, kfac_every: int) -> int:
+    """Steps between the statistics steps of a configuration (its "stat" columns)."""
+    if method.startswith("ikfac"):
+        return overrides.get("ikfac_every", PrecondConfig.ikfac_every)
+    return kfac_every
 
 
 class Blocks:
@@ -76,6 +89,9 @@ def main(argv=None) -> None:
     p.add_argument("--d-model", type=int, default=ModelConfig.d_model)
     p.add_argument("--factor-update-steps", type=int, default=10, help="K-FAC statistics interval")
     p.add_argument("--inv-update-steps", type=int, default=100, help="K-FAC refresh interval")
+    p.add_argument("--only", default="",
+                   help="comma-separated substrings: time only the configurations whose name holds one "
+                        "(Muon, the reference, always runs); default: all")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = p.parse_args(argv)
@@ -88,7 +104,12 @@ def main(argv=None) -> None:
     base = PrecondConfig(skip_layers=SKIP_LAYERS, factor_update_steps=args.factor_update_steps,
                          inv_update_steps=args.inv_update_steps)
     runs = {}
-    for name, (method, overrides) in CONFIGS.items():
+    wanted = [w for w in args.only.split(",") if w]
+    chosen = {name: c for name, c in CONFIGS.items()
+              if name == "muon" or not wanted or any(w in name for w in wanted)}
+    intervals = {name: statistics_interval(method, overrides, args.factor_update_steps)
+                 for name, (method, overrides) in chosen.items()}
+    for name, (method, overrides) in chosen.items():
         torch.manual_seed(0)
         model = CharTransformer(model_config).to(device)
         optimizer, precond = build_method(method, model, 8e-3, 0.0, replace(base, **overrides))
@@ -96,8 +117,8 @@ def main(argv=None) -> None:
     warmup = 1  # step 1 is a statistics and refresh step that allocates everything
     for step in range(1, warmup + args.steps + 1):
         inputs, targets = (t.to(device) for t in corpus.sample_train(64, data_order))
-        kind = "statistics" if (step - 1) % args.factor_update_steps == 0 else "plain"
-        for model, optimizer, precond, times in runs.values():
+        for name, (model, optimizer, precond, times) in runs.items():
+            kind = "statistics" if (step - 1) % intervals[name] == 0 else "plain"
             blocks = Blocks(device)
             optimizer.zero_grad(set_to_none=True)
             blocks.mark()
@@ -117,8 +138,8 @@ def main(argv=None) -> None:
 
     mean = {name: statistics.fmean(times["all"]) for name, (*_, times) in runs.items()}
     print(f"ms per block (medians), d_model={args.d_model}, 4096 tokens/step, K-FAC statistics every "
-          f"{args.factor_update_steps} / refresh every {args.inv_update_steps} steps, {args.steps} timed "
-          f"steps, device {device}")
+          f"{args.factor_update_steps} / refresh every {args.inv_update_steps} steps (input-side K-FAC: "
+          f"as named), {args.steps} timed steps, device {device}")
     print(f"{'configuration':30s} {'stat fwd+bwd':>12s} {'stat precond':>12s} {'fwd+bwd':>8s} "
           f"{'precond':>8s} {'optim':>7s} {'mean step':>9s} {'x Muon':>7s}")
     for name, (*_, times) in runs.items():

@@ -250,11 +250,20 @@ class RunResult:
     def mean_step_seconds(self) -> float:
         return sum(self.step_seconds) / len(self.step_seconds)
 
-    def first_reaching(self, target: float) -> tuple[int, float] | None:
-        """(step, training seconds) of the first evaluation at or below ``target``."""
+    def first_reaching(self, target: float) -> tuple[float, float] | None:
+        """(step, training seconds) at which the held-out loss first reaches ``target``,
+        interpolated linearly between the last evaluation above it and the first at or
+        below it (the loss is taken to fall linearly in both step and seconds between
+        evaluations); ``None`` if no evaluation reaches it."""
+        previous = None
         for step, loss, seconds in zip(self.eval_steps, self.eval_losses, self.eval_train_seconds):
             if loss <= target:
-                return step, seconds
+                if previous is None or previous[1] == loss:
+                    return float(step), seconds
+                step0, loss0, seconds0 = previous
+                fraction = (loss0 - target) / (loss0 - loss)
+                return step0 + fraction * (step - step0), seconds0 + fraction * (seconds - seconds0)
+            previous = (step, loss, seconds)
         return None
 
 
@@ -402,7 +411,7 @@ def results_table(results: Sequence[RunResult], reference: RunResult, target: fl
             r.name,
             f"{r.lr:g}",
             f"{r.final_loss:.4f}",
-            str(reach[0]) if reach else "not reached",
+            f"{reach[0]:.1f}" if reach else "not reached",
             f"{reach[1]:.1f}" if reach else "-",
             f"{reach[1] / ref_seconds:.2f}" if reach else "-",
             *([f"{reach[1] / muon_seconds:.2f}" if reach else "-"] if muon is not None else []),
@@ -463,7 +472,8 @@ DEFAULT_KFAC_STATISTICS_ROWS = "auto"
 DEFAULT_LRS = {"adamw": 2e-3, "kfac": 4e-3, "psgd": 2e-3, "psgd_adamw": 2e-3, "sgd": 0.1, "kfac_sgd": 0.1,
                "psgd_sgd": 0.1, "muon": 8e-3, "kfac_muon": 8e-3, "psgd_muon": 8e-3,
                "ekfac": 4e-3, "ekfac_muon": 8e-3, "shampoo": 2e-3,  # these three: not swept
-               "muon_kron": 8e-3, "kfac_muon_kron": 8e-3}
+               "muon_kron": 8e-3, "kfac_muon_kron": 8e-3,
+               "ikfac_muon": 8e-3, "muon2": 8e-3, "ikfac_muon2": 8e-3}  # Muon's (issue 17)
 
 
 def _psgd_update_probability(value: str):
@@ -536,6 +546,17 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--psgd-update", choices=("eq", "procrustes"), default=DEFAULT_PSGD_UPDATE,
                    help="how PSGD fits its factors: 'eq' (triangular Q, triangular solves) or "
                         "'procrustes' (dense near-SPD Q, matmul-only Q0.5EQ1.5 rule)")
+    p.add_argument("--ikfac-every", type=int, default=PrecondConfig.ikfac_every,
+                   help="input-side K-FAC (ikfac_muon, ikfac_muon2): steps between statistics steps, "
+                        "each followed by a Cholesky refresh")
+    p.add_argument("--ikfac-damping", type=float, default=PrecondConfig.ikfac_damping,
+                   help="input-side K-FAC: damping relative to A's mean eigenvalue, lambda = d * tr(A)/dim")
+    p.add_argument("--ikfac-decay", type=float, default=PrecondConfig.ikfac_factor_decay,
+                   help="input-side K-FAC: running-average decay of A per statistics step")
+    p.add_argument("--ikfac-rows", type=_optional_rows, default=None,
+                   help="input-side K-FAC: rows per module call entering A (default: all)")
+    p.add_argument("--moment-decay", type=float, default=PrecondConfig.moment_decay,
+                   help="second moment (muon2, ikfac_muon2): decay beta of the running mean of squares")
     p.add_argument("--stop-after", type=int, default=0,
                    help="stop after this many steps while the LR schedule still spans --steps "
                         "(time-to-a-fixed---target checks; 'final loss' is then the loss there)")
@@ -579,6 +600,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
         psgd_update=args.psgd_update,
         compute_method=args.kfac_compute_method, statistics_rows=args.kfac_statistics_rows,
         accumulation_steps=args.grad_accum,
+        ikfac_every=args.ikfac_every, ikfac_damping=args.ikfac_damping, ikfac_factor_decay=args.ikfac_decay,
+        ikfac_statistics_rows=args.ikfac_rows, moment_decay=args.moment_decay,
     )
     return model, train, precond
 

@@ -96,7 +96,7 @@ class MethodSpec:
 
     label: str
     base: str  # "adamw" | "sgd" | "muon" | "muon_kron" | "kron" (the library's PSGD optimizer)
-    precond: str | None  # None | "kfac" | "psgd" | "ekfac" | "shampoo"
+    precond: str | None  # None | "kfac" | "psgd" | "ekfac" | "shampoo" | "ikfac" | "ikfac2" | "second_moment"
 
 
 METHODS: dict[str, MethodSpec] = {
@@ -115,6 +115,10 @@ METHODS: dict[str, MethodSpec] = {
     "ekfac": MethodSpec("EK-FAC + AdamW", base="adamw", precond="ekfac"),
     "ekfac_muon": MethodSpec("EK-FAC + Muon", base="muon", precond="ekfac"),
     "shampoo": MethodSpec("Shampoo (grafted) + AdamW", base="adamw", precond="shampoo"),
+    # Issue 17: cheap curvature in front of Muon.
+    "ikfac_muon": MethodSpec("input-side K-FAC (A only) + Muon", base="muon", precond="ikfac"),
+    "muon2": MethodSpec("elementwise second moment + Muon (Muon²)", base="muon", precond="second_moment"),
+    "ikfac_muon2": MethodSpec("input-side K-FAC, then second moment + Muon", base="muon", precond="ikfac2"),
 }
 
 
@@ -145,6 +149,14 @@ class PrecondConfig:
     factor_decay: float = 0.95
     compute_method: str = "eigen"  # "eigen" (exact damping) or "inverse" (half the apply's matmuls)
     statistics_rows: int | None = None  # rows per module call in K-FAC's statistics (None: all)
+    # Input-side K-FAC (method="ikfac"): statistics and refresh every ikfac_every steps,
+    # damping relative to tr(A)/dim, its own decay and row cap.
+    ikfac_every: int = 32
+    ikfac_damping: float = 0.2
+    ikfac_factor_decay: float = 0.95
+    ikfac_statistics_rows: int | None = None
+    # Elementwise second moment (second_moment, and ikfac2 after the inverse): its decay β.
+    moment_decay: float = 0.95
 
 
 class OptimizerChain(torch.optim.Optimizer):
@@ -295,6 +307,17 @@ def build_preconditioner(
         return KronPreconditioner(
             model, method="shampoo", skip_layers=list(config.skip_layers),
             inv_update_steps=max(1, config.inv_update_steps // 10), grafting=True)
+    if kind in ("ikfac", "ikfac2"):  # ikfac2: the second moment stacked after the inverse
+        return KronPreconditioner(
+            model, method="ikfac", skip_layers=list(config.skip_layers),
+            factor_update_steps=config.ikfac_every, inv_update_steps=config.ikfac_every,
+            damping=config.ikfac_damping, factor_decay=config.ikfac_factor_decay,
+            statistics_rows=config.ikfac_statistics_rows,
+            moment_decay=config.moment_decay if kind == "ikfac2" else None,
+            accumulation_steps=config.accumulation_steps)
+    if kind == "second_moment":
+        return KronPreconditioner(model, method="second_moment", skip_layers=list(config.skip_layers),
+                                  moment_decay=config.moment_decay)
     if kind == "psgd":
         return KronPreconditioner(
             model,

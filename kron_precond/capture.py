@@ -41,12 +41,16 @@ class ActivationCapture:
             reduction still reading last step's buffers can finish first).
         before_observe: called with the layer before its statistics are written (the engine
             moves the layer's state to where its parameters now are).
+        output_grads: also capture output gradients; ``False`` (methods that read activations
+            only) registers no tensor hook, so backward runs as without the preconditioner.
     """
 
     def __init__(self, layers: Sequence, *, accumulation_steps: int,
                  loss_scale: Callable[[], float | torch.Tensor | None],
                  before_write: Callable[[], None],
-                 before_observe: Callable[[object], None] = lambda layer: None) -> None:
+                 before_observe: Callable[[object], None] = lambda layer: None,
+                 output_grads: bool = True) -> None:
+        self.output_grads = output_grads
         self.accumulation_steps = accumulation_steps
         self._loss_scale = loss_scale
         self._before_write = before_write
@@ -75,7 +79,7 @@ class ActivationCapture:
                         self._before_observe(layer)
                         # whatever the method returns comes back with this call's output gradient
                         calls[slot] = layer.method.observe_activations(unit_rows)
-            if isinstance(output, torch.Tensor) and output.requires_grad:
+            if self.output_grads and isinstance(output, torch.Tensor) and output.requires_grad:
                 on_output_grad(output, lambda grad: self._observe_output_grads(adapter, units, grad, context, calls))
 
         def hook(module: nn.Module, inputs, kwargs, output):

@@ -225,7 +225,8 @@ class KronPreconditioner:
         self._health = Health(self._layers, captures=self._spec.captures)
         self._capture = (ActivationCapture(self._layers, accumulation_steps=self.accumulation_steps,
                                            loss_scale=loss_scale, before_write=self._wait_for_statistics,
-                                           before_observe=self._follow_parameters)
+                                           before_observe=self._follow_parameters,
+                                           output_grads=self._spec.captures_output_grads)
                          if self._spec.captures else None)
         self._collecting = False
         self._update_collecting()

@@ -181,6 +181,8 @@ class MethodSpec(abc.ABC):
         name: the registry name users pass as ``method=``.
         options: method-specific constructor arguments (:class:`Option`).
         captures: needs activation and output-gradient rows from module hooks.
+        captures_output_grads: with ``captures``, also the output-gradient rows; ``False``
+            registers forward hooks only (nothing is hooked into backward).
         reduces_statistics: its ``shared_statistics`` are summed across data-parallel ranks.
         owner_only_statistics: only the owner's ``refresh`` reads the folded statistics.
         apply_reads_statistics: ``apply`` reads state folded from the statistics (EK-FAC's
@@ -193,6 +195,7 @@ class MethodSpec(abc.ABC):
     name: ClassVar[str]
     options: ClassVar[dict[str, Option]]
     captures: ClassVar[bool] = False
+    captures_output_grads: ClassVar[bool] = True
     reduces_statistics: ClassVar[bool] = False
     #: its folded statistics are read by the layer's owner only (in ``refresh``), so a sharded
     #: model may reduce them to the owner alone and drop them elsewhere (docs/design.md)

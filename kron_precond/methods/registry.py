@@ -5,8 +5,10 @@ import enum
 
 from kron_precond.methods.base import MethodSpec
 from kron_precond.methods.ekfac import EKFACSpec
+from kron_precond.methods.ikfac import InputKFACSpec
 from kron_precond.methods.kfac import KFACSpec
 from kron_precond.methods.psgd_layer import PSGDSpec
+from kron_precond.methods.second_moment import SecondMomentSpec
 from kron_precond.methods.shampoo import ShampooSpec
 
 METHODS: dict[str, type[MethodSpec]] = {spec.name: spec for spec in (
@@ -14,6 +16,8 @@ METHODS: dict[str, type[MethodSpec]] = {spec.name: spec for spec in (
     PSGDSpec,
     EKFACSpec,
     ShampooSpec,
+    InputKFACSpec,
+    SecondMomentSpec,
 )}
 
 

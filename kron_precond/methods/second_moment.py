@@ -1,0 +1,225 @@
+"""An elementwise second moment in front of another optimizer ("Muon²").
+
+Each registered layer's gradient matrix ``V = [W | b]`` is divided elementwise by the
+root of a running mean of its squares, bias-corrected as Adam's:
+
+    m ← β m + (1 − β) V²          V ← V / (√(m / (1 − βᵗ)) + ε)
+
+with ``t`` the number of updates of ``m``. In front of Muon this evens out the entries
+before Newton-Schulz orthogonalises them (Adam's preconditioner, then Muon's). The moment
+is plain per-step state: no statistics, no refresh, no hooks, no host sync; layers of equal
+shape are updated with one op per kind (:meth:`SecondMomentLayer.apply_batch`).
+
+:func:`scale_by_moment` is shared with the input-side K-FAC method (``method="ikfac"``),
+which stacks the same scaling after its inverse.
+"""
+from __future__ import annotations
+
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from kron_precond import validation as check
+from kron_precond.methods import state_checks as checks
+from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
+from kron_precond.modules import find_kfac_modules
+from kron_precond.schedules import StepContext
+
+
+def scale_by_moment(values: torch.Tensor, moment: torch.Tensor, decay: float, eps: float,
+                    updates: int | list[int], keep: torch.Tensor) -> torch.Tensor:
+    """``values / (√(m̂) + eps)`` after folding ``values²`` into ``moment`` in place.
+
+    ``values`` and ``moment``: ``[k, out, in]`` (k layers, or one without the leading dim);
+    ``keep``: ``[k]`` bools, False for a layer whose values are not finite: its moment keeps
+    its value (one bad step must not poison it for good). ``updates``: the moment's update
+    count including this one (Adam's bias correction, host-side: no sync), one per layer
+    (layers that missed a step, e.g. without a gradient, may differ)."""
+    work = values.to(moment.dtype)
+    flags = keep.reshape(keep.shape + (1,) * (moment.dim() - keep.dim()))
+    blended = torch.lerp(moment, work * work, 1.0 - decay)
+    moment.copy_(torch.where(flags, blended, moment))
+    counts = updates if isinstance(updates, list) else [updates]
+    if len(set(counts)) == 1:
+        correction = 1.0 - decay**counts[0]
+    else:  # rare: a small host-built tensor, no sync
+        correction = torch.tensor([1.0 - decay**n for n in counts], dtype=moment.dtype,
+                                  device=moment.device).reshape(-1, 1, 1)
+    scaled = work / ((moment / correction).sqrt() + eps)
+    return scaled.to(values.dtype)
+
+
+def stack_matrices(layers: Sequence, grads: Sequence[list[torch.Tensor]]) -> torch.Tensor:
+    """``[k, out, in(+1)]``: the gradient matrices ``[W | b]`` of k layers of one shape, built
+    with a fixed number of ops (one stack per parameter kind), whatever k is."""
+    first = layers[0]
+    weight = torch.stack([g[0] for g in grads])
+    weight = weight.transpose(1, 2) if first.weight_transposed else weight.reshape(len(layers), first.g_dim, -1)
+    if not first.has_bias:
+        return weight
+    return torch.cat([weight, torch.stack([g[1] for g in grads]).unsqueeze(2)], dim=2)
+
+
+def unstack_matrices(layers: Sequence, matrices: torch.Tensor) -> list[list[torch.Tensor]]:
+    """The inverse of :func:`stack_matrices`: per layer, its parameters' gradients (views)."""
+    first = layers[0]
+    weights = matrices[:, :, :-1] if first.has_bias else matrices
+    weights = weights.transpose(1, 2) if first.weight_transposed else weights.reshape(len(layers), *first.weight_shape)
+    if not first.has_bias:
+        return [[w] for w in weights.unbind(0)]
+    return [[w, b] for w, b in zip(weights.unbind(0), matrices[:, :, -1].unbind(0))]
+
+
+def check_moment_decay(name: str, value) -> float | None:
+    """``None`` (off) or a decay in [0, 1)."""
+    if value is None:
+        return None
+    return check.check_unit_interval(name, value, low_open=False, high_open=True)
+
+
+class SecondMomentLayer(LayerMethod):
+    """The running second moment of one Linear / ConvNd layer's gradient matrix."""
+
+    parts = ("moment",)
+
+    def __init__(self, name: str, weight_shape: torch.Size, has_bias: bool, *, weight_transposed: bool,
+                 decay: float, eps: float, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+        self.name = name
+        self.weight_shape = torch.Size(weight_shape)
+        self.weight_transposed = weight_transposed
+        out_in = tuple(reversed(self.weight_shape)) if weight_transposed else tuple(self.weight_shape)
+        self.g_dim = out_in[0]
+        self.a_dim = torch.Size(out_in[1:]).numel() + int(has_bias)
+        self.has_bias = has_bias
+        self.decay, self.eps = decay, eps
+        # float32 or better: squares of small gradients underflow a half-precision moment
+        self.moment = torch.zeros(self.g_dim, self.a_dim, dtype=torch.promote_types(dtype, torch.float32),
+                                  device=device)
+        self.updates = 0  # host-side count (bias correction): the same on every rank
+        self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
+
+    # the moment is per-step state: nothing to refresh or broadcast
+    def refresh(self, part: str, grads, ctx: StepContext) -> None:
+        pass
+
+    def refreshed_tensors(self, part: str | None = None) -> list[torch.Tensor]:
+        return []
+
+    def release_refreshed(self) -> None:
+        pass
+
+    def grads_to_matrix(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        weight = grads[0].t() if self.weight_transposed else grads[0].reshape(self.g_dim, -1)
+        if self.has_bias:
+            return torch.cat([weight, grads[1].reshape(self.g_dim, 1)], dim=1)
+        return weight
+
+    def matrix_to_grads(self, matrix: torch.Tensor) -> list[torch.Tensor]:
+        weight = matrix[:, :-1] if self.has_bias else matrix
+        weight = weight.t().contiguous() if self.weight_transposed else weight.reshape(self.weight_shape)
+        return [weight, matrix[:, -1].contiguous()] if self.has_bias else [weight]
+
+    def apply(self, grads: list[torch.Tensor], ctx: StepContext) -> list[torch.Tensor]:
+        matrix = self.grads_to_matrix(grads)
+        self.updates += 1
+        keep = torch.isfinite(matrix).all()
+        return self.matrix_to_grads(scale_by_moment(matrix, self.moment, self.decay, self.eps, self.updates, keep))
+
+    def batch_key(self) -> Hashable:
+        return (type(self), self.weight_shape, self.weight_transposed, self.has_bias)
+
+    @classmethod
+    def apply_batch(cls, layers: Sequence["SecondMomentLayer"], grads: Sequence[list[torch.Tensor]],
+                    ctx: StepContext, cache: dict, keep: torch.Tensor) -> list[list[torch.Tensor]]:
+        """Every layer of one shape with one op per kind: the moments are stacked once and
+        each layer's moment becomes a view into the stack."""
+        stack = cache.get("moments")
+        if stack is None:
+            stack = cache["moments"] = adopt_moments(layers)
+        for layer in layers:
+            layer.updates += 1
+        matrices = stack_matrices(layers, grads)
+        first = layers[0]
+        out = scale_by_moment(matrices, stack, first.decay, first.eps, [layer.updates for layer in layers], keep)
+        return unstack_matrices(layers, torch.where(keep.reshape(-1, 1, 1), out, matrices))
+
+    def factor_costs(self) -> dict[str, tuple[float, float]]:
+        return {"moment": (0.0, float(self.moment.numel()))}
+
+    def memory_by_kind(self) -> dict[str, int]:
+        return {"moments": tensor_bytes([self.moment])}
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.moment = moved(self.moment, device)
+        self.nonfinite = moved(self.nonfinite, device)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"moment": self.moment.clone(), "updates": self.updates}
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        where = f"state of {self.name}"
+        checks.float_tensor(checks.entry(state, "moment", where), (self.g_dim, self.a_dim), f"{where}: moment")
+        checks.integer(checks.entry(state, "updates", where), f"{where}: updates")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
+        self.moment.copy_(state["moment"])  # in place: it may be a view into a stack
+        self.updates = int(state["updates"])
+
+
+def adopt_moments(layers: Sequence) -> torch.Tensor:
+    """Stack the layers' ``moment`` tensors and re-point each layer at its slice."""
+    stack = torch.stack([layer.moment for layer in layers])
+    for layer, view in zip(layers, stack.unbind(0)):
+        layer.moment = view
+    return stack
+
+
+class _NoSchedule:
+    """Neither statistics nor refreshes: the moment is updated in ``apply``."""
+
+    def collects(self, step: int) -> bool:
+        return False
+
+    def refreshes(self, step: int) -> bool:
+        return False
+
+    def advance(self, step: int) -> None:
+        pass
+
+    def hparams(self, step: int) -> dict[str, Any]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def _check_decay(name: str, value) -> float:
+    return check.check_unit_interval(name, value, low_open=False, high_open=True)
+
+
+class SecondMomentSpec(MethodSpec):
+    """Adam's elementwise second moment on each Linear / ConvNd gradient matrix, to sit in
+    front of another optimizer (``second_moment`` + Muon = "Muon²")."""
+
+    name = "second_moment"
+    options = {
+        "moment_decay": Option(0.95, _check_decay),
+        "moment_eps": Option(1e-8, check.check_positive),
+    }
+
+    def select(self, model, is_skipped, log) -> list[Selected]:
+        return find_kfac_modules(model, is_skipped, log)
+
+    def make_layer(self, index: int, selected: Selected) -> SecondMomentLayer:
+        weight = selected.params[0][1]  # weight first (an expert: its row of the stacked weight)
+        return SecondMomentLayer(selected.name, selected.shapes[0], selected.has_bias,
+                                 weight_transposed=selected.weight_transposed,
+                                 decay=self.settings["moment_decay"], eps=self.settings["moment_eps"],
+                                 device=weight.device, dtype=weight.dtype)
+
+    def make_schedule(self) -> _NoSchedule:
+        return _NoSchedule()
