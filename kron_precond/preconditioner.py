@@ -99,7 +99,8 @@ class KronPreconditioner:
 
     Args (keyword-only after ``model``):
         model: the module to scan (a DDP- or ``torch.compile``-wrapped model or its module).
-        method: a registered method name: ``"kfac"``, ``"psgd"``, ``"ekfac"``, ``"shampoo"``
+        method: a registered method name: ``"kfac"``, ``"psgd"``, ``"ekfac"``, ``"shampoo"``,
+            ``"ikfac"``, ``"second_moment"``
             (or a :class:`~kron_precond.Method`).
         skip_layers: regex or list of regexes; a module is skipped when one matches
             (``re.search``) its qualified name or its class name.

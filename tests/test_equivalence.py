@@ -87,10 +87,16 @@ OPTION_VALUES: dict[str, list] = {
     "exponent": [0.25, 0.125],
     "grafting": [False, True],
     "max_factor_size": [8192, 10],
+    "moment_decay": [0.95, 0.5],
+}
+# Where a method gives an option another meaning (ikfac's damping is relative to tr(A)/dim;
+# its second moment is off by default), its own values.
+METHOD_OPTION_VALUES: dict[str, dict[str, list]] = {
+    "ikfac": {"damping": [0.2, 1.0], "moment_decay": [None, 0.9]},
 }
 # Options held fixed: float64 state so that 1e-9 is meaningful; defaults otherwise.
 FIXED = {"inv_dtype": F64, "precond_dtype": F64, "factor_dtype": None, "min_ndim_triangular": 2,
-         "precond_b1": 0.9, "precond_lr": 0.1, "seed": 0}
+         "precond_b1": 0.9, "precond_lr": 0.1, "seed": 0, "moment_eps": 1e-8}
 # Options documented to depend on the world size (docs/API.md).
 EXCLUDED = {"statistics_rows": "a cap on the rows of each call on each rank"}
 
@@ -113,17 +119,20 @@ def generate(samples: int = SAMPLES, seed: int = SEED) -> list[dict]:
     methods = [spec.name for spec in registry.all_specs()
                if spec.name in os.environ.get("KRON_EQUIV_METHODS", spec.name).split(",")]
     configs = []
+    resumes = 0
     for index in range(samples):
         spec = registry.get(methods[index % len(methods)])
-        options = {name: rng.choice(OPTION_VALUES[name]) for name in spec.options if name in OPTION_VALUES}
+        values = {**OPTION_VALUES, **METHOD_OPTION_VALUES.get(spec.name, {})}
+        options = {name: rng.choice(values[name]) for name in spec.options if name in values}
         engine = {name: rng.choice(values) for name, values in ENGINE_VALUES.items()}
         if engine["colocate_factors"] is False:
             engine["grad_worker_fraction"] = "COMM_OPT"  # the only strategy it allows
         if not spec.captures:
             engine["accumulation_steps"] = 1
         checkpoint = None
-        if index % 3 == 2 and engine["wrapper"] != "fsdp2":
-            checkpoint = RESUME_PAIRS[(index // 3) % len(RESUME_PAIRS)]
+        if (index // len(methods)) % 2 == 1 and engine["wrapper"] != "fsdp2":  # every method, every other round
+            checkpoint = RESUME_PAIRS[resumes % len(RESUME_PAIRS)]
+            resumes += 1
         configs.append(dict(index=index, method=spec.name, options=options, engine=engine,
                             checkpoint=checkpoint))
     return configs
@@ -344,7 +353,7 @@ def test_sample_covers_the_space():
     assert seen["grad_worker_fraction"] == set(ENGINE_VALUES["grad_worker_fraction"])
     assert seen["accumulation_steps"] == {1, 2}
     assert unequal and nonmultiple
-    assert sum(cfg["checkpoint"] is not None for cfg in CONFIGS) >= len(RESUME_PAIRS)
+    assert {tuple(cfg["checkpoint"]) for cfg in CONFIGS if cfg["checkpoint"]} == set(RESUME_PAIRS)
 
 
 @pytest.mark.parametrize("world", sorted(WORLD_ORDER))
