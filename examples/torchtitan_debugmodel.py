@@ -37,6 +37,11 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# torch's compiler stack, and with it triton's LLVM, before torchtitan's data stack: with
+# TensorFlow or JAX installed beside it, their LLVM loaded first makes triton abort the process
+# ("LLVM ERROR: inconsistency in registered CommandLine options").
+import torch._dynamo  # noqa: E402,F401
+
 from torchtitan.config import override  # noqa: E402
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention  # noqa: E402
 

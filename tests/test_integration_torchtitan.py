@@ -34,6 +34,9 @@ import random
 import pytest
 import torch
 
+# triton (through torch's compiler) before torchtitan.trainer: see examples/torchtitan_debugmodel.py
+import torch._dynamo  # noqa: E402,F401
+
 # The trainer, not just the package: torchtitan's trainer also needs triton importable.
 pytest.importorskip(
     "torchtitan.trainer", reason="torchtitan's trainer is not importable; install it with `pip install -c "

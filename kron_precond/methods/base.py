@@ -174,6 +174,31 @@ class LayerMethod(abc.ABC):
                                   "build the preconditioner after moving the model")
 
 
+class GradientMatrix:
+    """A Linear / ConvNd-like unit's gradients as one ``[out, in(+1)]`` matrix, the bias (if
+    any) as its last column: the form the Kronecker-factored layer methods work on. A weight
+    stored ``[in, out]`` (GPT-2's ``Conv1D``) is transposed on the way in and out."""
+
+    def set_matrix_layout(self, weight_shape, has_bias: bool, weight_transposed: bool) -> None:
+        self.weight_shape = torch.Size(weight_shape)
+        self.weight_transposed = weight_transposed
+        self.has_bias = has_bias
+        out_in = tuple(reversed(self.weight_shape)) if weight_transposed else tuple(self.weight_shape)
+        self.g_dim = out_in[0]
+        self.a_dim = torch.Size(out_in[1:]).numel() + int(has_bias)
+
+    def grads_to_matrix(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        weight = grads[0].t() if self.weight_transposed else grads[0].reshape(self.g_dim, -1)
+        if self.has_bias:
+            return torch.cat([weight, grads[1].reshape(self.g_dim, 1)], dim=1)
+        return weight
+
+    def matrix_to_grads(self, matrix: torch.Tensor) -> list[torch.Tensor]:
+        weight = matrix[:, :-1] if self.has_bias else matrix
+        weight = weight.t().contiguous() if self.weight_transposed else weight.reshape(self.weight_shape)
+        return [weight, matrix[:, -1].contiguous()] if self.has_bias else [weight]
+
+
 class MethodSpec(abc.ABC):
     """A preconditioning method as the engine sees it.
 

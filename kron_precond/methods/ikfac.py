@@ -26,14 +26,14 @@ import torch
 
 from kron_precond import validation as check
 from kron_precond.methods import state_checks as checks
-from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
+from kron_precond.methods.base import GradientMatrix, LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
 from kron_precond.methods.second_moment import (adopt_moments, check_moment_decay, scale_by_moment,
                                                 stack_matrices, unstack_matrices)
 from kron_precond.modules import find_kfac_modules
 from kron_precond.schedules import IntervalSchedule, StepContext
 
 
-class InputKFACLayer(LayerMethod):
+class InputKFACLayer(GradientMatrix, LayerMethod):
     """The activation factor, its damped inverse and (optionally) a second moment of one layer.
 
     Args:
@@ -55,12 +55,7 @@ class InputKFACLayer(LayerMethod):
                  factor_dtype: torch.dtype, inv_dtype: torch.dtype, device: torch.device,
                  statistics_rows: int | None, moment_decay: float | None, moment_eps: float) -> None:
         self.name = name
-        self.weight_shape = torch.Size(weight_shape)
-        self.weight_transposed = weight_transposed
-        out_in = tuple(reversed(self.weight_shape)) if weight_transposed else tuple(self.weight_shape)
-        self.g_dim = out_in[0]
-        self.a_dim = torch.Size(out_in[1:]).numel() + int(has_bias)
-        self.has_bias = has_bias
+        self.set_matrix_layout(weight_shape, has_bias, weight_transposed)
         self.statistics_rows = statistics_rows
         self.factor_dtype, self.inv_dtype = factor_dtype, inv_dtype
         self.statistics_dtype = torch.promote_types(factor_dtype, torch.float32)

@@ -32,14 +32,14 @@ import torch
 from kron_precond.enums import ComputeMethod
 from kron_precond import validation as check
 from kron_precond.methods import state_checks as checks
-from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
+from kron_precond.methods.base import GradientMatrix, LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
 from kron_precond.modules import find_kfac_modules
 from kron_precond.schedules import IntervalSchedule, StepContext
 
 FACTORS = ("A", "G")
 
 
-class KFACLayer(LayerMethod):
+class KFACLayer(GradientMatrix, LayerMethod):
     """Factors, pending statistics and decompositions of one Linear/ConvNd layer.
 
     Args:
@@ -76,17 +76,11 @@ class KFACLayer(LayerMethod):
     ) -> None:
         self.name = name
         self.statistics_rows = statistics_rows
-        self.weight_shape = torch.Size(weight_shape)
-        self.weight_transposed = weight_transposed
-        if weight_transposed:  # [in, out] storage: the math below sees [out, in]
-            weight_shape = torch.Size(reversed(self.weight_shape))
-        self.has_bias = has_bias
+        self.set_matrix_layout(weight_shape, has_bias, weight_transposed)  # [in, out] storage: seen as [out, in]
         self.compute_method = compute_method
         self.eigenvalue_outer_product = eigenvalue_outer_product
         self.factor_dtype = factor_dtype
         self.inv_dtype = inv_dtype
-        self.g_dim = weight_shape[0]
-        self.a_dim = weight_shape[1:].numel() + int(has_bias)
         kw = dict(device=device, dtype=factor_dtype)
         # Statistics are summed in float32 or better: a float16 sum overflows past 65,504
         # rows and a bfloat16 one stops growing at 256 equal terms.
@@ -376,19 +370,6 @@ class KFACLayer(LayerMethod):
             return [[w] for w in weights]
         return [[w, b] for w, b in zip(weights, biases)]
 
-    def grads_to_matrix(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        weight = grads[0].t() if self.weight_transposed else grads[0].reshape(self.g_dim, -1)
-        if self.has_bias:
-            return torch.cat([weight, grads[1].reshape(self.g_dim, 1)], dim=1)
-        return weight
-
-    def matrix_to_grads(self, matrix: torch.Tensor) -> list[torch.Tensor]:
-        weight = matrix[:, :-1] if self.has_bias else matrix
-        if self.weight_transposed:
-            weight = weight.t().contiguous()
-        else:
-            weight = weight.reshape(self.weight_shape)
-        return [weight, matrix[:, -1].contiguous()] if self.has_bias else [weight]
 
     # ------------------------------------------------------------------ estimates
     def factor_costs(self) -> dict[str, tuple[float, float]]:

@@ -21,7 +21,7 @@ import torch
 
 from kron_precond import validation as check
 from kron_precond.methods import state_checks as checks
-from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
+from kron_precond.methods.base import GradientMatrix, LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
 from kron_precond.modules import find_kfac_modules
 from kron_precond.schedules import StepContext
 
@@ -77,7 +77,7 @@ def check_moment_decay(name: str, value) -> float | None:
     return check.check_unit_interval(name, value, low_open=False, high_open=True)
 
 
-class SecondMomentLayer(LayerMethod):
+class SecondMomentLayer(GradientMatrix, LayerMethod):
     """The running second moment of one Linear / ConvNd layer's gradient matrix."""
 
     parts = ("moment",)
@@ -85,12 +85,7 @@ class SecondMomentLayer(LayerMethod):
     def __init__(self, name: str, weight_shape: torch.Size, has_bias: bool, *, weight_transposed: bool,
                  decay: float, eps: float, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         self.name = name
-        self.weight_shape = torch.Size(weight_shape)
-        self.weight_transposed = weight_transposed
-        out_in = tuple(reversed(self.weight_shape)) if weight_transposed else tuple(self.weight_shape)
-        self.g_dim = out_in[0]
-        self.a_dim = torch.Size(out_in[1:]).numel() + int(has_bias)
-        self.has_bias = has_bias
+        self.set_matrix_layout(weight_shape, has_bias, weight_transposed)
         self.decay, self.eps = decay, eps
         # float32 or better: squares of small gradients underflow a half-precision moment
         self.moment = torch.zeros(self.g_dim, self.a_dim, dtype=torch.promote_types(dtype, torch.float32),
@@ -107,17 +102,6 @@ class SecondMomentLayer(LayerMethod):
 
     def release_refreshed(self) -> None:
         pass
-
-    def grads_to_matrix(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        weight = grads[0].t() if self.weight_transposed else grads[0].reshape(self.g_dim, -1)
-        if self.has_bias:
-            return torch.cat([weight, grads[1].reshape(self.g_dim, 1)], dim=1)
-        return weight
-
-    def matrix_to_grads(self, matrix: torch.Tensor) -> list[torch.Tensor]:
-        weight = matrix[:, :-1] if self.has_bias else matrix
-        weight = weight.t().contiguous() if self.weight_transposed else weight.reshape(self.weight_shape)
-        return [weight, matrix[:, -1].contiguous()] if self.has_bias else [weight]
 
     def apply(self, grads: list[torch.Tensor], ctx: StepContext) -> list[torch.Tensor]:
         matrix = self.grads_to_matrix(grads)
