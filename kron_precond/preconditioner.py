@@ -17,7 +17,6 @@ registration, never of data.
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import types
 import warnings

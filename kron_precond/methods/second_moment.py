@@ -23,7 +23,7 @@ from kron_precond import validation as check
 from kron_precond.methods import state_checks as checks
 from kron_precond.methods.base import GradientMatrix, LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
 from kron_precond.modules import find_kfac_modules
-from kron_precond.schedules import StepContext
+from kron_precond.schedules import IntervalSchedule, StepContext
 
 
 def scale_by_moment(values: torch.Tensor, moment: torch.Tensor, decay: float, eps: float,
@@ -159,26 +159,18 @@ def adopt_moments(layers: Sequence) -> torch.Tensor:
     return stack
 
 
-class _NoSchedule:
-    """Neither statistics nor refreshes: the moment is updated in ``apply``."""
+class _NoSchedule(IntervalSchedule):
+    """Neither statistics nor refreshes: the moment is updated in ``apply``. (Stateless, like
+    its base, whose no-op counters it keeps.)"""
+
+    def __init__(self) -> None:
+        super().__init__(None, None, check=lambda name, value: value)
 
     def collects(self, step: int) -> bool:
         return False
 
     def refreshes(self, step: int) -> bool:
         return False
-
-    def advance(self, step: int) -> None:
-        pass
-
-    def hparams(self, step: int) -> dict[str, Any]:
-        return {}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
 
 def _check_decay(name: str, value) -> float:
