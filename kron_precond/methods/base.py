@@ -198,6 +198,27 @@ class GradientMatrix:
         weight = weight.t().contiguous() if self.weight_transposed else weight.reshape(self.weight_shape)
         return [weight, matrix[:, -1].contiguous()] if self.has_bias else [weight]
 
+    @staticmethod
+    def stack_matrices(layers: Sequence["GradientMatrix"], grads: Sequence[list[torch.Tensor]]) -> torch.Tensor:
+        """``[k, out, in(+1)]``: the gradient matrices ``[W | b]`` of k layers of one shape, built
+        with a fixed number of ops (one stack per parameter kind), whatever k is."""
+        first = layers[0]
+        weight = torch.stack([g[0] for g in grads])
+        weight = weight.transpose(1, 2) if first.weight_transposed else weight.reshape(len(layers), first.g_dim, -1)
+        if not first.has_bias:
+            return weight
+        return torch.cat([weight, torch.stack([g[1] for g in grads]).unsqueeze(2)], dim=2)
+
+    @staticmethod
+    def unstack_matrices(layers: Sequence["GradientMatrix"], matrices: torch.Tensor) -> list[list[torch.Tensor]]:
+        """The inverse of :meth:`stack_matrices`: per layer, its parameters' gradients (views)."""
+        first = layers[0]
+        weights = matrices[:, :, :-1] if first.has_bias else matrices
+        weights = weights.transpose(1, 2) if first.weight_transposed else weights.reshape(len(layers), *first.weight_shape)
+        if not first.has_bias:
+            return [[w] for w in weights.unbind(0)]
+        return [[w, b] for w, b in zip(weights.unbind(0), matrices[:, :, -1].unbind(0))]
+
 
 class MethodSpec(abc.ABC):
     """A preconditioning method as the engine sees it.

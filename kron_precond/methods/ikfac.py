@@ -27,8 +27,7 @@ import torch
 from kron_precond import validation as check
 from kron_precond.methods import state_checks as checks
 from kron_precond.methods.base import GradientMatrix, LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
-from kron_precond.methods.second_moment import (adopt_moments, check_moment_decay, scale_by_moment,
-                                                stack_matrices, unstack_matrices)
+from kron_precond.methods.second_moment import adopt_moments, check_moment_decay, scale_by_moment
 from kron_precond.modules import find_kfac_modules
 from kron_precond.schedules import IntervalSchedule, StepContext
 
@@ -196,7 +195,7 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
         if stacked is None:
             stacked = cache["stacked"] = _adopt(layers)
         inverses, valid, moments = stacked
-        matrix = stack_matrices(layers, grads)
+        matrix = cls.stack_matrices(layers, grads)
         out = torch.matmul(matrix.to(first.inv_dtype), inverses)
         use = valid.bool() & keep
         if moments is not None:
@@ -204,7 +203,7 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
                 layer.updates += 1
             out = scale_by_moment(out, moments, first.moment_decay, first.moment_eps,
                                   [layer.updates for layer in layers], use)
-        return unstack_matrices(layers, torch.where(use.reshape(-1, 1, 1), out.to(matrix.dtype), matrix))
+        return cls.unstack_matrices(layers, torch.where(use.reshape(-1, 1, 1), out.to(matrix.dtype), matrix))
 
     # ------------------------------------------------------------------ estimates, placement
     def factor_costs(self) -> dict[str, tuple[float, float]]:

@@ -49,27 +49,6 @@ def scale_by_moment(values: torch.Tensor, moment: torch.Tensor, decay: float, ep
     return scaled.to(values.dtype)
 
 
-def stack_matrices(layers: Sequence, grads: Sequence[list[torch.Tensor]]) -> torch.Tensor:
-    """``[k, out, in(+1)]``: the gradient matrices ``[W | b]`` of k layers of one shape, built
-    with a fixed number of ops (one stack per parameter kind), whatever k is."""
-    first = layers[0]
-    weight = torch.stack([g[0] for g in grads])
-    weight = weight.transpose(1, 2) if first.weight_transposed else weight.reshape(len(layers), first.g_dim, -1)
-    if not first.has_bias:
-        return weight
-    return torch.cat([weight, torch.stack([g[1] for g in grads]).unsqueeze(2)], dim=2)
-
-
-def unstack_matrices(layers: Sequence, matrices: torch.Tensor) -> list[list[torch.Tensor]]:
-    """The inverse of :func:`stack_matrices`: per layer, its parameters' gradients (views)."""
-    first = layers[0]
-    weights = matrices[:, :, :-1] if first.has_bias else matrices
-    weights = weights.transpose(1, 2) if first.weight_transposed else weights.reshape(len(layers), *first.weight_shape)
-    if not first.has_bias:
-        return [[w] for w in weights.unbind(0)]
-    return [[w, b] for w, b in zip(weights.unbind(0), matrices[:, :, -1].unbind(0))]
-
-
 def check_moment_decay(name: str, value) -> float | None:
     """``None`` (off) or a decay in [0, 1)."""
     if value is None:
@@ -122,10 +101,10 @@ class SecondMomentLayer(GradientMatrix, LayerMethod):
             stack = cache["moments"] = adopt_moments(layers)
         for layer in layers:
             layer.updates += 1
-        matrices = stack_matrices(layers, grads)
+        matrices = cls.stack_matrices(layers, grads)
         first = layers[0]
         out = scale_by_moment(matrices, stack, first.decay, first.eps, [layer.updates for layer in layers], keep)
-        return unstack_matrices(layers, torch.where(keep.reshape(-1, 1, 1), out, matrices))
+        return cls.unstack_matrices(layers, torch.where(keep.reshape(-1, 1, 1), out, matrices))
 
     def factor_costs(self) -> dict[str, tuple[float, float]]:
         return {"moment": (0.0, float(self.moment.numel()))}
