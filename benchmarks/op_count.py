@@ -80,6 +80,10 @@ def make_preconditioner(method: str, model: nn.Module) -> KronPreconditioner:
                                   moment_decay=0.95)
     if method == "second_moment":
         return KronPreconditioner(model, method="second_moment")
+    if method == "soap":  # statistics and bases on the warm-up steps only (full-rank statistics,
+        # so layers are batched, not averaged over blocks one by one): the counted step is plain
+        every = lambda s: 1 if s < WARMUP_STEPS else 1000  # noqa: E731
+        return KronPreconditioner(model, method="soap", factor_update_steps=every, inv_update_steps=every)
     # Q updates on the warm-up steps only (probability 1, then 0): the counted step is plain.
     return KronPreconditioner(model, method="psgd",
                               preconditioner_update_probability=lambda s: 1.0 if s < WARMUP_STEPS else 0.0)
@@ -90,8 +94,9 @@ def count_plain_step(method: str, blocks: int, d: int, tokens: int, device: torc
     torch.manual_seed(0)
     model = make_model(blocks, d).to(device)
     precond = make_preconditioner(method, model)
-    x = torch.randn(tokens // 16, 16, d, device=device)
     for step in range(WARMUP_STEPS + 1):
+        # a new batch each step: statistics that keep seeing one batch stay rank-deficient
+        x = torch.randn(tokens // 16, 16, d, device=device)
         model.zero_grad(set_to_none=True)
         model(x).square().mean().backward()
         if step < WARMUP_STEPS:
@@ -108,7 +113,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--methods", default="kfac,kfac_inverse,psgd",
-                   help="comma-separated: kfac, kfac_inverse, psgd, ikfac, ikfac_moment, second_moment")
+                   help="comma-separated: kfac, kfac_inverse, psgd, ikfac, ikfac_moment, second_moment, soap")
     p.add_argument("--blocks", default="2,8,32", help="comma-separated block counts")
     p.add_argument("--d", type=int, default=32, help="block width (op counts do not depend on it)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per batch")

@@ -473,7 +473,8 @@ DEFAULT_LRS = {"adamw": 2e-3, "kfac": 4e-3, "psgd": 2e-3, "psgd_adamw": 2e-3, "s
                "psgd_sgd": 0.1, "muon": 8e-3, "kfac_muon": 8e-3, "psgd_muon": 8e-3,
                "ekfac": 4e-3, "ekfac_muon": 8e-3, "shampoo": 2e-3,  # these three: not swept
                "muon_kron": 8e-3, "kfac_muon_kron": 8e-3,
-               "ikfac_muon": 8e-3, "muon2": 8e-3, "ikfac_muon2": 8e-3}  # Muon's (issue 17)
+               "ikfac_muon": 8e-3, "muon2": 8e-3, "ikfac_muon2": 8e-3,
+               "soap_muon": 8e-3}  # Muon's (issue 17)
 
 
 def _psgd_update_probability(value: str):

@@ -96,7 +96,7 @@ class MethodSpec:
 
     label: str
     base: str  # "adamw" | "sgd" | "muon" | "muon_kron" | "kron" (the library's PSGD optimizer)
-    precond: str | None  # None | "kfac" | "psgd" | "ekfac" | "shampoo" | "ikfac" | "ikfac2" | "second_moment"
+    precond: str | None  # None | "kfac" | "psgd" | "ekfac" | "shampoo" | "ikfac" | "ikfac2" | "second_moment" | "soap"
 
 
 METHODS: dict[str, MethodSpec] = {
@@ -119,6 +119,7 @@ METHODS: dict[str, MethodSpec] = {
     "ikfac_muon": MethodSpec("input-side K-FAC (A only) + Muon", base="muon", precond="ikfac"),
     "muon2": MethodSpec("elementwise second moment + Muon (Muon²)", base="muon", precond="second_moment"),
     "ikfac_muon2": MethodSpec("input-side K-FAC, then second moment + Muon", base="muon", precond="ikfac2"),
+    "soap_muon": MethodSpec("SOAP-style eigenbasis second moment + Muon", base="muon", precond="soap"),
 }
 
 
@@ -155,8 +156,15 @@ class PrecondConfig:
     ikfac_damping: float = 0.2
     ikfac_factor_decay: float = 0.95
     ikfac_statistics_rows: int | None = None
-    # Elementwise second moment (second_moment, and ikfac2 after the inverse): its decay β.
+    # Elementwise second moment (second_moment, and ikfac2 after the inverse; soap's, in its
+    # eigenbasis): its decay β.
     moment_decay: float = 0.95
+    # SOAP-style (method="soap"): statistics every soap_statistics_every steps, bases by a
+    # warm-started QR step every soap_every steps, sides wider than soap_max_size one-sided.
+    soap_statistics_every: int = 1
+    soap_every: int = 10
+    soap_factor_decay: float = 0.95
+    soap_max_size: int = 4096
 
 
 class OptimizerChain(torch.optim.Optimizer):
@@ -318,6 +326,11 @@ def build_preconditioner(
     if kind == "second_moment":
         return KronPreconditioner(model, method="second_moment", skip_layers=list(config.skip_layers),
                                   moment_decay=config.moment_decay)
+    if kind == "soap":
+        return KronPreconditioner(model, method="soap", skip_layers=list(config.skip_layers),
+                                  factor_update_steps=config.soap_statistics_every, inv_update_steps=config.soap_every,
+                                  factor_decay=config.soap_factor_decay, moment_decay=config.moment_decay,
+                                  max_factor_size=config.soap_max_size)
     if kind == "psgd":
         return KronPreconditioner(
             model,

@@ -194,7 +194,7 @@ class EKFACLayer(KFACLayer):
         """``scaling`` averaged over each cluster of A's eigenvalues (columns) and of G's
         (rows): the part of it that does not depend on the basis ``eigh`` chose."""
         if not self._clusters:
-            self._clusters = {part: _eigenvalue_clusters(self._allocated()[part][1]) for part in FACTORS}
+            self._clusters = {part: eigenvalue_clusters(self._allocated()[part][1]) for part in FACTORS}
         for dim, part in ((1, "A"), (0, "G")):
             index, size = self._clusters[part]
             sums = torch.zeros_like(scaling).index_add_(dim, index, scaling)
@@ -317,13 +317,14 @@ def _adopt_into_stacks(layers: Sequence[EKFACLayer]) -> list[torch.Tensor]:
     return stacks
 
 
-def _eigenvalue_clusters(eigenvalues: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def eigenvalue_clusters(eigenvalues: torch.Tensor, eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """For ascending ``eigenvalues`` of one factor: each one's cluster index and each
     cluster's size (``n`` entries, zero past the last cluster). A cluster chains neighbours
-    closer than ``n · eps · max`` of the decomposition's dtype, below which ``eigh`` cannot
-    tell their eigenvectors apart. On the device, no host sync."""
+    closer than ``n · eps · max``, by default with ``eps`` of the decomposition's dtype,
+    below which ``eigh`` cannot tell their eigenvectors apart. On the device, no host sync."""
     n = eigenvalues.shape[0]
-    tolerance = n * torch.finfo(eigenvalues.dtype).eps * eigenvalues.abs().max()
+    eps = torch.finfo(eigenvalues.dtype).eps if eps is None else eps
+    tolerance = n * eps * eigenvalues.abs().max()
     starts = (eigenvalues[1:] - eigenvalues[:-1]) > tolerance
     index = torch.cat([starts.new_zeros(1, dtype=torch.long), starts.long().cumsum(0)])
     size = torch.zeros(n, dtype=torch.long, device=eigenvalues.device).index_add_(

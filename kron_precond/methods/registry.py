@@ -10,6 +10,7 @@ from kron_precond.methods.kfac import KFACSpec
 from kron_precond.methods.psgd_layer import PSGDSpec
 from kron_precond.methods.second_moment import SecondMomentSpec
 from kron_precond.methods.shampoo import ShampooSpec
+from kron_precond.methods.soap import SOAPSpec
 
 METHODS: dict[str, type[MethodSpec]] = {spec.name: spec for spec in (
     KFACSpec,
@@ -18,6 +19,7 @@ METHODS: dict[str, type[MethodSpec]] = {spec.name: spec for spec in (
     ShampooSpec,
     InputKFACSpec,
     SecondMomentSpec,
+    SOAPSpec,
 )}
 
 

@@ -27,17 +27,20 @@ from kron_precond.schedules import IntervalSchedule, StepContext
 
 
 def scale_by_moment(values: torch.Tensor, moment: torch.Tensor, decay: float, eps: float,
-                    updates: int | list[int], keep: torch.Tensor) -> torch.Tensor:
+                    updates: int | list[int], keep: torch.Tensor, pool=None) -> torch.Tensor:
     """``values / (√(m̂) + eps)`` after folding ``values²`` into ``moment`` in place.
 
     ``values`` and ``moment``: ``[k, out, in]`` (k layers, or one without the leading dim);
     ``keep``: ``[k]`` bools, False for a layer whose values are not finite: its moment keeps
     its value (one bad step must not poison it for good). ``updates``: the moment's update
     count including this one (Adam's bias correction, host-side: no sync), one per layer
-    (layers that missed a step, e.g. without a gradient, may differ)."""
+    (layers that missed a step, e.g. without a gradient, may differ). ``pool``: an optional
+    map of the squares before they are folded (SOAP's averages over blocks of equal
+    eigenvalues)."""
     work = values.to(moment.dtype)
     flags = keep.reshape(keep.shape + (1,) * (moment.dim() - keep.dim()))
-    blended = torch.lerp(moment, work * work, 1.0 - decay)
+    squares = work * work if pool is None else pool(work * work)
+    blended = torch.lerp(moment, squares, 1.0 - decay)
     moment.copy_(torch.where(flags, blended, moment))
     counts = updates if isinstance(updates, list) else [updates]
     if len(set(counts)) == 1:

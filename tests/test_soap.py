@@ -1,0 +1,291 @@
+"""``KronPreconditioner(method="soap")``: second moments in Shampoo's eigenbasis (issue 17).
+
+References, none read from the method's state:
+
+* the first step's output is the orthogonal polar factor ``U Wᵀ`` of the gradient matrix
+  (from a float64 SVD): with one gradient, ``L`` and ``R`` have the singular vectors as
+  eigenvectors, the rotated gradient is ``diag(σ)`` and Adam's first, bias-corrected step
+  divides every entry by its own magnitude. Rank-deficient sides (a repeated zero
+  eigenvalue) included;
+* a dense float64 re-statement of the documented recurrences (statistics, ``eigh`` then
+  warm-started QR steps, the moment in the rotated basis) over several steps with changing
+  batches;
+* after many refreshes on a fixed gradient, warm-started QR has converged and the output is
+  the polar factor again.
+
+Also: one-sided bases (``max_factor_size``), non-finite gradients, checkpoints, bad options,
+an op count that does not grow with depth, and two gloo ranks against one process.
+"""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from dist_utils import run_workers
+from kron_precond import KronPreconditioner
+
+F64 = torch.float64
+# ε of the moment: small against the gradients' singular values (~1-10), large against the
+# rounding left in the rotated gradient's zero entries (~1e-15), which it must not amplify
+EPS = 1e-6
+
+
+def grad_matrix(module: nn.Linear) -> torch.Tensor:
+    g = module.weight.grad
+    return torch.cat([g, module.bias.grad.unsqueeze(1)], 1) if module.bias is not None else g
+
+
+def polar(matrix: torch.Tensor) -> torch.Tensor:
+    u, _, vh = torch.linalg.svd(matrix, full_matrices=False)
+    return u @ vh
+
+
+def one_layer(inputs: int, outputs: int, bias: bool = True) -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(inputs, outputs, bias=bias).to(F64)
+
+
+def backward(layer: nn.Module, step: int, rows: int = 7) -> None:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(rows, layer.in_features, generator=g, dtype=F64)
+    target = torch.randn(rows, layer.out_features, generator=g, dtype=F64)
+    layer.zero_grad()
+    ((layer(x) - target) ** 2).sum().backward()
+
+
+@pytest.mark.parametrize("inputs,outputs,bias", [(5, 3, True), (3, 7, True), (4, 5, False), (5, 6, True)])
+def test_first_step_is_the_polar_factor(inputs, outputs, bias):
+    """Wide, tall (a null space in L or R: pooled) and square gradient matrices."""
+    layer = one_layer(inputs, outputs, bias)
+    precond = KronPreconditioner(layer, method="soap", moment_eps=EPS)
+    backward(layer, 0)
+    expected = polar(grad_matrix(layer).clone())
+    precond.step()
+    torch.testing.assert_close(grad_matrix(layer), expected, rtol=1e-5, atol=1e-6)
+
+
+def reference_steps(grads: list[torch.Tensor], *, every: int, factor_decay: float, moment_decay: float,
+                    eps: float) -> list[np.ndarray]:
+    """The documented recurrences in numpy float64, for matrices whose statistics have
+    distinct eigenvalues (so every refresh after the first warm-starts)."""
+    out_dim, in_dim = grads[0].shape
+    left, right, mass = np.zeros((out_dim, out_dim)), np.zeros((in_dim, in_dim)), 0.0
+    q_left = q_right = None
+    moment = np.zeros((out_dim, in_dim))
+    outputs = []
+    for step, grad in enumerate(grads):
+        v = grad.numpy()
+        left, right, mass = factor_decay * left + v @ v.T, factor_decay * right + v.T @ v, factor_decay * mass + 1
+        if step % every == 0:
+            if q_left is None:
+                q_left = np.linalg.eigh(left / mass)[1][:, ::-1]
+                q_right = np.linalg.eigh(right / mass)[1][:, ::-1]
+            else:
+                q_left = np.linalg.qr(left / mass @ q_left)[0]
+                q_right = np.linalg.qr(right / mass @ q_right)[0]
+        rotated = q_left.T @ v @ q_right
+        moment = moment_decay * moment + (1 - moment_decay) * rotated**2
+        scaled = rotated / (np.sqrt(moment / (1 - moment_decay ** (step + 1))) + eps)
+        outputs.append(q_left @ scaled @ q_right.T)
+    return outputs
+
+
+def test_matches_the_dense_recurrences_over_several_steps():
+    """Statistics every step, bases every second step (eigh, then warm-started QR)."""
+    layer = one_layer(5, 6)  # [W | b] is 6 x 6: both statistics full rank from the first step
+    precond = KronPreconditioner(layer, method="soap", factor_update_steps=1, inv_update_steps=2,
+                                 factor_decay=0.8, moment_decay=0.7, moment_eps=1e-3)
+    raw, got = [], []
+    for step in range(7):
+        backward(layer, step, rows=9)
+        raw.append(grad_matrix(layer).clone())
+        precond.step()
+        got.append(grad_matrix(layer).clone())
+    expected = reference_steps(raw, every=2, factor_decay=0.8, moment_decay=0.7, eps=1e-3)
+    for step, (g, e) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(g, torch.from_numpy(np.ascontiguousarray(e)), rtol=1e-8, atol=1e-10,
+                                   msg=lambda m, step=step: f"step {step}: {m}")
+    assert all(precond.layers[""].method._warm.values())  # the later refreshes warm-started
+
+
+def test_the_reference_can_fail():
+    """The recurrences without the warm start (``eigh`` at every refresh) differ from the
+    method after its first warm-started refresh: the check above tells the two apart."""
+    layer = one_layer(5, 6)
+    precond = KronPreconditioner(layer, method="soap", inv_update_steps=2, factor_decay=0.8, moment_decay=0.7)
+    raw, got = [], []
+    for step in range(3):
+        backward(layer, step, rows=9)
+        raw.append(grad_matrix(layer).clone())
+        precond.step()
+        got.append(grad_matrix(layer).clone())
+    moment = torch.zeros_like(raw[0])
+    left, right, mass = 0, 0, 0.0
+    for step, v in enumerate(raw):
+        left, right, mass = 0.8 * left + v @ v.T, 0.8 * right + v.T @ v, 0.8 * mass + 1
+        if step % 2 == 0:
+            q_left = torch.linalg.eigh(left / mass)[1]
+            q_right = torch.linalg.eigh(right / mass)[1]
+        rotated = q_left.T @ v @ q_right
+        moment = 0.7 * moment + 0.3 * rotated**2
+        expected = q_left @ (rotated / ((moment / (1 - 0.7 ** (step + 1))).sqrt() + 1e-8)) @ q_right.T
+    assert not torch.allclose(got[-1], expected, rtol=1e-4, atol=1e-6)
+
+
+def test_warm_started_bases_converge_to_the_polar_factor():
+    """A fixed gradient, a refresh every step: subspace iteration converges to the singular
+    vectors and the (forgetful) moment to the rotated gradient's squares."""
+    layer = one_layer(5, 6)
+    precond = KronPreconditioner(layer, method="soap", inv_update_steps=1, factor_decay=0.5,
+                                 moment_decay=0.5, moment_eps=EPS)
+    for _ in range(300):
+        backward(layer, 0, rows=9)
+        expected = polar(grad_matrix(layer).clone())
+        precond.step()
+    torch.testing.assert_close(grad_matrix(layer), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_one_sided_when_a_side_is_too_wide():
+    """``max_factor_size`` below the input side: ``R``'s basis stays the identity, so the update
+    is ``Q_L (V' / √m̂)`` with ``V' = Q_Lᵀ V`` -- at the first step ``Q_L sign(Q_Lᵀ V)``."""
+    layer = one_layer(9, 4)
+    precond = KronPreconditioner(layer, method="soap", max_factor_size=8, moment_eps=EPS)
+    assert precond.layers[""].method.parts == ("L",)
+    backward(layer, 0)
+    v = grad_matrix(layer).clone()
+    precond.step()
+    q = torch.linalg.eigh(v @ v.T)[1]
+    rotated = q.T @ v
+    torch.testing.assert_close(grad_matrix(layer), q @ (rotated / (rotated.abs() + EPS)), rtol=1e-8, atol=1e-10)
+
+
+def test_nonfinite_gradient_passes_through_and_poisons_nothing():
+    layer = one_layer(5, 6)
+    precond = KronPreconditioner(layer, method="soap", inv_update_steps=2)  # step 1: no refresh
+    backward(layer, 0, rows=9)
+    precond.step()
+    method = precond.layers[""].method
+    saved = {k: v for k, v in method.state_dict().items()}
+    backward(layer, 1, rows=9)
+    layer.weight.grad[0, 0] = float("nan")
+    bad = grad_matrix(layer).clone()
+    precond.step()
+    assert torch.equal(torch.isnan(grad_matrix(layer)), torch.isnan(bad))
+    after = method.state_dict()
+    for key in ("statistics", "bases"):
+        for side in saved[key]:
+            first, second = saved[key][side], after[key][side]
+            assert all(torch.equal(a, b) for a, b in zip(first if isinstance(first, list) else [first],
+                                                        second if isinstance(second, list) else [second]))
+    assert torch.equal(saved["moment"], after["moment"])
+    assert int(method.nonfinite) == 1
+
+
+def test_checkpoint_round_trip_continues_bitwise_and_bad_state_changes_nothing():
+    def run(steps, precond, layer):
+        for step in steps:
+            backward(layer, step, rows=9)
+            precond.step()
+        return grad_matrix(layer).clone()
+
+    options = dict(method="soap", inv_update_steps=3, factor_decay=0.9, moment_decay=0.9)
+    layer = one_layer(5, 6)
+    precond = KronPreconditioner(layer, **options)
+    run(range(4), precond, layer)
+    buffer = io.BytesIO()
+    torch.save(precond.state_dict(), buffer)
+    expected = run(range(4, 8), precond, layer)
+
+    resumed_layer = one_layer(5, 6)
+    resumed = KronPreconditioner(resumed_layer, **options)
+    state = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    broken = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    broken_layer = next(iter(broken["layers"].values())) if "layers" in broken else None
+    if broken_layer is not None:
+        broken_layer["moment"] = broken_layer["moment"][:, :2]
+        before = resumed.state_dict()
+        with pytest.raises(ValueError, match="moment"):
+            resumed.load_state_dict(broken)
+        assert torch.equal(resumed.state_dict()["layers"][""]["moment"], before["layers"][""]["moment"])
+    resumed.load_state_dict(state)
+    torch.testing.assert_close(run(range(4, 8), resumed, resumed_layer), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("factor_update_steps", 0), ("inv_update_steps", -1), ("factor_decay", 1.0), ("factor_decay", -0.5),
+    ("moment_decay", 1.0), ("moment_eps", 0.0), ("max_factor_size", 0), ("factor_dtype", torch.int32),
+])
+def test_bad_options_raise_naming_them(name, value):
+    with pytest.raises((ValueError, TypeError), match=name):
+        KronPreconditioner(one_layer(3, 3), method="soap", **{name: value})
+
+
+def test_plain_step_op_count_does_not_grow_with_depth():
+    """Four batched matmuls per shape group: 2 and 8 blocks dispatch the same ops."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    try:
+        from benchmarks.op_count import count_plain_step
+    finally:
+        sys.path.pop(0)
+    small, large = (sum(count_plain_step("soap", b, 8, 32, torch.device("cpu")).values()) for b in (2, 8))
+    assert large == small, (small, large)
+
+
+# ---------------------------------------------------------------------- distributed
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.down = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    return Net().to(F64)
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(50 + step)
+    return torch.randn(8, 4, generator=g, dtype=F64), torch.randn(8, 3, generator=g, dtype=F64)
+
+
+SOAP_OPTIONS = dict(method="soap", inv_update_steps=2, factor_decay=0.9, moment_decay=0.9, moment_eps=1e-3)
+
+
+def _distributed_worker(rank, world_size, out_dir):
+    net = _net()
+    precond = KronPreconditioner(net, **SOAP_OPTIONS)
+    grads = []
+    for step in range(6):
+        net.zero_grad()
+        x, y = _batch(step)
+        shard = slice(rank * 4, (rank + 1) * 4)
+        ((net(x[shard]) - y[shard]) ** 2).sum().backward()
+        for p in net.parameters():
+            torch.distributed.all_reduce(p.grad)
+        precond.step()
+        grads.append([p.grad.clone() for p in net.parameters()])
+    return grads
+
+
+def test_two_ranks_equal_one_process_on_the_full_batch(tmp_path):
+    results = run_workers(_distributed_worker, 2, tmp_path)
+    net = _net()
+    precond = KronPreconditioner(net, **SOAP_OPTIONS)
+    for step in range(6):
+        net.zero_grad()
+        ((net(_batch(step)[0]) - _batch(step)[1]) ** 2).sum().backward()
+        precond.step()
+        for rank_result in results:
+            for got, p in zip(rank_result[step], net.parameters()):
+                torch.testing.assert_close(got, p.grad, rtol=1e-9, atol=1e-12)
