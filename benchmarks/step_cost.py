@@ -50,6 +50,10 @@ CONFIGS = {
     "ikfac_muon every 10": ("ikfac_muon", {"ikfac_every": 10}),
     "muon2": ("muon2", {}),
     "ikfac_muon2 every 32": ("ikfac_muon2", {}),
+    # SOAP-style eigenbasis moments (statistics every soap_statistics_every steps, bases every
+    # soap_every), both sides, and one-sided on sides up to 200 wide
+    "soap_muon": ("soap_muon", {"soap_statistics_every": 10}),
+    "soap_muon one-sided (smax=200)": ("soap_muon", {"soap_statistics_every": 10, "soap_max_size": 200}),
 }
 
 
@@ -57,6 +61,8 @@ def statistics_interval(method: str, overrides: dict, kfac_every: int) -> int:
     """Steps between the statistics steps of a configuration (its "stat" columns)."""
     if method.startswith("ikfac"):
         return overrides.get("ikfac_every", PrecondConfig.ikfac_every)
+    if method.startswith("soap"):
+        return overrides.get("soap_statistics_every", PrecondConfig.soap_statistics_every)
     return kfac_every
 
 
