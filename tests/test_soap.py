@@ -213,6 +213,27 @@ def test_checkpoint_round_trip_continues_bitwise_and_bad_state_changes_nothing()
     torch.testing.assert_close(run(range(4, 8), resumed, resumed_layer), expected, rtol=0, atol=0)
 
 
+def test_failed_decomposition_keeps_the_previous_basis(monkeypatch):
+    """``eigh`` failing in float64 (raising) warns, names the side and keeps the last basis;
+    the gradient is still rotated with it."""
+    layer = one_layer(5, 6)
+    precond = KronPreconditioner(layer, method="soap", inv_update_steps=1, factor_decay=0.9)
+    backward(layer, 0, rows=9)
+    precond.step()
+    method = precond.layers[""].method
+    before = [t.clone() for t in method.refreshed_tensors()]
+    method._warm = {"L": False, "R": False}  # force eigh at the next refresh
+
+    def failing(*args, **kwargs):
+        raise torch.linalg.LinAlgError("no convergence")
+
+    monkeypatch.setattr(torch.linalg, "eigh", failing)
+    backward(layer, 1, rows=9)
+    with pytest.warns(RuntimeWarning, match=r"\.L failed in float64"):
+        precond.step()
+    assert all(torch.equal(a, b) for a, b in zip(method.refreshed_tensors(), before))
+
+
 @pytest.mark.parametrize("name,value", [
     ("factor_update_steps", 0), ("inv_update_steps", -1), ("factor_decay", 1.0), ("factor_decay", -0.5),
     ("moment_decay", 1.0), ("moment_eps", 0.0), ("max_factor_size", 0), ("factor_dtype", torch.int32),

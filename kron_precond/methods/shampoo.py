@@ -350,27 +350,38 @@ def _decayed(stat: torch.Tensor, matrix: torch.Tensor, side: _Side, decay: float
     return torch.addmm(stat, matrix.t(), matrix, beta=decay)
 
 
-def _matrix_root(average: torch.Tensor, epsilon: float, exponent: float, label: str):
-    """``(root, largest eigenvalue)`` of a symmetric PSD matrix, eigenvalues clamped at 0 plus
-    ``epsilon · max λ``; retried in float64 if ``eigh`` raises or returns non-finite values;
-    ``None`` (with a warning) if both fail."""
-    for dtype in dict.fromkeys((average.dtype, torch.float64)):
+def eigh_with_retry(matrix: torch.Tensor, label: str, keeping: str):
+    """``(eigenvalues, eigenvectors)`` of a symmetric matrix, in its dtype and, if ``eigh``
+    raises or returns non-finite values (seen on GPUs), again in float64; ``None`` with a
+    warning naming ``label`` (and what the caller keeps) if both fail. The finiteness check
+    is a host sync, on refresh steps only (``eigh`` itself synchronises to report errors)."""
+    dtypes = tuple(dict.fromkeys((matrix.dtype, torch.float64)))
+    for dtype in dtypes:
         try:
-            eigenvalues, eigenvectors = torch.linalg.eigh(average.to(dtype))
+            eigenvalues, eigenvectors = torch.linalg.eigh(matrix.to(dtype))
         except RuntimeError:  # torch.linalg.LinAlgError: no convergence
             continue
-        # NaN/Inf without raising (seen on GPUs) is a failure too; a host sync, on refresh
-        # steps only (eigh itself synchronises to report convergence errors)
-        if not bool(torch.isfinite(eigenvalues).all() & torch.isfinite(eigenvectors).all()):
-            continue
-        eigenvalues = eigenvalues.clamp_min(0.0)
-        largest = eigenvalues.max()
-        # a zero statistic gives inf here; the caller keeps the previous root then
-        powers = (eigenvalues + epsilon * largest).pow(-exponent)
-        return (eigenvectors * powers) @ eigenvectors.t(), largest
-    warnings.warn(f"kron_precond: eigendecomposition of {label} failed in float32 and float64 "
-                  "(raised or returned non-finite values); keeping the previous root", RuntimeWarning, stacklevel=3)
+        if bool(torch.isfinite(eigenvalues).all() & torch.isfinite(eigenvectors).all()):
+            return eigenvalues, eigenvectors
+    tried = " and ".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
+    warnings.warn(f"kron_precond: eigendecomposition of {label} failed in {tried} "
+                  f"(raised or returned non-finite values); keeping the previous {keeping}",
+                  RuntimeWarning, stacklevel=4)
     return None
+
+
+def _matrix_root(average: torch.Tensor, epsilon: float, exponent: float, label: str):
+    """``(root, largest eigenvalue)`` of a symmetric PSD matrix, eigenvalues clamped at 0 plus
+    ``epsilon · max λ``; ``None`` if the decomposition fails (:func:`eigh_with_retry`)."""
+    result = eigh_with_retry(average, label, "root")
+    if result is None:
+        return None
+    eigenvalues, eigenvectors = result
+    eigenvalues = eigenvalues.clamp_min(0.0)
+    largest = eigenvalues.max()
+    # a zero statistic gives inf here; the caller keeps the previous root then
+    powers = (eigenvalues + epsilon * largest).pow(-exponent)
+    return (eigenvectors * powers) @ eigenvectors.t(), largest
 
 
 def _diagonal_root(average: torch.Tensor, epsilon: float, exponent: float):

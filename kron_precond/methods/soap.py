@@ -30,7 +30,6 @@ case once the statistics hold more gradients than the side's dimension) neither 
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
@@ -40,6 +39,7 @@ from kron_precond.methods import state_checks as checks
 from kron_precond.methods.base import GradientMatrix, LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
 from kron_precond.methods.ekfac import eigenvalue_clusters
 from kron_precond.methods.second_moment import scale_by_moment
+from kron_precond.methods.shampoo import eigh_with_retry
 from kron_precond.modules import find_kfac_modules
 from kron_precond.schedules import IntervalSchedule, StepContext
 
@@ -299,20 +299,13 @@ def _rotated_step(matrix: torch.Tensor, bases: dict[str, torch.Tensor], moment: 
 
 def _descending_eigh(average: torch.Tensor, label: str):
     """``(eigenvalues, eigenvectors)`` in descending order (what a warm-started QR step keeps:
-    its leading columns converge to the leading eigenvectors), negative rounding clamped to 0;
-    retried in float64; ``None`` with a warning if both fail."""
-    for dtype in dict.fromkeys((average.dtype, torch.float64)):
-        try:
-            values, vectors = torch.linalg.eigh(average.to(dtype))
-        except RuntimeError:  # torch.linalg.LinAlgError: no convergence
-            continue
-        # a host sync, on refresh steps only (eigh itself synchronises to report errors)
-        if not bool(torch.isfinite(values).all() & torch.isfinite(vectors).all()):
-            continue
-        return values.flip(0).clamp_min(0.0).to(average.dtype), vectors.flip(1).to(average.dtype)
-    warnings.warn(f"kron_precond: eigendecomposition of {label} failed in {average.dtype} and float64; "
-                  "keeping the previous basis", RuntimeWarning, stacklevel=3)
-    return None
+    its leading columns converge to the leading eigenvectors), negative rounding clamped to 0,
+    in ``average``'s dtype; ``None`` if the decomposition fails (:func:`eigh_with_retry`)."""
+    result = eigh_with_retry(average, label, "basis")
+    if result is None:
+        return None
+    values, vectors = result
+    return values.flip(0).clamp_min(0.0).to(average.dtype), vectors.flip(1).to(average.dtype)
 
 
 def _unsorted_clusters(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
