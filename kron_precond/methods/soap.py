@@ -260,7 +260,10 @@ class SOAPLayer(GradientMatrix, LayerMethod):
                                 f"{where}: statistics[{side!r}]")
             checks.tensor_list(checks.entry(bases, side, f"{where}: bases"), [[dim, dim], [dim]],
                                f"{where}: bases[{side!r}]")
-        checks.tensor_list([checks.entry(state, "mass", where)], [[]], f"{where}: mass")
+        mass = checks.entry(state, "mass", where)
+        checks.tensor_list([mass], [[]], f"{where}: mass")
+        if bool(mass < 0):
+            raise ValueError(f"{where}: mass holds a negative weight")
         checks.float_tensor(checks.entry(state, "moment", where), (self.g_dim, self.a_dim), f"{where}: moment")
         checks.integer(checks.entry(state, "updates", where), f"{where}: updates")
 
