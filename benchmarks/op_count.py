@@ -35,6 +35,13 @@ from kron_precond import KronPreconditioner  # noqa: E402
 # K-FAC: statistics every 10 steps, refresh every 100; step 5 is neither.
 KFAC_INTERVALS = dict(factor_update_steps=10, inv_update_steps=100)
 WARMUP_STEPS = 5
+# SOAP preconditions a layer on its own while its statistics are rank-deficient (repeated
+# zero eigenvalues; docs/design.md): deep layers of this model need more gradients than 5
+SOAP_WARMUP_STEPS = 24
+
+
+def warmup_steps(method: str) -> int:
+    return SOAP_WARMUP_STEPS if method == "soap" else WARMUP_STEPS
 
 
 class OpCounter(TorchDispatchMode):
@@ -82,7 +89,7 @@ def make_preconditioner(method: str, model: nn.Module) -> KronPreconditioner:
         return KronPreconditioner(model, method="second_moment")
     if method == "soap":  # statistics and bases on the warm-up steps only (full-rank statistics,
         # so layers are batched, not averaged over blocks one by one): the counted step is plain
-        every = lambda s: 1 if s < WARMUP_STEPS else 1000  # noqa: E731
+        every = lambda s: 1 if s < SOAP_WARMUP_STEPS else 1000  # noqa: E731
         return KronPreconditioner(model, method="soap", factor_update_steps=every, inv_update_steps=every)
     # Q updates on the warm-up steps only (probability 1, then 0): the counted step is plain.
     return KronPreconditioner(model, method="psgd",
@@ -90,16 +97,17 @@ def make_preconditioner(method: str, model: nn.Module) -> KronPreconditioner:
 
 
 def count_plain_step(method: str, blocks: int, d: int, tokens: int, device: torch.device) -> Counter:
-    """Aten ops of one plain ``precond.step()`` after ``WARMUP_STEPS`` warm-up steps."""
+    """Aten ops of one plain ``precond.step()`` after the method's warm-up steps."""
     torch.manual_seed(0)
     model = make_model(blocks, d).to(device)
     precond = make_preconditioner(method, model)
-    for step in range(WARMUP_STEPS + 1):
+    warmup = warmup_steps(method)
+    for step in range(warmup + 1):
         # a new batch each step: statistics that keep seeing one batch stay rank-deficient
         x = torch.randn(tokens // 16, 16, d, device=device)
         model.zero_grad(set_to_none=True)
         model(x).square().mean().backward()
-        if step < WARMUP_STEPS:
+        if step < warmup:
             precond.step()
             continue
         counter = OpCounter()
