@@ -33,6 +33,11 @@ where every family ran interleaved; the crossing step is linearly interpolated b
 two evaluations around the target. (lr does not change a step's cost, so an lr added by a
 grid extension, which trains in a process of its own, is charged its family's step time.)
 
+The headline ratios take, per seed and per measure, the best of ours at any lr chosen on
+the first seed; the report also judges each configuration (one family at one chosen lr)
+by itself over every seed, since one configuration has to meet all three targets
+(``configuration_rows``).
+
 Each (cell, seed) is written to ``OUT/w{width}_r{ratio}_t{tokens}_s{seed}.json`` as soon as
 it is done and skipped when the script is rerun, so a partial map is usable and a killed run
 resumes. ``--report-only`` rebuilds the table and the heat map from the JSON files.
@@ -397,6 +402,71 @@ def markdown_table(cells: dict[tuple, list[dict]]) -> str:
     return "\n".join(rows)
 
 
+TARGET_RATIO = 0.8  # issue 17: <= 0.8x Muon's wall-clock to each target
+
+
+def _over(value: float, reference: float) -> float:
+    """value / reference, where Muon never reaching a target makes ours win outright or tie at never."""
+    if math.isinf(reference):
+        return math.inf if math.isinf(value) else 0.0
+    return value / reference
+
+
+def configuration_rows(cells: dict[tuple, list[dict]]) -> list[dict]:
+    """Each of ours at each lr its cell's first seed chose, over every seed: the three
+    ratios of that one (family, lr) against Muon's best point per measure in the same
+    process. The map's headline takes, per seed and per measure, the best of all ours at
+    any chosen lr; a single configuration has to win all three measures by itself."""
+    costs = pooled_step_costs(cells)
+    rows = []
+    for (width, ratio, tokens), records in sorted(cells.items()):
+        records = sorted(records, key=lambda r: r["seed"])
+        first = records[0]
+        for family in first["ours"]:
+            for lr in first["chosen_lrs"][family]:
+                per_seed = {"time": [], "time_pooled": [], "to_muon": [], "to_muon_pooled": [], "loss": []}
+                for record in records:
+                    m = record["measures"]
+                    fams, muon = m["families"], m["families"][MUON]
+                    run = next(RunResult(**r) for r in record["runs"]
+                               if family_of(RunResult(**r)) == family and math.isclose(r["lr"], lr))
+                    step_s, cost = fams[family]["step_seconds"], costs[(width, tokens)][family]
+                    for key, target, muon_seconds in (("time", m["target"], muon["seconds_to_target"]),
+                                                      ("to_muon", m["muon_final_loss"], muon["seconds_to_muon_loss"])):
+                        crossing = crossing_step(run, target)
+                        steps = math.inf if crossing is None else crossing
+                        muon_steps = _ratio(muon_seconds) / muon["step_seconds"]
+                        per_seed[key].append(_over(steps * step_s, _ratio(muon_seconds)))
+                        per_seed[key + "_pooled"].append(_over(steps * cost, muon_steps))
+                    per_seed["loss"].append(run.final_loss / m["muon_final_loss"])
+                mean = {key: sum(v) / len(v) for key, v in per_seed.items()}
+                met = [max(mean["time"], mean["time_pooled"]) <= TARGET_RATIO,
+                       max(mean["to_muon"], mean["to_muon_pooled"]) <= TARGET_RATIO, mean["loss"] < 1.0]
+                rows.append({"cell": (width, ratio, tokens), "family": family, "lr": lr,
+                             "seeds": [r["seed"] for r in records], "per_seed": per_seed, "mean": mean, "met": met})
+    return rows
+
+
+def configuration_table(cells: dict[tuple, list[dict]]) -> str:
+    rows = ["| width | tokens/param | tokens/step | family | lr | seeds | time to AdamW's loss x Muon "
+            "(per seed; pooled step cost) | time to Muon's loss x Muon (per seed; pooled) | final loss x Muon "
+            "(per seed) | issue-17 targets met |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in configuration_rows(cells):
+        width, ratio, tokens = row["cell"]
+        s, mean = row["per_seed"], row["mean"]
+
+        def col(key: str, digits: int) -> str:
+            return f"**{_fmt(mean[key], digits)}** ({', '.join(_fmt(v, digits) for v in s[key])})"
+
+        verdict = ", ".join(name for name, ok in zip(("time", "to Muon's loss", "final loss"), row["met"]) if ok)
+        rows.append(f"| {width} | {ratio:g} | {tokens} | {row['family']} | {row['lr']:g} | "
+                    f"{','.join(map(str, row['seeds']))} | {col('time', 2)}; pooled {col('time_pooled', 2)} | "
+                    f"{col('to_muon', 2)}; pooled {col('to_muon_pooled', 2)} | {col('loss', 4)} | "
+                    f"{sum(row['met'])} of 3{': ' + verdict if verdict else ''} |")
+    return "\n".join(rows)
+
+
 def _lr_origin(record: dict) -> str:
     source = record.get("lrs_from")
     return "swept" if not source else "from " + source.split("_")[1].replace("r", "ratio ")
@@ -531,6 +601,10 @@ def main(argv: Sequence[str] | None = None, train_fn: TrainFn = train_round_robi
     check = transfer_check(cells)
     if check:
         table += "\n\ntransfer-rule check (cells swept at a ratio where others reuse lrs):\n" + check
+    if cells:
+        table += ("\n\none configuration (family, lr) over every seed, against Muon's best point per measure "
+                  f"(a target is met when the seed mean is <= {TARGET_RATIO}x, measured and with pooled step "
+                  "cost; final loss: below Muon's):\n" + configuration_table(cells))
     print(table)
     (args.out / "regimes.md").write_text(table + "\n")
     if cells:

@@ -138,3 +138,26 @@ def test_transfer_rule_reuses_the_lrs_swept_below_and_check_cells_sweep(tmp_path
     check = json.loads((tmp_path / "w8_r40_t512_s0.json").read_text())
     assert check["lrs_from"] is None and len(check["runs"]) > 4  # its own sweep
     assert "d=8, 40 tokens/param, 512 tokens/step: its own sweep chose" in (tmp_path / "regimes.md").read_text()
+
+
+def test_configuration_rows_judge_each_family_and_lr_on_its_own(tmp_path, monkeypatch):
+    # PSGD + Muon made twice Muon's speed per step at Muon's step cost: it alone meets all three targets.
+    monkeypatch.setitem(SLOPE, "psgd_muon", 0.040)
+    monkeypatch.setitem(SECONDS, "psgd_muon", 1.1)
+    cells = regimes.main([*TOY, "--ratios", "10", *GRID, "--out", str(tmp_path)], train_fn=FakeTrainer())
+    steps = round(10 * non_embedding_params(8, 1) / 256)
+    final = {f: L0 - SLOPE[f] * steps for f in SLOPE}
+    to_target = {f: (L0 - final["adamw"]) / SLOPE[f] * SECONDS[f] for f in SLOPE}
+    to_muon = {f: (L0 - final["muon"]) / SLOPE[f] * SECONDS[f] for f in SLOPE}
+    rows = {(row["family"], round(row["lr"], 9)): row for row in regimes.configuration_rows(cells)}
+    assert sorted(rows) == [("kfac_muon", 2e-2), ("psgd_muon", 2e-2)]  # the lrs seed 0 chose
+    for family, met in (("kfac_muon", [False, False, True]), ("psgd_muon", [True, True, True])):
+        row = rows[(family, 2e-2)]
+        assert row["seeds"] == [0, 1] and row["met"] == met
+        for key in ("time", "time_pooled"):
+            assert row["per_seed"][key] == pytest.approx([to_target[family] / to_target["muon"]] * 2)
+        for key in ("to_muon", "to_muon_pooled"):
+            assert row["per_seed"][key] == pytest.approx([to_muon[family] / to_muon["muon"]] * 2)
+        assert row["mean"]["loss"] == pytest.approx(final[family] / final["muon"])
+    text = (tmp_path / "regimes.md").read_text()
+    assert "| 8 | 10 | 256 | psgd_muon | 0.02 | 0,1 |" in text and "3 of 3" in text
