@@ -203,3 +203,22 @@ class CollectiveCounter:
 
     def snapshot(self) -> dict[str, Any]:
         return {"calls": dict(self.calls), "bytes": dict(self.bytes), "sizes": {k: list(v) for k, v in self.sizes.items()}}
+
+
+# ----------------------------------------------------------------------------- trainers' pieces
+def average_gradients_by_hand(params: list, world: int, all_reduce: Callable) -> None:
+    """DDP's mean of the gradients over ranks, with one flat ``all_reduce`` (the tests' own
+    traffic, passed in so that a collective counter can tell it from the library's)."""
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    all_reduce(flat)
+    flat /= world
+    for p, piece in zip(params, flat.split([p.numel() for p in params])):
+        p.grad.copy_(piece.view_as(p))
+
+
+def ranks_identical(params: torch.Tensor, world: int, all_gather: Callable) -> bool:
+    """Whether every rank holds bitwise the same ``params`` (one ``all_gather``)."""
+    gathered = [torch.empty_like(params) for _ in range(world)]
+    all_gather(gathered, params)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dist_utils import CollectiveCounter, run_workers
+from dist_utils import CollectiveCounter, average_gradients_by_hand, ranks_identical, run_workers
 from kron_precond import DistributedStrategy, KronPreconditioner
 
 COMM, HYBRID, MEM = DistributedStrategy.COMM_OPT, DistributedStrategy.HYBRID_OPT, DistributedStrategy.MEM_OPT
@@ -204,12 +204,7 @@ class Trainer:
     def average_gradients(self) -> None:
         if self.world == 1 or self.net is not self.model:  # DDP has averaged them
             return
-        params = list(self.model.parameters())
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        self.collectives["all_reduce"](flat)
-        flat /= self.world
-        for p, piece in zip(params, flat.split([p.numel() for p in params])):
-            p.grad.copy_(piece.view_as(p))
+        average_gradients_by_hand(list(self.model.parameters()), self.world, self.collectives["all_reduce"])
 
     def finish_step(self) -> None:
         self.opt.step()
@@ -217,9 +212,7 @@ class Trainer:
         params = flat_params(self.model)
         self.trajectory.append(params)
         if self.world > 1:
-            gathered = [torch.empty_like(params) for _ in range(self.world)]
-            self.collectives["all_gather"](gathered, params)
-            self.identical.append(all(torch.equal(g, gathered[0]) for g in gathered))
+            self.identical.append(ranks_identical(params, self.world, self.collectives["all_gather"]))
 
     def step(self) -> None:
         self.forward_backward()

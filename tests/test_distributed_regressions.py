@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dist_utils import run_workers
+from dist_utils import average_gradients_by_hand, ranks_identical, run_workers
 from kfac_reference import F64, Capture, DenseKFAC, grad_matrix, write_grad_matrix
 from kron_precond import DistributedStrategy, KronPreconditioner
 
@@ -135,17 +135,11 @@ def _average_gradients(model: nn.Module, world: int) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat)
-    flat /= world
-    for p, piece in zip(params, flat.split([p.numel() for p in params])):
-        p.grad.copy_(piece.view_as(p))
+    average_gradients_by_hand(params, world, dist.all_reduce)
 
 
 def _gather_identical(t: torch.Tensor, world: int) -> bool:
-    gathered = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(gathered, t)
-    return all(torch.equal(g, gathered[0]) for g in gathered)
+    return ranks_identical(t, world, dist.all_gather)
 
 
 def _r03_worker(name: str, world: int, rank: int) -> dict:

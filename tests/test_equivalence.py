@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dist_utils import run_workers
+from dist_utils import average_gradients_by_hand, ranks_identical, run_workers
 from kron_precond import DistributedStrategy, KronPreconditioner
 from kron_precond.methods import registry
 
@@ -235,21 +235,14 @@ class Trainer:
             with sync:
                 (((self.net(xs) - ys) ** 2).mean() / self.accumulation).backward()
         if self.wrapper == "manual" and self.world > 1:
-            params = list(self.model.parameters())
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            self.all_reduce(flat)
-            flat /= self.world
-            for p, piece in zip(params, flat.split([p.numel() for p in params])):
-                p.grad.copy_(piece.view_as(p))
+            average_gradients_by_hand(list(self.model.parameters()), self.world, self.all_reduce)
         self.precond.step()
         self.opt.step()
         self.step_index += 1
         params = flat_params(self.model)
         self.trajectory.append(params)
         if self.world > 1:
-            gathered = [torch.empty_like(params) for _ in range(self.world)]
-            dist.all_gather(gathered, params)
-            self.identical.append(all(torch.equal(g, gathered[0]) for g in gathered))
+            self.identical.append(ranks_identical(params, self.world, dist.all_gather))
 
     def run(self, steps: int) -> "Trainer":
         for _ in range(steps):
