@@ -80,14 +80,14 @@ VARIANT_KEYS = {
     "maxtri": "psgd_max_size_triangular", "msm": "psgd_memory_save_mode",
     "ie": "ikfac_every", "idamp": "ikfac_damping", "idecay": "ikfac_factor_decay",
     "irows": "ikfac_statistics_rows", "m2": "moment_decay",
-    "se": "soap_statistics_every", "sb": "soap_every", "sdecay": "soap_factor_decay", "smax": "soap_max_size",
+    "kmax": "kfac_max_size", "se": "soap_statistics_every", "sb": "soap_every", "sdecay": "soap_factor_decay", "smax": "soap_max_size",
 }
 _FAMILY = re.compile(r"^(?P<method>\w+)(?:\{(?P<variant>[^}]*)\})?=(?P<lrs>.+)$")
 
 
 def _variant_value(field: str, text: str):
     if field in ("factor_update_steps", "inv_update_steps", "psgd_max_size_triangular", "ikfac_every",
-                 "soap_statistics_every", "soap_every", "soap_max_size"):
+                 "soap_statistics_every", "soap_every", "soap_max_size", "kfac_max_size"):
         return int(text)
     if field in ("statistics_rows", "ikfac_statistics_rows"):
         return _optional_rows(text)

@@ -150,6 +150,8 @@ class PrecondConfig:
     factor_decay: float = 0.95
     compute_method: str = "eigen"  # "eigen" (exact damping) or "inverse" (half the apply's matmuls)
     statistics_rows: int | None = None  # rows per module call in K-FAC's statistics (None: all)
+    # K-FAC sides wider than this keep a diagonal factor (None: the library's default, 8192)
+    kfac_max_size: int | None = None
     # Input-side K-FAC (method="ikfac"): statistics and refresh every ikfac_every steps,
     # damping relative to tr(A)/dim, its own decay and row cap.
     ikfac_every: int = 32
@@ -299,6 +301,7 @@ def build_preconditioner(
             factor_decay=config.factor_decay,
             compute_method=config.compute_method,
             statistics_rows=config.statistics_rows,
+            **({} if config.kfac_max_size is None else {"max_factor_size": config.kfac_max_size}),
             kl_clip=config.kl_clip,
             lr=lr,  # only read by kl_clip
             accumulation_steps=config.accumulation_steps,

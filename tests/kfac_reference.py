@@ -14,7 +14,9 @@ out with explicit float64 matrices:
 * EIGEN: ``V = (G ⊗ A + λI)⁻¹ vec(∇)`` by a dense solve (row-major vec, ``∇ = [W | b]``);
   INVERSE: ``V = (G + γ_G I)⁻¹ ∇ (A + γ_A I)⁻¹``, ``γ_A = π√λ``, ``γ_G = √λ/π``,
   ``π = √((tr A / dim A) / (tr G / dim G))``;
-* ``kl_clip``: every V is scaled by ``min(1, sqrt(κ / |lr² Σ_layers ⟨V, ∇⟩|))``.
+* ``kl_clip``: every V is scaled by ``min(1, sqrt(κ / |lr² Σ_layers ⟨V, ∇⟩|))``;
+* ``max_factor_size``: a factor wider than it is replaced by ``diag(diag(F))`` of the full
+  dense factor before either formula (the full factor is still accumulated here).
 """
 from __future__ import annotations
 
@@ -83,8 +85,10 @@ class DenseKFAC:
 
     def __init__(self, names, *, damping: float, factor_decay: float = 0.95,
                  compute_method: str = "eigen", factor_update_steps: int = 1,
-                 inv_update_steps: int = 1, kl_clip: float | None = None, lr: float = 0.1):
+                 inv_update_steps: int = 1, kl_clip: float | None = None, lr: float = 0.1,
+                 max_factor_size: int | None = None):
         self.names = list(names)
+        self.max_factor_size = max_factor_size
         self.damping, self.decay = damping, factor_decay
         self.compute_method = compute_method
         self.factor_update_steps, self.inv_update_steps = factor_update_steps, inv_update_steps
@@ -117,7 +121,7 @@ class DenseKFAC:
     def _refresh(self) -> None:
         lam = self.damping
         for n in self.names:
-            A, G = self.A[n], self.G[n]
+            A, G = self._limited(self.A[n]), self._limited(self.G[n])
             if A is None or G is None:
                 self.frozen[n] = None
             elif self.compute_method == "eigen":
@@ -128,6 +132,11 @@ class DenseKFAC:
                 a_inv = torch.linalg.inv(A + pi * math.sqrt(lam) * torch.eye(A.shape[0], dtype=F64))
                 g_inv = torch.linalg.inv(G + math.sqrt(lam) / pi * torch.eye(G.shape[0], dtype=F64))
                 self.frozen[n] = ("inverse", a_inv, g_inv)
+
+    def _limited(self, factor: torch.Tensor | None) -> torch.Tensor | None:
+        if factor is None or self.max_factor_size is None or factor.shape[0] <= self.max_factor_size:
+            return factor
+        return torch.diag(torch.diagonal(factor))
 
     def precondition(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One ``step()``: fold this step's statistics (factor steps), refresh (refresh

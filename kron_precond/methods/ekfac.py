@@ -258,7 +258,7 @@ class EKFACLayer(KFACLayer):
         work = torch.promote_types(first._work_dtype, torch.float32)
         denominator = (1.0 / (scaling.to(work) + first._damping_used)).to(first.inv_dtype)
         # K-FAC's batched apply reads only Q, validity and the denominator of its stacks
-        kfac_view = {"stacked": [q_a, None, valid_a, q_g, None, valid_g, denominator]}
+        kfac_view = {"stacked": {"A": [q_a, None, valid_a], "G": [q_g, None, valid_g], "denominator": denominator}}
         return KFACLayer.apply_batch.__func__(cls, layers, grads, ctx, kfac_view, keep)
 
     # ------------------------------------------------------------------ estimates, state
@@ -340,7 +340,7 @@ class EKFACSpec(KFACSpec):
     name = "ekfac"
     owner_only_statistics = False  # gradient workers fold the scaling s themselves
     options = {name: option for name, option in KFACSpec.options.items()
-               if name not in ("compute_method", "compute_eigenvalue_outer_product")}
+               if name not in ("compute_method", "compute_eigenvalue_outer_product", "max_factor_size")}
     options["inv_update_steps"] = Option(10, check.check_int, per_step="always", collective=True)
     #: ``apply`` divides by the scaling folded from each statistics step
     apply_reads_statistics = True

@@ -21,6 +21,14 @@ Preconditioning (``compute_method``):
   Martens & Grosse (2015, §6.3): ``γ_A = π √λ``, ``γ_G = √λ / π`` and
   ``π = √((tr A / dim A) / (tr G / dim G))`` (π = 1 when either trace is zero). The
   split keeps the damping proportionate when A and G have very different scales.
+
+A side wider than ``max_factor_size`` keeps only the diagonal of its factor (its running
+average of ``ã²`` or ``δ²`` per coordinate, the full factor's diagonal): its statistics
+cost ``N·d`` instead of ``N·d²``, it needs no decomposition, and ``apply`` scales by it
+instead of multiplying by a ``d × d`` matrix. Both formulas above hold with that factor
+replaced by its diagonal (EIGEN: its eigenbasis is the identity, its eigenvalues the
+diagonal). This is what makes K-FAC affordable on a wide MLP side or a vocabulary-sized
+``lm_head``.
 """
 from __future__ import annotations
 
@@ -58,6 +66,8 @@ class KFACLayer(GradientMatrix, LayerMethod):
             ``[B, T, d]`` whole samples when it is a multiple of ``T``; for a sequence-first
             input the first time steps of every sample; for a convolution the first output
             positions of the first samples. ``None`` keeps every row.
+        max_factor_size: a side (``in(+1)`` for A, ``out`` for G) wider than this keeps a
+            diagonal factor; ``None``: no limit.
     """
 
     def __init__(
@@ -73,6 +83,7 @@ class KFACLayer(GradientMatrix, LayerMethod):
         device: torch.device,
         weight_transposed: bool = False,
         statistics_rows: int | None = None,
+        max_factor_size: int | None = None,
     ) -> None:
         self.name = name
         self.statistics_rows = statistics_rows
@@ -85,8 +96,12 @@ class KFACLayer(GradientMatrix, LayerMethod):
         # Statistics are summed in float32 or better: a float16 sum overflows past 65,504
         # rows and a bfloat16 one stops growing at 256 equal terms.
         self.statistics_dtype = torch.promote_types(factor_dtype, torch.float32)
-        self.a_factor = torch.zeros(self.a_dim, self.a_dim, **kw)
-        self.g_factor = torch.zeros(self.g_dim, self.g_dim, **kw)
+        self.max_factor_size = max_factor_size
+        # Per factor: keep only its diagonal (a vector) because the side is too wide.
+        self.diagonal = {part: max_factor_size is not None and dim > max_factor_size
+                         for part, dim in (("A", self.a_dim), ("G", self.g_dim))}
+        self.a_factor = torch.zeros(self._factor_shape("A"), **kw)
+        self.g_factor = torch.zeros(self._factor_shape("G"), **kw)
         # Statistics of the current factor step, summed over rows and micro-batches.
         # Sums and row counts (not means) are what ranks reduce, so a layer that saw no
         # rows on one rank still gets the same global mean on every rank.
@@ -116,12 +131,23 @@ class KFACLayer(GradientMatrix, LayerMethod):
         # factor_dtype was not given: factors take the parameters' dtype, also after a move.
         self.factor_dtype_follows = False
 
+    def _factor_shape(self, part: str) -> tuple[int, ...]:
+        dim = self.a_dim if part == "A" else self.g_dim
+        return (dim,) if self.diagonal[part] else (dim, dim)
+
     # ------------------------------------------------------------------ observe
     def observe_activations(self, rows: torch.Tensor) -> None:
-        """Accumulate ``Σ ã ãᵀ`` for activation rows ``[N, in]`` (no bias column)."""
+        """Accumulate ``Σ ã ãᵀ`` (its diagonal ``Σ ã²`` for a diagonal A) for activation
+        rows ``[N, in]`` (no bias column)."""
         rows = self.statistics_subset(rows).to(self.statistics_dtype)
         d = rows.shape[1]
         self._allocate_statistics()
+        if self.diagonal["A"]:
+            self._a_sum[:d].add_(rows.square().sum(0))
+            if self.has_bias:
+                self._a_sum[d].add_(rows.shape[0])
+            self._rows[0].add_(rows.shape[0])
+            return
         self._a_sum[:d, :d].addmm_(rows.t(), rows)
         if self.has_bias:
             # The ones column of ã, without materialising it.
@@ -132,10 +158,14 @@ class KFACLayer(GradientMatrix, LayerMethod):
         self._rows[0].add_(rows.shape[0])  # counted on the device: no host round trip
 
     def observe_output_grads(self, rows: torch.Tensor, scale: float) -> None:
-        """Accumulate ``Σ δ δᵀ`` for output-gradient rows ``[N, out]``, ``δ = scale · rows``."""
+        """Accumulate ``Σ δ δᵀ`` (``Σ δ²`` for a diagonal G) for output-gradient rows
+        ``[N, out]``, ``δ = scale · rows``."""
         rows = self.statistics_subset(rows).to(self.statistics_dtype)
         self._allocate_statistics()
-        self._g_sum.addmm_(rows.t(), rows, alpha=scale * scale)
+        if self.diagonal["G"]:
+            self._g_sum.add_(rows.square().sum(0), alpha=scale * scale)
+        else:
+            self._g_sum.addmm_(rows.t(), rows, alpha=scale * scale)
         self._rows[1].add_(rows.shape[0])
 
     def statistics_subset(self, rows: torch.Tensor) -> torch.Tensor:
@@ -154,8 +184,8 @@ class KFACLayer(GradientMatrix, LayerMethod):
     def _allocate_statistics(self) -> None:
         if self._a_sum is None:
             kw = dict(device=self._device, dtype=self.statistics_dtype)
-            self._a_sum = torch.zeros(self.a_dim, self.a_dim, **kw)
-            self._g_sum = torch.zeros(self.g_dim, self.g_dim, **kw)
+            self._a_sum = torch.zeros(self._factor_shape("A"), **kw)
+            self._g_sum = torch.zeros(self._factor_shape("G"), **kw)
 
     def release_statistics_state(self) -> None:
         """Free the running factors on a rank that never refreshes this layer (sharded
@@ -180,7 +210,8 @@ class KFACLayer(GradientMatrix, LayerMethod):
         for index, (factor, total) in enumerate(((self.a_factor, self._a_sum), (self.g_factor, self._g_sum))):
             rows = self._rows[index]
             new = total / rows.clamp_min(1.0).to(total.dtype)
-            new = (new + new.t()) * 0.5  # exact symmetry; accumulation rounding can break it
+            if new.dim() == 2:
+                new = (new + new.t()) * 0.5  # exact symmetry; accumulation rounding can break it
             blended = torch.where(self._seen[index], torch.lerp(factor.to(new.dtype), new, 1.0 - decay), new)
             blended = blended.to(factor.dtype)
             # Checked after the cast: a float32 mean may still overflow a float16 factor.
@@ -215,13 +246,17 @@ class KFACLayer(GradientMatrix, LayerMethod):
     def _allocated(self) -> dict[str, list[torch.Tensor]]:
         if self._refreshed is None:
             kw = dict(device=self._device, dtype=self.inv_dtype)
-            shapes = {"A": self.a_dim, "G": self.g_dim}
-            if self.compute_method is ComputeMethod.EIGEN:
-                self._refreshed = {k: [torch.zeros(n, n, **kw), torch.zeros(n, **kw), torch.zeros(1, **kw)]
-                                   for k, n in shapes.items()}
-            else:
-                self._refreshed = {k: [torch.zeros(n, n, **kw), torch.zeros(1, **kw)] for k, n in shapes.items()}
+            self._refreshed = {part: [torch.zeros(shape, **kw) for shape in self._refreshed_shapes(part)]
+                               for part in FACTORS}
         return self._refreshed
+
+    def _refreshed_shapes(self, part: str) -> list[tuple[int, ...]]:
+        """EIGEN: ``[Q, eigenvalues, valid]``; INVERSE: ``[inverse, valid]``. A diagonal
+        factor has no ``Q`` (the identity) and its inverse is a vector."""
+        n = self.a_dim if part == "A" else self.g_dim
+        if self.diagonal[part]:
+            return [(n,), (1,)]
+        return [(n, n), (n,), (1,)] if self.compute_method is ComputeMethod.EIGEN else [(n, n), (1,)]
 
     def release_refreshed(self) -> None:
         """Drop refreshed state (on ranks that are not gradient workers of this layer)."""
@@ -240,7 +275,10 @@ class KFACLayer(GradientMatrix, LayerMethod):
         damping = ctx["damping"]
         if self.compute_method is ComputeMethod.EIGEN:
             matrix = self.a_factor if factor == "A" else self.g_factor
-            result = _robust_eigh(matrix, self.inv_dtype, f"{self.name}.{factor}")
+            if self.diagonal[factor]:  # already diagonal: its eigenvalues, basis the identity
+                result = (matrix.clamp_min(0.0).to(self.inv_dtype),)
+            else:
+                result = _robust_eigh(matrix, self.inv_dtype, f"{self.name}.{factor}")
         else:
             result = self._damped_inverse(factor, damping)
         if result is None:
@@ -258,8 +296,8 @@ class KFACLayer(GradientMatrix, LayerMethod):
     def _finalize(self, damping: float) -> None:
         self._allocated()  # a refresh that failed from the start left nothing allocated
         if self.compute_method is ComputeMethod.EIGEN and self.eigenvalue_outer_product:
-            d_a = self.refreshed_tensors("A")[1]
-            d_g = self.refreshed_tensors("G")[1]
+            d_a = self.refreshed_tensors("A")[-2]  # the eigenvalues (a diagonal factor: all it has)
+            d_g = self.refreshed_tensors("G")[-2]
             denominator = _inverse_denominator(d_g, d_a, damping)
             if self._inverse_denominator is None:
                 self._inverse_denominator = denominator
@@ -272,8 +310,8 @@ class KFACLayer(GradientMatrix, LayerMethod):
         work_dtype = _decomposition_dtype(self.inv_dtype)
         a = self.a_factor.to(work_dtype)
         g = self.g_factor.to(work_dtype)
-        trace_a = torch.trace(a) / self.a_dim
-        trace_g = torch.trace(g) / self.g_dim
+        trace_a = _trace(a) / self.a_dim
+        trace_g = _trace(g) / self.g_dim
         both_positive = (trace_a > 0) & (trace_g > 0)
         pi = torch.where(both_positive, torch.sqrt(trace_a / trace_g.clamp_min(1e-30)), 1.0)
         sqrt_damping = damping**0.5
@@ -281,9 +319,12 @@ class KFACLayer(GradientMatrix, LayerMethod):
             matrix, gamma = a, pi * sqrt_damping
         else:
             matrix, gamma = g, sqrt_damping / pi
-        eye = torch.eye(matrix.shape[0], dtype=work_dtype, device=matrix.device)
         try:
-            inverse = torch.linalg.inv(matrix + gamma * eye).to(self.inv_dtype)
+            if matrix.dim() == 1:  # a diagonal factor (its entries are ≥ 0, so no failure)
+                inverse = (1.0 / (matrix.clamp_min(0.0) + gamma)).to(self.inv_dtype)
+            else:
+                eye = torch.eye(matrix.shape[0], dtype=work_dtype, device=matrix.device)
+                inverse = torch.linalg.inv(matrix + gamma * eye).to(self.inv_dtype)
             if not bool(torch.isfinite(inverse).all()):  # refresh steps only: a host sync
                 raise RuntimeError("the inverse is not finite")
         except RuntimeError as err:  # singular despite damping: keep the previous inverse
@@ -304,23 +345,15 @@ class KFACLayer(GradientMatrix, LayerMethod):
         return self.matrix_to_grads(torch.where(valid.bool(), out, matrix))
 
     def precondition_matrix(self, grad: torch.Tensor) -> torch.Tensor:
-        if self.compute_method is ComputeMethod.EIGEN:
-            q_a, d_a, _ = self._refreshed["A"]
-            q_g, d_g, _ = self._refreshed["G"]
-            rotated = q_g.t() @ grad @ q_a
-            denominator = self._inverse_denominator
-            if denominator is None:
-                denominator = _inverse_denominator(d_g, d_a, self._damping_used)
-            return q_g @ (rotated * denominator) @ q_a.t()
-        a_inv = self._refreshed["A"][0]
-        g_inv = self._refreshed["G"][0]
-        return g_inv @ grad @ a_inv
+        parts = {part: self._refreshed[part] for part in FACTORS}
+        return _precondition(grad, parts, self.compute_method, self._inverse_denominator, self._damping_used)
 
     def batch_key(self) -> Hashable | None:
         if not self.ready:
             return None  # passes gradients through: nothing to batch
         return (type(self), self.compute_method, self.weight_shape, self.weight_transposed, self.has_bias,
-                self.inv_dtype, self._inverse_denominator is not None, self._damping_used)
+                self.inv_dtype, self._inverse_denominator is not None, self._damping_used,
+                self.diagonal["A"], self.diagonal["G"])
 
     @classmethod
     def apply_batch(cls, layers: Sequence["KFACLayer"], grads: Sequence[list[torch.Tensor]],
@@ -346,16 +379,8 @@ class KFACLayer(GradientMatrix, LayerMethod):
         else:
             matrix = weight
         work = matrix.to(first.inv_dtype)
-        if first.compute_method is ComputeMethod.EIGEN:
-            q_a, d_a, valid_a, q_g, d_g, valid_g, denominator = stacked
-            if denominator is None:
-                denominator = _inverse_denominator(d_g, d_a, first._damping_used)
-            rotated = torch.matmul(torch.matmul(q_g.transpose(1, 2), work), q_a)
-            out = torch.matmul(torch.matmul(q_g, rotated * denominator), q_a.transpose(1, 2))
-        else:
-            a_inv, valid_a, g_inv, valid_g = stacked
-            out = torch.matmul(torch.matmul(g_inv, work), a_inv)
-        valid = ((valid_a * valid_g).bool() & keep).reshape(count, 1, 1)
+        out = _precondition(work, stacked, first.compute_method, stacked["denominator"], first._damping_used)
+        valid = ((stacked["A"][-1] * stacked["G"][-1]).bool() & keep).reshape(count, 1, 1)
         out = torch.where(valid, out.to(matrix.dtype), matrix)
         if first.has_bias:
             weights, biases = out[:, :, :-1], out[:, :, -1].unbind(0)
@@ -373,9 +398,11 @@ class KFACLayer(GradientMatrix, LayerMethod):
 
     # ------------------------------------------------------------------ estimates
     def factor_costs(self) -> dict[str, tuple[float, float]]:
-        """Per factor: (compute cost ~ n³, memory cost ~ n²)."""
-        return {"A": (float(self.a_dim) ** 3, float(self.a_dim) ** 2),
-                "G": (float(self.g_dim) ** 3, float(self.g_dim) ** 2)}
+        """Per factor: (compute cost ~ n³, memory cost ~ n²); ~ n and n for a diagonal one."""
+        costs = {}
+        for part, dim in (("A", float(self.a_dim)), ("G", float(self.g_dim))):
+            costs[part] = (dim, dim) if self.diagonal[part] else (dim ** 3, dim ** 2)
+        return costs
 
     def memory_by_kind(self) -> dict[str, int]:
         held = [] if self._refreshed is None else self.refreshed_tensors()
@@ -432,7 +459,7 @@ class KFACLayer(GradientMatrix, LayerMethod):
             raise ValueError(f"{where} was saved with compute_method={method!r}, "
                              f"this layer uses {self.compute_method.value!r}")
         if self.a_factor is not None or "a_factor" in state:
-            a_shape, g_shape = (self.a_dim, self.a_dim), (self.g_dim, self.g_dim)
+            a_shape, g_shape = self._factor_shape("A"), self._factor_shape("G")
             checks.float_tensor(checks.entry(state, "a_factor", where), a_shape, f"{where}: a_factor")
             checks.float_tensor(checks.entry(state, "g_factor", where), g_shape, f"{where}: g_factor")
             seen = checks.entry(state, "seen", where)
@@ -441,9 +468,8 @@ class KFACLayer(GradientMatrix, LayerMethod):
         if not (self.holds_state or "refreshed" in state):
             return
         refreshed = checks.entry(state, "refreshed", where)
-        for factor, n in (("A", self.a_dim), ("G", self.g_dim)):
-            shapes = [(n, n), (n,), (1,)] if self.compute_method is ComputeMethod.EIGEN else [(n, n), (1,)]
-            checks.tensor_list(checks.entry(refreshed, factor, f"{where}: refreshed"), shapes,
+        for factor in FACTORS:
+            checks.tensor_list(checks.entry(refreshed, factor, f"{where}: refreshed"), self._refreshed_shapes(factor),
                                f"{where}: refreshed[{factor!r}]")
         ready = checks.entry(state, "ready", where)
         checks.boolean(ready, f"{where}: ready")
@@ -468,6 +494,38 @@ class KFACLayer(GradientMatrix, LayerMethod):
             self._finalize(state["damping_used"])
         else:
             self.ready = False
+
+
+def _precondition(grad: torch.Tensor, parts: dict, compute_method: ComputeMethod,
+                  denominator: torch.Tensor | None, damping: float | None) -> torch.Tensor:
+    """K-FAC's product for one gradient matrix ``[out, in]`` or a stack ``[k, out, in]``.
+
+    ``parts["A"]`` / ``parts["G"]``: the factor's refreshed tensors (``_refreshed_shapes``);
+    a diagonal factor is recognised by its 1-D (stacked: 2-D) first tensor. EIGEN:
+    ``Q_G [(Q_Gᵀ ∇ Q_A) · denominator] Q_Aᵀ`` with an identity ``Q`` skipped; INVERSE:
+    ``G⁻¹ ∇ A⁻¹`` with a diagonal inverse applied as a scaling.
+    """
+    def is_diagonal(tensors):  # [d, valid] or [inverse, valid] whose first holds one vector per layer
+        return tensors[0].dim() == grad.dim() - 1
+
+    diagonal_a, diagonal_g = is_diagonal(parts["A"]), is_diagonal(parts["G"])
+    if compute_method is ComputeMethod.EIGEN:
+        q_a = None if diagonal_a else parts["A"][0]
+        q_g = None if diagonal_g else parts["G"][0]
+        if denominator is None:
+            denominator = _inverse_denominator(parts["G"][-2], parts["A"][-2], damping)
+        rotated = grad if q_g is None else q_g.transpose(-1, -2) @ grad
+        rotated = rotated if q_a is None else rotated @ q_a
+        out = rotated * denominator
+        out = out if q_g is None else q_g @ out
+        return out if q_a is None else out @ q_a.transpose(-1, -2)
+    a_inv, g_inv = parts["A"][0], parts["G"][0]
+    out = grad * g_inv.unsqueeze(-1) if diagonal_g else g_inv @ grad
+    return out * a_inv.unsqueeze(-2) if diagonal_a else out @ a_inv
+
+
+def _trace(factor: torch.Tensor) -> torch.Tensor:
+    return factor.sum() if factor.dim() == 1 else torch.trace(factor)
 
 
 def _inverse_denominator(d_g: torch.Tensor, d_a: torch.Tensor, damping: float) -> torch.Tensor:
@@ -506,27 +564,26 @@ def _robust_eigh(matrix: torch.Tensor, out_dtype: torch.dtype, label: str):
     return None
 
 
-def _adopt_into_stacks(layers: Sequence[KFACLayer]) -> list[torch.Tensor | None]:
-    """Stack the layers' refreshed tensors kind by kind and re-point each layer at its slice."""
+def _adopt_into_stacks(layers: Sequence[KFACLayer]) -> dict[str, Any]:
+    """Stack the layers' refreshed tensors kind by kind and re-point each layer at its slice:
+    ``{"A": [...], "G": [...], "denominator": stack or None}`` (the parts' lists as in
+    ``_refreshed_shapes``, each validity flag stacked to ``[k]``)."""
     first = layers[0]
-    kinds = [("A", i) for i in range(len(first._refreshed["A"]))] + \
-            [("G", i) for i in range(len(first._refreshed["G"]))]
-    stacks: list[torch.Tensor | None] = []
-    for part, i in kinds:
-        stack = torch.stack([layer._refreshed[part][i] for layer in layers])
-        for layer, view in zip(layers, stack.unbind(0)):
-            layer._refreshed[part][i] = view
-        if i == len(first._refreshed[part]) - 1:
-            stack = stack.reshape(len(layers))  # the one-element validity flags
-        stacks.append(stack)
-    if first.compute_method is ComputeMethod.EIGEN:
-        if first._inverse_denominator is not None:
-            stack = torch.stack([layer._inverse_denominator for layer in layers])
+    stacks: dict[str, Any] = {"denominator": None}
+    for part in FACTORS:
+        stacks[part] = []
+        for i in range(len(first._refreshed[part])):
+            stack = torch.stack([layer._refreshed[part][i] for layer in layers])
             for layer, view in zip(layers, stack.unbind(0)):
-                layer._inverse_denominator = view
-            stacks.append(stack)
-        else:
-            stacks.append(None)
+                layer._refreshed[part][i] = view
+            if i == len(first._refreshed[part]) - 1:
+                stack = stack.reshape(len(layers))  # the one-element validity flags
+            stacks[part].append(stack)
+    if first.compute_method is ComputeMethod.EIGEN and first._inverse_denominator is not None:
+        stack = torch.stack([layer._inverse_denominator for layer in layers])
+        for layer, view in zip(layers, stack.unbind(0)):
+            layer._inverse_denominator = view
+        stacks["denominator"] = stack
     return stacks
 
 
@@ -573,6 +630,9 @@ class KFACSpec(MethodSpec):
                                collective=True),
         "inv_dtype": Option(torch.float32, _check_inv_dtype, collective=True),
         "statistics_rows": Option(None, _check_statistics_rows),
+        # Shampoo's default: a 8192-wide side is the largest one worth a dense factor.
+        "max_factor_size": Option(8192, lambda n, v: None if v is None else check.check_int(n, v),
+                                  collective=True),
     }
     layer_class = KFACLayer
 
@@ -582,7 +642,8 @@ class KFACSpec(MethodSpec):
     def make_layer(self, index: int, selected: Selected) -> KFACLayer:
         return self._make_factored_layer(
             selected, compute_method=self.settings["compute_method"],
-            eigenvalue_outer_product=self.settings["compute_eigenvalue_outer_product"])
+            eigenvalue_outer_product=self.settings["compute_eigenvalue_outer_product"],
+            max_factor_size=self.settings["max_factor_size"])
 
     def _make_factored_layer(self, selected: Selected, **method_kwargs) -> KFACLayer:
         """``layer_class`` for ``selected``'s weight with the factor settings shared by the
