@@ -283,3 +283,29 @@ def test_batched_psgd_apply_matches_explicit_kronecker_product():
                 rms = expected.square().mean().sqrt()
                 expected = expected * min(1.0, 1.1 / float(rms))
                 assert torch.allclose(p.grad, expected, rtol=1e-9, atol=1e-12), (step, name, part)
+
+
+# ---------------------------------------------------------------------- per-step sums
+def test_kl_sum_and_finiteness_match_float64_references():
+    """The engine's per-step sums (signed L1 norms for Σ⟨V, ∇⟩, L2 norms for finiteness) against
+    float64 dot products and ``isfinite``, in float32, float64 and float16."""
+    from kron_precond.apply import _finite_per_layer, _kl_sum
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64, torch.float16):
+        grads = [torch.randn(64, 48, generator=g).to(dtype) for _ in range(5)]
+        values = [(3.0 * x.double() + torch.randn(x.shape, generator=g, dtype=F64)).to(dtype) for x in grads]
+        keep = torch.tensor([True, True, False, True, True])
+        expected = sum(torch.dot(v.double().reshape(-1), x.double().reshape(-1))
+                       for i, (v, x) in enumerate(zip(values, grads)) if keep[i])
+        total = _kl_sum(values, grads, keep)
+        assert total.dtype == torch.promote_types(dtype, torch.float32)
+        tolerance = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-2}[dtype]
+        assert abs(float(total) - float(expected)) <= tolerance * abs(float(expected))
+        # finiteness: a NaN, an Inf, and large finite values that would overflow a float16 sum of squares
+        layers = [[grads[0], grads[1]], [grads[2]], [grads[3]], [grads[4]]]
+        layers[1][0] = layers[1][0].clone()
+        layers[1][0][3, 4] = float("nan")
+        layers[2][0] = layers[2][0].clone()
+        layers[2][0][0, 0] = float("-inf")
+        layers[3][0] = torch.full((64, 48), 2000.0, dtype=dtype)  # norm 1.1e5: past float16's max
+        assert _finite_per_layer(layers, {}).tolist() == [True, False, False, True]
