@@ -80,7 +80,7 @@ VARIANT_KEYS = {
     "maxtri": "psgd_max_size_triangular", "msm": "psgd_memory_save_mode",
     "ie": "ikfac_every", "idamp": "ikfac_damping", "idecay": "ikfac_factor_decay",
     "irows": "ikfac_statistics_rows", "m2": "moment_decay",
-    "kmax": "kfac_max_size", "se": "soap_statistics_every", "sb": "soap_every", "sdecay": "soap_factor_decay", "smax": "soap_max_size",
+    "kmax": "kfac_max_size", "graft": "kfac_grafting", "until": "precond_until", "se": "soap_statistics_every", "sb": "soap_every", "sdecay": "soap_factor_decay", "smax": "soap_max_size",
 }
 _FAMILY = re.compile(r"^(?P<method>\w+)(?:\{(?P<variant>[^}]*)\})?=(?P<lrs>.+)$")
 
@@ -97,6 +97,8 @@ def _variant_value(field: str, text: str):
         return _psgd_init_scale(text)
     if field in ("psgd_update", "compute_method", "psgd_memory_save_mode"):
         return text
+    if field == "kfac_grafting":
+        return text.lower() in ("1", "true", "yes")
     if field == "skip_layers":  # '+'-separated; e.g. skip=Embedding: lm_head is preconditioned too
         return tuple(filter(None, text.split("+")))
     if field == "kl_clip":

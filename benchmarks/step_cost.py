@@ -44,11 +44,11 @@ CONFIGS = {
     "kfac_muon eigen, 1024 rows": ("kfac_muon", {"statistics_rows": 1024}),
     "kfac_muon inverse, 1024 rows": ("kfac_muon", {"compute_method": "inverse", "statistics_rows": 1024}),
     "psgd_muon p=0.05": ("psgd_muon", {"update_probability": 0.05}),
-    # K-FAC with the sides wider than 512 (the MLPs' 4d side at d = 256) diagonal
-    "kfac_muon inverse, 1024 rows, diag > 512": ("kfac_muon", {"compute_method": "inverse", "statistics_rows": 1024,
-                                                               "kfac_max_size": 512}),
-    "kfac_muon eigen, 1024 rows, diag > 512": ("kfac_muon", {"statistics_rows": 1024, "kfac_max_size": 512}),
-    "psgd_muon p=0.05, diag > 512": ("psgd_muon", {"update_probability": 0.05, "psgd_max_size_triangular": 512}),
+    # sides wider than 512 (the MLPs' 4d side at d = 256) diagonal (names: at most 30 characters)
+    "kfac_muon inv 1024r diag>512": ("kfac_muon", {"compute_method": "inverse", "statistics_rows": 1024,
+                                                   "kfac_max_size": 512}),
+    "kfac_muon eig 1024r diag>512": ("kfac_muon", {"statistics_rows": 1024, "kfac_max_size": 512}),
+    "psgd_muon p=0.05 diag>512": ("psgd_muon", {"update_probability": 0.05, "psgd_max_size_triangular": 512}),
     # issue 17: input-side K-FAC (statistics + Cholesky refresh every ikfac_every steps) and the
     # elementwise second moment
     "ikfac_muon every 32": ("ikfac_muon", {}),

@@ -230,6 +230,7 @@ class Contender:
     name: str
     lr: float
     build: Callable[[nn.Module, torch.amp.GradScaler], tuple]  # (model, scaler) -> (optimizer, precond | None)
+    precond_until: float = 1.0  # fraction of the steps after which the preconditioner is removed
 
 
 @dataclass
@@ -290,6 +291,7 @@ class _Live:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     amp: AmpState
     train_seconds: float = 0.0
+    precond_steps: int | None = None  # steps that call the preconditioner (None: all)
 
 
 def _shard(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
@@ -322,7 +324,9 @@ def _start(contender: Contender, model_config: ModelConfig, train: TrainConfig, 
     amp = AmpState.create(train.amp, ctx.device)
     optimizer, precond = contender.build(model, amp.scaler)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(train.warmup_steps, train.steps))
-    return _Live(RunResult(contender.name, contender.lr), model, optimizer, precond, scheduler, amp)
+    until = None if contender.precond_until >= 1.0 else round(contender.precond_until * train.steps)
+    return _Live(RunResult(contender.name, contender.lr), model, optimizer, precond, scheduler, amp,
+                 precond_steps=until)
 
 
 def _check_batch_split(train: TrainConfig, ctx: DistContext) -> None:
@@ -360,6 +364,9 @@ def train_round_robin(
         batch = _micro_batches(*corpus.sample_train(train.batch_size, data_order), train.grad_accum, ctx)
         train_losses = {}
         for run in runs:
+            if run.precond is not None and run.precond_steps is not None and step > run.precond_steps:
+                run.precond.remove()  # the base optimizer alone from here on (hooks gone too)
+                run.precond = None
             timer = StepTimer(ctx.device)
             with timer:
                 train_losses[run.result.name] = train_step(
@@ -613,6 +620,7 @@ def method_contender(method: str, lr: float, weight_decay: float, precond: Preco
     return Contender(
         name=method, lr=lr,
         build=lambda model, scaler: build_method(method, model, lr, weight_decay, precond, scaler),
+        precond_until=precond.precond_until,
     )
 
 

@@ -152,6 +152,11 @@ class PrecondConfig:
     statistics_rows: int | None = None  # rows per module call in K-FAC's statistics (None: all)
     # K-FAC sides wider than this keep a diagonal factor (None: the library's default, 8192)
     kfac_max_size: int | None = None
+    # K-FAC's update rescaled per layer to its gradient's norm (the library's grafting=)
+    kfac_grafting: bool = False
+    # Fraction of the run after which the preconditioner is removed (its hooks too) and the
+    # base optimizer sees the raw gradients: curvature early, the base optimizer alone late.
+    precond_until: float = 1.0
     # Input-side K-FAC (method="ikfac"): statistics and refresh every ikfac_every steps,
     # damping relative to tr(A)/dim, its own decay and row cap.
     ikfac_every: int = 32
@@ -302,6 +307,7 @@ def build_preconditioner(
             compute_method=config.compute_method,
             statistics_rows=config.statistics_rows,
             **({} if config.kfac_max_size is None else {"max_factor_size": config.kfac_max_size}),
+            grafting=config.kfac_grafting,
             kl_clip=config.kl_clip,
             lr=lr,  # only read by kl_clip
             accumulation_steps=config.accumulation_steps,

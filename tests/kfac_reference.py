@@ -16,7 +16,8 @@ out with explicit float64 matrices:
   ``π = √((tr A / dim A) / (tr G / dim G))``;
 * ``kl_clip``: every V is scaled by ``min(1, sqrt(κ / |lr² Σ_layers ⟨V, ∇⟩|))``;
 * ``max_factor_size``: a factor wider than it is replaced by ``diag(diag(F))`` of the full
-  dense factor before either formula (the full factor is still accumulated here).
+  dense factor before either formula (the full factor is still accumulated here);
+* ``grafting``: each layer's V is rescaled to ``‖∇‖_F / ‖V‖_F`` (before ``kl_clip``).
 """
 from __future__ import annotations
 
@@ -86,8 +87,9 @@ class DenseKFAC:
     def __init__(self, names, *, damping: float, factor_decay: float = 0.95,
                  compute_method: str = "eigen", factor_update_steps: int = 1,
                  inv_update_steps: int = 1, kl_clip: float | None = None, lr: float = 0.1,
-                 max_factor_size: int | None = None):
+                 max_factor_size: int | None = None, grafting: bool = False):
         self.names = list(names)
+        self.grafting = grafting
         self.max_factor_size = max_factor_size
         self.damping, self.decay = damping, factor_decay
         self.compute_method = compute_method
@@ -160,6 +162,8 @@ class DenseKFAC:
             else:
                 _, a_inv, g_inv = frozen
                 out[n] = g_inv @ grad @ a_inv
+            if frozen is not None and self.grafting:
+                out[n] = out[n] * (grad.norm() / out[n].norm())
         if self.kl_clip is not None:
             total = sum((out[n] * grads[n].to(F64)).sum() for n in grads)
             nu = min(1.0, math.sqrt(self.kl_clip / abs(self.lr ** 2 * float(total)))) if float(total) else 1.0

@@ -68,3 +68,34 @@ def test_char_lm_flags_reach_the_config(examples):
     _, _, precond = char_lm.configs_from_args(args)
     assert (precond.ikfac_every, precond.ikfac_damping, precond.ikfac_factor_decay,
             precond.ikfac_statistics_rows, precond.moment_decay) == (16, 0.1, 0.9, 1024, 0.99)
+
+
+def test_precond_until_hands_the_last_steps_to_the_base_optimizer(examples):
+    """``precond_until=0.5`` of 6 steps: the preconditioner steps 3 times, then is removed
+    (hooks included), and the run goes on with the base optimizer alone."""
+    import torch
+
+    char_lm, common = examples
+    model_config = char_lm.ModelConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8)
+    config = common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS, factor_update_steps=1, inv_update_steps=1,
+                                  kfac_grafting=True, precond_until=0.5)
+    kept = {}
+
+    def build(model, scaler):
+        optimizer, precond = common.build_method("kfac_muon", model, 8e-3, 0.0, config)
+        kept["precond"], kept["model"] = precond, model
+        return optimizer, precond
+
+    contender = char_lm.Contender("kfac_muon", 8e-3, build, precond_until=config.precond_until)
+    train = char_lm.TrainConfig(steps=6, batch_size=4, warmup_steps=1, eval_every=3, eval_seqs=4)
+    corpus = char_lm.ByteCorpus(torch.randint(0, 256, (4096,), dtype=torch.uint8), model_config.seq_len)
+    ctx = common.DistContext(0, 1, torch.device("cpu"))
+    result, = char_lm.train_round_robin([contender], model_config, train, ctx, corpus=corpus, progress=False)
+    precond = kept["precond"]
+    assert precond.steps == 3
+    assert all(layer.method.grafting for layer in precond.layers.values())
+    for name, module in kept["model"].named_modules():  # removed: no hook of the library left
+        assert not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks), name
+    assert len(result.step_seconds) == 6 and result.eval_steps == [0, 3, 6]
+    # the full-length default keeps it to the end
+    assert char_lm.method_contender("kfac_muon", 8e-3, 0.0, common.PrecondConfig()).precond_until == 1.0

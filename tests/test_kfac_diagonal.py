@@ -1,4 +1,4 @@
-"""K-FAC with diagonal factors on wide sides (``max_factor_size``).
+"""K-FAC with diagonal factors on wide sides (``max_factor_size``), and grafting.
 
 Oracle: :mod:`kfac_reference`'s dense float64 K-FAC with each factor wider than the limit
 replaced by the diagonal of the full factor, ``(G' ⊗ A' + λI)⁻¹ vec(∇)`` by a dense solve
@@ -28,15 +28,17 @@ def batch(step: int):
     return torch.randn(16, 6, generator=g, dtype=F64), torch.randn(16, 20, generator=g, dtype=F64)
 
 
-def run(compute_method: str, max_factor_size, steps: int = 5, fu: int = 1, iu: int = 2, reference_limit="same"):
+def run(compute_method: str, max_factor_size, steps: int = 5, fu: int = 1, iu: int = 2, reference_limit="same",
+        grafting: bool = False, reference_grafting="same"):
     model = mlp()
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     precond = KronPreconditioner(model, damping=3e-2, kl_clip=None, inv_dtype=F64, factor_update_steps=fu,
                                  inv_update_steps=iu, compute_method=compute_method,
-                                 max_factor_size=max_factor_size)
+                                 max_factor_size=max_factor_size, grafting=grafting)
     dense = DenseKFAC(linears, damping=3e-2, compute_method=compute_method, factor_update_steps=fu,
                       inv_update_steps=iu,
-                      max_factor_size=max_factor_size if reference_limit == "same" else reference_limit)
+                      max_factor_size=max_factor_size if reference_limit == "same" else reference_limit,
+                      grafting=grafting if reference_grafting == "same" else reference_grafting)
     calls = {}
 
     def keep(name):
@@ -116,3 +118,17 @@ def test_bad_max_factor_size_raises():
         KronPreconditioner(mlp(), max_factor_size="wide")
     with pytest.warns(UserWarning, match="max_factor_size"):  # the engine's rule for another method's option
         KronPreconditioner(mlp(), method="ekfac", max_factor_size=10)
+
+
+@pytest.mark.parametrize("compute_method", ["eigen", "inverse"])
+@pytest.mark.parametrize("limit", [None, 10])
+def test_grafting_matches_dense_reference(compute_method, limit):
+    """Grafted K-FAC: each layer's V rescaled to its gradient's norm, against the dense
+    reference, and different from the ungrafted run (the comparison can fail)."""
+    precond, error = run(compute_method, limit, steps=5, grafting=True)
+    assert error < 1e-9, f"relative error {error:.2e}"
+
+    _, against_ungrafted = run(compute_method, limit, steps=5, grafting=True, reference_grafting=False)
+    assert against_ungrafted > 1e-2, f"grafting changed nothing ({against_ungrafted:.2e})"
+    for layer in precond.layers.values():
+        assert layer.method.grafting

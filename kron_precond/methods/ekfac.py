@@ -340,7 +340,8 @@ class EKFACSpec(KFACSpec):
     name = "ekfac"
     owner_only_statistics = False  # gradient workers fold the scaling s themselves
     options = {name: option for name, option in KFACSpec.options.items()
-               if name not in ("compute_method", "compute_eigenvalue_outer_product", "max_factor_size")}
+               if name not in ("compute_method", "compute_eigenvalue_outer_product", "max_factor_size",
+                                "grafting")}
     options["inv_update_steps"] = Option(10, check.check_int, per_step="always", collective=True)
     #: ``apply`` divides by the scaling folded from each statistics step
     apply_reads_statistics = True

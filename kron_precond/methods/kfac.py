@@ -68,6 +68,8 @@ class KFACLayer(GradientMatrix, LayerMethod):
             positions of the first samples. ``None`` keeps every row.
         max_factor_size: a side (``in(+1)`` for A, ``out`` for G) wider than this keeps a
             diagonal factor; ``None``: no limit.
+        grafting: rescale the layer's preconditioned gradient to the norm of its gradient
+            (direction from K-FAC, step size from the gradient).
     """
 
     def __init__(
@@ -84,8 +86,10 @@ class KFACLayer(GradientMatrix, LayerMethod):
         weight_transposed: bool = False,
         statistics_rows: int | None = None,
         max_factor_size: int | None = None,
+        grafting: bool = False,
     ) -> None:
         self.name = name
+        self.grafting = grafting
         self.statistics_rows = statistics_rows
         self.set_matrix_layout(weight_shape, has_bias, weight_transposed)  # [in, out] storage: seen as [out, in]
         self.compute_method = compute_method
@@ -339,6 +343,8 @@ class KFACLayer(GradientMatrix, LayerMethod):
             return grads
         matrix = self.grads_to_matrix(grads)
         out = self.precondition_matrix(matrix.to(self.inv_dtype)).to(matrix.dtype)
+        if self.grafting:
+            out = _graft(out.unsqueeze(0), matrix.unsqueeze(0)).squeeze(0)
         # Until both factors have a valid refresh (data seen, decomposition succeeded),
         # the gradient passes through; chosen on the device.
         valid = self._refreshed["A"][-1] * self._refreshed["G"][-1]
@@ -353,7 +359,7 @@ class KFACLayer(GradientMatrix, LayerMethod):
             return None  # passes gradients through: nothing to batch
         return (type(self), self.compute_method, self.weight_shape, self.weight_transposed, self.has_bias,
                 self.inv_dtype, self._inverse_denominator is not None, self._damping_used,
-                self.diagonal["A"], self.diagonal["G"])
+                self.diagonal["A"], self.diagonal["G"], self.grafting)
 
     @classmethod
     def apply_batch(cls, layers: Sequence["KFACLayer"], grads: Sequence[list[torch.Tensor]],
@@ -380,6 +386,8 @@ class KFACLayer(GradientMatrix, LayerMethod):
             matrix = weight
         work = matrix.to(first.inv_dtype)
         out = _precondition(work, stacked, first.compute_method, stacked["denominator"], first._damping_used)
+        if first.grafting:
+            out = _graft(out, work)
         valid = ((stacked["A"][-1] * stacked["G"][-1]).bool() & keep).reshape(count, 1, 1)
         out = torch.where(valid, out.to(matrix.dtype), matrix)
         if first.has_bias:
@@ -524,6 +532,17 @@ def _precondition(grad: torch.Tensor, parts: dict, compute_method: ComputeMethod
     return out * a_inv.unsqueeze(-2) if diagonal_a else out @ a_inv
 
 
+def _graft(out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``out`` ``[k, rows, cols]`` rescaled layer by layer to the Frobenius norm of ``grad``
+    (a zero ``out`` stays zero; a non-finite one stays non-finite and is replaced later)."""
+    accumulate = torch.promote_types(out.dtype, torch.float32)
+    grad_norm = torch.linalg.vector_norm(grad, dim=(1, 2), dtype=accumulate)
+    out_norm = torch.linalg.vector_norm(out, dim=(1, 2), dtype=accumulate)
+    scale = torch.where(out_norm > 0, grad_norm / out_norm.clamp_min(torch.finfo(accumulate).tiny),
+                        torch.ones_like(out_norm))
+    return out * scale.reshape(-1, 1, 1).to(out.dtype)
+
+
 def _trace(factor: torch.Tensor) -> torch.Tensor:
     return factor.sum() if factor.dim() == 1 else torch.trace(factor)
 
@@ -633,6 +652,7 @@ class KFACSpec(MethodSpec):
         # Shampoo's default: a 8192-wide side is the largest one worth a dense factor.
         "max_factor_size": Option(8192, lambda n, v: None if v is None else check.check_int(n, v),
                                   collective=True),
+        "grafting": Option(False, check.check_bool),
     }
     layer_class = KFACLayer
 
@@ -643,7 +663,7 @@ class KFACSpec(MethodSpec):
         return self._make_factored_layer(
             selected, compute_method=self.settings["compute_method"],
             eigenvalue_outer_product=self.settings["compute_eigenvalue_outer_product"],
-            max_factor_size=self.settings["max_factor_size"])
+            max_factor_size=self.settings["max_factor_size"], grafting=self.settings["grafting"])
 
     def _make_factored_layer(self, selected: Selected, **method_kwargs) -> KFACLayer:
         """``layer_class`` for ``selected``'s weight with the factor settings shared by the
