@@ -364,13 +364,15 @@ def train_round_robin(
         batch = _micro_batches(*corpus.sample_train(train.batch_size, data_order), train.grad_accum, ctx)
         train_losses = {}
         for run in runs:
-            if run.precond is not None and run.precond_steps is not None and step > run.precond_steps:
-                run.precond.remove()  # the base optimizer alone from here on (hooks gone too)
-                run.precond = None
+            precond = run.precond
+            if precond is not None and run.precond_steps is not None and step > run.precond_steps:
+                if step == run.precond_steps + 1:
+                    precond.remove()  # the base optimizer alone from here on (hooks gone too)
+                precond = None  # kept in run.precond for the memory report
             timer = StepTimer(ctx.device)
             with timer:
                 train_losses[run.result.name] = train_step(
-                    run.model, run.optimizer, run.precond, batch, lm_loss, run.amp
+                    run.model, run.optimizer, precond, batch, lm_loss, run.amp
                 )
                 run.scheduler.step()
             run.result.step_seconds.append(timer.seconds)

@@ -161,8 +161,8 @@ def _finite_per_layer(grads: list[list[torch.Tensor]], cache: dict) -> torch.Ten
     """One bool per layer: all of its gradients are finite (a fixed number of ops).
 
     A tensor is finite iff its L2 norm is: a NaN or Inf entry makes the norm NaN or Inf. The
-    L2 norm is vectorised on every backend, unlike the max-abs norm (15-25x slower on CPU:
-    docs/benchmarks.md, "Engine overhead"). Accumulated in float32 (float64 for float64
+    L2 norm is vectorised on every backend, unlike the max-abs norm (about 15x slower on
+    CPU: ``benchmarks/engine_checks.py``). Accumulated in float32 (float64 for float64
     gradients), so a float32 gradient whose norm overflows (> 1.8e19) also counts as
     non-finite; it would overflow the preconditioner's products anyway."""
     flat = [g for layer in grads for g in layer]

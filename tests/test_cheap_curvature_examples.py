@@ -97,5 +97,6 @@ def test_precond_until_hands_the_last_steps_to_the_base_optimizer(examples):
     for name, module in kept["model"].named_modules():  # removed: no hook of the library left
         assert not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks), name
     assert len(result.step_seconds) == 6 and result.eval_steps == [0, 3, 6]
+    assert result.state_bytes["preconditioner"] > 0, "the removed preconditioner's memory is still reported"
     # the full-length default keeps it to the end
     assert char_lm.method_contender("kfac_muon", 8e-3, 0.0, common.PrecondConfig()).precond_until == 1.0

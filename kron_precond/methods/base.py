@@ -290,3 +290,19 @@ def moved(tensor: torch.Tensor | None, device: torch.device,
     if tensor.is_meta:
         return torch.zeros(tensor.shape, dtype=dtype or tensor.dtype, device=device)
     return tensor.to(device=device, dtype=dtype or tensor.dtype)
+
+
+def graft_to_gradient_norm(updates: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Rescale each layer's ``updates`` (all of its parameters together) to the norm of its
+    ``grads``; tensors are stacked ``[B, ...]`` over B layers. No host sync."""
+    accumulate = torch.promote_types(grads[0].dtype, torch.float32)
+    count = grads[0].shape[0]
+
+    def norms(tensors):  # [B]: per layer, over all of its parameters
+        squares = [torch.linalg.vector_norm(t.reshape(count, -1), dim=1, dtype=accumulate) ** 2 for t in tensors]
+        return torch.stack(squares).sum(0).sqrt()
+
+    grad_norm, update_norm = norms(grads), norms(updates)
+    scale = torch.where(update_norm > 0, grad_norm / update_norm.clamp_min(torch.finfo(accumulate).tiny),
+                        torch.ones_like(grad_norm))
+    return [u * scale.reshape((count,) + (1,) * (u.dim() - 1)).to(u.dtype) for u in updates]

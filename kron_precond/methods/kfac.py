@@ -40,7 +40,8 @@ import torch
 from kron_precond.enums import ComputeMethod
 from kron_precond import validation as check
 from kron_precond.methods import state_checks as checks
-from kron_precond.methods.base import GradientMatrix, LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
+from kron_precond.methods.base import (GradientMatrix, LayerMethod, MethodSpec, Option, Selected,
+                                       graft_to_gradient_norm, moved, tensor_bytes)
 from kron_precond.modules import find_kfac_modules
 from kron_precond.schedules import IntervalSchedule, StepContext
 
@@ -100,7 +101,6 @@ class KFACLayer(GradientMatrix, LayerMethod):
         # Statistics are summed in float32 or better: a float16 sum overflows past 65,504
         # rows and a bfloat16 one stops growing at 256 equal terms.
         self.statistics_dtype = torch.promote_types(factor_dtype, torch.float32)
-        self.max_factor_size = max_factor_size
         # Per factor: keep only its diagonal (a vector) because the side is too wide.
         self.diagonal = {part: max_factor_size is not None and dim > max_factor_size
                          for part, dim in (("A", self.a_dim), ("G", self.g_dim))}
@@ -344,7 +344,7 @@ class KFACLayer(GradientMatrix, LayerMethod):
         matrix = self.grads_to_matrix(grads)
         out = self.precondition_matrix(matrix.to(self.inv_dtype)).to(matrix.dtype)
         if self.grafting:
-            out = _graft(out.unsqueeze(0), matrix.unsqueeze(0)).squeeze(0)
+            out = graft_to_gradient_norm([out.unsqueeze(0)], [matrix.unsqueeze(0)])[0].squeeze(0)
         # Until both factors have a valid refresh (data seen, decomposition succeeded),
         # the gradient passes through; chosen on the device.
         valid = self._refreshed["A"][-1] * self._refreshed["G"][-1]
@@ -387,7 +387,7 @@ class KFACLayer(GradientMatrix, LayerMethod):
         work = matrix.to(first.inv_dtype)
         out = _precondition(work, stacked, first.compute_method, stacked["denominator"], first._damping_used)
         if first.grafting:
-            out = _graft(out, work)
+            out = graft_to_gradient_norm([out], [work])[0]
         valid = ((stacked["A"][-1] * stacked["G"][-1]).bool() & keep).reshape(count, 1, 1)
         out = torch.where(valid, out.to(matrix.dtype), matrix)
         if first.has_bias:
@@ -530,17 +530,6 @@ def _precondition(grad: torch.Tensor, parts: dict, compute_method: ComputeMethod
     a_inv, g_inv = parts["A"][0], parts["G"][0]
     out = grad * g_inv.unsqueeze(-1) if diagonal_g else g_inv @ grad
     return out * a_inv.unsqueeze(-2) if diagonal_a else out @ a_inv
-
-
-def _graft(out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """``out`` ``[k, rows, cols]`` rescaled layer by layer to the Frobenius norm of ``grad``
-    (a zero ``out`` stays zero; a non-finite one stays non-finite and is replaced later)."""
-    accumulate = torch.promote_types(out.dtype, torch.float32)
-    grad_norm = torch.linalg.vector_norm(grad, dim=(1, 2), dtype=accumulate)
-    out_norm = torch.linalg.vector_norm(out, dim=(1, 2), dtype=accumulate)
-    scale = torch.where(out_norm > 0, grad_norm / out_norm.clamp_min(torch.finfo(accumulate).tiny),
-                        torch.ones_like(out_norm))
-    return out * scale.reshape(-1, 1, 1).to(out.dtype)
 
 
 def _trace(factor: torch.Tensor) -> torch.Tensor:

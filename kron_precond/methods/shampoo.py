@@ -44,7 +44,8 @@ import torch
 
 from kron_precond import validation as check
 from kron_precond.methods import state_checks as checks
-from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
+from kron_precond.methods.base import (LayerMethod, MethodSpec, Option, Selected, graft_to_gradient_norm, moved,
+                                       tensor_bytes)
 from kron_precond.modules import find_parameter_modules
 from kron_precond.schedules import IntervalSchedule, StepContext
 
@@ -272,7 +273,7 @@ class ShampooLayer(LayerMethod):
             result = torch.where(valid.reshape(count, 1, 1).bool(), result, matrix)
             out.append(result.reshape(grad.shape).to(grad.dtype))
         if self.grafting:
-            out = _graft(out, grads)
+            out = graft_to_gradient_norm(out, grads)
         return out
 
     # ------------------------------------------------------------------ estimates
@@ -388,22 +389,6 @@ def _diagonal_root(average: torch.Tensor, epsilon: float, exponent: float):
     values = average.clamp_min(0.0)
     largest = values.max()
     return (values + epsilon * largest).pow(-exponent), largest
-
-
-def _graft(updates: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Rescale each layer's ``updates`` (all of its parameters together) to the norm of its
-    ``grads``; tensors are stacked ``[B, ...]`` over B layers. No host sync."""
-    accumulate = torch.promote_types(grads[0].dtype, torch.float32)
-    count = grads[0].shape[0]
-
-    def norms(tensors):  # [B]: per layer, over all of its parameters
-        squares = [torch.linalg.vector_norm(t.reshape(count, -1), dim=1, dtype=accumulate) ** 2 for t in tensors]
-        return torch.stack(squares).sum(0).sqrt()
-
-    grad_norm, update_norm = norms(grads), norms(updates)
-    scale = torch.where(update_norm > 0, grad_norm / update_norm.clamp_min(torch.finfo(accumulate).tiny),
-                        torch.ones_like(grad_norm))
-    return [u * scale.reshape((count,) + (1,) * (u.dim() - 1)).to(u.dtype) for u in updates]
 
 
 def _adopt_into_stacks(layers: Sequence[ShampooLayer]) -> dict[str, list[torch.Tensor]]:
