@@ -80,7 +80,7 @@ VARIANT_KEYS = {
     "maxtri": "psgd_max_size_triangular", "msm": "psgd_memory_save_mode",
     "ie": "ikfac_every", "idamp": "ikfac_damping", "idecay": "ikfac_factor_decay",
     "irows": "ikfac_statistics_rows", "m2": "moment_decay",
-    "kmax": "kfac_max_size", "graft": "kfac_grafting", "until": "precond_until",
+    "mom": "muon_momentum", "kmax": "kfac_max_size", "graft": "kfac_grafting", "until": "precond_until",
     "se": "soap_statistics_every", "sb": "soap_every", "sdecay": "soap_factor_decay", "smax": "soap_max_size",
 }
 _FAMILY = re.compile(r"^(?P<method>\w+)(?:\{(?P<variant>[^}]*)\})?=(?P<lrs>.+)$")

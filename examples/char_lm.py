@@ -567,6 +567,8 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                    help="input-side K-FAC: rows per module call entering A (default: all)")
     p.add_argument("--moment-decay", type=float, default=PrecondConfig.moment_decay,
                    help="second moment (muon2, ikfac_muon2): decay beta of the running mean of squares")
+    p.add_argument("--muon-momentum", type=float, default=PrecondConfig.muon_momentum,
+                   help="torch.optim.Muon's momentum, for Muon and every method in front of it")
     p.add_argument("--stop-after", type=int, default=0,
                    help="stop after this many steps while the LR schedule still spans --steps "
                         "(time-to-a-fixed---target checks; 'final loss' is then the loss there)")
@@ -612,6 +614,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
         accumulation_steps=args.grad_accum,
         ikfac_every=args.ikfac_every, ikfac_damping=args.ikfac_damping, ikfac_factor_decay=args.ikfac_decay,
         ikfac_statistics_rows=args.ikfac_rows, moment_decay=args.moment_decay,
+        muon_momentum=args.muon_momentum,
     )
     return model, train, precond
 

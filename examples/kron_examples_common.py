@@ -131,6 +131,9 @@ class PrecondConfig:
     # Modules Muon leaves to AdamW (default: ``skip_layers``); set apart so that a variant can
     # precondition a layer (e.g. lm_head) without handing it to Muon.
     muon_exclude: Sequence[str] | None = None
+    # torch.optim.Muon's momentum (its default 0.95); a sweep variant may change it for any
+    # Muon-based method, so that Muon and the preconditioned runs get the same budget.
+    muon_momentum: float = 0.95
     factor_update_steps: int = 10
     inv_update_steps: int = 100
     damping: float = 3e-3
@@ -244,13 +247,16 @@ def muon_param_split(model: nn.Module, exclude: Sequence[str]) -> tuple[list, li
 def build_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequence[str],
                rest_optimizer: str = "adamw", psgd: PrecondConfig | None = None) -> OptimizerChain:
     """``torch.optim.Muon`` on hidden 2-D weights + ``rest_optimizer`` (AdamW, or the library's
-    ``Kron``) on the rest, one peak ``lr``.
+    ``Kron``) on the rest, one peak ``lr``. ``psgd`` also carries Muon's momentum
+    (``muon_momentum``; default 0.95, Muon's own).
 
     ``adjust_lr_fn="match_rms_adamw"`` scales Muon's orthogonalised update to AdamW's
     typical RMS, so one learning rate (and one schedule) serves both halves; ``Kron``'s
     update has AdamW's scale too (its best lr alone equals AdamW's)."""
     hidden, rest = muon_param_split(model, exclude)
-    muon = torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
+    momentum = 0.95 if psgd is None else psgd.muon_momentum
+    muon = torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, momentum=momentum,
+                            adjust_lr_fn="match_rms_adamw")
     return OptimizerChain([muon, build_optimizer(rest_optimizer, rest, lr, weight_decay, psgd)])
 
 

@@ -164,8 +164,9 @@ def test_step_cost_benchmark_reports_every_configuration(tmp_path):
 
 
 def test_sweep_variants_keep_the_usual_muon_split_and_reach_the_preconditioner():
-    """``skip=`` changes what the preconditioner takes, never Muon's split; ``rows``, ``cm``
-    and ``p`` reach the layers and the PSGD schedule of a preconditioner in front of Muon."""
+    """``skip=`` changes what the preconditioner takes, never Muon's split; ``mom`` sets
+    Muon's momentum; ``rows``, ``cm`` and ``p`` reach the layers and the PSGD schedule of a
+    preconditioner in front of Muon."""
 
     import torch
 
@@ -174,7 +175,7 @@ def test_sweep_variants_keep_the_usual_muon_split_and_reach_the_preconditioner()
     PrecondConfig = load("examples/kron_examples_common.py").PrecondConfig
     char_lm = load("examples/char_lm.py")
     SKIP_LAYERS, CharTransformer, ModelConfig = char_lm.SKIP_LAYERS, char_lm.CharTransformer, char_lm.ModelConfig
-    grid = [parse_family("kfac_muon{skip=Embedding,rows=7,cm=inverse}=8e-3"),
+    grid = [parse_family("kfac_muon{skip=Embedding,rows=7,cm=inverse,mom=0.85}=8e-3"),
             parse_family("psgd_muon{p=0.25,maxtri=12,msm=one_diag}=8e-3"), parse_family("muon_kron=8e-3")]
     base = PrecondConfig(skip_layers=SKIP_LAYERS, precond_update_probability=0.5)
     kfac_run, psgd_run, kron_run = sweep_contenders(grid, {}, (), 0.0, base)
@@ -183,6 +184,7 @@ def test_sweep_variants_keep_the_usual_muon_split_and_reach_the_preconditioner()
     assert "lm_head" in precond.layers and len(precond.layers) == 7  # 6 hidden + the head
     muon_params = {id(p) for g in chain.optimizers[0].param_groups for p in g["params"]}
     assert id(model.lm_head.weight) not in muon_params and len(muon_params) == 6
+    assert chain.optimizers[0].param_groups[0]["momentum"] == 0.85  # mom= reaches Muon
     layer = precond.layers["blocks.0.mlp.0"]
     assert layer.statistics_rows == 7 and layer.compute_method.value == "inverse"
     precond.remove()
@@ -194,6 +196,7 @@ def test_sweep_variants_keep_the_usual_muon_split_and_reach_the_preconditioner()
     chain, precond = kron_run.build(model, None)
     assert precond is None and type(chain.optimizers[1]).__name__ == "Kron"
     assert isinstance(chain.optimizers[0], torch.optim.Muon)
+    assert chain.optimizers[0].param_groups[0]["momentum"] == 0.95  # Muon's own default
 
 
 def test_sweep_best_point_is_the_first_to_reach_the_target():
