@@ -80,7 +80,7 @@ VARIANT_KEYS = {
     "maxtri": "psgd_max_size_triangular", "msm": "psgd_memory_save_mode",
     "ie": "ikfac_every", "idamp": "ikfac_damping", "idecay": "ikfac_factor_decay",
     "irows": "ikfac_statistics_rows", "m2": "moment_decay",
-    "mom": "muon_momentum", "kmax": "kfac_max_size", "graft": "kfac_grafting", "until": "precond_until",
+    "mom": "muon_momentum", "momw": "muon_momentum_warmup", "kmax": "kfac_max_size", "graft": "kfac_grafting", "until": "precond_until",
     "se": "soap_statistics_every", "sb": "soap_every", "sdecay": "soap_factor_decay", "smax": "soap_max_size",
 }
 _FAMILY = re.compile(r"^(?P<method>\w+)(?:\{(?P<variant>[^}]*)\})?=(?P<lrs>.+)$")
@@ -102,6 +102,9 @@ def _variant_value(field: str, text: str):
         return text.lower() in ("1", "true", "yes")
     if field == "skip_layers":  # '+'-separated; e.g. skip=Embedding: lm_head is preconditioned too
         return tuple(filter(None, text.split("+")))
+    if field == "muon_momentum_warmup":  # START:STEPS, e.g. 0.85:300
+        start, _, steps = text.partition(":")
+        return float(start), int(steps)
     if field == "kl_clip":
         return None if float(text) <= 0 else float(text)
     return float(text)

@@ -199,6 +199,40 @@ def test_sweep_variants_keep_the_usual_muon_split_and_reach_the_preconditioner()
     assert chain.optimizers[0].param_groups[0]["momentum"] == 0.95  # Muon's own default
 
 
+def test_muon_momentum_warmup_rises_linearly_and_steps_like_plain_muon():
+    """``momw=START:STEPS``: Muon's momentum goes START -> ``mom`` over STEPS steps; a step
+    taken at momentum m is the step of a plain ``torch.optim.Muon(momentum=m)``."""
+    import copy
+
+    import torch
+
+    convergence = load("benchmarks/convergence.py")
+    common = load("examples/kron_examples_common.py")
+    char_lm = load("examples/char_lm.py")
+    _, _, overrides, _ = convergence.parse_family("muon{mom=0.95,momw=0.85:4}=8e-3")
+    assert overrides["muon_momentum_warmup"] == (0.85, 4)
+    config = common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS, **overrides)
+    torch.manual_seed(0)
+    model = char_lm.CharTransformer(char_lm.ModelConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8))
+    twin = copy.deepcopy(model)
+    chain = common.build_muon(model, 8e-3, 0.0, char_lm.SKIP_LAYERS, "adamw", config)
+    plain = common.build_muon(twin, 8e-3, 0.0, char_lm.SKIP_LAYERS, "adamw",
+                              common.PrecondConfig(muon_momentum=0.85))
+    seen = []
+    tokens = torch.randint(0, 256, (2, 8))
+    for step in range(6):
+        for net, optimizer in ((model, chain), (twin, plain)):
+            optimizer.zero_grad()
+            net(tokens).square().mean().backward()
+            optimizer.step()
+        seen.append(chain.optimizers[0].param_groups[0]["momentum"])
+        if step == 0:  # both at 0.85: the same update
+            for a, b in zip(model.parameters(), twin.parameters()):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert seen == pytest.approx([0.85, 0.875, 0.9, 0.925, 0.95, 0.95])
+    assert not torch.equal(model.blocks[0].mlp[0].weight, twin.blocks[0].mlp[0].weight)  # then they part
+
+
 def test_sweep_best_point_is_the_first_to_reach_the_target():
     """The sweep ranks a family's points by the step that first reaches the target (one
     family costs the same per step), final loss breaking ties and ranking points that never
