@@ -131,9 +131,10 @@ class PrecondConfig:
     # Modules Muon leaves to AdamW (default: ``skip_layers``); set apart so that a variant can
     # precondition a layer (e.g. lm_head) without handing it to Muon.
     muon_exclude: Sequence[str] | None = None
-    # torch.optim.Muon's momentum (its default 0.95); a sweep variant may change it for any
-    # Muon-based method, so that Muon and the preconditioned runs get the same budget.
-    muon_momentum: float = 0.95
+    # torch.optim.Muon's momentum for Muon and every method in front of it. 0.9, not torch's
+    # 0.95: on the main job 0.9 reaches AdamW's loss 3-9 % sooner and ends lower on 3 of 3
+    # seeds (docs/benchmarks.md, "Muon's momentum"); a sweep variant (mom=) may change it.
+    muon_momentum: float = 0.9
     # (start, steps): Muon's momentum rises linearly from start to muon_momentum over the
     # first `steps` optimizer steps (modded-nanogpt's warm-up, 0.85 -> 0.95 over 300 there).
     muon_momentum_warmup: tuple[float, int] | None = None
@@ -251,13 +252,13 @@ def build_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequen
                rest_optimizer: str = "adamw", psgd: PrecondConfig | None = None) -> OptimizerChain:
     """``torch.optim.Muon`` on hidden 2-D weights + ``rest_optimizer`` (AdamW, or the library's
     ``Kron``) on the rest, one peak ``lr``. ``psgd`` also carries Muon's momentum
-    (``muon_momentum``; default 0.95, Muon's own).
+    (``muon_momentum``) and its warm-up.
 
     ``adjust_lr_fn="match_rms_adamw"`` scales Muon's orthogonalised update to AdamW's
     typical RMS, so one learning rate (and one schedule) serves both halves; ``Kron``'s
     update has AdamW's scale too (its best lr alone equals AdamW's)."""
     hidden, rest = muon_param_split(model, exclude)
-    momentum = 0.95 if psgd is None else psgd.muon_momentum
+    momentum = (psgd or PrecondConfig()).muon_momentum
     muon = torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, momentum=momentum,
                             adjust_lr_fn="match_rms_adamw")
     if psgd is not None and psgd.muon_momentum_warmup is not None:

@@ -196,7 +196,7 @@ def test_sweep_variants_keep_the_usual_muon_split_and_reach_the_preconditioner()
     chain, precond = kron_run.build(model, None)
     assert precond is None and type(chain.optimizers[1]).__name__ == "Kron"
     assert isinstance(chain.optimizers[0], torch.optim.Muon)
-    assert chain.optimizers[0].param_groups[0]["momentum"] == 0.95  # Muon's own default
+    assert chain.optimizers[0].param_groups[0]["momentum"] == PrecondConfig.muon_momentum
 
 
 def test_muon_momentum_warmup_rises_linearly_and_steps_like_plain_muon():
