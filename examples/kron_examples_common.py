@@ -272,7 +272,8 @@ def warm_muon_momentum(muon: torch.optim.Optimizer, start: float, steps: int, en
 
     Early in training the gradient norm falls by 10-30x within ~50 steps; a momentum of
     0.95 keeps those first large gradients in the buffer long after they stopped pointing
-    anywhere useful (docs/benchmarks.md, "Muon's momentum")."""
+    anywhere useful (docs/benchmarks.md, "Muon's momentum"). The step count lives in the
+    hook, not in the optimizer's state: a run resumed from a checkpoint restarts the warm-up."""
     calls = [0]
 
     def set_momentum(optimizer, args, kwargs) -> None:
