@@ -10,6 +10,10 @@ weights, same batches, load hits all alike), each over a learning-rate grid, and
 - ``time_ratio_muon_target``: the same to Muon's own final held-out loss;
 - ``loss_ratio``: the best of ours' final held-out loss divided by Muon's.
 
+"Muon" is the best of every Muon family in the grid: ``muon`` alone, or a sweep of its
+settings (``muon{mom=0.95}``, ``muon{mom=0.85}``, ...) treated like more lrs of one family,
+so a tuned momentum is part of the baseline (it moved Muon more than any preconditioner did).
+
 Tokens per parameter count the **non-embedding** parameters (the transformer blocks and the
 final LayerNorm: token / position embeddings and ``lm_head`` left out, as in Kaplan et al.);
 the all-parameter ratio is written next to it. The step count of a cell is
@@ -80,9 +84,13 @@ from kron_examples_common import DistContext  # noqa: E402
 
 REFERENCE, MUON = "adamw", "muon"
 # Centred on the best points of the first cells (tiny models take large lrs: the main job's
-# d=128 takes AdamW 2e-3, Muon 8e-3); a best point on an edge extends the grid anyway.
-DEFAULT_GRID = ("adamw=8e-3,1.6e-2,3.2e-2", "muon=3.2e-2,6.4e-2,1.28e-1",
-                "kfac_muon=3.2e-2,6.4e-2,1.28e-1", "psgd_muon=3.2e-2,6.4e-2,1.28e-1")
+# d=128 takes AdamW 2e-3, Muon 1.6e-2); a best point on an edge extends the grid anyway.
+# Muon's momentum is swept like its lr (four settings), and ours gets the same budget: two
+# methods at two momenta.
+_MUON_LRS = "3.2e-2,6.4e-2,1.28e-1"
+DEFAULT_GRID = ("adamw=8e-3,1.6e-2,3.2e-2",
+                *(f"muon{{mom={m}}}={_MUON_LRS}" for m in (0.95, 0.9, 0.85, 0.8)),
+                *(f"{method}{{mom={m}}}={_MUON_LRS}" for method in ("kfac_muon", "psgd_muon") for m in (0.95, 0.85)))
 WARMUP_FRACTION = 0.05
 EVALS_PER_RUN = 30
 FEW_STEPS = 50  # cells with fewer steps are flagged: a handful of steps is not a training run
@@ -135,15 +143,53 @@ def _seconds_to(run: RunResult | None, target: float, step_seconds: dict[str, fl
     return math.inf if step is None else step * step_seconds[family_of(run)]
 
 
+def method_of(family: str) -> str:
+    """``kfac_muon{kl=0}`` -> ``kfac_muon``."""
+    return family.split("{")[0]
+
+
+def muon_members(families: Sequence[str]) -> list[str]:
+    """The families that are Muon itself (any settings, e.g. ``muon{mom=0.85}``)."""
+    return [f for f in families if method_of(f) == MUON]
+
+
+def _muon_group(per_family: dict, members: Sequence[str]) -> dict:
+    """Muon's entry when several Muon settings ran (a momentum sweep): per measure, the
+    member that gets there in the fewest steps (lowest final loss), like an lr of the grid.
+    Seconds are its steps times the members' mean step time: the settings cost the same
+    per step, so pooling them only averages out the timing noise."""
+    seconds = sum(per_family[f]["step_seconds"] for f in members) / len(members)
+
+    def pick(key: str) -> str:
+        return min(members, key=lambda f: (math.inf if per_family[f][key] is None else per_family[f][key], f))
+
+    def seconds_of(steps):
+        return math.inf if steps is None else steps * seconds
+
+    time_by, muon_target_by, final_by = pick("steps_to_target"), pick("steps_to_muon_loss"), pick("final_loss")
+    to_target, to_muon, final = per_family[time_by], per_family[muon_target_by], per_family[final_by]
+    return {
+        "lr_time": to_target["lr_time"], "steps_to_target": to_target["steps_to_target"],
+        "seconds_to_target": seconds_of(to_target["steps_to_target"]),
+        "lr_time_muon_target": to_muon["lr_time_muon_target"], "steps_to_muon_loss": to_muon["steps_to_muon_loss"],
+        "seconds_to_muon_loss": seconds_of(to_muon["steps_to_muon_loss"]),
+        "lr_final": final["lr_final"], "final_loss": final["final_loss"], "step_seconds": seconds,
+        "members": list(members), "time_by": time_by, "muon_target_by": muon_target_by, "final_by": final_by,
+    }
+
+
 def cell_measures(results: Sequence[RunResult], ours: Sequence[str], step_seconds: dict[str, float]) -> dict:
-    """The map's three ratios (best of ``ours`` over Muon) and what they were built from."""
+    """The map's three ratios (best of ``ours`` over Muon) and what they were built from.
+
+    Muon is the best of every Muon family in ``results`` (``muon``, or a momentum sweep
+    ``muon{mom=0.95}``, ``muon{mom=0.85}``, ...): its entry ``families["muon"]`` names the
+    member behind each measure."""
     adamw = best_of(results, REFERENCE)
     target = adamw.final_loss
-    muon_final = best_of(results, MUON)
-    muon_loss = muon_final.final_loss
-    families = [MUON, *ours]
+    members = muon_members(list(dict.fromkeys(family_of(r) for r in results)))
+    muon_loss = min(best_of(results, f).final_loss for f in members)
     per_family = {}
-    for family in families:
+    for family in [*members, *ours]:
         to_target, to_muon = best_of(results, family, target), best_of(results, family, muon_loss)
         final = best_of(results, family)
         per_family[family] = {
@@ -151,9 +197,12 @@ def cell_measures(results: Sequence[RunResult], ours: Sequence[str], step_second
             "steps_to_target": crossing_step(to_target, target),
             "lr_time_muon_target": to_muon.lr,
             "seconds_to_muon_loss": _seconds_to(to_muon, muon_loss, step_seconds),
+            "steps_to_muon_loss": crossing_step(to_muon, muon_loss),
             "lr_final": final.lr, "final_loss": final.final_loss,
             "step_seconds": step_seconds[family],
         }
+    if members != [MUON]:
+        per_family[MUON] = _muon_group(per_family, members)
     muon = per_family[MUON]
 
     def best_ratio(key: str, reference: float) -> tuple[float, str]:
@@ -177,6 +226,8 @@ def chosen_lrs(measures: dict) -> dict[str, list[float]]:
     """Each family's lrs picked by any measure on the first seed (AdamW: its best point)."""
     lrs = {REFERENCE: [measures["adamw_lr"]]}
     for family, m in measures["families"].items():
+        if "members" in m:  # Muon's group entry: its members carry their own lrs
+            continue
         lrs[family] = sorted({m["lr_time"], m["lr_time_muon_target"], m["lr_final"]})
     return lrs
 
@@ -270,9 +321,13 @@ def _json_safe(value):
 def run_map(args, train_fn: TrainFn = train_round_robin) -> None:
     grid = [parse_family(entry) for entry in (args.grid or DEFAULT_GRID)]
     families = [family for family, *_ in grid]
-    if REFERENCE not in families or MUON not in families:
+    muons = muon_members(families)
+    if REFERENCE not in families or not muons:
         raise SystemExit("--grid needs an adamw family (the target) and a muon family (the reference)")
-    ours = [f for f in families if f not in (REFERENCE, MUON)]
+    if len(muons) > 1 and MUON in muons:
+        raise SystemExit(f"--grid: several Muon families {muons} are one reference, the best of them, which is "
+                         "named 'muon'; spell out every member's settings (e.g. muon{mom=0.9}) instead of a plain 'muon'")
+    ours = [f for f in families if f != REFERENCE and f not in muons]
     if not ours:
         raise SystemExit("--grid needs at least one family besides adamw and muon")
     model, _, _ = configs_from_args(args)
@@ -398,8 +453,16 @@ def markdown_table(cells: dict[tuple, list[dict]]) -> str:
             f"{', '.join(f'{costs[(width, tokens)][f]:.2f}' for f in first['ours'])}) | "
             f"{per_seed('time_ratio_muon_target', 2)}; pooled {per_seed('time_ratio_muon_target_pooled', 2)} | "
             f"{per_seed('loss_ratio', 4)} ({m['loss_ratio_by']}) | {m['muon_final_loss']:.4f} / {best_final:.4f} | "
-            f"{m['adamw_lr']:g} / {fams[MUON]['lr_time']:g}/{fams[MUON]['lr_final']:g} / {ours_lrs} |")
+            f"{m['adamw_lr']:g} / {fams[MUON]['lr_time']:g}/{fams[MUON]['lr_final']:g}{_muon_settings(fams[MUON])} / "
+            f"{ours_lrs} |")
     return "\n".join(rows)
+
+
+def _muon_settings(muon: dict) -> str:
+    """' (mom=0.85/mom=0.9)': the Muon settings behind the time and final-loss measures."""
+    if "members" not in muon:
+        return ""
+    return f" ({muon['time_by'][len(MUON) + 1:-1]}/{muon['final_by'][len(MUON) + 1:-1]})"
 
 
 TARGET_RATIO = 0.8  # issue 17: <= 0.8x Muon's wall-clock to each target
@@ -568,7 +631,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="seeds (weights and data order); the first runs the lr sweep")
     p.add_argument("--grid", action="append", metavar="METHOD=LR,LR",
                    help=f"families and lrs as in benchmarks/convergence.py (repeatable); default {DEFAULT_GRID}; "
-                        "every family but adamw and muon is one of ours")
+                        "every family but adamw and the muon ones is one of ours; several muon families (e.g. "
+                        "muon{mom=0.95} and muon{mom=0.85}) form one reference, the best of them per measure")
     p.add_argument("--max-extend", type=int, default=2, help="grid extensions past an edge per cell")
     p.add_argument("--sweep-ratios", type=_floats, default=[],
                    help="ratios whose cells run the lr sweep on the first seed (default: all); a cell at "

@@ -161,3 +161,39 @@ def test_configuration_rows_judge_each_family_and_lr_on_its_own(tmp_path, monkey
         assert row["mean"]["loss"] == pytest.approx(final[family] / final["muon"])
     text = (tmp_path / "regimes.md").read_text()
     assert "| 8 | 10 | 256 | psgd_muon | 0.02 | 0,1 |" in text and "3 of 3" in text
+
+
+def test_a_muon_momentum_sweep_is_one_reference_the_best_of_its_members(tmp_path, monkeypatch):
+    # Muon at momentum 0.85 descends faster than at 0.95: the reference must be the 0.85 run,
+    # charged the members' mean step time, and neither member may count as one of ours.
+    for family, slope_, seconds in (("muon{mom=0.95}", 0.020, 1.0), ("muon{mom=0.85}", 0.025, 1.2)):
+        monkeypatch.setitem(SLOPE, family, slope_)
+        monkeypatch.setitem(SECONDS, family, seconds)
+        monkeypatch.setitem(BEST_LR, family, 2e-2)
+    grid = ["--grid", "adamw=1e-3,2e-3,4e-3", "--grid", "muon{mom=0.95}=1e-2,2e-2,4e-2",
+            "--grid", "muon{mom=0.85}=1e-2,2e-2,4e-2", "--grid", "kfac_muon=1e-2,2e-2,4e-2"]
+    cells = regimes.main([*TOY, "--ratios", "10", *grid, "--out", str(tmp_path)], train_fn=FakeTrainer())
+    steps = round(10 * non_embedding_params(8, 1) / 256)
+    final = {f: L0 - SLOPE[f] * steps for f in SLOPE}
+    muon_steps = (L0 - final["adamw"]) / SLOPE["muon{mom=0.85}"]
+    kfac_seconds = (L0 - final["adamw"]) / SLOPE["kfac_muon"] * SECONDS["kfac_muon"]
+    for record in next(iter(cells.values())):
+        m = record["measures"]
+        assert record["ours"] == ["kfac_muon"]
+        muon = m["families"]["muon"]
+        assert muon["time_by"] == muon["final_by"] == "muon{mom=0.85}"
+        assert muon["step_seconds"] == pytest.approx(1.1)  # mean of the two members' 1.0 and 1.2
+        assert m["muon_final_loss"] == pytest.approx(final["muon{mom=0.85}"])
+        assert m["time_ratio"] == pytest.approx(kfac_seconds / (muon_steps * 1.1))
+        assert m["loss_ratio"] == pytest.approx(final["kfac_muon"] / final["muon{mom=0.85}"])
+        assert m["steps_ratio"] == pytest.approx(SLOPE["muon{mom=0.85}"] / SLOPE["kfac_muon"])
+    first = next(r for r in next(iter(cells.values())) if r["seed"] == 0)
+    assert "muon" not in first["chosen_lrs"] and set(first["chosen_lrs"]) == {
+        "adamw", "muon{mom=0.95}", "muon{mom=0.85}", "kfac_muon"}
+    second = next(r for r in next(iter(cells.values())) if r["seed"] == 1)
+    assert {run["name"] for run in second["runs"]} == {
+        "adamw lr=0.002", "muon{mom=0.95} lr=0.02", "muon{mom=0.85} lr=0.02", "kfac_muon lr=0.02"}
+    assert "(mom=0.85/mom=0.85)" in (tmp_path / "regimes.md").read_text()
+    with pytest.raises(SystemExit, match="spell out"):
+        regimes.main([*TOY, "--ratios", "10", *grid, "--grid", "muon=1e-2", "--out", str(tmp_path / "x")],
+                     train_fn=FakeTrainer())
