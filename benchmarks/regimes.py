@@ -596,8 +596,10 @@ def plot_map(cells: dict[tuple, list[dict]], path: Path) -> None:
             ax.set_ylabel("tokens per step")
             ax.set_title(f"d_model={width}: {label}", fontsize=8)
             fig.colorbar(image, ax=ax, fraction=0.046)
+    swept = any("members" in r["measures"]["families"][MUON] for records in cells.values() for r in records)
     fig.suptitle("char-LM regime map: blue = curvature + Muon beats Muon (mean of seeds; * = fewer than "
-                 f"{FEW_STEPS} steps)", fontsize=8)
+                 f"{FEW_STEPS} steps)" + ("\nevery Muon-based family at its best lr and momentum per cell" if swept else ""),
+                 fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
