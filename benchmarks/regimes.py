@@ -557,6 +557,13 @@ def transfer_check(cells: dict[tuple, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def _short(family: str) -> str:
+    """A heat-map label: ``kfac_muon{mom=0.8}`` -> ``kfac+Muon (0.8)``."""
+    method, _, settings = family.partition("{")
+    settings = settings.rstrip("}").replace("mom=", "")
+    return method.replace("_muon", "+Muon") + (f" ({settings})" if settings else "")
+
+
 def plot_map(cells: dict[tuple, list[dict]], path: Path) -> None:
     """One row per width: seed-mean time ratio and final-loss ratio (ours / Muon) per cell."""
     import matplotlib
@@ -584,10 +591,10 @@ def plot_map(cells: dict[tuple, list[dict]], path: Path) -> None:
                     value = seed_mean(records, key)
                     grid[i][j] = min(value, 10.0)
                     few = records[0]["steps"] < FEW_STEPS
-                    text = (_fmt(value, digits) + ("*" if few else "") + f"\n{records[0]['measures'][key + '_by']}"
+                    text = (_fmt(value, digits) + ("*" if few else "") + f"\n{_short(records[0]['measures'][key + '_by'])}"
                             + f"\n{records[0]['steps']} steps, {len(records)} seed{'s' * (len(records) > 1)}")
                     shade = float(norm(min(value, 10.0)))
-                    ax.text(j, i, text.replace("_muon", "+Muon"), ha="center", va="center", fontsize=7,
+                    ax.text(j, i, text, ha="center", va="center", fontsize=7,
                             color="white" if shade < 0.15 or shade > 0.85 else "black")
             image = ax.imshow(grid, cmap="RdBu_r", norm=norm, origin="lower", aspect="auto")
             ax.set_xticks(range(len(ratios)), [f"{r:g}" for r in ratios])
