@@ -46,7 +46,7 @@ Each (cell, seed) is written to ``OUT/w{width}_r{ratio}_t{tokens}_s{seed}.json``
 it is done and skipped when the script is rerun, so a partial map is usable and a killed run
 resumes. ``--report-only`` rebuilds the table and the heat map from the JSON files.
 
-    python benchmarks/regimes.py --threads 1 --sweep-ratios 5,40 --check 12:160:16384 --out runs/regimes  # the map
+    python benchmarks/regimes.py --threads 1 --seeds 0,1,2 --out runs/regimes  # the map (docs/img/regimes.png)
     python benchmarks/regimes.py --report-only --out runs/regimes --png docs/img/regimes.png
     python benchmarks/regimes.py --grid adamw=8e-3,1.6e-2,3.2e-2 --grid muon=3.2e-2,6.4e-2,1.28e-1 \
         --grid "kfac_muon{rows=all}=3.2e-2,6.4e-2,1.28e-1" --out runs/regimes_kfac_all   # other "ours"
