@@ -146,7 +146,12 @@ def _seconds_to(run: RunResult | None, target: float, step_seconds: dict[str, fl
 
 def method_of(family: str) -> str:
     """``kfac_muon{kl=0}`` -> ``kfac_muon``."""
-    return family.split("{")[0]
+    return family.partition("{")[0]
+
+
+def settings_of(family: str) -> str:
+    """``kfac_muon{kl=0}`` -> ``kl=0``; ``muon`` -> ``""``."""
+    return family.partition("{")[2].rstrip("}")
 
 
 def muon_members(families: Sequence[str]) -> list[str]:
@@ -156,9 +161,9 @@ def muon_members(families: Sequence[str]) -> list[str]:
 
 def _muon_group(per_family: dict, members: Sequence[str]) -> dict:
     """Muon's entry when several Muon settings ran (a momentum sweep): per measure, the
-    member that gets there in the fewest steps (lowest final loss), like an lr of the grid.
-    Seconds are its steps times the members' mean step time: the settings cost the same
-    per step, so pooling them only averages out the timing noise."""
+    member (each at its own best lr) with the fewest interpolated steps to the target, or
+    the lowest final loss. Seconds are those steps times the members' mean step time: the
+    settings cost the same per step, so pooling them only averages out the timing noise."""
     seconds = sum(per_family[f]["step_seconds"] for f in members) / len(members)
 
     def pick(key: str) -> str:
@@ -463,7 +468,7 @@ def _muon_settings(muon: dict) -> str:
     """' (mom=0.85/mom=0.9)': the Muon settings behind the time and final-loss measures."""
     if "members" not in muon:
         return ""
-    return f" ({muon['time_by'][len(MUON) + 1:-1]}/{muon['final_by'][len(MUON) + 1:-1]})"
+    return f" ({settings_of(muon['time_by'])}/{settings_of(muon['final_by'])})"
 
 
 TARGET_RATIO = 0.8  # issue 17: <= 0.8x Muon's wall-clock to each target
@@ -559,9 +564,8 @@ def transfer_check(cells: dict[tuple, list[dict]]) -> str:
 
 def _short(family: str) -> str:
     """A heat-map label: ``kfac_muon{mom=0.8}`` -> ``kfac+Muon (0.8)``."""
-    method, _, settings = family.partition("{")
-    settings = settings.rstrip("}").replace("mom=", "")
-    return method.replace("_muon", "+Muon") + (f" ({settings})" if settings else "")
+    settings = settings_of(family).replace("mom=", "")
+    return method_of(family).replace("_muon", "+Muon") + (f" ({settings})" if settings else "")
 
 
 def plot_map(cells: dict[tuple, list[dict]], path: Path) -> None:
