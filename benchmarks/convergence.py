@@ -81,7 +81,7 @@ VARIANT_KEYS = {
     "maxtri": "psgd_max_size_triangular", "msm": "psgd_memory_save_mode",
     "ie": "ikfac_every", "idamp": "ikfac_damping", "idecay": "ikfac_factor_decay",
     "irows": "ikfac_statistics_rows", "m2": "moment_decay",
-    "mom": "muon_momentum", "momw": "muon_momentum_warmup", "kmax": "kfac_max_size", "graft": "kfac_grafting", "until": "precond_until",
+    "mom": "muon_momentum", "momw": "muon_momentum_warmup", "kmax": "kfac_max_size", "graft": "kfac_grafting", "until": "precond_until", "pm": "precond_momentum", "we": "wmuon_every", "wdamp": "wmuon_damping", "wboth": "wmuon_both_sides", "wrows": "wmuon_statistics_rows",
     "se": "soap_statistics_every", "sb": "soap_every", "sdecay": "soap_factor_decay", "smax": "soap_max_size",
 }
 _FAMILY = re.compile(r"^(?P<method>\w+)(?:\{(?P<variant>[^}]*)\})?=(?P<lrs>.+)$")
@@ -89,9 +89,9 @@ _FAMILY = re.compile(r"^(?P<method>\w+)(?:\{(?P<variant>[^}]*)\})?=(?P<lrs>.+)$"
 
 def _variant_value(field: str, text: str):
     if field in ("factor_update_steps", "inv_update_steps", "psgd_max_size_triangular", "ikfac_every",
-                 "soap_statistics_every", "soap_every", "soap_max_size", "kfac_max_size"):
+                 "soap_statistics_every", "soap_every", "soap_max_size", "kfac_max_size", "wmuon_every"):
         return int(text)
-    if field in ("statistics_rows", "ikfac_statistics_rows"):
+    if field in ("statistics_rows", "ikfac_statistics_rows", "wmuon_statistics_rows"):
         return _optional_rows(text)
     if field == "update_probability":
         return _psgd_update_probability(text)
@@ -99,7 +99,7 @@ def _variant_value(field: str, text: str):
         return _psgd_init_scale(text)
     if field in ("psgd_update", "compute_method", "psgd_memory_save_mode"):
         return text
-    if field == "kfac_grafting":
+    if field in ("kfac_grafting", "precond_momentum", "wmuon_both_sides"):
         return text.lower() in ("1", "true", "yes")
     if field == "skip_layers":  # '+'-separated; e.g. skip=Embedding: lm_head is preconditioned too
         return tuple(filter(None, text.split("+")))

@@ -486,7 +486,7 @@ DEFAULT_LRS = {"adamw": 2e-3, "kfac": 4e-3, "psgd": 2e-3, "psgd_adamw": 2e-3, "s
                # (docs/benchmarks.md, "Muon's momentum" and "The other Muon-based methods")
                "muon": 1.6e-2, "kfac_muon": 1.6e-2, "psgd_muon": 1.6e-2, "ekfac_muon": 1.6e-2,
                "muon_kron": 1.6e-2, "kfac_muon_kron": 1.6e-2, "ikfac_muon": 1.6e-2, "muon2": 1.6e-2,
-               "ikfac_muon2": 1.6e-2, "soap_muon": 1.6e-2}
+               "ikfac_muon2": 1.6e-2, "soap_muon": 1.6e-2, "wmuon": 1.6e-2, "wmuon_pre": 1.6e-2}
 
 
 def _psgd_update_probability(value: str):

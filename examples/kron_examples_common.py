@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kron_precond import Kron, KronPreconditioner
+from kron_precond import Kron, KronPreconditioner, WhitenedMuon
 
 
 # --------------------------------------------------------------------------- distributed
@@ -120,6 +120,9 @@ METHODS: dict[str, MethodSpec] = {
     "muon2": MethodSpec("elementwise second moment + Muon (Muon²)", base="muon", precond="second_moment"),
     "ikfac_muon2": MethodSpec("input-side K-FAC, then second moment + Muon", base="muon", precond="ikfac2"),
     "soap_muon": MethodSpec("SOAP-style eigenbasis second moment + Muon", base="muon", precond="soap"),
+    # Muon's steepest descent in ||ΔW A^{1/2}||_op (examples/whitened_muon.py), and its pre-only control.
+    "wmuon": MethodSpec("Muon in the input-whitened norm", base="wmuon", precond=None),
+    "wmuon_pre": MethodSpec("Muon after input whitening (pre only)", base="wmuon_pre", precond=None),
 }
 
 
@@ -138,6 +141,10 @@ class PrecondConfig:
     # (start, steps): Muon's momentum rises linearly from start to muon_momentum over the
     # first `steps` optimizer steps (modded-nanogpt's warm-up, 0.85 -> 0.95 over 300 there).
     muon_momentum_warmup: tuple[float, int] | None = None
+    # Precondition Muon's (Nesterov) momentum instead of the raw gradient: the momentum is
+    # kept outside Muon (run at momentum 0) and rewritten by the preconditioner before
+    # Newton-Schulz, the order of modded-nanogpt's SOAP + Muon record and of kron_torch.
+    precond_momentum: bool = False
     factor_update_steps: int = 10
     inv_update_steps: int = 100
     damping: float = 3e-3
@@ -179,6 +186,11 @@ class PrecondConfig:
     soap_every: int = 10
     soap_factor_decay: float = 0.95
     soap_max_size: int = 4096
+    # Input-whitened Muon (wmuon, wmuon_pre): statistics / refresh interval, relative damping.
+    wmuon_every: int = 32
+    wmuon_damping: float = 0.1
+    wmuon_both_sides: bool = False  # also whiten by the output-gradient factor G
+    wmuon_statistics_rows: int | None = 1024
 
 
 class OptimizerChain(torch.optim.Optimizer):
@@ -264,6 +276,25 @@ def build_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequen
     if psgd is not None and psgd.muon_momentum_warmup is not None:
         warm_muon_momentum(muon, *psgd.muon_momentum_warmup, end=momentum)
     return OptimizerChain([muon, build_optimizer(rest_optimizer, rest, lr, weight_decay, psgd)])
+
+
+def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, config: PrecondConfig,
+                        post: bool) -> OptimizerChain:
+    """``kron_precond.WhitenedMuon`` on Muon's usual hidden weights + AdamW on the rest.
+    ``post=False`` is the whitening-before-only control (``examples/whitened_muon_pre.py``)."""
+    exclude = config.skip_layers if config.muon_exclude is None else config.muon_exclude
+    hidden, rest = muon_param_split(model, exclude)
+    hidden_ids = {id(p) for p in hidden}
+    modules = [m for m in model.modules() if isinstance(m, nn.Linear) and id(m.weight) in hidden_ids]
+    settings = dict(momentum=config.muon_momentum, statistics_every=config.wmuon_every,
+                    damping=config.wmuon_damping, statistics_rows=config.wmuon_statistics_rows,
+                    output_side=config.wmuon_both_sides)
+    if post:
+        muon = WhitenedMuon(modules, lr, weight_decay, **settings)
+    else:
+        from whitened_muon_pre import PreWhitenedMuon
+        muon = PreWhitenedMuon(modules, lr, weight_decay, **settings)
+    return OptimizerChain([muon, build_optimizer("adamw", rest, lr, weight_decay, config)])
 
 
 def warm_muon_momentum(muon: torch.optim.Optimizer, start: float, steps: int, end: float) -> None:
@@ -400,7 +431,9 @@ def build_method(
     """Optimizer and preconditioner for ``method`` (a key of ``METHODS``)."""
     spec = METHODS[method]
     bare = unwrap(model)
-    if spec.base in ("muon", "muon_kron"):
+    if spec.base in ("wmuon", "wmuon_pre"):
+        optimizer = build_whitened_muon(bare, lr, weight_decay, config, post=spec.base == "wmuon")
+    elif spec.base in ("muon", "muon_kron"):
         exclude = config.skip_layers if config.muon_exclude is None else config.muon_exclude
         rest = "kron" if spec.base == "muon_kron" else "adamw"
         optimizer = build_muon(bare, lr, weight_decay, exclude, rest, config)
@@ -409,7 +442,56 @@ def build_method(
     precond = None
     if spec.precond:
         precond = build_preconditioner(spec.precond, bare, lr, config, grad_scaler)
+    if config.precond_momentum:
+        precond = _momentum_first(spec, optimizer, precond, config)
     return optimizer, precond
+
+
+class MomentumFirst:
+    """A preconditioner whose ``step()`` first folds the gradients of Muon's parameters into
+    a Nesterov momentum (torch.optim.Muon's own rule, ``buf.lerp_(g, 1 - mu)`` then
+    ``g.lerp(buf, mu)``) and writes it into ``.grad``, so the preconditioner rewrites the
+    momentum and Muon (built with momentum 0) orthogonalises the result. Everything else
+    is the wrapped preconditioner's."""
+
+    def __init__(self, precond: KronPreconditioner, params: Sequence[nn.Parameter], momentum: float):
+        self.precond = precond
+        self.params = list(params)
+        self.momentum = momentum
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p in self.params:
+            if p.grad is None:
+                continue
+            buf = self.buffers.get(id(p))
+            if buf is None:
+                buf = self.buffers[id(p)] = torch.zeros_like(p.grad)
+            buf.lerp_(p.grad, 1 - self.momentum)
+            p.grad.lerp_(buf, self.momentum)
+        self.precond.step()
+
+    def memory_usage(self) -> dict[str, int]:
+        usage = dict(self.precond.memory_usage())
+        usage["momentum"] = sum(b.numel() * b.element_size() for b in self.buffers.values())
+        return usage
+
+    def __getattr__(self, name: str):
+        return getattr(self.precond, name)
+
+
+def _momentum_first(spec: MethodSpec, optimizer: torch.optim.Optimizer,
+                    precond: KronPreconditioner | None, config: PrecondConfig) -> MomentumFirst:
+    if spec.base != "muon" or precond is None:
+        raise ValueError(f"precond_momentum needs a preconditioner in front of Muon, not {spec.label!r}")
+    if config.muon_momentum_warmup is not None or config.precond_until < 1.0:
+        raise ValueError("precond_momentum does not combine with muon_momentum_warmup or precond_until")
+    muon = optimizer.optimizers[0]
+    for group in muon.param_groups:
+        group["momentum"] = 0.0  # the momentum is MomentumFirst's; Muon orthogonalises
+    params = [p for group in muon.param_groups for p in group["params"]]
+    return MomentumFirst(precond, params, config.muon_momentum)
 
 
 # --------------------------------------------------------------------------- training

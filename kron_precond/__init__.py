@@ -6,12 +6,17 @@
 or, for loops that only call ``optimizer.step()`` (HF Trainer, Lightning, Accelerate)::
 
     optimizer = PreconditionedOptimizer(torch.optim.AdamW(model.parameters()), precond)
+
+``WhitenedMuon`` is Muon whose step is measured in the K-FAC-whitened spectral norm (the
+whitening before *and* after the orthogonalisation, which a preconditioner in front of Muon
+cannot do).
 """
 from kron_precond.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, Method
 from kron_precond.experts import RoutedExperts, RoutedExpertsAdapter  # also registers the experts adapters
 from kron_precond.modules import register_adapter
 from kron_precond.preconditioner import KronPreconditioner
 from kron_precond.schedules import precond_update_prob_schedule
+from kron_precond.whitened_muon import WhitenedMuon
 from kron_precond.wrapped import PreconditionedOptimizer
 
 try:  # the standalone optimizer lands separately
@@ -23,6 +28,7 @@ __all__ = [
     "KronPreconditioner",
     "PreconditionedOptimizer",
     "Kron",
+    "WhitenedMuon",
     "Method",
     "ComputeMethod",
     "AssignmentStrategy",

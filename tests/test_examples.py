@@ -233,6 +233,97 @@ def test_muon_momentum_warmup_rises_linearly_and_steps_like_plain_muon():
     assert not torch.equal(model.blocks[0].mlp[0].weight, twin.blocks[0].mlp[0].weight)  # then they part
 
 
+def test_precond_momentum_feeds_the_nesterov_momentum_to_the_preconditioner():
+    """``pm=1``: Muon runs at momentum 0 and the preconditioner sees torch.optim.Muon's own
+    Nesterov momentum in ``.grad``. With a preconditioner that changes nothing the run is a
+    plain ``torch.optim.Muon``; with one that rewrites, it sees exactly that momentum."""
+    import copy
+
+    import torch
+
+    convergence = load("benchmarks/convergence.py")
+    common = load("examples/kron_examples_common.py")
+    char_lm = load("examples/char_lm.py")
+    _, _, overrides, _ = convergence.parse_family("kfac_muon{pm=1,mom=0.8}=8e-3")
+    assert overrides["precond_momentum"] is True
+    config = common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS, **overrides)
+    torch.manual_seed(0)
+    model = char_lm.CharTransformer(char_lm.ModelConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8))
+    twin = copy.deepcopy(model)
+    chain, wrapped = common.build_method("kfac_muon", model, 8e-3, 0.0, config)
+    assert chain.optimizers[0].param_groups[0]["momentum"] == 0.0
+    wrapped.precond.remove()
+
+    class Recorder:  # changes nothing, keeps what it was shown
+        def __init__(self):
+            self.seen = []
+
+        def step(self):
+            self.seen.append([p.grad.clone() for p in params])
+
+    params = [p for g in chain.optimizers[0].param_groups for p in g["params"]]
+    wrapped.precond = Recorder()
+    plain = common.build_muon(twin, 8e-3, 0.0, char_lm.SKIP_LAYERS, "adamw", common.PrecondConfig(muon_momentum=0.8))
+    twin_params = [p for g in plain.optimizers[0].param_groups for p in g["params"]]
+    buffers = [torch.zeros_like(p) for p in twin_params]
+    tokens = torch.randint(0, 256, (2, 8))
+    for step in range(4):
+        for net, optimizer in ((model, chain), (twin, plain)):
+            optimizer.zero_grad()
+            net(tokens).square().mean().backward()
+        expected = []
+        for p, buf in zip(twin_params, buffers):  # Nesterov momentum written out: b = 0.8 b + 0.2 g
+            buf.mul_(0.8).add_(p.grad, alpha=0.2)
+            expected.append(0.2 * p.grad + 0.8 * buf)
+        wrapped.step()
+        chain.step()
+        plain.step()
+        for got, want in zip(wrapped.precond.seen[-1], expected):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        for a, b in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="precond_momentum"):
+        common.build_method("muon", model, 8e-3, 0.0, config)
+
+
+def test_whitened_muon_methods_take_muons_split_and_their_sweep_settings():
+    """``wmuon`` / ``wmuon_pre``: WhitenedMuon (or its pre-only control) on exactly Muon's
+    hidden weights, AdamW on the rest; ``we=``, ``wdamp=``, ``wboth=``, ``wrows=`` and ``mom=``
+    reach it."""
+    import torch
+
+    from kron_precond import WhitenedMuon
+
+    convergence = load("benchmarks/convergence.py")
+    common = load("examples/kron_examples_common.py")
+    char_lm = load("examples/char_lm.py")
+    _, method, overrides, _ = convergence.parse_family("wmuon{we=7,wdamp=0.3,wboth=1,wrows=all,mom=0.85}=1.6e-2")
+    config = common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS, **overrides)
+    model = char_lm.CharTransformer(char_lm.ModelConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8))
+    chain, precond = common.build_method(method, model, 1.6e-2, 0.0, config)
+    assert precond is None
+    optimizer = chain.optimizers[0]
+    assert isinstance(optimizer, WhitenedMuon)
+    assert (optimizer.statistics_every, optimizer.damping, optimizer.output_side, optimizer.statistics_rows) == (
+        7, 0.3, True, None)
+    assert optimizer.param_groups[0]["momentum"] == 0.85
+    plain, _ = common.build_method("muon", model, 1.6e-2, 0.0, common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS))
+    assert [id(p) for p in optimizer.param_groups[0]["params"]] == [
+        id(p) for p in plain.optimizers[0].param_groups[0]["params"]]
+    assert isinstance(chain.optimizers[1], torch.optim.AdamW)
+    pre, _ = common.build_method("wmuon_pre", model, 1.6e-2, 0.0, config)
+    assert type(pre.optimizers[0]).__name__ == "PreWhitenedMuon"
+    tokens = torch.randint(0, 256, (2, 8))
+    for opt in (chain, pre):  # both step and move every hidden weight
+        before = [p.detach().clone() for p in opt.optimizers[0].param_groups[0]["params"]]
+        opt.zero_grad()
+        model(tokens).square().mean().backward()
+        opt.step()
+        assert all(not torch.equal(b, p) for b, p in zip(before, opt.optimizers[0].param_groups[0]["params"]))
+    optimizer.remove()
+    pre.optimizers[0].remove()
+
+
 def test_sweep_best_point_is_the_first_to_reach_the_target():
     """The sweep ranks a family's points by the step that first reaches the target (one
     family costs the same per step), final loss breaking ties and ranking points that never

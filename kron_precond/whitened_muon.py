@@ -1,0 +1,318 @@
+"""WhitenedMuon: Muon's steepest descent measured in a K-FAC-whitened spectral norm.
+
+Muon moves a weight matrix by ``-η msign(M)`` (``M`` the Nesterov momentum of the gradient,
+``msign(M) = U Vᵀ`` for ``M = U S Vᵀ``): the steepest-descent step under ``||ΔW||_op``.
+With ``A`` the running covariance of the layer's inputs (K-FAC's activation factor), the
+steepest-descent step under ``||ΔW A^{1/2}||_op`` is, substituting ``Z = ΔW A^{1/2}``,
+
+    ΔW ∝ -msign(M A^{-1/2}) A^{-1/2}
+
+and with the output-gradient factor ``G`` as well (``output_side=True``), under
+``||G^{1/2} ΔW A^{1/2}||_op``: ``-G^{-1/2} msign(G^{-1/2} M A^{-1/2}) A^{-1/2}``. The
+whitening enters twice, before and after the orthogonalisation. A preconditioner in front of ``torch.optim.Muon`` (the
+library's usual contract: rewrite ``.grad``, then the optimizer steps) can only do the first
+half, which on the main job buys nothing (docs/benchmarks.md); the second half is why this
+is an optimizer of its own.
+
+Scale: the result is rescaled to the Frobenius norm of ``msign(...)`` and the learning rate
+is adjusted like ``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")`` (``0.2·sqrt(max(m, n))``),
+so ``lr`` means what it means for Muon (and AdamW) and only the direction changes.
+
+Statistics are read only on statistics steps (every ``statistics_every`` steps): a forward
+pre-hook sums ``x xᵀ`` over the input rows (and, with ``output_side``, a tensor hook on the
+output sums ``g gᵀ`` over the output gradients). On the same step ``step()`` folds them into
+exponential averages and recomputes ``(A + λI)^{-1/2}`` by ``eigh``, with
+``λ = damping · tr(A) / dim``: a damping relative to the mean eigenvalue, so the whitener is
+invariant to the scale of the inputs (and of the loss). A plain step costs two matmuls per
+side beyond Muon's, and no host synchronisation.
+
+Distributed (DDP): the sums and row counts are all-reduced on refresh steps (one collective),
+so the factors are those of the full global batch and every world size gives one process's
+result (exact when ``statistics_rows`` is ``None``; a row cap takes each rank's first rows).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from kron_precond import validation
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's quintic Newton-Schulz
+
+
+def msign(matrix: torch.Tensor, steps: int = 5, eps: float = 1e-7,
+          dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``≈ U Vᵀ`` of ``matrix = U S Vᵀ`` by torch.optim.Muon's Newton-Schulz iteration; in
+    bfloat16 (the default) the same arithmetic as ``torch.optim.Muon``."""
+    a, b, c = NS_COEFFICIENTS
+    x = matrix.to(dtype)
+    transposed = x.shape[0] > x.shape[1]
+    if transposed:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x.T if transposed else x).to(matrix.dtype)
+
+
+def _weight_of(module: Any, index: int) -> nn.Parameter:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"WhitenedMuon: modules[{index}] must be an nn.Module, got {type(module).__name__}")
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, nn.Parameter) or weight.ndim != 2:
+        raise TypeError(f"WhitenedMuon: modules[{index}] ({type(module).__name__}) needs a 2-D weight "
+                        f"[out, in] applied to the last dim of its input, like nn.Linear")
+    if type(weight.data).__name__ == "DTensor":
+        raise TypeError(f"WhitenedMuon: modules[{index}] has a sharded (DTensor) weight; FSDP2 is not "
+                        f"supported yet -- use DDP")
+    return weight
+
+
+class WhitenedMuon(torch.optim.Optimizer):
+    """Muon on the weights of ``modules``, its steps measured in ``||ΔW A^{1/2}||_op``.
+
+    Give it the hidden 2-D weights Muon would take (``nn.Linear`` modules, or Linear-like ones
+    with a 2-D ``[out, in]`` weight applied to the last dim of the input); their biases,
+    embeddings, the output layer and norms go to another optimizer (AdamW), as with Muon.
+
+    Args:
+        modules: the layers whose ``weight`` this optimizer owns (hooks are put on them).
+        lr: learning rate, on AdamW's scale (``match_rms_adamw``); an LR scheduler may change it.
+        weight_decay: decoupled weight decay.
+        momentum, nesterov: ``torch.optim.Muon``'s momentum (``buf.lerp_(g, 1 - momentum)``).
+        statistics_every: steps between statistics steps (which also refresh the whiteners).
+        damping: ``λ = damping · tr(F) / dim F`` for each factor ``F``.
+        factor_decay: exponential-average decay of the factors.
+        statistics_rows: at most this many rows per module call enter a factor (``None``: all).
+        output_side: also whiten the output side with K-FAC's ``G`` (a tensor hook on each
+            output on statistics steps; a backward cost then).
+        ns_steps: Newton-Schulz iterations.
+        ns_dtype: dtype of the Newton-Schulz iteration (bfloat16, as ``torch.optim.Muon``).
+        process_group: where the statistics are all-reduced; ``None``: the default group when
+            ``torch.distributed`` is initialised with more than one rank.
+
+    A step whose gradient (for one weight) is not finite leaves that weight, its momentum and
+    its weight decay untouched; such steps are counted and reported by a warning on the next
+    refresh step (one host synchronisation there).
+    """
+
+    def __init__(self, modules: Iterable[nn.Module], lr: float = 1e-3, weight_decay: float = 0.0,
+                 momentum: float = 0.9, nesterov: bool = True, statistics_every: int = 32,
+                 damping: float = 0.1, factor_decay: float = 0.95, statistics_rows: int | None = None,
+                 output_side: bool = False, ns_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16,
+                 process_group: Any = None):
+        modules = list(modules)
+        if not modules:
+            raise ValueError("WhitenedMuon: modules is empty")
+        weights = [_weight_of(m, i) for i, m in enumerate(modules)]
+        if len({id(w) for w in weights}) != len(weights):
+            raise ValueError("WhitenedMuon: a weight appears twice in modules (tied or repeated module)")
+        defaults = dict(lr=validation.check_positive("lr", lr),
+                        weight_decay=validation.check_non_negative("weight_decay", weight_decay),
+                        momentum=validation.check_unit_interval("momentum", momentum, low_open=False, high_open=True),
+                        nesterov=validation.check_bool("nesterov", nesterov))
+        self.statistics_every = validation.check_int("statistics_every", statistics_every)
+        self.damping = validation.check_positive("damping", damping)
+        self.factor_decay = validation.check_unit_interval("factor_decay", factor_decay, low_open=False,
+                                                           high_open=True)
+        self.statistics_rows = None if statistics_rows is None else validation.check_int("statistics_rows",
+                                                                                         statistics_rows)
+        self.output_side = validation.check_bool("output_side", output_side)
+        self.ns_steps = validation.check_int("ns_steps", ns_steps)
+        self.ns_dtype = validation.check_float_dtype("ns_dtype", ns_dtype)
+        super().__init__(weights, defaults)
+        self.process_group = process_group
+        self._sides = ("input", "output") if self.output_side else ("input",)
+        # per weight and side: [sum of row outer products, row count] since the last refresh
+        self._pending: dict[tuple[int, str], list[torch.Tensor]] = {}
+        self._weights = {id(w): w for w in weights}
+        self._reported: dict[int, int] = {}
+        self._handles = []
+        for module, weight in zip(modules, weights):
+            self._handles.append(module.register_forward_pre_hook(self._input_hook(weight)))
+            if self.output_side:
+                self._handles.append(module.register_forward_hook(self._output_hook(weight)))
+
+    # -- statistics --------------------------------------------------------------------
+    def _collecting(self, weight: nn.Parameter) -> bool:
+        return self.state[weight].get("step", 0) % self.statistics_every == 0
+
+    @torch.no_grad()
+    def _observe(self, weight: nn.Parameter, side: str, rows: torch.Tensor) -> None:
+        width = weight.shape[1] if side == "input" else weight.shape[0]
+        if rows.shape[-1] != width:
+            raise ValueError(f"WhitenedMuon: the {side} of the layer with weight {tuple(weight.shape)} has "
+                             f"last dim {rows.shape[-1]}, expected {width} (not a Linear-like layer)")
+        x = rows.detach().reshape(-1, width)
+        if self.statistics_rows is not None:
+            x = x[: self.statistics_rows]
+        x = x.to(torch.promote_types(x.dtype, torch.float32))
+        key = (id(weight), side)
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = [torch.zeros(width, width, dtype=x.dtype, device=x.device),
+                                            torch.zeros((), dtype=x.dtype, device=x.device)]
+        pending[0].addmm_(x.T, x)
+        pending[1].add_(x.shape[0])
+
+    def _input_hook(self, weight: nn.Parameter):
+        def hook(module: nn.Module, args) -> None:
+            if module.training and torch.is_grad_enabled() and args and self._collecting(weight):
+                self._observe(weight, "input", args[0])
+        return hook
+
+    def _output_hook(self, weight: nn.Parameter):
+        def hook(module: nn.Module, args, output) -> None:
+            if (module.training and isinstance(output, torch.Tensor) and output.requires_grad
+                    and self._collecting(weight)):
+                output.register_hook(lambda grad: self._observe(weight, "output", grad))
+        return hook
+
+    def _all_reduce_pending(self, keys: list[tuple[int, str]]) -> None:
+        group = self.process_group
+        if group is None:
+            if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+                return
+        tensors = [t for key in keys for t in self._pending[key]]
+        flat = torch.cat([t.reshape(-1).to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+                          for t in tensors])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    @torch.no_grad()
+    def _refresh(self, weights: list[nn.Parameter]) -> None:
+        """Fold the pending sums into the factors and recompute their whiteners. Every rank
+        allocates every factor it owns, so the collective has the same shape everywhere."""
+        keys = []
+        for w in weights:
+            for side in self._sides:
+                key = (id(w), side)
+                if key not in self._pending:  # not called here: zeros, so that every rank agrees
+                    width = w.shape[1] if side == "input" else w.shape[0]
+                    self._pending[key] = [torch.zeros(width, width, dtype=torch.float32, device=w.device),
+                                          torch.zeros((), dtype=torch.float32, device=w.device)]
+                keys.append(key)
+        self._all_reduce_pending(keys)
+        for key in keys:
+            total, count = self._pending.pop(key)
+            state = self.state[self._weights[key[0]]]
+            side = key[1]
+            batch = total / count.clamp(min=1)
+            usable = (count > 0) & torch.isfinite(batch).all()
+            factor = state.get(f"{side}_factor")
+            if factor is None:
+                factor = state[f"{side}_factor"] = torch.zeros_like(batch)
+                state[f"{side}_seen"] = torch.zeros((), dtype=batch.dtype, device=batch.device)
+            seen = state[f"{side}_seen"]  # 0 / 1 (a float: torch.optim's load casts state tensors)
+            folded = torch.where(seen > 0, factor.lerp(batch, 1 - self.factor_decay), batch)
+            factor.copy_(torch.where(usable, folded, factor))
+            seen.copy_(torch.maximum(seen, usable.to(seen.dtype)))
+            state[f"{side}_whitener"] = self._whitener(factor, state.get(f"{side}_whitener"))
+
+    def _whitener(self, factor: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+        """``(F + λI)^{-1/2}``, ``λ = damping · tr(F)/dim``; the identity for an all-zero factor,
+        the previous whitener if the decomposition is not finite."""
+        dim = factor.shape[0]
+        eye = torch.eye(dim, dtype=factor.dtype, device=factor.device)
+        lam = self.damping * factor.diagonal().sum() / dim
+        positive = lam > 0
+        safe = torch.where(positive, factor + lam * eye, eye)  # eigh never sees a zero matrix
+        values, vectors = torch.linalg.eigh(safe)
+        floor = torch.where(positive, lam, torch.ones_like(lam))
+        whitener = (vectors * values.clamp(min=floor).rsqrt()) @ vectors.T
+        fallback = eye if previous is None else previous
+        return torch.where(torch.isfinite(whitener).all(), whitener, fallback)
+
+    # -- the step ----------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step for every weight with a gradient; refreshes the whiteners on statistics steps."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        due = [p for group in self.param_groups for p in group["params"]
+               if p.grad is not None and self._collecting(p)]
+        if due:
+            self._refresh(due)
+            self._report_nonfinite()
+        for group in self.param_groups:
+            lr, momentum = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise TypeError("WhitenedMuon does not support sparse gradients")
+                state = self.state[p]
+                grad = p.grad
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(grad)
+                    state["nonfinite_steps"] = torch.zeros((), dtype=torch.int64, device=grad.device)
+                finite = torch.isfinite(grad).all()
+                buf = state["momentum_buffer"]
+                buf.copy_(torch.where(finite, buf.lerp(grad, 1 - momentum), buf))
+                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = torch.where(finite, update, torch.zeros_like(update))
+                update = self._direction(update, state.get("output_whitener"), state.get("input_whitener"))
+                adjusted = lr * 0.2 * max(p.shape) ** 0.5  # torch.optim.Muon's match_rms_adamw
+                decay = torch.full((), 1 - lr * group["weight_decay"], dtype=p.dtype, device=p.device)
+                p.mul_(torch.where(finite, decay, torch.ones_like(decay)))
+                p.add_(update, alpha=-adjusted)
+                state["nonfinite_steps"].add_((~finite).long())
+                state["step"] = state.get("step", 0) + 1
+        return loss
+
+    def _direction(self, update: torch.Tensor, left: torch.Tensor | None, right: torch.Tensor | None) -> torch.Tensor:
+        """``L msign(L M R) R`` rescaled to ``||msign(L M R)||_F`` (``L``, ``R`` may be absent)."""
+        def whiten(matrix):
+            if right is not None:
+                matrix = matrix @ right.to(matrix.dtype)
+            if left is not None:
+                matrix = left.to(matrix.dtype) @ matrix
+            return matrix
+
+        ortho = msign(whiten(update), self.ns_steps, dtype=self.ns_dtype)
+        if left is None and right is None:
+            return ortho
+        direction = whiten(ortho)
+        return direction * (ortho.norm() / direction.norm().clamp(min=1e-30))
+
+    def _report_nonfinite(self) -> None:
+        entries = [(i, p, self.state[p]["nonfinite_steps"])
+                   for i, p in enumerate(p for g in self.param_groups for p in g["params"])
+                   if "nonfinite_steps" in self.state.get(p, {})]
+        if not entries:
+            return
+        counts = torch.stack([c.to(entries[0][2].device) for _, _, c in entries]).tolist()  # one host sync
+        lines = []
+        for (i, p, _), total in zip(entries, counts):
+            total = int(total)
+            if total > self._reported.get(i, 0):
+                lines.append(f"weight {i} (shape {tuple(p.shape)}): {total - self._reported.get(i, 0)} step(s)")
+            self._reported[i] = total
+        if lines:
+            warnings.warn("WhitenedMuon: non-finite gradients; those steps left these weights and their "
+                          "momentum unchanged: " + "; ".join(lines), RuntimeWarning, stacklevel=3)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch.optim's load, then the factors and whiteners back to float32 or better
+        (torch.optim casts every state tensor to its parameter's dtype, e.g. bfloat16)."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key, value in state.items():
+                if key.endswith(("_factor", "_whitener")) and value.dtype not in (torch.float32, torch.float64):
+                    state[key] = value.float()
+
+    def remove(self) -> None:
+        """Remove the statistics hooks (the optimizer then steps with its last whiteners)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

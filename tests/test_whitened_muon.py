@@ -1,0 +1,292 @@
+"""WhitenedMuon against independent references.
+
+- its Newton-Schulz iteration is bitwise torch.optim.Muon's;
+- its steps are ``-lr·0.2·sqrt(max(m, n)) · L polar(L M R) R / ||·|| · ||polar||`` with
+  ``L, R = (F + λI)^{-1/2}`` of running input / output-gradient covariances, each piece
+  computed here in float64 from the layers' inputs and output gradients (scipy's ``sqrtm``
+  for the roots, an SVD for the polar factor), over several steps with momentum and decay;
+- on 2 and 4 gloo ranks (each a shard of the batch, gradients averaged like DDP) it gives the
+  one-process result on the full batch, and the ranks stay identical after every step;
+- checkpoints resume exactly; bad arguments fail at construction naming the argument;
+  a non-finite gradient leaves the weight and its momentum untouched and is reported.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from scipy.linalg import sqrtm
+
+import kron_precond.whitened_muon as wm
+from dist_utils import average_gradients_by_hand, ranks_identical, run_workers
+from kron_precond import WhitenedMuon
+
+LR, WD, MOMENTUM, DAMPING, DECAY = 0.05, 0.1, 0.9, 0.1, 0.95
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 7, bias=False)
+        self.b = nn.Linear(7, 4, bias=False)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def make_net(dtype=torch.float64) -> Net:
+    torch.manual_seed(0)
+    return Net().to(dtype)
+
+
+def batches(steps: int, dtype=torch.float64):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 3, 5, generator=g, dtype=dtype) * torch.tensor([3.0, 1, 1, 0.3, 0.1], dtype=dtype),
+             torch.randn(4, 3, 4, generator=g, dtype=dtype)) for _ in range(steps)]
+
+
+def loss_of(net, x, y):
+    return (net(x) - y).square().mean()
+
+
+def exact_polar(matrix, steps=5, eps=1e-7, dtype=None):
+    u, _, vh = torch.linalg.svd(matrix.double(), full_matrices=False)
+    return (u @ vh).to(matrix.dtype)
+
+
+def inverse_root(factor: np.ndarray) -> np.ndarray:
+    lam = DAMPING * np.trace(factor) / factor.shape[0]
+    return np.linalg.inv(np.real(sqrtm(factor + lam * np.eye(factor.shape[0]))))
+
+
+def reference_run(output_side: bool, steps: int):
+    """The steps written out in float64 with numpy/scipy, statistics on every step."""
+    net = make_net()
+    weights = [net.a.weight, net.b.weight]
+    factors = {}
+    buffers = [torch.zeros_like(w) for w in weights]
+    history = []
+    for x, y in batches(steps):
+        h_in = x.reshape(-1, 5)
+        pre = net.a(x)
+        h = torch.tanh(pre)
+        out = net.b(h)
+        loss = (out - y).square().mean()
+        grads = torch.autograd.grad(loss, [pre, out] + weights)
+        inputs = [h_in, h.reshape(-1, 7)]
+        outputs = [grads[0].reshape(-1, 7), grads[1].reshape(-1, 4)]
+        for i, w in enumerate(weights):
+            for side, rows in (("in", inputs[i]), ("out", outputs[i])):
+                batch = (rows.T @ rows / rows.shape[0]).detach().numpy()
+                key = (i, side)
+                factors[key] = batch if key not in factors else DECAY * factors[key] + (1 - DECAY) * batch
+            g = grads[2 + i].detach()
+            buffers[i] = MOMENTUM * buffers[i] + (1 - MOMENTUM) * g
+            m = ((1 - MOMENTUM) * g + MOMENTUM * buffers[i]).numpy()
+            right = inverse_root(factors[(i, "in")])
+            left = inverse_root(factors[(i, "out")]) if output_side else np.eye(w.shape[0])
+            ortho = exact_polar(torch.from_numpy(left @ m @ right)).numpy()
+            direction = left @ ortho @ right
+            direction *= np.linalg.norm(ortho) / np.linalg.norm(direction)
+            with torch.no_grad():
+                w.mul_(1 - LR * WD).sub_(torch.from_numpy(direction), alpha=LR * 0.2 * max(w.shape) ** 0.5)
+        history.append([w.detach().clone() for w in weights])
+    return history
+
+
+@pytest.mark.parametrize("output_side", [False, True])
+def test_steps_match_the_whitened_steepest_descent_written_out(monkeypatch, output_side):
+    monkeypatch.setattr(wm, "msign", exact_polar)  # the whitening algebra, not Newton-Schulz
+    steps = 4
+    expected = reference_run(output_side, steps)
+    net = make_net()
+    opt = WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, momentum=MOMENTUM, statistics_every=1,
+                       damping=DAMPING, factor_decay=DECAY, output_side=output_side)
+    for step, (x, y) in enumerate(batches(steps)):
+        with torch.no_grad():  # an evaluation pass: no statistics
+            net(torch.randn(2, 5, dtype=torch.float64) * 100)
+        net.eval()
+        net(torch.randn(2, 5, dtype=torch.float64) * 100).sum()  # eval mode: no statistics either
+        net.train()
+        opt.zero_grad()
+        loss_of(net, x, y).backward()
+        opt.step()
+        for got, want in zip([net.a.weight, net.b.weight], expected[step]):
+            torch.testing.assert_close(got.detach(), want, rtol=1e-9, atol=1e-11)
+
+
+def test_whitening_after_the_orthogonalisation_changes_the_step(monkeypatch):
+    """The second whitening is the point: dropping it (the pre-only control) moves the weights
+    elsewhere, so the test above would notice it missing."""
+    monkeypatch.setattr(wm, "msign", exact_polar)
+    expected = reference_run(False, 2)
+
+    class PreOnly(WhitenedMuon):
+        def _direction(self, update, left, right):
+            return exact_polar(update @ right)
+
+    net = make_net()
+    opt = PreOnly([net.a, net.b], lr=LR, weight_decay=WD, momentum=MOMENTUM, statistics_every=1,
+                  damping=DAMPING, factor_decay=DECAY)
+    for x, y in batches(2):
+        opt.zero_grad()
+        loss_of(net, x, y).backward()
+        opt.step()
+    assert not torch.allclose(net.a.weight.detach(), expected[1][0], rtol=1e-3)
+
+
+def test_newton_schulz_is_torch_muons_bitwise():
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    torch.manual_seed(0)
+    for shape in ((16, 40), (40, 16), (8, 8)):
+        m = torch.randn(*shape)
+        want = _zeropower_via_newtonschulz(m, wm.NS_COEFFICIENTS, 5, 1e-7).float()
+        assert torch.equal(wm.msign(m), want)
+
+
+def test_statistics_only_on_statistics_steps_and_refresh_then():
+    net = make_net()
+    opt = WhitenedMuon([net.a, net.b], lr=LR, statistics_every=3)
+    seen = []
+    for x, y in batches(7):
+        opt.zero_grad()
+        loss_of(net, x, y).backward()
+        seen.append(bool(opt._pending))
+        before = opt.state[net.a.weight].get("input_whitener")
+        before = None if before is None else before.clone()
+        opt.step()
+        after = opt.state[net.a.weight]["input_whitener"]
+        seen[-1] = (seen[-1], before is None or not torch.equal(before, after))
+    assert seen == [(True, True), (False, False), (False, False), (True, True),
+                    (False, False), (False, False), (True, True)]
+
+
+def test_checkpoint_resumes_exactly():
+    nets = [make_net(torch.float32) for _ in range(2)]
+    opts = [WhitenedMuon([n.a, n.b], lr=LR, weight_decay=WD, statistics_every=2, output_side=True) for n in nets]
+    data = batches(6, torch.float32)
+    for step, (x, y) in enumerate(data):
+        if step == 3:  # the second run restarts from a checkpoint, in a new optimizer
+            saved = copy.deepcopy(opts[1].state_dict())
+            opts[1].remove()
+            opts[1] = WhitenedMuon([nets[1].a, nets[1].b], lr=LR, weight_decay=WD, statistics_every=2,
+                                   output_side=True)
+            opts[1].load_state_dict(saved)
+        for net, opt in zip(nets, opts):
+            opt.zero_grad()
+            loss_of(net, x, y).backward()
+            opt.step()
+    for a, b in zip(nets[0].parameters(), nets[1].parameters()):
+        assert torch.equal(a, b)
+
+
+def test_lr_scheduler_changes_the_step():
+    net = make_net()
+    opt = WhitenedMuon([net.a, net.b], lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0 if step >= 1 else 1.0)
+    for i, (x, y) in enumerate(batches(3)):
+        opt.zero_grad()
+        loss_of(net, x, y).backward()
+        before = net.a.weight.detach().clone()
+        opt.step()
+        sched.step()
+        assert torch.equal(net.a.weight, before) == (i >= 1)
+
+
+@pytest.mark.parametrize("kwargs, error, name", [
+    (dict(lr=0.0), ValueError, "lr"), (dict(lr=-1.0), ValueError, "lr"),
+    (dict(damping=0.0), ValueError, "damping"), (dict(momentum=1.0), ValueError, "momentum"),
+    (dict(factor_decay=1.5), ValueError, "factor_decay"), (dict(statistics_every=0), ValueError, "statistics_every"),
+    (dict(statistics_rows=0), ValueError, "statistics_rows"), (dict(weight_decay=-0.1), ValueError, "weight_decay"),
+    (dict(output_side=1), TypeError, "output_side"), (dict(ns_dtype=torch.int32), ValueError, "ns_dtype"),
+])
+def test_bad_arguments_fail_at_construction_naming_them(kwargs, error, name):
+    net = make_net()
+    with pytest.raises(error, match=name):
+        WhitenedMuon([net.a, net.b], **kwargs)
+
+
+def test_modules_without_a_matrix_weight_are_refused():
+    with pytest.raises(TypeError, match=r"modules\[1\]"):
+        WhitenedMuon([nn.Linear(3, 3), nn.LayerNorm(3)])
+    with pytest.raises(TypeError, match=r"modules\[0\]"):
+        WhitenedMuon([nn.Linear(3, 3).weight])
+    with pytest.raises(ValueError, match="empty"):
+        WhitenedMuon([])
+    shared = nn.Linear(3, 3)
+    with pytest.raises(ValueError, match="twice"):
+        WhitenedMuon([shared, shared])
+
+
+def test_a_non_finite_gradient_skips_that_weight_and_is_reported():
+    net = make_net(torch.float32)
+    opt = WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, statistics_every=3)
+    data = batches(3, torch.float32)
+    for x, y in data[:2]:
+        opt.zero_grad()
+        loss_of(net, x, y).backward()
+        opt.step()
+    a_before, b_before = net.a.weight.detach().clone(), net.b.weight.detach().clone()
+    buf_before = opt.state[net.a.weight]["momentum_buffer"].clone()
+    opt.zero_grad()
+    loss_of(net, *data[2]).backward()
+    net.a.weight.grad[0, 0] = float("nan")
+    opt.step()  # step 2: not a refresh step (0, 3, 6, ...)
+    assert torch.equal(net.a.weight, a_before)
+    assert torch.equal(opt.state[net.a.weight]["momentum_buffer"], buf_before)
+    assert not torch.equal(net.b.weight, b_before)  # the other weight stepped
+    assert torch.isfinite(net.b.weight).all()
+    opt.zero_grad()
+    loss_of(net, *data[0]).backward()
+    with pytest.warns(RuntimeWarning, match=r"weight 0 \(shape \(7, 5\)\): 1 step"):
+        opt.step()  # step 3: a refresh step reports it
+    assert torch.isfinite(net.a.weight).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for x, y in data * 2:  # reported once, not again (step 6 refreshes)
+            opt.zero_grad()
+            loss_of(net, x, y).backward()
+            opt.step()
+
+
+# ----------------------------------------------------------------------------- distributed
+STEPS = 5
+
+
+def _dist_worker(rank: int, world: int, out_dir: str, output_side: bool):
+    net = make_net()
+    opt = WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, statistics_every=2, output_side=output_side,
+                       ns_dtype=torch.float64)
+    params = list(net.parameters())
+    identical = []
+    for x, y in batches(STEPS):
+        per = x.shape[0] // world
+        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        opt.zero_grad()
+        loss_of(net, x, y).backward()
+        if world > 1:
+            average_gradients_by_hand(params, world, dist.all_reduce)
+        opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        identical.append(ranks_identical(flat, world, dist.all_gather) if world > 1 else True)
+    return {"params": [p.detach().clone() for p in params], "identical": identical}
+
+
+@pytest.mark.parametrize("output_side", [False, True])
+def test_any_world_size_gives_the_one_process_result(tmp_path, output_side):
+    single = run_workers(_dist_worker, 1, tmp_path / "w1", output_side, timeout=90)[0]
+    start = make_net()
+    moved = sum((p - q).abs().max() for p, q in zip(single["params"], start.parameters()))
+    assert moved > 1e-3  # the steps did something
+    for world in (2, 4):
+        results = run_workers(_dist_worker, world, tmp_path / f"w{world}", output_side, timeout=90)
+        for r in results:
+            assert all(r["identical"])
+            for got, want in zip(r["params"], single["params"]):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
