@@ -81,7 +81,7 @@ VARIANT_KEYS = {
     "maxtri": "psgd_max_size_triangular", "msm": "psgd_memory_save_mode",
     "ie": "ikfac_every", "idamp": "ikfac_damping", "idecay": "ikfac_factor_decay",
     "irows": "ikfac_statistics_rows", "m2": "moment_decay",
-    "mom": "muon_momentum", "momw": "muon_momentum_warmup", "kmax": "kfac_max_size", "graft": "kfac_grafting", "until": "precond_until", "pm": "precond_momentum", "we": "wmuon_every", "wdamp": "wmuon_damping", "wboth": "wmuon_both_sides", "wrows": "wmuon_statistics_rows",
+    "mom": "muon_momentum", "momw": "muon_momentum_warmup", "kmax": "kfac_max_size", "graft": "kfac_grafting", "until": "precond_until", "pm": "precond_momentum", "we": "wmuon_every", "wdamp": "wmuon_damping", "wboth": "wmuon_both_sides", "wrows": "wmuon_statistics_rows", "wroot": "wmuon_root", "wblock": "wmuon_block_size",
     "se": "soap_statistics_every", "sb": "soap_every", "sdecay": "soap_factor_decay", "smax": "soap_max_size",
 }
 _FAMILY = re.compile(r"^(?P<method>\w+)(?:\{(?P<variant>[^}]*)\})?=(?P<lrs>.+)$")
@@ -89,7 +89,7 @@ _FAMILY = re.compile(r"^(?P<method>\w+)(?:\{(?P<variant>[^}]*)\})?=(?P<lrs>.+)$"
 
 def _variant_value(field: str, text: str):
     if field in ("factor_update_steps", "inv_update_steps", "psgd_max_size_triangular", "ikfac_every",
-                 "soap_statistics_every", "soap_every", "soap_max_size", "kfac_max_size", "wmuon_every"):
+                 "soap_statistics_every", "soap_every", "soap_max_size", "kfac_max_size", "wmuon_every", "wmuon_block_size"):
         return int(text)
     if field in ("statistics_rows", "ikfac_statistics_rows", "wmuon_statistics_rows"):
         return _optional_rows(text)
@@ -97,7 +97,7 @@ def _variant_value(field: str, text: str):
         return _psgd_update_probability(text)
     if field == "psgd_init_scale":
         return _psgd_init_scale(text)
-    if field in ("psgd_update", "compute_method", "psgd_memory_save_mode"):
+    if field in ("psgd_update", "compute_method", "psgd_memory_save_mode", "wmuon_root"):
         return text
     if field in ("kfac_grafting", "precond_momentum", "wmuon_both_sides"):
         return text.lower() in ("1", "true", "yes")

@@ -187,10 +187,12 @@ class PrecondConfig:
     soap_factor_decay: float = 0.95
     soap_max_size: int = 4096
     # Input-whitened Muon (wmuon, wmuon_pre): statistics / refresh interval, relative damping.
-    wmuon_every: int = 32
+    wmuon_every: int = 10
     wmuon_damping: float = 0.1
     wmuon_both_sides: bool = False  # also whiten by the output-gradient factor G
     wmuon_statistics_rows: int | None = 1024
+    wmuon_root: str = "cholesky"
+    wmuon_block_size: int | None = None
 
 
 class OptimizerChain(torch.optim.Optimizer):
@@ -288,7 +290,8 @@ def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, config
     modules = [m for m in model.modules() if isinstance(m, nn.Linear) and id(m.weight) in hidden_ids]
     settings = dict(momentum=config.muon_momentum, statistics_every=config.wmuon_every,
                     damping=config.wmuon_damping, statistics_rows=config.wmuon_statistics_rows,
-                    output_side=config.wmuon_both_sides)
+                    output_side=config.wmuon_both_sides, root=config.wmuon_root,
+                    block_size=config.wmuon_block_size)
     if post:
         muon = WhitenedMuon(modules, lr, weight_decay, **settings)
     else:

@@ -15,8 +15,4 @@ class PreWhitenedMuon(WhitenedMuon):
     """``WhitenedMuon`` without the whitening after ``msign``."""
 
     def _direction(self, update: torch.Tensor, left: torch.Tensor | None, right: torch.Tensor | None) -> torch.Tensor:
-        if right is not None:
-            update = update @ right.to(update.dtype)
-        if left is not None:
-            update = left.to(update.dtype) @ update
-        return msign(update, self.ns_steps, dtype=self.ns_dtype)
+        return msign(self._whiten(update, left, right, transpose=True), self.ns_steps, dtype=self.ns_dtype)

@@ -91,6 +91,14 @@ class WhitenedMuon(torch.optim.Optimizer):
         statistics_rows: at most this many rows per module call enter a factor (``None``: all).
         output_side: also whiten the output side with K-FAC's ``G`` (a tensor hook on each
             output on statistics steps; a backward cost then).
+        root: how the factor ``F + λI`` is whitened: ``"cholesky"`` (``T = L⁻¹`` for
+            ``F + λI = L Lᵀ``; cheap to refresh) or ``"symmetric"`` (``T = (F + λI)^{-1/2}``, an
+            ``eigh``). ``||ΔW L||_op = ||ΔW (F+λI)^{1/2}||_op``, so both define the same norm and
+            the same exact step; they differ only through Newton-Schulz's approximation.
+        block_size: a side wider than this (and divisible by it) keeps only the diagonal
+            ``block_size``-blocks of its factor: the statistics, refresh and whitening cost of
+            a ``d``-wide side fall by ``d / block_size`` (Newton-Muon blocks the 4d-wide MLP
+            input the same way). ``None``: every side whole.
         ns_steps: Newton-Schulz iterations.
         ns_dtype: dtype of the Newton-Schulz iteration (bfloat16, as ``torch.optim.Muon``).
         process_group: where the statistics are all-reduced; ``None``: the default group when
@@ -102,10 +110,10 @@ class WhitenedMuon(torch.optim.Optimizer):
     """
 
     def __init__(self, modules: Iterable[nn.Module], lr: float = 1e-3, weight_decay: float = 0.0,
-                 momentum: float = 0.9, nesterov: bool = True, statistics_every: int = 32,
+                 momentum: float = 0.9, nesterov: bool = True, statistics_every: int = 10,
                  damping: float = 0.1, factor_decay: float = 0.95, statistics_rows: int | None = None,
-                 output_side: bool = False, ns_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16,
-                 process_group: Any = None):
+                 output_side: bool = False, root: str = "cholesky", block_size: int | None = None,
+                 ns_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16, process_group: Any = None):
         modules = list(modules)
         if not modules:
             raise ValueError("WhitenedMuon: modules is empty")
@@ -123,15 +131,21 @@ class WhitenedMuon(torch.optim.Optimizer):
         self.statistics_rows = None if statistics_rows is None else validation.check_int("statistics_rows",
                                                                                          statistics_rows)
         self.output_side = validation.check_bool("output_side", output_side)
+        if root not in ("cholesky", "symmetric"):
+            raise ValueError(f"root must be 'cholesky' or 'symmetric', got {root!r}")
+        self.root = root
+        self.block_size = None if block_size is None else validation.check_int("block_size", block_size)
         self.ns_steps = validation.check_int("ns_steps", ns_steps)
         self.ns_dtype = validation.check_float_dtype("ns_dtype", ns_dtype)
         super().__init__(weights, defaults)
         self.process_group = process_group
         self._sides = ("input", "output") if self.output_side else ("input",)
-        # per weight and side: [sum of row outer products, row count] since the last refresh
+        # per weight and side: [sums of row outer products per diagonal block, row count] since
+        # the last refresh
         self._pending: dict[tuple[int, str], list[torch.Tensor]] = {}
         self._weights = {id(w): w for w in weights}
         self._reported: dict[int, int] = {}
+        self._casts: dict[tuple[int, str], torch.Tensor] = {}  # whiteners in ns_dtype
         self._handles = []
         for module, weight in zip(modules, weights):
             self._handles.append(module.register_forward_pre_hook(self._input_hook(weight)))
@@ -155,10 +169,21 @@ class WhitenedMuon(torch.optim.Optimizer):
         key = (id(weight), side)
         pending = self._pending.get(key)
         if pending is None:
-            pending = self._pending[key] = [torch.zeros(width, width, dtype=x.dtype, device=x.device),
-                                            torch.zeros((), dtype=x.dtype, device=x.device)]
-        pending[0].addmm_(x.T, x)
+            pending = self._pending[key] = self._zero_pending(width, x.dtype, x.device)
+        blocks = pending[0].shape[0]
+        xb = x.reshape(x.shape[0], blocks, -1).transpose(0, 1)  # [blocks, rows, block]
+        pending[0].baddbmm_(xb.transpose(1, 2), xb)
         pending[1].add_(x.shape[0])
+
+    def _blocks(self, width: int) -> int:
+        """Number of diagonal blocks a side of this width is whitened in."""
+        b = self.block_size
+        return width // b if b is not None and width > b and width % b == 0 else 1
+
+    def _zero_pending(self, width: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        blocks = self._blocks(width)
+        size = width // blocks
+        return [torch.zeros(blocks, size, size, dtype=dtype, device=device), torch.zeros((), dtype=dtype, device=device)]
 
     def _input_hook(self, weight: nn.Parameter):
         def hook(module: nn.Module, args) -> None:
@@ -197,8 +222,8 @@ class WhitenedMuon(torch.optim.Optimizer):
                 key = (id(w), side)
                 if key not in self._pending:  # not called here: zeros, so that every rank agrees
                     width = w.shape[1] if side == "input" else w.shape[0]
-                    self._pending[key] = [torch.zeros(width, width, dtype=torch.float32, device=w.device),
-                                          torch.zeros((), dtype=torch.float32, device=w.device)]
+                    self._pending[key] = self._zero_pending(width, torch.promote_types(w.dtype, torch.float32),
+                                                            w.device)
                 keys.append(key)
         self._all_reduce_pending(keys)
         for key in keys:
@@ -206,30 +231,40 @@ class WhitenedMuon(torch.optim.Optimizer):
             state = self.state[self._weights[key[0]]]
             side = key[1]
             batch = total / count.clamp(min=1)
-            usable = (count > 0) & torch.isfinite(batch).all()
+            usable = (count > 0) & torch.isfinite(batch.sum())  # one reduction, not a full mask
             factor = state.get(f"{side}_factor")
             if factor is None:
                 factor = state[f"{side}_factor"] = torch.zeros_like(batch)
                 state[f"{side}_seen"] = torch.zeros((), dtype=batch.dtype, device=batch.device)
             seen = state[f"{side}_seen"]  # 0 / 1 (a float: torch.optim's load casts state tensors)
-            folded = torch.where(seen > 0, factor.lerp(batch, 1 - self.factor_decay), batch)
-            factor.copy_(torch.where(usable, folded, factor))
+            # first observation: take it whole; later: the exponential average; unusable: keep
+            weight = torch.where(seen > 0, 1 - self.factor_decay, 1.0) * usable
+            factor.lerp_(torch.where(usable, batch, factor), weight.to(factor.dtype))
             seen.copy_(torch.maximum(seen, usable.to(seen.dtype)))
             state[f"{side}_whitener"] = self._whitener(factor, state.get(f"{side}_whitener"))
+            self._casts.pop(key, None)
 
     def _whitener(self, factor: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
-        """``(F + λI)^{-1/2}``, ``λ = damping · tr(F)/dim``; the identity for an all-zero factor,
-        the previous whitener if the decomposition is not finite."""
-        dim = factor.shape[0]
-        eye = torch.eye(dim, dtype=factor.dtype, device=factor.device)
-        lam = self.damping * factor.diagonal().sum() / dim
-        positive = lam > 0
-        safe = torch.where(positive, factor + lam * eye, eye)  # eigh never sees a zero matrix
-        values, vectors = torch.linalg.eigh(safe)
-        floor = torch.where(positive, lam, torch.ones_like(lam))
-        whitener = (vectors * values.clamp(min=floor).rsqrt()) @ vectors.T
-        fallback = eye if previous is None else previous
-        return torch.where(torch.isfinite(whitener).all(), whitener, fallback)
+        """``T`` per diagonal block of ``factor`` (``[blocks, b, b]``), with ``Tᵀ T = (F + λI)⁻¹``
+        and ``λ = damping · tr(F)/b`` per block: ``L⁻¹`` (Cholesky) or ``(F + λI)^{-1/2}``. The
+        identity for an all-zero block; the previous ``T`` where the decomposition fails."""
+        size = factor.shape[-1]
+        eye = torch.eye(size, dtype=factor.dtype, device=factor.device)
+        lam = (self.damping * factor.diagonal(dim1=-2, dim2=-1).sum(-1) / size)[:, None, None]
+        # an all-zero block (a layer never called) becomes the identity: never a zero matrix
+        safe = factor + torch.where(lam > 0, lam, 1.0) * eye
+        if self.root == "cholesky":
+            lower, info = torch.linalg.cholesky_ex(safe)
+            # a failed block (info > 0) may hold anything, even zeros on the diagonal: replaced below
+            whitener = torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False)
+            good = (info == 0)[:, None, None]
+        else:
+            values, vectors = torch.linalg.eigh(safe)
+            floor = torch.where(lam > 0, lam, 1.0)[:, :, 0]
+            whitener = (vectors * values.clamp(min=floor).rsqrt()[:, None, :]) @ vectors.transpose(1, 2)
+            good = torch.isfinite(whitener.sum(dim=(1, 2), keepdim=True))
+        fallback = eye.expand_as(whitener) if previous is None else previous
+        return torch.where(good, whitener, fallback)
 
     # -- the step ----------------------------------------------------------------------
     @torch.no_grad()
@@ -245,45 +280,79 @@ class WhitenedMuon(torch.optim.Optimizer):
             self._refresh(due)
             self._report_nonfinite()
         for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            if any(p.grad.is_sparse for p in params):
+                raise TypeError("WhitenedMuon does not support sparse gradients")
             lr, momentum = group["lr"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise TypeError("WhitenedMuon does not support sparse gradients")
+            # One finiteness test for the group: a gradient whose norm is not finite (a NaN, an
+            # Inf, or an overflow) leaves its weight and momentum as they were.
+            finite = torch.isfinite(torch.stack(torch._foreach_norm([p.grad for p in params])))
+            decay = torch.full((), 1 - lr * group["weight_decay"], dtype=params[0].dtype, device=finite.device)
+            for ok, p in zip(finite.unbind(), params):
                 state = self.state[p]
                 grad = p.grad
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(grad)
                     state["nonfinite_steps"] = torch.zeros((), dtype=torch.int64, device=grad.device)
-                finite = torch.isfinite(grad).all()
-                buf = state["momentum_buffer"]
-                buf.copy_(torch.where(finite, buf.lerp(grad, 1 - momentum), buf))
+                buf = state["momentum_buffer"] = torch.where(ok, state["momentum_buffer"].lerp(grad, 1 - momentum),
+                                                             state["momentum_buffer"])
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = torch.where(finite, update, torch.zeros_like(update))
-                update = self._direction(update, state.get("output_whitener"), state.get("input_whitener"))
+                direction = self._direction(update, self._cast(p, "output"), self._cast(p, "input"))
                 adjusted = lr * 0.2 * max(p.shape) ** 0.5  # torch.optim.Muon's match_rms_adamw
-                decay = torch.full((), 1 - lr * group["weight_decay"], dtype=p.dtype, device=p.device)
-                p.mul_(torch.where(finite, decay, torch.ones_like(decay)))
-                p.add_(update, alpha=-adjusted)
-                state["nonfinite_steps"].add_((~finite).long())
+                p.mul_(torch.where(ok, decay.to(p.dtype), 1.0))
+                p.add_(torch.where(ok, direction, 0.0).to(p.dtype), alpha=-adjusted)
+                state["nonfinite_steps"].add_(~ok)
                 state["step"] = state.get("step", 0) + 1
         return loss
 
-    def _direction(self, update: torch.Tensor, left: torch.Tensor | None, right: torch.Tensor | None) -> torch.Tensor:
-        """``L msign(L M R) R`` rescaled to ``||msign(L M R)||_F`` (``L``, ``R`` may be absent)."""
-        def whiten(matrix):
-            if right is not None:
-                matrix = matrix @ right.to(matrix.dtype)
-            if left is not None:
-                matrix = left.to(matrix.dtype) @ matrix
-            return matrix
+    def _cast(self, p: nn.Parameter, side: str) -> torch.Tensor | None:
+        """The side's whitener in ``ns_dtype`` (the whitening runs in Newton-Schulz's dtype:
+        its result is rounded to it anyway), cast once per refresh."""
+        key = (id(p), side)
+        cast = self._casts.get(key)
+        if cast is None:
+            whitener = self.state[p].get(f"{side}_whitener")
+            if whitener is None:
+                return None
+            cast = self._casts[key] = whitener.to(self.ns_dtype)
+        return cast
 
-        ortho = msign(whiten(update), self.ns_steps, dtype=self.ns_dtype)
+    def _direction(self, update: torch.Tensor, left: torch.Tensor | None, right: torch.Tensor | None) -> torch.Tensor:
+        """``Lᵀ msign(L M Rᵀ) R`` rescaled to ``||msign(L M Rᵀ)||_F``, with ``L``, ``R`` the output-
+        and input-side whiteners (block-diagonal ``[blocks, b, b]``; either may be absent), in
+        ``ns_dtype``."""
+        update = update.to(self.ns_dtype)
+        ortho = msign(self._whiten(update, left, right, transpose=True), self.ns_steps, dtype=self.ns_dtype)
         if left is None and right is None:
             return ortho
-        direction = whiten(ortho)
-        return direction * (ortho.norm() / direction.norm().clamp(min=1e-30))
+        direction = self._whiten(ortho, left, right, transpose=False)
+        wide = torch.promote_types(direction.dtype, torch.float32)  # norms of bfloat16 in float32
+        scale = ortho.to(wide).norm() / direction.to(wide).norm().clamp(min=1e-30)
+        return direction * scale.to(direction.dtype)
+
+    @staticmethod
+    def _whiten(matrix: torch.Tensor, left: torch.Tensor | None, right: torch.Tensor | None,
+                transpose: bool) -> torch.Tensor:
+        """``L X Rᵀ`` (``transpose``) or ``Lᵀ X R``, block by block."""
+        out_dim, in_dim = matrix.shape
+        if right is not None:
+            r = right.to(matrix.dtype)
+            if r.shape[0] == 1:  # one block: a plain matmul
+                matrix = matrix @ (r[0].T if transpose else r[0])
+            else:
+                x = matrix.reshape(out_dim, r.shape[0], -1).transpose(0, 1)  # [blocks, out, b]
+                x = torch.bmm(x, r.transpose(1, 2) if transpose else r)
+                matrix = x.transpose(0, 1).reshape(out_dim, in_dim)
+        if left is not None:
+            g = left.to(matrix.dtype)
+            if g.shape[0] == 1:
+                matrix = (g[0] if transpose else g[0].T) @ matrix
+            else:
+                x = matrix.reshape(g.shape[0], -1, in_dim)  # [blocks, b, in]
+                matrix = torch.bmm(g if transpose else g.transpose(1, 2), x).reshape(out_dim, in_dim)
+        return matrix
 
     def _report_nonfinite(self) -> None:
         entries = [(i, p, self.state[p]["nonfinite_steps"])
@@ -306,6 +375,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         """torch.optim's load, then the factors and whiteners back to float32 or better
         (torch.optim casts every state tensor to its parameter's dtype, e.g. bfloat16)."""
         super().load_state_dict(state_dict)
+        self._casts.clear()
         for state in self.state.values():
             for key, value in state.items():
                 if key.endswith(("_factor", "_whitener")) and value.dtype not in (torch.float32, torch.float64):

@@ -29,25 +29,29 @@ from kron_precond import WhitenedMuon
 LR, WD, MOMENTUM, DAMPING, DECAY = 0.05, 0.1, 0.9, 0.1, 0.95
 
 
+DIMS = (5, 7, 4)
+
+
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, dims=DIMS):
         super().__init__()
-        self.a = nn.Linear(5, 7, bias=False)
-        self.b = nn.Linear(7, 4, bias=False)
+        self.a = nn.Linear(dims[0], dims[1], bias=False)
+        self.b = nn.Linear(dims[1], dims[2], bias=False)
 
     def forward(self, x):
         return self.b(torch.tanh(self.a(x)))
 
 
-def make_net(dtype=torch.float64) -> Net:
+def make_net(dtype=torch.float64, dims=DIMS) -> Net:
     torch.manual_seed(0)
-    return Net().to(dtype)
+    return Net(dims).to(dtype)
 
 
-def batches(steps: int, dtype=torch.float64):
+def batches(steps: int, dtype=torch.float64, dims=DIMS):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(4, 3, 5, generator=g, dtype=dtype) * torch.tensor([3.0, 1, 1, 0.3, 0.1], dtype=dtype),
-             torch.randn(4, 3, 4, generator=g, dtype=dtype)) for _ in range(steps)]
+    scale = torch.logspace(0.5, -1, dims[0], dtype=dtype)  # an ill-conditioned input covariance
+    return [(torch.randn(4, 3, dims[0], generator=g, dtype=dtype) * scale,
+             torch.randn(4, 3, dims[2], generator=g, dtype=dtype)) for _ in range(steps)]
 
 
 def loss_of(net, x, y):
@@ -59,27 +63,34 @@ def exact_polar(matrix, steps=5, eps=1e-7, dtype=None):
     return (u @ vh).to(matrix.dtype)
 
 
-def inverse_root(factor: np.ndarray) -> np.ndarray:
-    lam = DAMPING * np.trace(factor) / factor.shape[0]
-    return np.linalg.inv(np.real(sqrtm(factor + lam * np.eye(factor.shape[0]))))
+def inverse_root(factor: np.ndarray, block: int | None = None) -> np.ndarray:
+    """``(F + λI)^{-1/2}`` by scipy's ``sqrtm``; with ``block``, of each diagonal block alone."""
+    dim = factor.shape[0]
+    size = block if block is not None and dim > block and dim % block == 0 else dim
+    out = np.zeros_like(factor)
+    for s in range(0, dim, size):
+        f = factor[s:s + size, s:s + size]
+        lam = DAMPING * np.trace(f) / size
+        out[s:s + size, s:s + size] = np.linalg.inv(np.real(sqrtm(f + lam * np.eye(size))))
+    return out
 
 
-def reference_run(output_side: bool, steps: int):
+def reference_run(output_side: bool, steps: int, dims=DIMS, block: int | None = None):
     """The steps written out in float64 with numpy/scipy, statistics on every step."""
-    net = make_net()
+    net = make_net(dims=dims)
     weights = [net.a.weight, net.b.weight]
     factors = {}
     buffers = [torch.zeros_like(w) for w in weights]
     history = []
-    for x, y in batches(steps):
-        h_in = x.reshape(-1, 5)
+    for x, y in batches(steps, dims=dims):
+        h_in = x.reshape(-1, dims[0])
         pre = net.a(x)
         h = torch.tanh(pre)
         out = net.b(h)
         loss = (out - y).square().mean()
         grads = torch.autograd.grad(loss, [pre, out] + weights)
-        inputs = [h_in, h.reshape(-1, 7)]
-        outputs = [grads[0].reshape(-1, 7), grads[1].reshape(-1, 4)]
+        inputs = [h_in, h.reshape(-1, dims[1])]
+        outputs = [grads[0].reshape(-1, dims[1]), grads[1].reshape(-1, dims[2])]
         for i, w in enumerate(weights):
             for side, rows in (("in", inputs[i]), ("out", outputs[i])):
                 batch = (rows.T @ rows / rows.shape[0]).detach().numpy()
@@ -88,8 +99,8 @@ def reference_run(output_side: bool, steps: int):
             g = grads[2 + i].detach()
             buffers[i] = MOMENTUM * buffers[i] + (1 - MOMENTUM) * g
             m = ((1 - MOMENTUM) * g + MOMENTUM * buffers[i]).numpy()
-            right = inverse_root(factors[(i, "in")])
-            left = inverse_root(factors[(i, "out")]) if output_side else np.eye(w.shape[0])
+            right = inverse_root(factors[(i, "in")], block)
+            left = inverse_root(factors[(i, "out")], block) if output_side else np.eye(w.shape[0])
             ortho = exact_polar(torch.from_numpy(left @ m @ right)).numpy()
             direction = left @ ortho @ right
             direction *= np.linalg.norm(ortho) / np.linalg.norm(direction)
@@ -99,14 +110,17 @@ def reference_run(output_side: bool, steps: int):
     return history
 
 
+@pytest.mark.parametrize("root", ["cholesky", "symmetric"])
 @pytest.mark.parametrize("output_side", [False, True])
-def test_steps_match_the_whitened_steepest_descent_written_out(monkeypatch, output_side):
+def test_steps_match_the_whitened_steepest_descent_written_out(monkeypatch, output_side, root):
+    """With the exact polar factor, both roots give the step written out with symmetric
+    inverse roots: ``||ΔW L||_op = ||ΔW A^{1/2}||_op``, the same steepest descent."""
     monkeypatch.setattr(wm, "msign", exact_polar)  # the whitening algebra, not Newton-Schulz
     steps = 4
     expected = reference_run(output_side, steps)
     net = make_net()
     opt = WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, momentum=MOMENTUM, statistics_every=1,
-                       damping=DAMPING, factor_decay=DECAY, output_side=output_side)
+                       damping=DAMPING, factor_decay=DECAY, output_side=output_side, root=root, ns_dtype=torch.float64)
     for step, (x, y) in enumerate(batches(steps)):
         with torch.no_grad():  # an evaluation pass: no statistics
             net(torch.randn(2, 5, dtype=torch.float64) * 100)
@@ -120,6 +134,28 @@ def test_steps_match_the_whitened_steepest_descent_written_out(monkeypatch, outp
             torch.testing.assert_close(got.detach(), want, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("root", ["cholesky", "symmetric"])
+def test_block_diagonal_factors_match_the_blocked_reference(monkeypatch, root):
+    """``block_size=2``: every side (6, 8, 4 wide) is whitened in 2 x 2 diagonal blocks, each
+    with its own damping; the reference takes the blocks of the full factors itself."""
+    monkeypatch.setattr(wm, "msign", exact_polar)
+    dims = (6, 8, 4)
+    expected = reference_run(True, 3, dims=dims, block=2)
+    whole = reference_run(True, 3, dims=dims)
+    net = make_net(dims=dims)
+    opt = WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, momentum=MOMENTUM, statistics_every=1,
+                       damping=DAMPING, factor_decay=DECAY, output_side=True, root=root, block_size=2,
+                       ns_dtype=torch.float64)
+    assert opt.state == {} and opt._blocks(8) == 4 and opt._blocks(5) == 1 and opt._blocks(2) == 1
+    for step, (x, y) in enumerate(batches(3, dims=dims)):
+        opt.zero_grad()
+        loss_of(net, x, y).backward()
+        opt.step()
+        for got, want in zip([net.a.weight, net.b.weight], expected[step]):
+            torch.testing.assert_close(got.detach(), want, rtol=1e-9, atol=1e-11)
+    assert not torch.allclose(net.a.weight.detach(), whole[-1][0], rtol=1e-4)  # blocking mattered
+
+
 def test_whitening_after_the_orthogonalisation_changes_the_step(monkeypatch):
     """The second whitening is the point: dropping it (the pre-only control) moves the weights
     elsewhere, so the test above would notice it missing."""
@@ -128,11 +164,11 @@ def test_whitening_after_the_orthogonalisation_changes_the_step(monkeypatch):
 
     class PreOnly(WhitenedMuon):
         def _direction(self, update, left, right):
-            return exact_polar(update @ right)
+            return exact_polar(self._whiten(update, left, right, transpose=True))
 
     net = make_net()
     opt = PreOnly([net.a, net.b], lr=LR, weight_decay=WD, momentum=MOMENTUM, statistics_every=1,
-                  damping=DAMPING, factor_decay=DECAY)
+                  damping=DAMPING, factor_decay=DECAY, ns_dtype=torch.float64)
     for x, y in batches(2):
         opt.zero_grad()
         loss_of(net, x, y).backward()
@@ -205,6 +241,7 @@ def test_lr_scheduler_changes_the_step():
     (dict(factor_decay=1.5), ValueError, "factor_decay"), (dict(statistics_every=0), ValueError, "statistics_every"),
     (dict(statistics_rows=0), ValueError, "statistics_rows"), (dict(weight_decay=-0.1), ValueError, "weight_decay"),
     (dict(output_side=1), TypeError, "output_side"), (dict(ns_dtype=torch.int32), ValueError, "ns_dtype"),
+    (dict(root="qr"), ValueError, "root"), (dict(block_size=0), ValueError, "block_size"),
 ])
 def test_bad_arguments_fail_at_construction_naming_them(kwargs, error, name):
     net = make_net()
