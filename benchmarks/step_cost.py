@@ -59,6 +59,11 @@ CONFIGS = {
     # soap_every), both sides, and one-sided on sides up to 200 wide
     "soap_muon": ("soap_muon", {"soap_statistics_every": 10}),
     "soap_muon one-sided (smax=200)": ("soap_muon", {"soap_statistics_every": 10, "soap_max_size": 200}),
+    # WhitenedMuon (an optimizer, not a preconditioner: its time is in "optim"); statistics
+    # every wmuon_every steps, input side only or both sides
+    "wmuon every 10": ("wmuon", {}),
+    "wmuon every 20": ("wmuon", {"wmuon_every": 20}),
+    "wmuon both sides": ("wmuon", {"wmuon_both_sides": True}),
 }
 
 
@@ -68,6 +73,8 @@ def statistics_interval(method: str, overrides: dict, kfac_every: int) -> int:
         return overrides.get("ikfac_every", PrecondConfig.ikfac_every)
     if method.startswith("soap"):
         return overrides.get("soap_statistics_every", PrecondConfig.soap_statistics_every)
+    if method.startswith("wmuon"):
+        return overrides.get("wmuon_every", PrecondConfig.wmuon_every)
     return kfac_every
 
 

@@ -1,8 +1,8 @@
 """The main job: a byte-level transformer language model on Python's standard library.
 
-Trains the same small decoder-only transformer with AdamW, K-FAC + AdamW and PSGD (the
-``Kron`` optimizer), from the same initial weights, on the same batches, for the same
-number of steps, then prints a table per method (held-out loss, steps and seconds to
+Trains the same small decoder-only transformer with AdamW, Muon, PSGD (the ``Kron``
+optimizer), K-FAC and PSGD in front of Muon, and ``WhitenedMuon`` (``--methods`` picks
+others), from the same initial weights, on the same batches, for the same number of steps, then prints a table per method (held-out loss, steps and seconds to
 AdamW's final held-out loss, step time, optimizer + preconditioner state bytes) and
 saves a plot of held-out loss against step and against seconds.
 
@@ -462,7 +462,7 @@ def plot_curves(results: Sequence[RunResult], target: float, path: Path, title: 
 # every step of a 600-step run; this one anneals from step 100 and reaches 0.03 by ~450.
 DEFAULT_PSGD_UPDATE_PROB = "anneal:100:0.01"
 # AdamW and Muon (what users pick today) next to the library's best configurations.
-DEFAULT_METHODS = "adamw,muon,psgd,kfac_muon,psgd_muon"
+DEFAULT_METHODS = "adamw,muon,psgd,kfac_muon,psgd_muon,wmuon"
 DEFAULT_PSGD_INIT_SCALE = "auto"  # estimated from the first gradient
 DEFAULT_PSGD_UPDATE = "eq"
 # In front of Muon (docs/benchmarks.md, the fair sweep and seed 1): PSGD at a constant 5 %

@@ -41,7 +41,7 @@ def test_main_job_runs_and_reports_every_method(tmp_path):
 
 def test_main_job_under_torchrun_with_accumulation(tmp_path):
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-          "examples/char_lm.py", *TINY_LM, "--methods", "kfac,psgd_adamw", "--grad-accum", "2",
+          "examples/char_lm.py", *TINY_LM, "--methods", "kfac,psgd_adamw,wmuon", "--grad-accum", "2",
           "--out", str(tmp_path)], tmp_path)
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["world_size"] == 2

@@ -327,3 +327,17 @@ def test_any_world_size_gives_the_one_process_result(tmp_path, output_side):
             assert all(r["identical"])
             for got, want in zip(r["params"], single["params"]):
                 torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_failed_cholesky_keeps_the_previous_whitener_and_an_unseen_layer_gets_the_identity():
+    net = make_net()
+    opt = WhitenedMuon([net.a, net.b], lr=LR)
+    good = torch.diag(torch.tensor([4.0, 1, 1, 1, 1], dtype=torch.float64))[None]
+    previous = opt._whitener(good, None)
+    lam = DAMPING * 8 / 5
+    torch.testing.assert_close(previous[0].T @ previous[0], torch.linalg.inv(good[0] + lam * torch.eye(5, dtype=torch.float64)))
+    not_positive = -10 * torch.eye(5, dtype=torch.float64)[None]
+    assert torch.equal(opt._whitener(not_positive, previous), previous)
+    assert torch.equal(opt._whitener(not_positive, None), torch.eye(5, dtype=torch.float64)[None])
+    assert torch.equal(opt._whitener(torch.zeros(1, 5, 5, dtype=torch.float64), None),
+                       torch.eye(5, dtype=torch.float64)[None])
