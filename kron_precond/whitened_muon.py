@@ -46,18 +46,25 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's quintic Newton
 
 def msign(matrix: torch.Tensor, steps: int = 5, eps: float = 1e-7,
           dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``≈ U Vᵀ`` of ``matrix = U S Vᵀ`` by torch.optim.Muon's Newton-Schulz iteration; in
-    bfloat16 (the default) the same arithmetic as ``torch.optim.Muon``."""
+    """``≈ U Vᵀ`` of ``matrix = U S Vᵀ`` by torch.optim.Muon's Newton-Schulz iteration, for one
+    matrix or a stack ``[k, m, n]`` (each normalised by its own norm). For one matrix in
+    bfloat16 (the default) it is ``torch.optim.Muon``'s arithmetic, bitwise."""
     a, b, c = NS_COEFFICIENTS
     x = matrix.to(dtype)
-    transposed = x.shape[0] > x.shape[1]
+    transposed = x.shape[-2] > x.shape[-1]
     if transposed:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return (x.T if transposed else x).to(matrix.dtype)
+        x = x.mT
+    if x.dim() == 2:
+        x = x / x.norm().clamp(min=eps)
+        for _ in range(steps):
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    else:
+        x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+        for _ in range(steps):
+            gram = x @ x.mT
+            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x.mT if transposed else x).to(matrix.dtype)
 
 
 def _weight_of(module: Any, index: int) -> nn.Parameter:
@@ -145,7 +152,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         self._pending: dict[tuple[int, str], list[torch.Tensor]] = {}
         self._weights = {id(w): w for w in weights}
         self._reported: dict[int, int] = {}
-        self._casts: dict[tuple[int, str], torch.Tensor] = {}  # whiteners in ns_dtype
+        self._casts: dict[tuple[int, ...], tuple] = {}  # stacked whiteners in ns_dtype, per stack
         self._handles = []
         for module, weight in zip(modules, weights):
             self._handles.append(module.register_forward_pre_hook(self._input_hook(weight)))
@@ -242,7 +249,7 @@ class WhitenedMuon(torch.optim.Optimizer):
             factor.lerp_(torch.where(usable, batch, factor), weight.to(factor.dtype))
             seen.copy_(torch.maximum(seen, usable.to(seen.dtype)))
             state[f"{side}_whitener"] = self._whitener(factor, state.get(f"{side}_whitener"))
-            self._casts.pop(key, None)
+        self._casts.clear()
 
     def _whitener(self, factor: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
         """``T`` per diagonal block of ``factor`` (``[blocks, b, b]``), with ``Tᵀ T = (F + λI)⁻¹``
@@ -281,77 +288,100 @@ class WhitenedMuon(torch.optim.Optimizer):
             self._report_nonfinite()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
             if any(p.grad.is_sparse for p in params):
                 raise TypeError("WhitenedMuon does not support sparse gradients")
-            lr, momentum = group["lr"], group["momentum"]
-            # One finiteness test for the group: a gradient whose norm is not finite (a NaN, an
-            # Inf, or an overflow) leaves its weight and momentum as they were.
-            finite = torch.isfinite(torch.stack(torch._foreach_norm([p.grad for p in params])))
-            decay = torch.full((), 1 - lr * group["weight_decay"], dtype=params[0].dtype, device=finite.device)
-            for ok, p in zip(finite.unbind(), params):
+            for p in params:
                 state = self.state[p]
-                grad = p.grad
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(grad)
-                    state["nonfinite_steps"] = torch.zeros((), dtype=torch.int64, device=grad.device)
-                buf = state["momentum_buffer"] = torch.where(ok, state["momentum_buffer"].lerp(grad, 1 - momentum),
-                                                             state["momentum_buffer"])
-                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                direction = self._direction(update, self._cast(p, "output"), self._cast(p, "input"))
-                adjusted = lr * 0.2 * max(p.shape) ** 0.5  # torch.optim.Muon's match_rms_adamw
-                p.mul_(torch.where(ok, decay.to(p.dtype), 1.0))
-                p.add_(torch.where(ok, direction, 0.0).to(p.dtype), alpha=-adjusted)
-                state["nonfinite_steps"].add_(~ok)
-                state["step"] = state.get("step", 0) + 1
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                    state["nonfinite_steps"] = torch.zeros((), dtype=torch.int64, device=p.grad.device)
+            # Weights of one shape (and whitener layout) step as one stack: a fixed number of ops
+            # per shape, not per layer.
+            stacks: dict[tuple, list[nn.Parameter]] = {}
+            for p in params:
+                stacks.setdefault(self._layout(p), []).append(p)
+            for members in stacks.values():
+                self._step_stack(members, group)
+                for p in members:
+                    self.state[p]["step"] = self.state[p].get("step", 0) + 1
         return loss
 
-    def _cast(self, p: nn.Parameter, side: str) -> torch.Tensor | None:
-        """The side's whitener in ``ns_dtype`` (the whitening runs in Newton-Schulz's dtype:
-        its result is rounded to it anyway), cast once per refresh."""
-        key = (id(p), side)
-        cast = self._casts.get(key)
-        if cast is None:
-            whitener = self.state[p].get(f"{side}_whitener")
-            if whitener is None:
-                return None
-            cast = self._casts[key] = whitener.to(self.ns_dtype)
-        return cast
+    def _layout(self, p: nn.Parameter) -> tuple:
+        state = self.state[p]
+        sides = tuple(None if state.get(f"{side}_whitener") is None else tuple(state[f"{side}_whitener"].shape)
+                      for side in ("input", "output"))
+        return (tuple(p.shape), p.dtype, p.device, sides)
+
+    def _step_stack(self, params: list[nn.Parameter], group: dict[str, Any]) -> None:
+        lr, momentum = group["lr"], group["momentum"]
+        states = [self.state[p] for p in params]
+        grads = torch.stack([p.grad for p in params])
+        # A gradient whose norm is not finite (a NaN, an Inf, or an overflow) leaves its weight,
+        # its momentum and its weight decay as they were.
+        finite = torch.isfinite(torch.linalg.vector_norm(grads.flatten(1), dim=1))
+        mask = finite[:, None, None]
+        buffers = [s["momentum_buffer"] for s in states]
+        stacked = torch.stack(buffers)
+        stacked = torch.where(mask, stacked.lerp(grads, 1 - momentum), stacked)
+        torch._foreach_copy_(buffers, list(stacked.unbind()))
+        update = grads.lerp(stacked, momentum) if group["nesterov"] else stacked
+        left, right = self._stacked_whiteners(params)
+        direction = torch.where(mask, self._direction(update, left, right), 0.0)
+        decay = torch.full(finite.shape, 1 - lr * group["weight_decay"], dtype=params[0].dtype, device=finite.device)
+        decay = torch.where(finite, decay, 1.0)
+        adjusted = lr * 0.2 * max(params[0].shape) ** 0.5  # torch.optim.Muon's match_rms_adamw
+        for i, p in enumerate(params):
+            p.mul_(decay[i])
+            p.add_(direction[i].to(p.dtype), alpha=-adjusted)
+        torch._foreach_add_([s["nonfinite_steps"] for s in states], list((~finite).long().unbind()))
+
+    def _stacked_whiteners(self, params: list[nn.Parameter]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(output, input) whiteners of ``params`` stacked ``[k, blocks, b, b]`` in ``ns_dtype``;
+        built once per refresh (the whitening's result is rounded to that dtype anyway)."""
+        key = tuple(id(p) for p in params)
+        cached = self._casts.get(key)
+        if cached is None:
+            cached = tuple(None if self.state[params[0]].get(f"{side}_whitener") is None else
+                           torch.stack([self.state[p][f"{side}_whitener"] for p in params]).to(self.ns_dtype)
+                           for side in ("output", "input"))
+            self._casts[key] = cached
+        return cached
 
     def _direction(self, update: torch.Tensor, left: torch.Tensor | None, right: torch.Tensor | None) -> torch.Tensor:
-        """``Lᵀ msign(L M Rᵀ) R`` rescaled to ``||msign(L M Rᵀ)||_F``, with ``L``, ``R`` the output-
-        and input-side whiteners (block-diagonal ``[blocks, b, b]``; either may be absent), in
-        ``ns_dtype``."""
+        """``Lᵀ msign(L M Rᵀ) R`` rescaled to ``||msign(L M Rᵀ)||_F``, for a stack ``[k, out, in]``
+        with ``L``, ``R`` the output- and input-side whiteners (block-diagonal ``[k, blocks, b, b]``;
+        either may be absent), in ``ns_dtype``."""
         update = update.to(self.ns_dtype)
         ortho = msign(self._whiten(update, left, right, transpose=True), self.ns_steps, dtype=self.ns_dtype)
         if left is None and right is None:
             return ortho
         direction = self._whiten(ortho, left, right, transpose=False)
         wide = torch.promote_types(direction.dtype, torch.float32)  # norms of bfloat16 in float32
-        scale = ortho.to(wide).norm() / direction.to(wide).norm().clamp(min=1e-30)
+        scale = (ortho.to(wide).norm(dim=(-2, -1), keepdim=True)
+                 / direction.to(wide).norm(dim=(-2, -1), keepdim=True).clamp(min=1e-30))
         return direction * scale.to(direction.dtype)
 
     @staticmethod
     def _whiten(matrix: torch.Tensor, left: torch.Tensor | None, right: torch.Tensor | None,
                 transpose: bool) -> torch.Tensor:
-        """``L X Rᵀ`` (``transpose``) or ``Lᵀ X R``, block by block."""
-        out_dim, in_dim = matrix.shape
+        """``L X Rᵀ`` (``transpose``) or ``Lᵀ X R`` for a stack ``X = [k, out, in]``, block by block."""
+        k, out_dim, in_dim = matrix.shape
         if right is not None:
             r = right.to(matrix.dtype)
-            if r.shape[0] == 1:  # one block: a plain matmul
-                matrix = matrix @ (r[0].T if transpose else r[0])
+            if r.shape[1] == 1:  # one block: a batched matmul
+                matrix = matrix @ (r[:, 0].mT if transpose else r[:, 0])
             else:
-                x = matrix.reshape(out_dim, r.shape[0], -1).transpose(0, 1)  # [blocks, out, b]
-                x = torch.bmm(x, r.transpose(1, 2) if transpose else r)
-                matrix = x.transpose(0, 1).reshape(out_dim, in_dim)
+                x = matrix.reshape(k, out_dim, r.shape[1], -1)
+                x = torch.einsum("kojb,kjcb->kojc" if transpose else "kojb,kjbc->kojc", x, r)
+                matrix = x.reshape(k, out_dim, in_dim)
         if left is not None:
             g = left.to(matrix.dtype)
-            if g.shape[0] == 1:
-                matrix = (g[0] if transpose else g[0].T) @ matrix
+            if g.shape[1] == 1:
+                matrix = (g[:, 0] if transpose else g[:, 0].mT) @ matrix
             else:
-                x = matrix.reshape(g.shape[0], -1, in_dim)  # [blocks, b, in]
-                matrix = torch.bmm(g if transpose else g.transpose(1, 2), x).reshape(out_dim, in_dim)
+                x = matrix.reshape(k, g.shape[1], -1, in_dim)
+                x = torch.einsum("kjcb,kjbi->kjci" if transpose else "kjbc,kjbi->kjci", g, x)
+                matrix = x.reshape(k, out_dim, in_dim)
         return matrix
 
     def _report_nonfinite(self) -> None:

@@ -186,6 +186,16 @@ def test_newton_schulz_is_torch_muons_bitwise():
         assert torch.equal(wm.msign(m), want)
 
 
+def test_a_stack_of_matrices_is_orthogonalised_matrix_by_matrix():
+    torch.manual_seed(0)
+    for shape in ((3, 16, 40), (2, 40, 16)):
+        stack = torch.randn(*shape, dtype=torch.float64) * torch.tensor([1.0, 100.0, 0.01][: shape[0]],
+                                                                         dtype=torch.float64)[:, None, None]
+        got = wm.msign(stack, dtype=torch.float64)
+        for matrix, out in zip(stack, got):
+            torch.testing.assert_close(out, wm.msign(matrix, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+
+
 def test_statistics_only_on_statistics_steps_and_refresh_then():
     net = make_net()
     opt = WhitenedMuon([net.a, net.b], lr=LR, statistics_every=3)
