@@ -18,6 +18,26 @@ import torch
 STALE_STATISTICS_STEPS = 3  # statistics steps in a row without rows before a layer is reported
 
 
+def new_nonfinite_steps(optimizer: torch.optim.Optimizer, reported: dict[int, int]) -> list[tuple]:
+    """``(index, parameter, new, total)`` for every parameter of ``optimizer`` whose
+    ``state["nonfinite_steps"]`` counter grew since ``reported`` (updated in place); the
+    counters are read in one host sync. Shared by the standalone optimizers' warnings."""
+    entries = [(i, p, optimizer.state[p]["nonfinite_steps"])
+               for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
+               if "nonfinite_steps" in optimizer.state.get(p, {})]
+    if not entries:
+        return []
+    device = entries[0][2].device
+    counts = torch.stack([c.to(device) for _, _, c in entries]).tolist()  # one host sync
+    grown = []
+    for (i, p, _), total in zip(entries, counts):
+        total = int(total)  # torch.optim's load may have cast the counter to a float
+        if total > reported.get(i, 0):
+            grown.append((i, p, total - reported.get(i, 0), total))
+        reported[i] = total
+    return grown
+
+
 class Health:
     def __init__(self, layers: Sequence, *, captures: bool) -> None:
         self._layers = list(layers)

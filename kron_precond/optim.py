@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import validation
+from .health import new_nonfinite_steps
 from .methods import state_checks as checks
 from .methods.psgd import PSGDFactors, check_memory_save_mode, check_update_rule
 from .methods.psgd_tensor import RMS_CLIP, PSGDTensor
@@ -306,20 +307,8 @@ class Kron(torch.optim.Optimizer):
 
     def _report_nonfinite(self) -> None:
         """Warn about parameters whose gradient was non-finite since the last report."""
-        entries = [(i, p, self.state[p]["nonfinite_steps"])
-                   for i, p in enumerate(p for g in self.param_groups for p in g["params"])
-                   if "nonfinite_steps" in self.state.get(p, {})]
-        if not entries:
-            return
-        device = entries[0][2].device
-        counts = torch.stack([c.to(device) for _, _, c in entries]).tolist()  # one host sync
-        lines = []
-        for (i, p, _), total in zip(entries, counts):
-            new = total - self._reported.get(i, 0)
-            if new > 0:
-                lines.append(f"parameter {i} (shape {tuple(p.shape)}): {new} step(s), "
-                             f"{total} in total")
-            self._reported[i] = total
+        lines = [f"parameter {i} (shape {tuple(p.shape)}): {new} step(s), {total} in total"
+                 for i, p, new, total in new_nonfinite_steps(self, self._reported)]
         if lines:
             warnings.warn("Kron: non-finite gradients; those steps skipped the momentum, "
                           "preconditioner and parameter updates of: " + "; ".join(lines),

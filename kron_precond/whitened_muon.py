@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from kron_precond import validation
+from kron_precond.health import new_nonfinite_steps
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's quintic Newton-Schulz
 
@@ -385,18 +386,8 @@ class WhitenedMuon(torch.optim.Optimizer):
         return matrix
 
     def _report_nonfinite(self) -> None:
-        entries = [(i, p, self.state[p]["nonfinite_steps"])
-                   for i, p in enumerate(p for g in self.param_groups for p in g["params"])
-                   if "nonfinite_steps" in self.state.get(p, {})]
-        if not entries:
-            return
-        counts = torch.stack([c.to(entries[0][2].device) for _, _, c in entries]).tolist()  # one host sync
-        lines = []
-        for (i, p, _), total in zip(entries, counts):
-            total = int(total)
-            if total > self._reported.get(i, 0):
-                lines.append(f"weight {i} (shape {tuple(p.shape)}): {total - self._reported.get(i, 0)} step(s)")
-            self._reported[i] = total
+        lines = [f"weight {i} (shape {tuple(p.shape)}): {new} step(s)"
+                 for i, p, new, _ in new_nonfinite_steps(self, self._reported)]
         if lines:
             warnings.warn("WhitenedMuon: non-finite gradients; those steps left these weights and their "
                           "momentum unchanged: " + "; ".join(lines), RuntimeWarning, stacklevel=3)
