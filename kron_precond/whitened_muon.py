@@ -9,10 +9,11 @@ steepest-descent step under ``||ΔW A^{1/2}||_op`` is, substituting ``Z = ΔW A^
 
 and with the output-gradient factor ``G`` as well (``output_side=True``), under
 ``||G^{1/2} ΔW A^{1/2}||_op``: ``-G^{-1/2} msign(G^{-1/2} M A^{-1/2}) A^{-1/2}``. The
-whitening enters twice, before and after the orthogonalisation. A preconditioner in front of ``torch.optim.Muon`` (the
-library's usual contract: rewrite ``.grad``, then the optimizer steps) can only do the first
-half, which on the main job buys nothing (docs/benchmarks.md); the second half is why this
-is an optimizer of its own.
+whitening enters twice, before and after the orthogonalisation. A preconditioner in front
+of ``torch.optim.Muon`` (the library's usual contract: rewrite ``.grad``, then the
+optimizer steps) can only do the first half, which on the main job saves 5 % of Muon's
+steps and ends above it (docs/benchmarks.md, "Issue 17: `WhitenedMuon`"); the second half
+is why this is an optimizer of its own.
 
 Scale: the result is rescaled to the Frobenius norm of ``msign(...)`` and the learning rate
 is adjusted like ``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")`` (``0.2·sqrt(max(m, n))``),
@@ -21,10 +22,11 @@ so ``lr`` means what it means for Muon (and AdamW) and only the direction change
 Statistics are read only on statistics steps (every ``statistics_every`` steps): a forward
 pre-hook sums ``x xᵀ`` over the input rows (and, with ``output_side``, a tensor hook on the
 output sums ``g gᵀ`` over the output gradients). On the same step ``step()`` folds them into
-exponential averages and recomputes ``(A + λI)^{-1/2}`` by ``eigh``, with
-``λ = damping · tr(A) / dim``: a damping relative to the mean eigenvalue, so the whitener is
-invariant to the scale of the inputs (and of the loss). A plain step costs two matmuls per
-side beyond Muon's, and no host synchronisation.
+exponential averages and recomputes the whitener of ``A + λI`` (``L⁻¹`` of its Cholesky
+factor by default, or its inverse square root), with ``λ = damping · tr(A) / dim``: a damping
+relative to the mean eigenvalue, so the whitener is invariant to the scale of the inputs
+(and of the loss). A plain step costs two matmuls per side beyond Muon's, weights of one
+shape stepped as one stack, and no host synchronisation.
 
 Distributed (DDP): the sums and row counts are all-reduced on refresh steps (one collective),
 so the factors are those of the full global batch and every world size gives one process's
