@@ -351,3 +351,31 @@ def test_a_failed_cholesky_keeps_the_previous_whitener_and_an_unseen_layer_gets_
     assert torch.equal(opt._whitener(not_positive, None), torch.eye(5, dtype=torch.float64)[None])
     assert torch.equal(opt._whitener(torch.zeros(1, 5, 5, dtype=torch.float64), None),
                        torch.eye(5, dtype=torch.float64)[None])
+
+
+def test_a_compiled_model_gets_the_eager_steps():
+    """The statistics hooks keep working under ``torch.compile`` (they read a step count that
+    changes between statistics steps): the compiled run follows the eager one."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    eager, compiled = make(), make()
+    opts = [WhitenedMuon([n[0], n[2]], lr=0.02, statistics_every=3, ns_dtype=torch.float32) for n in (eager, compiled)]
+    runs = [(eager, opts[0]), (torch.compile(compiled), opts[1])]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(7):
+        x = torch.randn(32, 8, generator=g)
+        for net, opt in runs:
+            opt.zero_grad()
+            net(x).square().mean().backward()
+            opt.step()
+    assert opts[1].state[compiled[0].weight]["step"] == 7
+    for layer in (0, 2):  # the hooks fired in the compiled model: the same factors as eager
+        got = opts[1].state[compiled[layer].weight]["input_factor"]
+        assert got.abs().sum() > 0
+        torch.testing.assert_close(got, opts[0].state[eager[layer].weight]["input_factor"], rtol=1e-5, atol=1e-7)
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    start = make()
+    assert (compiled[0].weight - start[0].weight).abs().max() > 1e-3
