@@ -2,9 +2,10 @@
 
 Trains the same small decoder-only transformer with AdamW, Muon, PSGD (the ``Kron``
 optimizer), K-FAC and PSGD in front of Muon, and ``WhitenedMuon`` (``--methods`` picks
-others), from the same initial weights, on the same batches, for the same number of steps, then prints a table per method (held-out loss, steps and seconds to
-AdamW's final held-out loss, step time, optimizer + preconditioner state bytes) and
-saves a plot of held-out loss against step and against seconds.
+others), from the same initial weights, on the same batches, for the same number of
+steps, then prints a table per method (held-out loss, steps and seconds to AdamW's final
+held-out loss, step time, optimizer + preconditioner state bytes) and saves a plot of
+held-out loss against step and against seconds.
 
 The methods are stepped round-robin in one process (step 1 of every method, then step 2,
 ...) rather than one run after another, so that load from other processes on the

@@ -120,7 +120,7 @@ METHODS: dict[str, MethodSpec] = {
     "muon2": MethodSpec("elementwise second moment + Muon (Muon²)", base="muon", precond="second_moment"),
     "ikfac_muon2": MethodSpec("input-side K-FAC, then second moment + Muon", base="muon", precond="ikfac2"),
     "soap_muon": MethodSpec("SOAP-style eigenbasis second moment + Muon", base="muon", precond="soap"),
-    # Muon's steepest descent in ||ΔW A^{1/2}||_op (examples/whitened_muon.py), and its pre-only control.
+    # Muon's steepest descent in ||ΔW A^{1/2}||_op (kron_precond.WhitenedMuon), and its pre-only control.
     "wmuon": MethodSpec("Muon in the input-whitened norm", base="wmuon", precond=None),
     "wmuon_pre": MethodSpec("Muon after input whitening (pre only)", base="wmuon_pre", precond=None),
 }
@@ -247,16 +247,18 @@ def _matches(name: str, module: nn.Module, patterns: Sequence[str]) -> bool:
     return any(type(module).__name__ == p or p in name for p in patterns)
 
 
+def muon_modules(model: nn.Module, exclude: Sequence[str]) -> list[nn.Linear]:
+    """The ``nn.Linear`` modules whose weights Muon takes: those not matched by ``exclude``
+    (e.g. ``("Embedding", "lm_head")``, like ``skip_layers``)."""
+    return [m for name, m in model.named_modules() if isinstance(m, nn.Linear) and not _matches(name, m, exclude)]
+
+
 def muon_param_split(model: nn.Module, exclude: Sequence[str]) -> tuple[list, list]:
     """(hidden 2-D weights, everything else): the usual Muon split.
 
-    Muon takes the weights of ``nn.Linear`` modules not matched by ``exclude`` (e.g.
-    ``("Embedding", "lm_head")``, like ``skip_layers``); embeddings, the output layer,
-    norms and biases go to AdamW."""
-    hidden_ids = set()
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and not _matches(name, module, exclude):
-            hidden_ids.add(id(module.weight))
+    Muon takes the weights of :func:`muon_modules`; embeddings, the output layer, norms and
+    biases go to AdamW."""
+    hidden_ids = {id(m.weight) for m in muon_modules(model, exclude)}
     hidden = [p for p in model.parameters() if id(p) in hidden_ids]
     rest = [p for p in model.parameters() if id(p) not in hidden_ids]
     return hidden, rest
@@ -280,14 +282,13 @@ def build_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequen
     return OptimizerChain([muon, build_optimizer(rest_optimizer, rest, lr, weight_decay, psgd)])
 
 
-def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, config: PrecondConfig,
-                        post: bool) -> OptimizerChain:
+def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequence[str],
+                        config: PrecondConfig, post: bool) -> OptimizerChain:
     """``kron_precond.WhitenedMuon`` on Muon's usual hidden weights + AdamW on the rest.
     ``post=False`` is the whitening-before-only control (``examples/whitened_muon_pre.py``)."""
-    exclude = config.skip_layers if config.muon_exclude is None else config.muon_exclude
-    hidden, rest = muon_param_split(model, exclude)
-    hidden_ids = {id(p) for p in hidden}
-    modules = [m for m in model.modules() if isinstance(m, nn.Linear) and id(m.weight) in hidden_ids]
+    modules = muon_modules(model, exclude)
+    hidden_ids = {id(m.weight) for m in modules}
+    rest = [p for p in model.parameters() if id(p) not in hidden_ids]
     settings = dict(momentum=config.muon_momentum, statistics_every=config.wmuon_every,
                     damping=config.wmuon_damping, statistics_rows=config.wmuon_statistics_rows,
                     output_side=config.wmuon_both_sides, root=config.wmuon_root,
@@ -434,10 +435,10 @@ def build_method(
     """Optimizer and preconditioner for ``method`` (a key of ``METHODS``)."""
     spec = METHODS[method]
     bare = unwrap(model)
+    exclude = config.skip_layers if config.muon_exclude is None else config.muon_exclude  # Muon's split
     if spec.base in ("wmuon", "wmuon_pre"):
-        optimizer = build_whitened_muon(bare, lr, weight_decay, config, post=spec.base == "wmuon")
+        optimizer = build_whitened_muon(bare, lr, weight_decay, exclude, config, post=spec.base == "wmuon")
     elif spec.base in ("muon", "muon_kron"):
-        exclude = config.skip_layers if config.muon_exclude is None else config.muon_exclude
         rest = "kron" if spec.base == "muon_kron" else "adamw"
         optimizer = build_muon(bare, lr, weight_decay, exclude, rest, config)
     else:

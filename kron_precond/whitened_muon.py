@@ -42,32 +42,33 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from kron_precond import validation
+from kron_precond.distributed import collectives
 from kron_precond.health import new_nonfinite_steps
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's quintic Newton-Schulz
+ALLREDUCE_BUCKET_BYTES = 25 * 2**20  # KronPreconditioner's default allreduce_bucket_cap_mb
 
 
 def msign(matrix: torch.Tensor, steps: int = 5, eps: float = 1e-7,
           dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``≈ U Vᵀ`` of ``matrix = U S Vᵀ`` by torch.optim.Muon's Newton-Schulz iteration, for one
-    matrix or a stack ``[k, m, n]`` (each normalised by its own norm). For one matrix in
-    bfloat16 (the default) it is ``torch.optim.Muon``'s arithmetic, bitwise."""
+    matrix or a stack ``[k, m, n]``, each normalised by its own norm. In bfloat16 (the default)
+    every matrix of a stack gets ``torch.optim.Muon``'s result (bitwise on CPU, tested)."""
     a, b, c = NS_COEFFICIENTS
     x = matrix.to(dtype)
+    single = x.dim() == 2
+    if single:
+        x = x.unsqueeze(0)
     transposed = x.shape[-2] > x.shape[-1]
     if transposed:
         x = x.mT
-    if x.dim() == 2:
-        x = x / x.norm().clamp(min=eps)
-        for _ in range(steps):
-            gram = x @ x.T
-            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    else:
-        x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
-        for _ in range(steps):
-            gram = x @ x.mT
-            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return (x.mT if transposed else x).to(matrix.dtype)
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    if transposed:
+        x = x.mT
+    return (x[0] if single else x).to(matrix.dtype)
 
 
 def _weight_of(module: Any, index: int) -> nn.Parameter:
@@ -210,17 +211,11 @@ class WhitenedMuon(torch.optim.Optimizer):
 
     def _all_reduce_pending(self, keys: list[tuple[int, str]]) -> None:
         group = self.process_group
-        if group is None:
-            if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-                return
-        tensors = [t for key in keys for t in self._pending[key]]
-        flat = torch.cat([t.reshape(-1).to(torch.float64 if t.dtype == torch.float64 else torch.float32)
-                          for t in tensors])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset: offset + t.numel()].view_as(t))
-            offset += t.numel()
+        if group is None and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        # the engine's bucketed all-reduce; each block is symmetric, so only its upper triangle travels
+        tensors = [t for key in keys for t in (*self._pending[key][0].unbind(0), self._pending[key][1])]
+        collectives.all_reduce(tensors, group=group, cap_bytes=ALLREDUCE_BUCKET_BYTES, symmetric=True).wait()
 
     @torch.no_grad()
     def _refresh(self, weights: list[nn.Parameter]) -> None:
@@ -335,7 +330,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         adjusted = lr * 0.2 * max(params[0].shape) ** 0.5  # torch.optim.Muon's match_rms_adamw
         for i, p in enumerate(params):
             p.mul_(decay[i])
-            p.add_(direction[i].to(p.dtype), alpha=-adjusted)
+            p.add_(direction[i], alpha=-adjusted)
         torch._foreach_add_([s["nonfinite_steps"] for s in states], list((~finite).long().unbind()))
 
     def _stacked_whiteners(self, params: list[nn.Parameter]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
