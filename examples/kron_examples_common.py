@@ -193,6 +193,7 @@ class PrecondConfig:
     wmuon_statistics_rows: int | None = 1024
     wmuon_root: str = "cholesky"
     wmuon_block_size: int | None = None
+    wmuon_factor_decay: float = 0.95  # per refresh: the factors' exponential-average decay
 
 
 class OptimizerChain(torch.optim.Optimizer):
@@ -292,7 +293,7 @@ def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, exclud
     settings = dict(momentum=config.muon_momentum, statistics_every=config.wmuon_every,
                     damping=config.wmuon_damping, statistics_rows=config.wmuon_statistics_rows,
                     output_side=config.wmuon_both_sides, root=config.wmuon_root,
-                    block_size=config.wmuon_block_size)
+                    block_size=config.wmuon_block_size, factor_decay=config.wmuon_factor_decay)
     if post:
         muon = WhitenedMuon(modules, lr, weight_decay, **settings)
     else:

@@ -157,6 +157,8 @@ class WhitenedMuon(torch.optim.Optimizer):
         self._weights = {id(w): w for w in weights}
         self._reported: dict[int, int] = {}
         self._casts: dict[tuple[int, ...], tuple] = {}  # stacked whiteners in ns_dtype, per stack
+        # (side, width, blocks) -> (input tensor, its version, its row product), this step only
+        self._last_product: dict[tuple[str, int, int], tuple] = {}
         self._handles = []
         for module, weight in zip(modules, weights):
             self._handles.append(module.register_forward_pre_hook(self._input_hook(weight)))
@@ -182,8 +184,17 @@ class WhitenedMuon(torch.optim.Optimizer):
         if pending is None:
             pending = self._pending[key] = self._zero_pending(width, x.dtype, x.device)
         blocks = pending[0].shape[0]
-        xb = x.reshape(x.shape[0], blocks, -1).transpose(0, 1)  # [blocks, rows, block]
-        pending[0].baddbmm_(xb.transpose(1, 2), xb)
+        # Layers fed the same tensor (q, k and v projections) share one product: the last
+        # input seen is remembered, by identity and version, until the next step.
+        shared = (side, width, blocks)
+        last = self._last_product.get(shared)
+        if last is not None and last[0] is rows and last[1] == rows._version:
+            product = last[2]
+        else:
+            xb = x.reshape(x.shape[0], blocks, -1).transpose(0, 1)  # [blocks, rows, block]
+            product = torch.bmm(xb.transpose(1, 2), xb)
+            self._last_product[shared] = (rows, rows._version, product)
+        pending[0].add_(product)
         pending[1].add_(x.shape[0])
 
     def _blocks(self, width: int) -> int:
@@ -231,6 +242,9 @@ class WhitenedMuon(torch.optim.Optimizer):
                                                             w.device)
                 keys.append(key)
         self._all_reduce_pending(keys)
+        # factors of one layout are decomposed as one batch: a refresh costs a fixed number of
+        # ops per layout, not per layer (it runs every step with statistics_every=1)
+        layouts: dict[tuple, list[tuple[dict, str]]] = {}
         for key in keys:
             total, count = self._pending.pop(key)
             state = self.state[self._weights[key[0]]]
@@ -246,7 +260,20 @@ class WhitenedMuon(torch.optim.Optimizer):
             weight = torch.where(seen > 0, 1 - self.factor_decay, 1.0) * usable
             factor.lerp_(torch.where(usable, batch, factor), weight.to(factor.dtype))
             seen.copy_(torch.maximum(seen, usable.to(seen.dtype)))
-            state[f"{side}_whitener"] = self._whitener(factor, state.get(f"{side}_whitener"))
+            layouts.setdefault((tuple(factor.shape), factor.dtype, factor.device), []).append((state, side))
+        for members in layouts.values():
+            factors = torch.cat([state[f"{side}_factor"] for state, side in members])
+            previous = [state.get(f"{side}_whitener") for state, side in members]
+            if all(p is None for p in previous):
+                stacked_previous = None
+            else:
+                eye = torch.eye(factors.shape[-1], dtype=factors.dtype, device=factors.device)
+                stacked_previous = torch.cat([eye.expand_as(state[f"{side}_factor"]) if p is None else p
+                                              for p, (state, side) in zip(previous, members)])
+            whiteners = self._whitener(factors, stacked_previous)
+            blocks = factors.shape[0] // len(members)
+            for (state, side), whitener in zip(members, whiteners.split(blocks)):
+                state[f"{side}_whitener"] = whitener
         self._casts.clear()
 
     def _whitener(self, factor: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
@@ -279,6 +306,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._last_product.clear()  # releases the remembered inputs
         due = [p for group in self.param_groups for p in group["params"]
                if p.grad is not None and self._collecting(p)]
         if due:

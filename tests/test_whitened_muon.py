@@ -207,6 +207,38 @@ def test_statistics_only_on_statistics_steps_and_refresh_then():
                     (False, False), (False, False), (True, True)]
 
 
+def test_layers_fed_one_tensor_get_its_covariance_and_an_in_place_change_is_seen():
+    """q / k / v-style layers called on one tensor share its row product; a layer called after
+    that tensor changed in place, or on another tensor, gets its own. Each factor is checked
+    against ``xᵀx / rows`` written out, over two statistics steps (the exponential average),
+    with factors of two widths refreshed in one batch."""
+    torch.manual_seed(0)
+    q, k, v = (nn.Linear(4, 3, bias=False).double() for _ in range(3))
+    other = nn.Linear(4, 2, bias=False).double()
+    wide = nn.Linear(6, 2, bias=False).double()
+    opt = WhitenedMuon([q, k, v, other, wide], lr=LR, statistics_every=1, factor_decay=0.5, damping=DAMPING)
+    expected = {}
+    for step in range(2):
+        x = torch.randn(5, 4, dtype=torch.float64)
+        z = torch.randn(5, 6, dtype=torch.float64)
+        (q(x).sum() + k(x).sum()).backward()
+        x.mul_(3.0)  # a new version of the same tensor: v must read the tripled rows
+        (v(x).sum() + other(x[:, [1, 0, 2, 3]]).sum() + wide(z).sum()).backward()
+        batch = {"q": x / 3.0, "k": x / 3.0, "v": x, "other": x[:, [1, 0, 2, 3]], "wide": z}
+        for name, rows in batch.items():
+            current = rows.T @ rows / rows.shape[0]
+            expected[name] = current if step == 0 else 0.5 * expected[name] + 0.5 * current
+        opt.step()
+        opt.zero_grad()
+    for name, layer in {"q": q, "k": k, "v": v, "other": other, "wide": wide}.items():
+        state = opt.state[layer.weight]
+        torch.testing.assert_close(state["input_factor"][0], expected[name], rtol=1e-12, atol=1e-12)
+        f = expected[name]
+        damped = f + DAMPING * torch.trace(f) / f.shape[0] * torch.eye(f.shape[0], dtype=f.dtype)
+        whitener = state["input_whitener"][0]  # Tᵀ T = (F + λI)⁻¹
+        torch.testing.assert_close(whitener.T @ whitener, torch.linalg.inv(damped), rtol=1e-10, atol=1e-12)
+
+
 def test_checkpoint_resumes_exactly():
     nets = [make_net(torch.float32) for _ in range(2)]
     opts = [WhitenedMuon([n.a, n.b], lr=LR, weight_decay=WD, statistics_every=2, output_side=True) for n in nets]
