@@ -98,7 +98,10 @@ class WhitenedMuon(torch.optim.Optimizer):
         momentum, nesterov: ``torch.optim.Muon``'s momentum (``buf.lerp_(g, 1 - momentum)``).
         statistics_every: steps between statistics steps (which also refresh the whiteners).
         damping: ``λ = damping · tr(F) / dim F`` for each factor ``F``.
-        factor_decay: exponential-average decay of the factors.
+        factor_decay: exponential-average decay of the factors, per refresh: they average
+            over about ``statistics_every / (1 - factor_decay)`` steps (200 by default). For
+            short or big-batch runs a few steps is better: ``statistics_every=1,
+            factor_decay=0.8`` (docs/benchmarks.md, "Fresher statistics").
         statistics_rows: at most this many rows per module call enter a factor (``None``: all).
         output_side: also whiten the output side with K-FAC's ``G`` (a tensor hook on each
             output on statistics steps; a backward cost then).
