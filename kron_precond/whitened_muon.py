@@ -245,37 +245,39 @@ class WhitenedMuon(torch.optim.Optimizer):
                                                             w.device)
                 keys.append(key)
         self._all_reduce_pending(keys)
-        # factors of one layout are decomposed as one batch: a refresh costs a fixed number of
-        # ops per layout, not per layer (it runs every step with statistics_every=1)
-        layouts: dict[tuple, list[tuple[dict, str]]] = {}
+        # The factors of one layout are updated and decomposed as one batch: a refresh costs a
+        # fixed number of ops per layout, not per layer (it runs every step with statistics_every=1).
+        layouts: dict[tuple, list[tuple[dict, str, torch.Tensor, torch.Tensor]]] = {}
         for key in keys:
             total, count = self._pending.pop(key)
             state = self.state[self._weights[key[0]]]
             side = key[1]
-            batch = total / count.clamp(min=1)
-            usable = (count > 0) & torch.isfinite(batch.sum())  # one reduction, not a full mask
-            factor = state.get(f"{side}_factor")
-            if factor is None:
-                factor = state[f"{side}_factor"] = torch.zeros_like(batch)
-                state[f"{side}_seen"] = torch.zeros((), dtype=batch.dtype, device=batch.device)
-            seen = state[f"{side}_seen"]  # 0 / 1 (a float: torch.optim's load casts state tensors)
-            # first observation: take it whole; later: the exponential average; unusable: keep
-            weight = torch.where(seen > 0, 1 - self.factor_decay, 1.0) * usable
-            factor.lerp_(torch.where(usable, batch, factor), weight.to(factor.dtype))
-            seen.copy_(torch.maximum(seen, usable.to(seen.dtype)))
-            layouts.setdefault((tuple(factor.shape), factor.dtype, factor.device), []).append((state, side))
+            if state.get(f"{side}_factor") is None:
+                state[f"{side}_factor"] = torch.zeros_like(total)
+                # 0 / 1: a float, because torch.optim's load casts state tensors
+                state[f"{side}_seen"] = torch.zeros((), dtype=total.dtype, device=total.device)
+            layouts.setdefault((tuple(total.shape), total.dtype, total.device), []).append((state, side, total, count))
         for members in layouts.values():
-            factors = torch.cat([state[f"{side}_factor"] for state, side in members])
-            previous = [state.get(f"{side}_whitener") for state, side in members]
+            factors = [state[f"{side}_factor"] for state, side, _, _ in members]
+            seens = [state[f"{side}_seen"] for state, side, _, _ in members]
+            counts = torch.stack([count for *_, count in members])
+            batch = torch.stack([total for _, _, total, _ in members]) / counts.clamp(min=1)[:, None, None, None]
+            usable = (counts > 0) & torch.isfinite(batch.sum(dim=(1, 2, 3)))  # one reduction each, not a mask
+            seen = torch.stack(seens)
+            stacked = torch.stack(factors)
+            # first observation: take it whole; later: the exponential average; unusable: keep
+            weight = (torch.where(seen > 0, 1 - self.factor_decay, 1.0) * usable).to(stacked.dtype)
+            stacked = stacked.lerp(torch.where(usable[:, None, None, None], batch, stacked), weight[:, None, None, None])
+            torch._foreach_copy_(factors, list(stacked.unbind()))
+            torch._foreach_copy_(seens, list(torch.maximum(seen, usable.to(seen.dtype)).unbind()))
+            previous = [state.get(f"{side}_whitener") for state, side, _, _ in members]
             if all(p is None for p in previous):
                 stacked_previous = None
             else:
-                eye = torch.eye(factors.shape[-1], dtype=factors.dtype, device=factors.device)
-                stacked_previous = torch.cat([eye.expand_as(state[f"{side}_factor"]) if p is None else p
-                                              for p, (state, side) in zip(previous, members)])
-            whiteners = self._whitener(factors, stacked_previous)
-            blocks = factors.shape[0] // len(members)
-            for (state, side), whitener in zip(members, whiteners.split(blocks)):
+                eye = torch.eye(stacked.shape[-1], dtype=stacked.dtype, device=stacked.device)
+                stacked_previous = torch.cat([eye.expand_as(f) if p is None else p for p, f in zip(previous, factors)])
+            whiteners = self._whitener(stacked.flatten(0, 1), stacked_previous).unflatten(0, stacked.shape[:2])
+            for (state, side, _, _), whitener in zip(members, whiteners.unbind()):
                 state[f"{side}_whitener"] = whitener
         self._casts.clear()
 
