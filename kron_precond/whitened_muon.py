@@ -278,7 +278,8 @@ class WhitenedMuon(torch.optim.Optimizer):
                 stacked_previous = torch.cat([eye.expand_as(f) if p is None else p for p, f in zip(previous, factors)])
             whiteners = self._whitener(stacked.flatten(0, 1), stacked_previous).unflatten(0, stacked.shape[:2])
             for (state, side, _, _), whitener in zip(members, whiteners.unbind()):
-                state[f"{side}_whitener"] = whitener
+                # its own tensor, as torch.optim's per-parameter state (not a view of the batch)
+                state[f"{side}_whitener"] = whitener.clone()
         self._casts.clear()
 
     def _whitener(self, factor: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:

@@ -237,6 +237,10 @@ def test_layers_fed_one_tensor_get_its_covariance_and_an_in_place_change_is_seen
         damped = f + DAMPING * torch.trace(f) / f.shape[0] * torch.eye(f.shape[0], dtype=f.dtype)
         whitener = state["input_whitener"][0]  # Tᵀ T = (F + λI)⁻¹
         torch.testing.assert_close(whitener.T @ whitener, torch.linalg.inv(damped), rtol=1e-10, atol=1e-12)
+    # per-parameter state of its own (torch.optim's convention; checkpoints and memory
+    # accounting see each whitener's own bytes), though the four 4-wide ones were refreshed as one batch
+    whiteners = [opt.state[layer.weight]["input_whitener"] for layer in (q, k, v, other, wide)]
+    assert all(w.untyped_storage().nbytes() == w.numel() * w.element_size() for w in whiteners)
 
 
 def test_checkpoint_resumes_exactly():
