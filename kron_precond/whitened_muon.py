@@ -35,6 +35,7 @@ result (exact when ``statistics_rows`` is ``None``; a row cap takes each rank's 
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -160,8 +161,8 @@ class WhitenedMuon(torch.optim.Optimizer):
         self._weights = {id(w): w for w in weights}
         self._reported: dict[int, int] = {}
         self._casts: dict[tuple[int, ...], tuple] = {}  # stacked whiteners in ns_dtype, per stack
-        # (side, width, blocks) -> (input tensor, its version, its row product), this step only
-        self._last_product: dict[tuple[str, int, int], tuple] = {}
+        # (width, blocks) -> (weak reference to the last input, its version, its row product)
+        self._last_product: dict[tuple[int, int], tuple] = {}
         self._handles = []
         for module, weight in zip(modules, weights):
             self._handles.append(module.register_forward_pre_hook(self._input_hook(weight)))
@@ -187,16 +188,18 @@ class WhitenedMuon(torch.optim.Optimizer):
         if pending is None:
             pending = self._pending[key] = self._zero_pending(width, x.dtype, x.device)
         blocks = pending[0].shape[0]
-        # Layers fed the same tensor (q, k and v projections) share one product: the last
-        # input seen is remembered, by identity and version, until the next step.
-        shared = (side, width, blocks)
-        last = self._last_product.get(shared)
-        if last is not None and last[0] is rows and last[1] == rows._version:
+        # Layers fed the same input tensor (q, k and v projections) share one product: the
+        # last input per width is remembered by a weak reference (so it is not kept alive) and
+        # its version. Output gradients are never shared between layers: not remembered.
+        shared = (width, blocks)
+        last = self._last_product.get(shared) if side == "input" else None
+        if last is not None and last[0]() is rows and last[1] == rows._version:
             product = last[2]
         else:
             xb = x.reshape(x.shape[0], blocks, -1).transpose(0, 1)  # [blocks, rows, block]
             product = torch.bmm(xb.transpose(1, 2), xb)
-            self._last_product[shared] = (rows, rows._version, product)
+            if side == "input":
+                self._last_product[shared] = (weakref.ref(rows), rows._version, product)
         pending[0].add_(product)
         pending[1].add_(x.shape[0])
 
@@ -312,7 +315,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._last_product.clear()  # releases the remembered inputs
+        self._last_product.clear()  # the products: one step's statistics only
         due = [p for group in self.param_groups for p in group["params"]
                if p.grad is not None and self._collecting(p)]
         if due:

@@ -13,7 +13,9 @@
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -221,10 +223,11 @@ def test_layers_fed_one_tensor_get_its_covariance_and_an_in_place_change_is_seen
     for step in range(2):
         x = torch.randn(5, 4, dtype=torch.float64)
         z = torch.randn(5, 6, dtype=torch.float64)
-        (q(x).sum() + k(x).sum()).backward()
-        x.mul_(3.0)  # a new version of the same tensor: v must read the tripled rows
-        (v(x).sum() + other(x[:, [1, 0, 2, 3]]).sum() + wide(z).sum()).backward()
-        batch = {"q": x / 3.0, "k": x / 3.0, "v": x, "other": x[:, [1, 0, 2, 3]], "wide": z}
+        shuffled = x[:, [1, 0, 2, 3]]  # another tensor, at the same version as x
+        (q(x).sum() + other(shuffled).sum() + k(x).sum()).backward()
+        x.mul_(3.0)  # a new version of the tensor k read last: v must read the tripled rows
+        (v(x).sum() + wide(z).sum()).backward()
+        batch = {"q": x / 3.0, "k": x / 3.0, "v": x, "other": shuffled, "wide": z}
         for name, rows in batch.items():
             current = rows.T @ rows / rows.shape[0]
             expected[name] = current if step == 0 else 0.5 * expected[name] + 0.5 * current
@@ -241,6 +244,20 @@ def test_layers_fed_one_tensor_get_its_covariance_and_an_in_place_change_is_seen
     # accounting see each whitener's own bytes), though the four 4-wide ones were refreshed as one batch
     whiteners = [opt.state[layer.weight]["input_whitener"] for layer in (q, k, v, other, wide)]
     assert all(w.untyped_storage().nbytes() == w.numel() * w.element_size() for w in whiteners)
+
+
+def test_an_input_remembered_for_sharing_is_not_kept_alive():
+    """The last input per width is remembered for q / k / v sharing by a weak reference: once
+    backward has freed the graph, the caller's last reference frees the activation."""
+    layer = nn.Linear(4, 3).double()
+    opt = WhitenedMuon([layer], lr=LR, statistics_every=1)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    layer(x).sum().backward()
+    alive = weakref.ref(x)
+    del x
+    gc.collect()
+    assert alive() is None
+    opt.step()
 
 
 def test_checkpoint_resumes_exactly():
