@@ -25,6 +25,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from kron_precond.autocast import autocast_disabled
+
 
 class ActivationCapture:
     """Hooks on the registered modules of one preconditioner.
@@ -65,14 +67,14 @@ class ActivationCapture:
     def _forward_hook(self, adapter, units: dict):
         @torch.compiler.disable  # see the module docstring
         def observe(module: nn.Module, inputs, kwargs, output):
-            with torch.no_grad():
+            with torch.no_grad(), autocast_disabled():
                 observed = adapter.forward_rows(inputs, kwargs, output)
             if observed is None:
                 return
             rows, context = observed
             self._before_write()
             calls = {}
-            with torch.no_grad():
+            with torch.no_grad(), autocast_disabled():
                 for slot, unit_rows in rows:
                     layer = units.get(slot)
                     if layer is not None:
@@ -89,7 +91,7 @@ class ActivationCapture:
         return hook
 
     def _observe_output_grads(self, adapter, units: dict, grad: torch.Tensor, context, calls: dict) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), autocast_disabled(grad.device.type):  # backward inside an autocast region
             loss_scale = self._loss_scale()
             for slot, rows, scale in adapter.backward_rows(grad.detach(), context):
                 layer = units.get(slot)

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import validation
+from .autocast import autocast_disabled
 from .health import new_nonfinite_steps
 from .methods import state_checks as checks
 from .methods.psgd import PSGDFactors, check_memory_save_mode, check_update_rule
@@ -225,6 +226,11 @@ class Kron(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with autocast_disabled():  # called inside an autocast region: the preconditioner's matmuls stay full precision
+            self._step()
+        return loss
+
+    def _step(self) -> None:
         probability = self._decider.current_probability()
         do_update = self._decider()
         if do_update:
@@ -256,7 +262,6 @@ class Kron(torch.optim.Optimizer):
 
         if (self._decider.step - 1) % self.nonfinite_warn_interval == 0:
             self._report_nonfinite()
-        return loss
 
     def _update_param(self, index: int, p: torch.Tensor, group: dict[str, Any],
                       grad: torch.Tensor, finite: torch.Tensor, do_update: bool, probability: float) -> None:

@@ -28,6 +28,7 @@ from torch import nn
 
 from kron_precond import checkpoint, validation
 from kron_precond.apply import precondition_exchanged, precondition_gradients
+from kron_precond.autocast import autocast_disabled
 from kron_precond.capture import ActivationCapture, grad_scaler_scale
 from kron_precond.distributed.assignment import WorkAssignment, assign_work
 from kron_precond.distributed.runtime import Runtime
@@ -271,9 +272,10 @@ class KronPreconditioner:
                 ``precond.step(lr=optimizer.param_groups[0]["lr"])``).
 
         With AMP's ``GradScaler``, call ``scaler.unscale_(optimizer)`` first: the update
-        (and ``kl_clip``) must see true gradients.
+        (and ``kl_clip``) must see true gradients. Inside an autocast region the step still
+        runs in its own dtypes (autocast is turned off for it).
         """
-        with torch.no_grad():
+        with torch.no_grad(), autocast_disabled():
             for layer in self._layers:
                 self._follow_parameters(layer)
             self._health.poll()

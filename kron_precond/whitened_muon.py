@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from kron_precond import validation
+from kron_precond.autocast import autocast_disabled
 from kron_precond.distributed import collectives
 from kron_precond.health import new_nonfinite_steps
 
@@ -179,6 +180,10 @@ class WhitenedMuon(torch.optim.Optimizer):
         if rows.shape[-1] != width:
             raise ValueError(f"WhitenedMuon: the {side} of the layer with weight {tuple(weight.shape)} has "
                              f"last dim {rows.shape[-1]}, expected {width} (not a Linear-like layer)")
+        with autocast_disabled(rows.device.type):  # the sum in float32, not autocast's dtype
+            self._accumulate(weight, side, rows, width)
+
+    def _accumulate(self, weight: nn.Parameter, side: str, rows: torch.Tensor, width: int) -> None:
         x = rows.detach().reshape(-1, width)
         if self.statistics_rows is not None:
             x = x[: self.statistics_rows]
@@ -315,6 +320,11 @@ class WhitenedMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with autocast_disabled():  # a step called inside an autocast region: still in ns_dtype / float32
+            self._step()
+        return loss
+
+    def _step(self) -> None:
         self._last_product.clear()  # the products: one step's statistics only
         due = [p for group in self.param_groups for p in group["params"]
                if p.grad is not None and self._collecting(p)]
@@ -339,7 +349,6 @@ class WhitenedMuon(torch.optim.Optimizer):
                 self._step_stack(members, group)
                 for p in members:
                     self.state[p]["step"] = self.state[p].get("step", 0) + 1
-        return loss
 
     def _layout(self, p: nn.Parameter) -> tuple:
         state = self.state[p]

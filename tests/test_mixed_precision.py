@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kron_precond import KronPreconditioner
+from kron_precond import Kron, KronPreconditioner, WhitenedMuon
+from kron_precond.methods import registry
 
 
 def _model():
@@ -74,3 +76,73 @@ def test_grad_scaler_scale_is_divided_out_of_output_gradient_factors():
     plain.step()
     name = next(iter(ref.layers))
     assert _rel(plain.layers[name].g_factor, ref.layers[name].g_factor) > 1e3
+
+
+ACTIVATION_METHODS = {"kfac", "ekfac", "ikfac"}  # the methods with forward (and backward) statistics
+
+
+def _recording(fn, seen: list):
+    def wrapper(*args, **kwargs):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+@pytest.mark.parametrize("method", list(registry.METHODS))
+def test_statistics_and_steps_inside_an_autocast_region_are_full_precision(method):
+    """A loop that keeps ``precond.step()`` inside its bf16 autocast region (with forward and
+    backward) gets the ``.grad`` of a loop that steps outside it (autocast would cast the
+    preconditioner's out-of-place matmuls to bf16: a ~1e-2 error), and every method computes
+    its statistics, in forward and in backward hooks, with autocast off."""
+    torch.manual_seed(0)
+    inside_model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+    outside_model = copy.deepcopy(inside_model)
+    inside = KronPreconditioner(inside_model, method=method)
+    outside = KronPreconditioner(outside_model, method=method)
+    seen = []
+    for layer in inside._layers:
+        for name in ("observe_activations", "observe_output_grads"):
+            setattr(layer.method, name, _recording(getattr(layer.method, name), seen))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (inside_model, outside_model)]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x, y = torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            F.cross_entropy(inside_model(x), y).backward()
+            inside.step()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            F.cross_entropy(outside_model(x), y).backward()
+        outside.step()
+        for p_in, p_out in zip(inside_model.parameters(), outside_model.parameters()):
+            torch.testing.assert_close(p_in.grad, p_out.grad, rtol=1e-5, atol=1e-7)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    assert bool(seen) == (method in ACTIVATION_METHODS) and not any(seen)
+
+
+@pytest.mark.parametrize("optimizer", ["Kron", "WhitenedMuon"])
+def test_an_optimizer_stepped_inside_an_autocast_region_is_full_precision(optimizer):
+    torch.manual_seed(0)
+    inside_model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+    outside_model = copy.deepcopy(inside_model)
+
+    def build(model):
+        if optimizer == "Kron":
+            return Kron(model.parameters(), lr=1e-2)
+        return WhitenedMuon([model[0], model[2], model[4]], lr=1e-2, statistics_every=1, ns_dtype=torch.float32)
+
+    inside, outside = build(inside_model), build(outside_model)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x, y = torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g)
+        for model, opt, region in ((inside_model, inside, True), (outside_model, outside, False)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                F.cross_entropy(model(x), y).backward()
+                if region:
+                    opt.step()
+            if not region:
+                opt.step()
+            opt.zero_grad()
+        for p_in, p_out in zip(inside_model.parameters(), outside_model.parameters()):
+            torch.testing.assert_close(p_in, p_out, rtol=1e-5, atol=1e-7)

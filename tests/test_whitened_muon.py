@@ -426,3 +426,44 @@ def test_a_compiled_model_gets_the_eager_steps():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     start = make()
     assert (compiled[0].weight - start[0].weight).abs().max() > 1e-3
+
+
+def test_autocast_inputs_enter_the_factor_in_float32_and_a_scaler_skipped_step_keeps_its_rows():
+    """Under bfloat16 autocast a layer after a bf16 matmul gets bf16 inputs: its factor must be
+    their row covariance computed in float32 (a bf16 product would be off by ~1e-2), and the
+    weights stay float32. A step that GradScaler skips (an Inf gradient) does not step the
+    optimizer: its rows stay pending and the next refresh averages them with the next batch's."""
+    torch.manual_seed(0)
+    net = Net(dims=(16, 32, 8))  # float32
+    opt = WhitenedMuon([net.a, net.b], lr=LR, statistics_every=1, factor_decay=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    seen = []
+    original = net.b.forward
+
+    def recording(x):
+        seen.append(x.detach().clone())
+        return original(x)
+
+    net.b.forward = recording
+    weights = [w.detach().clone() for w in (net.a.weight, net.b.weight)]
+    for step in range(2):
+        x, y = torch.randn(6, 16), torch.randn(6, 8)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_of(net, x, y)
+        scaler.scale(loss.float()).backward()
+        if step == 0:
+            net.a.weight.grad[0, 0] = float("inf")  # an overflow: GradScaler skips this step
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if step == 0:
+            assert all(torch.equal(w, p) for w, p in zip(weights, (net.a.weight, net.b.weight)))
+            assert "input_factor" not in opt.state[net.b.weight]
+    assert all(x.dtype == torch.bfloat16 for x in seen)  # the input the hook saw: tanh of a bf16 matmul
+    rows = torch.cat([x.reshape(-1, 32) for x in seen]).double()
+    expected = rows.T @ rows / rows.shape[0]  # both batches' rows, one average (the first refresh)
+    factor = opt.state[net.b.weight]["input_factor"][0]
+    assert factor.dtype == torch.float32 and net.b.weight.dtype == torch.float32
+    torch.testing.assert_close(factor.double(), expected, rtol=1e-5, atol=1e-6)
+    assert all(torch.isfinite(w).all() for w in (net.a.weight, net.b.weight))
+    assert not all(torch.equal(w, p) for w, p in zip(weights, (net.a.weight, net.b.weight)))
