@@ -17,7 +17,9 @@ is why this is an optimizer of its own.
 
 Scale: the result is rescaled to the Frobenius norm of ``msign(...)`` and the learning rate
 is adjusted like ``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")`` (``0.2·sqrt(max(m, n))``),
-so ``lr`` means what it means for Muon (and AdamW) and only the direction changes.
+so ``lr`` means what it means for Muon (and AdamW) and only the direction changes. With
+``scale="whitened"`` the step keeps the size the whitened norm gives it instead (each
+``F + λI`` normalised to mean eigenvalue 1).
 
 Statistics are read only on statistics steps (every ``statistics_every`` steps): a forward
 pre-hook sums ``x xᵀ`` over the input rows (and, with ``output_side``, a tensor hook on the
