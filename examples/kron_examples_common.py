@@ -141,6 +141,9 @@ class PrecondConfig:
     # (start, steps): Muon's momentum rises linearly from start to muon_momentum over the
     # first `steps` optimizer steps (modded-nanogpt's warm-up, 0.85 -> 0.95 over 300 there).
     muon_momentum_warmup: tuple[float, int] | None = None
+    # The peak lr of the other half of a Muon split (AdamW on embeddings, head, norms, biases);
+    # None: the same lr as the hidden weights (torch.optim.Muon's match_rms_adamw convention).
+    muon_rest_lr: float | None = None
     # Precondition Muon's (Nesterov) momentum instead of the raw gradient: the momentum is
     # kept outside Muon (run at momentum 0) and rewritten by the preconditioner before
     # Newton-Schulz, the order of modded-nanogpt's SOAP + Muon record and of kron_torch.
@@ -281,7 +284,8 @@ def build_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequen
                             adjust_lr_fn="match_rms_adamw")
     if psgd is not None and psgd.muon_momentum_warmup is not None:
         warm_muon_momentum(muon, *psgd.muon_momentum_warmup, end=momentum)
-    return OptimizerChain([muon, build_optimizer(rest_optimizer, rest, lr, weight_decay, psgd)])
+    rest_lr = lr if psgd is None or psgd.muon_rest_lr is None else psgd.muon_rest_lr
+    return OptimizerChain([muon, build_optimizer(rest_optimizer, rest, rest_lr, weight_decay, psgd)])
 
 
 def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequence[str],
@@ -301,7 +305,8 @@ def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, exclud
     else:
         from whitened_muon_pre import PreWhitenedMuon
         muon = PreWhitenedMuon(modules, lr, weight_decay, **settings)
-    return OptimizerChain([muon, build_optimizer("adamw", rest, lr, weight_decay, config)])
+    rest_lr = lr if config.muon_rest_lr is None else config.muon_rest_lr
+    return OptimizerChain([muon, build_optimizer("adamw", rest, rest_lr, weight_decay, config)])
 
 
 def warm_muon_momentum(muon: torch.optim.Optimizer, start: float, steps: int, end: float) -> None:

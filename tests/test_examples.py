@@ -79,6 +79,28 @@ def test_muon_split_and_chain_follow_one_schedule():
     assert chain.state  # both halves' state is visible through the chain
 
 
+def test_rest_lr_gives_the_adamw_half_its_own_peak_lr_under_the_one_schedule():
+    """``rlr=`` (``muon_rest_lr``): AdamW's half of Muon's split (and of WhitenedMuon's) starts
+    at its own peak lr; one scheduler scales both halves by the same factor."""
+    import torch
+
+    char_lm = load("examples/char_lm.py")
+    common = load("examples/kron_examples_common.py")
+    convergence = load("benchmarks/convergence.py")
+    model = char_lm.CharTransformer(char_lm.ModelConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8))
+    for method in ("muon", "wmuon", "kfac_muon"):
+        _, name, overrides, _ = convergence.parse_family(f"{method}{{rlr=2e-3}}=8e-2")
+        chain, _ = common.build_method(name, model, 8e-2, 0.0,
+                                       common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS, **overrides))
+        hidden, rest = chain.optimizers
+        assert isinstance(rest, torch.optim.AdamW)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(chain, lambda step: 0.5)
+        assert hidden.param_groups[0]["lr"] == 4e-2 and rest.param_groups[0]["lr"] == 1e-3, method
+        del scheduler
+    default, _ = common.build_method("muon", model, 8e-2, 0.0, common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS))
+    assert default.optimizers[1].param_groups[0]["lr"] == 8e-2  # None: the same lr for both halves
+
+
 @pytest.fixture
 def foreign_examples_env(tmp_path):
     """An environment whose PYTHONPATH starts with a folder holding a regular top-level
