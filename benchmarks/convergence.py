@@ -81,7 +81,7 @@ VARIANT_KEYS = {
     "maxtri": "psgd_max_size_triangular", "msm": "psgd_memory_save_mode",
     "ie": "ikfac_every", "idamp": "ikfac_damping", "idecay": "ikfac_factor_decay",
     "irows": "ikfac_statistics_rows", "m2": "moment_decay",
-    "mom": "muon_momentum", "momw": "muon_momentum_warmup", "kmax": "kfac_max_size", "graft": "kfac_grafting", "until": "precond_until", "pm": "precond_momentum", "we": "wmuon_every", "wdamp": "wmuon_damping", "wboth": "wmuon_both_sides", "wrows": "wmuon_statistics_rows", "wroot": "wmuon_root", "wblock": "wmuon_block_size", "wdecay": "wmuon_factor_decay", "wscale": "wmuon_scale", "rlr": "muon_rest_lr",
+    "mom": "muon_momentum", "momw": "muon_momentum_warmup", "kmax": "kfac_max_size", "graft": "kfac_grafting", "until": "precond_until", "pm": "precond_momentum", "we": "wmuon_every", "wdamp": "wmuon_damping", "wboth": "wmuon_both_sides", "wrows": "wmuon_statistics_rows", "wroot": "wmuon_root", "wblock": "wmuon_block_size", "wdecay": "wmuon_factor_decay", "rlr": "muon_rest_lr",
     "se": "soap_statistics_every", "sb": "soap_every", "sdecay": "soap_factor_decay", "smax": "soap_max_size",
 }
 _FAMILY = re.compile(r"^(?P<method>\w+)(?:\{(?P<variant>[^}]*)\})?=(?P<lrs>.+)$")
@@ -97,7 +97,7 @@ def _variant_value(field: str, text: str):
         return _psgd_update_probability(text)
     if field == "psgd_init_scale":
         return _psgd_init_scale(text)
-    if field in ("psgd_update", "compute_method", "psgd_memory_save_mode", "wmuon_root", "wmuon_scale"):
+    if field in ("psgd_update", "compute_method", "psgd_memory_save_mode", "wmuon_root"):
         return text
     if field in ("kfac_grafting", "precond_momentum", "wmuon_both_sides"):
         return text.lower() in ("1", "true", "yes")

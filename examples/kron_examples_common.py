@@ -197,7 +197,6 @@ class PrecondConfig:
     wmuon_root: str = "cholesky"
     wmuon_block_size: int | None = None
     wmuon_factor_decay: float = 0.95  # per refresh: the factors' exponential-average decay
-    wmuon_scale: str = "frobenius"  # the step's size: Muon's ("frobenius") or the whitened norm's
 
 
 class OptimizerChain(torch.optim.Optimizer):
@@ -298,8 +297,7 @@ def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, exclud
     settings = dict(momentum=config.muon_momentum, statistics_every=config.wmuon_every,
                     damping=config.wmuon_damping, statistics_rows=config.wmuon_statistics_rows,
                     output_side=config.wmuon_both_sides, root=config.wmuon_root,
-                    block_size=config.wmuon_block_size, factor_decay=config.wmuon_factor_decay,
-                    scale=config.wmuon_scale)
+                    block_size=config.wmuon_block_size, factor_decay=config.wmuon_factor_decay)
     if post:
         muon = WhitenedMuon(modules, lr, weight_decay, **settings)
     else:

@@ -17,9 +17,7 @@ is why this is an optimizer of its own.
 
 Scale: the result is rescaled to the Frobenius norm of ``msign(...)`` and the learning rate
 is adjusted like ``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")`` (``0.2·sqrt(max(m, n))``),
-so ``lr`` means what it means for Muon (and AdamW) and only the direction changes. With
-``scale="whitened"`` the step keeps the size the whitened norm gives it instead (each
-``F + λI`` normalised to mean eigenvalue 1).
+so ``lr`` means what it means for Muon (and AdamW) and only the direction changes.
 
 Statistics are read only on statistics steps (every ``statistics_every`` steps): a forward
 pre-hook sums ``x xᵀ`` over the input rows (and, with ``output_side``, a tensor hook on the
@@ -117,13 +115,6 @@ class WhitenedMuon(torch.optim.Optimizer):
             ``block_size``-blocks of its factor: the statistics, refresh and whitening cost of
             a ``d``-wide side fall by ``d / block_size`` (Newton-Muon blocks the 4d-wide MLP
             input the same way). ``None``: every side whole.
-        scale: the size of a step. ``"frobenius"``: the whitened direction rescaled to the
-            Frobenius norm of ``msign(...)`` (Muon's size per layer; only the direction
-            changes). ``"whitened"``: the steepest-descent step itself, unit size in the
-            whitened norm of ``F + λI`` normalised to mean eigenvalue 1 (``||ΔW A_n^{1/2}||_op``
-            = 1 per unit lr): like Muon's bound on the output change over inputs of that
-            covariance, so a layer with ill-conditioned inputs moves further along their
-            low-variance directions than Muon's size allows.
         ns_steps: Newton-Schulz iterations.
         ns_dtype: dtype of the Newton-Schulz iteration (bfloat16, as ``torch.optim.Muon``).
         process_group: where the statistics are all-reduced; ``None``: the default group when
@@ -138,8 +129,7 @@ class WhitenedMuon(torch.optim.Optimizer):
                  momentum: float = 0.9, nesterov: bool = True, statistics_every: int = 10,
                  damping: float = 0.1, factor_decay: float = 0.95, statistics_rows: int | None = None,
                  output_side: bool = False, root: str = "cholesky", block_size: int | None = None,
-                 scale: str = "frobenius", ns_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16,
-                 process_group: Any = None):
+                 ns_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16, process_group: Any = None):
         modules = list(modules)
         if not modules:
             raise ValueError("WhitenedMuon: modules is empty")
@@ -161,9 +151,6 @@ class WhitenedMuon(torch.optim.Optimizer):
             raise ValueError(f"root must be 'cholesky' or 'symmetric', got {root!r}")
         self.root = root
         self.block_size = None if block_size is None else validation.check_int("block_size", block_size)
-        if scale not in ("frobenius", "whitened"):
-            raise ValueError(f"scale must be 'frobenius' or 'whitened', got {scale!r}")
-        self.scale = scale
         self.ns_steps = validation.check_int("ns_steps", ns_steps)
         self.ns_dtype = validation.check_float_dtype("ns_dtype", ns_dtype)
         super().__init__(weights, defaults)
@@ -322,8 +309,6 @@ class WhitenedMuon(torch.optim.Optimizer):
             floor = torch.where(lam > 0, lam, 1.0)[:, :, 0]
             whitener = (vectors * values.clamp(min=floor).rsqrt()[:, None, :]) @ vectors.transpose(1, 2)
             good = torch.isfinite(whitener.sum(dim=(1, 2), keepdim=True))
-        if self.scale == "whitened":  # T of (F + λI) / mean eigenvalue: T·sqrt(tr(F + λI) / b)
-            whitener = whitener * (safe.diagonal(dim1=-2, dim2=-1).sum(-1) / size).sqrt()[:, None, None]
         fallback = eye.expand_as(whitener) if previous is None else previous
         return torch.where(good, whitener, fallback)
 
@@ -415,8 +400,6 @@ class WhitenedMuon(torch.optim.Optimizer):
         if left is None and right is None:
             return ortho
         direction = self._whiten(ortho, left, right, transpose=False)
-        if self.scale == "whitened":  # the whiteners carry the size (normalised at refresh)
-            return direction
         wide = torch.promote_types(direction.dtype, torch.float32)  # norms of bfloat16 in float32
         scale = (ortho.to(wide).norm(dim=(-2, -1), keepdim=True)
                  / direction.to(wide).norm(dim=(-2, -1), keepdim=True).clamp(min=1e-30))

@@ -310,8 +310,8 @@ def test_precond_momentum_feeds_the_nesterov_momentum_to_the_preconditioner():
 
 def test_whitened_muon_methods_take_muons_split_and_their_sweep_settings():
     """``wmuon`` / ``wmuon_pre``: WhitenedMuon (or its pre-only control) on exactly Muon's
-    hidden weights, AdamW on the rest; ``we=``, ``wdamp=``, ``wboth=``, ``wrows=``, ``wdecay=``,
-    ``wscale=`` and ``mom=`` reach it."""
+    hidden weights, AdamW on the rest; ``we=``, ``wdamp=``, ``wboth=``, ``wrows=``, ``wdecay=``
+    and ``mom=`` reach it."""
     import torch
 
     from kron_precond import WhitenedMuon
@@ -319,8 +319,7 @@ def test_whitened_muon_methods_take_muons_split_and_their_sweep_settings():
     convergence = load("benchmarks/convergence.py")
     common = load("examples/kron_examples_common.py")
     char_lm = load("examples/char_lm.py")
-    _, method, overrides, _ = convergence.parse_family(
-        "wmuon{we=7,wdamp=0.3,wboth=1,wrows=all,wdecay=0.6,wscale=whitened,mom=0.85}=1.6e-2")
+    _, method, overrides, _ = convergence.parse_family("wmuon{we=7,wdamp=0.3,wboth=1,wrows=all,wdecay=0.6,mom=0.85}=1.6e-2")
     config = common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS, **overrides)
     model = char_lm.CharTransformer(char_lm.ModelConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8))
     chain, precond = common.build_method(method, model, 1.6e-2, 0.0, config)
@@ -328,7 +327,7 @@ def test_whitened_muon_methods_take_muons_split_and_their_sweep_settings():
     optimizer = chain.optimizers[0]
     assert isinstance(optimizer, WhitenedMuon)
     assert (optimizer.statistics_every, optimizer.damping, optimizer.output_side, optimizer.statistics_rows,
-            optimizer.factor_decay, optimizer.scale) == (7, 0.3, True, None, 0.6, "whitened")
+            optimizer.factor_decay) == (7, 0.3, True, None, 0.6)
     assert optimizer.param_groups[0]["momentum"] == 0.85
     plain, _ = common.build_method("muon", model, 1.6e-2, 0.0, common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS))
     assert [id(p) for p in optimizer.param_groups[0]["params"]] == [

@@ -65,23 +65,19 @@ def exact_polar(matrix, steps=5, eps=1e-7, dtype=None):
     return (u @ vh).to(matrix.dtype)
 
 
-def inverse_root(factor: np.ndarray, block: int | None = None, normalised: bool = False) -> np.ndarray:
-    """``(F + λI)^{-1/2}`` by scipy's ``sqrtm``; with ``block``, of each diagonal block alone;
-    ``normalised``: of ``(F + λI)`` divided by its mean eigenvalue."""
+def inverse_root(factor: np.ndarray, block: int | None = None) -> np.ndarray:
+    """``(F + λI)^{-1/2}`` by scipy's ``sqrtm``; with ``block``, of each diagonal block alone."""
     dim = factor.shape[0]
     size = block if block is not None and dim > block and dim % block == 0 else dim
     out = np.zeros_like(factor)
     for s in range(0, dim, size):
         f = factor[s:s + size, s:s + size]
         lam = DAMPING * np.trace(f) / size
-        damped = f + lam * np.eye(size)
-        if normalised:
-            damped = damped / np.linalg.eigvalsh(damped).mean()
-        out[s:s + size, s:s + size] = np.linalg.inv(np.real(sqrtm(damped)))
+        out[s:s + size, s:s + size] = np.linalg.inv(np.real(sqrtm(f + lam * np.eye(size))))
     return out
 
 
-def reference_run(output_side: bool, steps: int, dims=DIMS, block: int | None = None, scale: str = "frobenius"):
+def reference_run(output_side: bool, steps: int, dims=DIMS, block: int | None = None):
     """The steps written out in float64 with numpy/scipy, statistics on every step."""
     net = make_net(dims=dims)
     weights = [net.a.weight, net.b.weight]
@@ -105,35 +101,28 @@ def reference_run(output_side: bool, steps: int, dims=DIMS, block: int | None = 
             g = grads[2 + i].detach()
             buffers[i] = MOMENTUM * buffers[i] + (1 - MOMENTUM) * g
             m = ((1 - MOMENTUM) * g + MOMENTUM * buffers[i]).numpy()
-            normalised = scale == "whitened"
-            right = inverse_root(factors[(i, "in")], block, normalised)
-            left = inverse_root(factors[(i, "out")], block, normalised) if output_side else np.eye(w.shape[0])
+            right = inverse_root(factors[(i, "in")], block)
+            left = inverse_root(factors[(i, "out")], block) if output_side else np.eye(w.shape[0])
             ortho = exact_polar(torch.from_numpy(left @ m @ right)).numpy()
             direction = left @ ortho @ right
-            if scale == "frobenius":
-                direction *= np.linalg.norm(ortho) / np.linalg.norm(direction)
+            direction *= np.linalg.norm(ortho) / np.linalg.norm(direction)
             with torch.no_grad():
                 w.mul_(1 - LR * WD).sub_(torch.from_numpy(direction), alpha=LR * 0.2 * max(w.shape) ** 0.5)
         history.append([w.detach().clone() for w in weights])
     return history
 
 
-@pytest.mark.parametrize("scale", ["frobenius", "whitened"])
 @pytest.mark.parametrize("root", ["cholesky", "symmetric"])
 @pytest.mark.parametrize("output_side", [False, True])
-def test_steps_match_the_whitened_steepest_descent_written_out(monkeypatch, output_side, root, scale):
+def test_steps_match_the_whitened_steepest_descent_written_out(monkeypatch, output_side, root):
     """With the exact polar factor, both roots give the step written out with symmetric
-    inverse roots: ``||ΔW L||_op = ||ΔW A^{1/2}||_op``, the same steepest descent; sized as
-    Muon's (``frobenius``) or as itself in the normalised whitened norm (``whitened``)."""
+    inverse roots: ``||ΔW L||_op = ||ΔW A^{1/2}||_op``, the same steepest descent."""
     monkeypatch.setattr(wm, "msign", exact_polar)  # the whitening algebra, not Newton-Schulz
     steps = 4
-    expected = reference_run(output_side, steps, scale=scale)
-    other = reference_run(output_side, steps, scale="whitened" if scale == "frobenius" else "frobenius")
-    assert not np.allclose(expected[-1][0].numpy(), other[-1][0].numpy(), rtol=1e-3)  # the sizes differ
+    expected = reference_run(output_side, steps)
     net = make_net()
     opt = WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, momentum=MOMENTUM, statistics_every=1,
-                       damping=DAMPING, factor_decay=DECAY, output_side=output_side, root=root, scale=scale,
-                       ns_dtype=torch.float64)
+                       damping=DAMPING, factor_decay=DECAY, output_side=output_side, root=root, ns_dtype=torch.float64)
     for step, (x, y) in enumerate(batches(steps)):
         with torch.no_grad():  # an evaluation pass: no statistics
             net(torch.randn(2, 5, dtype=torch.float64) * 100)
@@ -143,10 +132,8 @@ def test_steps_match_the_whitened_steepest_descent_written_out(monkeypatch, outp
         opt.zero_grad()
         loss_of(net, x, y).backward()
         opt.step()
-        # the unrescaled steps are up to ~3x larger, and so is sqrtm's rounding in them
-        tol = dict(rtol=1e-9, atol=1e-11) if scale == "frobenius" else dict(rtol=1e-7, atol=1e-9)
         for got, want in zip([net.a.weight, net.b.weight], expected[step]):
-            torch.testing.assert_close(got.detach(), want, **tol)
+            torch.testing.assert_close(got.detach(), want, rtol=1e-9, atol=1e-11)
 
 
 @pytest.mark.parametrize("root", ["cholesky", "symmetric"])
@@ -312,7 +299,6 @@ def test_lr_scheduler_changes_the_step():
     (dict(statistics_rows=0), ValueError, "statistics_rows"), (dict(weight_decay=-0.1), ValueError, "weight_decay"),
     (dict(output_side=1), TypeError, "output_side"), (dict(ns_dtype=torch.int32), ValueError, "ns_dtype"),
     (dict(root="qr"), ValueError, "root"), (dict(block_size=0), ValueError, "block_size"),
-    (dict(scale="spectral"), ValueError, "scale"),
 ])
 def test_bad_arguments_fail_at_construction_naming_them(kwargs, error, name):
     net = make_net()
