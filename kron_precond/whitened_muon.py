@@ -121,9 +121,14 @@ class WhitenedMuon(torch.optim.Optimizer):
             ``torch.distributed`` is initialised with more than one rank.
 
     A step whose gradient (for one weight) is not finite leaves that weight, its momentum and
-    its weight decay untouched; such steps are counted and reported by a warning on the next
-    refresh step (one host synchronisation there).
+    its weight decay untouched; such steps are counted on the device and reported by a warning
+    when the counters are read: on the first step and then once every
+    ``nonfinite_warn_interval`` (100) steps, the only host synchronisation of ``step()``
+    (as :class:`~kron_precond.Kron`). Not on refresh steps: with ``statistics_every=1`` those
+    are every step.
     """
+
+    nonfinite_warn_interval = 100
 
     def __init__(self, modules: Iterable[nn.Module], lr: float = 1e-3, weight_decay: float = 0.0,
                  momentum: float = 0.9, nesterov: bool = True, statistics_every: int = 10,
@@ -161,6 +166,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         self._pending: dict[tuple[int, str], list[torch.Tensor]] = {}
         self._weights = {id(w): w for w in weights}
         self._reported: dict[int, int] = {}
+        self._steps = 0  # step() calls, for the interval of the non-finite report
         self._casts: dict[tuple[int, ...], tuple] = {}  # stacked whiteners in ns_dtype, per stack
         # (width, blocks) -> (weak reference to the last input, its version, its row product)
         self._last_product: dict[tuple[int, int], tuple] = {}
@@ -330,7 +336,6 @@ class WhitenedMuon(torch.optim.Optimizer):
                if p.grad is not None and self._collecting(p)]
         if due:
             self._refresh(due)
-            self._report_nonfinite()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if any(p.grad.is_sparse for p in params):
@@ -349,6 +354,9 @@ class WhitenedMuon(torch.optim.Optimizer):
                 self._step_stack(members, group)
                 for p in members:
                     self.state[p]["step"] = self.state[p].get("step", 0) + 1
+        self._steps += 1
+        if (self._steps - 1) % self.nonfinite_warn_interval == 0:
+            self._report_nonfinite()
 
     def _layout(self, p: nn.Parameter) -> tuple:
         state = self.state[p]

@@ -321,6 +321,7 @@ def test_modules_without_a_matrix_weight_are_refused():
 def test_a_non_finite_gradient_skips_that_weight_and_is_reported():
     net = make_net(torch.float32)
     opt = WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, statistics_every=3)
+    opt.nonfinite_warn_interval = 3  # the counters are read on steps 1, 4, 7, ...
     data = batches(3, torch.float32)
     for x, y in data[:2]:
         opt.zero_grad()
@@ -331,7 +332,7 @@ def test_a_non_finite_gradient_skips_that_weight_and_is_reported():
     opt.zero_grad()
     loss_of(net, *data[2]).backward()
     net.a.weight.grad[0, 0] = float("nan")
-    opt.step()  # step 2: not a refresh step (0, 3, 6, ...)
+    opt.step()  # the third step: the counters are not read
     assert torch.equal(net.a.weight, a_before)
     assert torch.equal(opt.state[net.a.weight]["momentum_buffer"], buf_before)
     assert not torch.equal(net.b.weight, b_before)  # the other weight stepped
@@ -339,14 +340,39 @@ def test_a_non_finite_gradient_skips_that_weight_and_is_reported():
     opt.zero_grad()
     loss_of(net, *data[0]).backward()
     with pytest.warns(RuntimeWarning, match=r"weight 0 \(shape \(7, 5\)\): 1 step"):
-        opt.step()  # step 3: a refresh step reports it
+        opt.step()  # the fourth step reads them and reports it
     assert torch.isfinite(net.a.weight).all()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for x, y in data * 2:  # reported once, not again (step 6 refreshes)
+        for x, y in data * 2:  # reported once, not again (steps 7 and 10 read the counters)
             opt.zero_grad()
             loss_of(net, x, y).backward()
             opt.step()
+
+
+def test_steps_with_statistics_every_step_make_no_host_sync(monkeypatch):
+    """The recommended data-rich recipe refreshes on every step: the refresh must not read
+    the device either (the non-finite counters are read once per ``nonfinite_warn_interval``)."""
+    net = make_net(torch.float32)
+    opt = WhitenedMuon([net.a, net.b], lr=LR, statistics_every=1, factor_decay=0.8)
+    data = batches(6, torch.float32)
+
+    def run(pairs):
+        for x, y in pairs:
+            opt.zero_grad()
+            loss_of(net, x, y).backward()
+            opt.step()
+
+    run(data[:1])  # step 1 reads the counters (once per interval)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host sync in WhitenedMuon.step")
+
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
+            m.setattr(torch.Tensor, name, forbidden)
+        run(data[1:])
+    assert all(torch.isfinite(w).all() for w in (net.a.weight, net.b.weight))
 
 
 # ----------------------------------------------------------------------------- distributed
