@@ -7,6 +7,8 @@ each would stall the host until the device drains. The one read allowed is Healt
 the per-layer "gradient finite" flags, which on CPU is a plain read of a CPU tensor and on
 a GPU a non-blocking copy polled by an event (``kron_precond/health.py``).
 PSGD updates its factors with probability 1 here, so its refresh is on the checked path too.
+The standalone optimizers (``Kron``, ``WhitenedMuon``) read their non-finite counters on the
+first step and then once per ``nonfinite_warn_interval``; the steps in between are checked.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from kron_precond import KronPreconditioner
+from kron_precond import Kron, KronPreconditioner, WhitenedMuon
 from kron_precond.methods.registry import METHODS
 
 SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
@@ -26,38 +28,62 @@ OPTIONS = {"kfac": dict(inv_update_steps=50), "ekfac": dict(inv_update_steps=50)
            "psgd": dict(preconditioner_update_probability=1.0), "second_moment": {}}
 
 
-def test_every_registered_method_is_covered():
-    assert set(OPTIONS) == set(METHODS)
-
-
-@pytest.mark.parametrize("method", sorted(METHODS))
-def test_steps_between_refreshes_make_no_host_sync(monkeypatch, method):
+def make_model():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-    precond = KronPreconditioner(model, method=method, **OPTIONS[method])
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
-    def train(steps):
-        for _ in range(steps):
-            x, y = torch.randn(32, 8), torch.randn(32, 4)
-            optimizer.zero_grad()
-            (model(x) - y).square().mean().backward()
-            precond.step()
-            optimizer.step()
 
-    train(1)  # step 0: the first refresh (decompositions may check their results there)
+def train(model, steps, *stepped):
+    for _ in range(steps):
+        x, y = torch.randn(32, 8), torch.randn(32, 4)
+        model.zero_grad()
+        (model(x) - y).square().mean().backward()
+        for obj in stepped:
+            obj.step()
 
+
+def forbid_host_syncs(monkeypatch, label):
+    """Make every tensor-to-host read raise, except Health's read of a CPU flag tensor."""
     def forbid(name):
         original = getattr(torch.Tensor, name)
 
         def read(self, *args, **kwargs):
             if sys._getframe(1).f_code.co_name == "record_gradients" and self.device.type == "cpu":
                 return original(self, *args, **kwargs)
-            raise AssertionError(f"host sync ({name}) in the {method} step")
+            raise AssertionError(f"host sync ({name}) in the {label} step")
         return read
 
+    for name in SYNCS:
+        monkeypatch.setattr(torch.Tensor, name, forbid(name))
+
+
+def test_every_registered_method_is_covered():
+    assert set(OPTIONS) == set(METHODS)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_steps_between_refreshes_make_no_host_sync(monkeypatch, method):
+    model = make_model()
+    precond = KronPreconditioner(model, method=method, **OPTIONS[method])
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    train(model, 1, precond, optimizer)  # step 0: the first refresh (decompositions may check results)
     with monkeypatch.context() as m:
-        for name in SYNCS:
-            m.setattr(torch.Tensor, name, forbid(name))
-        train(8)
+        forbid_host_syncs(m, method)
+        train(model, 8, precond, optimizer)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["Kron", "WhitenedMuon"])
+def test_standalone_optimizer_steps_make_no_host_sync(monkeypatch, name):
+    """``WhitenedMuon`` with the data-rich recipe refreshes on every step, so its refresh is on
+    the checked path; ``Kron`` updates its factors on every step here."""
+    model = make_model()
+    if name == "Kron":
+        optimizer = Kron(model.parameters(), lr=1e-3, preconditioner_update_probability=1.0)
+    else:
+        optimizer = WhitenedMuon([model[0], model[2]], lr=1e-2, statistics_every=1, factor_decay=0.8)
+    train(model, 1, optimizer)  # step 1 reads the non-finite counters (once per interval)
+    with monkeypatch.context() as m:
+        forbid_host_syncs(m, name)
+        train(model, 8, optimizer)
     assert all(torch.isfinite(p).all() for p in model.parameters())
