@@ -31,6 +31,10 @@ shape stepped as one stack, and no host synchronisation.
 Distributed (DDP): the sums and row counts are all-reduced on refresh steps (one collective),
 so the factors are those of the full global batch and every world size gives one process's
 result (exact when ``statistics_rows`` is ``None``; a row cap takes each rank's first rows).
+FSDP2 and HSDP (DTensor weights sharded by rows, ``Shard(0)``): the momentum stays in each
+rank's rows; per stack of weights one all-gather assembles the update that goes into
+``msign`` (an orthogonalisation needs the whole matrix), every rank computes the same
+direction and keeps its rows, and the statistics are all-reduced as under DDP.
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ import torch.nn as nn
 from kron_precond import validation
 from kron_precond.autocast import autocast_disabled
 from kron_precond.distributed import collectives
+from kron_precond.distributed.sharded import ShardedLayout, is_dtensor
 from kron_precond.health import new_nonfinite_steps
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's quintic Newton-Schulz
@@ -80,10 +85,17 @@ def _weight_of(module: Any, index: int) -> nn.Parameter:
     if not isinstance(weight, nn.Parameter) or weight.ndim != 2:
         raise TypeError(f"WhitenedMuon: modules[{index}] ({type(module).__name__}) needs a 2-D weight "
                         f"[out, in] applied to the last dim of its input, like nn.Linear")
-    if type(weight.data).__name__ == "DTensor":
-        raise TypeError(f"WhitenedMuon: modules[{index}] has a sharded (DTensor) weight; FSDP2 is not "
-                        f"supported yet -- use DDP")
     return weight
+
+
+def _sharded_layout(weights: list[nn.Parameter], process_group: Any) -> ShardedLayout | None:
+    """The FSDP2 / HSDP mesh of the DTensor weights (``None`` when none is one); ``ValueError``
+    names a weight with another placement or on another mesh."""
+    named = [(f"modules[{i}].weight", w) for i, w in enumerate(weights)]
+    if not any(is_dtensor(w) for _, w in named):
+        return None
+    world = dist.get_world_size(process_group) if dist.is_initialized() else 1
+    return ShardedLayout.detect(named, world)
 
 
 class WhitenedMuon(torch.optim.Optimizer):
@@ -99,7 +111,9 @@ class WhitenedMuon(torch.optim.Optimizer):
         weight_decay: decoupled weight decay.
         momentum, nesterov: ``torch.optim.Muon``'s momentum (``buf.lerp_(g, 1 - momentum)``).
         statistics_every: steps between statistics steps (which also refresh the whiteners).
-        damping: ``λ = damping · tr(F) / dim F`` for each factor ``F``.
+        damping: ``λ = damping · tr(F) / dim F`` for each factor ``F``. With fresh statistics
+            (``statistics_every=1``) ``0.03`` reached AdamW's loss sooner than ``0.1`` in the
+            d_model 48 runs but ended higher (docs/benchmarks.md, "Issue 17, round 3").
         factor_decay: exponential-average decay of the factors, per refresh: they average
             over about ``statistics_every / (1 - factor_decay)`` steps (200 by default). For
             short or big-batch runs a few steps is better: ``statistics_every=1,
@@ -160,6 +174,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         self.ns_dtype = validation.check_float_dtype("ns_dtype", ns_dtype)
         super().__init__(weights, defaults)
         self.process_group = process_group
+        self._sharded = _sharded_layout(weights, process_group)
         self._sides = ("input", "output") if self.output_side else ("input",)
         # per weight and side: [sums of row outer products per diagonal block, row count] since
         # the last refresh
@@ -362,29 +377,63 @@ class WhitenedMuon(torch.optim.Optimizer):
         state = self.state[p]
         sides = tuple(None if state.get(f"{side}_whitener") is None else tuple(state[f"{side}_whitener"].shape)
                       for side in ("input", "output"))
-        return (tuple(p.shape), p.dtype, p.device, sides)
+        return (tuple(p.shape), p.dtype, p.device, sides, self._is_sharded(p))
+
+    def _is_sharded(self, p: nn.Parameter) -> bool:
+        return self._sharded is not None and self._sharded.is_sharded(p)
+
+    def _local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a DTensor (writable in place); the tensor itself otherwise."""
+        return tensor.to_local() if is_dtensor(tensor) else tensor
+
+    def _gather_rows(self, local: torch.Tensor, rows: int) -> torch.Tensor:
+        """The full ``[k, rows, n]`` stack from every shard's ``[k, rows_here, n]`` (FSDP2's
+        ``Shard(0)`` split: ``ceil(rows / S)`` per rank, padded on the wire): one all-gather."""
+        layout = self._sharded
+        k, here, n = local.shape
+        chunk = layout.chunk(rows)
+        padded = local.new_zeros(k, chunk, n)
+        padded[:, :here] = local
+        pieces = [torch.empty_like(padded) for _ in range(layout.shard_size)]
+        dist.all_gather(pieces, padded, group=layout.shard_group)
+        return torch.cat(pieces, dim=1)[:, :rows]
 
     def _step_stack(self, params: list[nn.Parameter], group: dict[str, Any]) -> None:
         lr, momentum = group["lr"], group["momentum"]
         states = [self.state[p] for p in params]
-        grads = torch.stack([p.grad for p in params])
+        sharded = self._is_sharded(params[0])
+        # FSDP2 / HSDP: the momentum lives in each rank's rows of the weight; only the update
+        # that goes into msign is gathered whole (one all-gather per stack).
+        grads = torch.stack([self._local(p.grad) for p in params])
         # A gradient whose norm is not finite (a NaN, an Inf, or an overflow) leaves its weight,
         # its momentum and its weight decay as they were.
-        finite = torch.isfinite(torch.linalg.vector_norm(grads.flatten(1), dim=1))
+        if sharded:  # the whole gradient's: its shards' sums of squares, summed over the shards
+            wide = torch.promote_types(grads.dtype, torch.float32)
+            squares = torch.linalg.vector_norm(grads.flatten(1), dim=1, dtype=wide).square()
+            dist.all_reduce(squares, group=self._sharded.shard_group)
+            finite = torch.isfinite(squares)
+        else:
+            finite = torch.isfinite(torch.linalg.vector_norm(grads.flatten(1), dim=1))
         mask = finite[:, None, None]
-        buffers = [s["momentum_buffer"] for s in states]
+        buffers = [self._local(s["momentum_buffer"]) for s in states]
         stacked = torch.stack(buffers)
         stacked = torch.where(mask, stacked.lerp(grads, 1 - momentum), stacked)
         torch._foreach_copy_(buffers, list(stacked.unbind()))
         update = grads.lerp(stacked, momentum) if group["nesterov"] else stacked
+        if sharded:
+            update = self._gather_rows(update, params[0].shape[0])
         left, right = self._stacked_whiteners(params)
         direction = torch.where(mask, self._direction(update, left, right), 0.0)
+        if sharded:
+            start, stop = self._sharded.rows(params[0].shape[0])
+            direction = direction[:, start:stop]
         decay = torch.full(finite.shape, 1 - lr * group["weight_decay"], dtype=params[0].dtype, device=finite.device)
         decay = torch.where(finite, decay, 1.0)
         adjusted = lr * 0.2 * max(params[0].shape) ** 0.5  # torch.optim.Muon's match_rms_adamw
         for i, p in enumerate(params):
-            p.mul_(decay[i])
-            p.add_(direction[i], alpha=-adjusted)
+            weight = self._local(p)
+            weight.mul_(decay[i])
+            weight.add_(direction[i], alpha=-adjusted)
         torch._foreach_add_([s["nonfinite_steps"] for s in states], list((~finite).long().unbind()))
 
     def _stacked_whiteners(self, params: list[nn.Parameter]) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -1,0 +1,206 @@
+"""WhitenedMuon on FSDP2 / HSDP models (DTensor weights sharded by rows) against one process.
+
+Oracle: one process, no process group, the plain model on the full batch, in float64 (also
+Newton-Schulz, so the comparison is not drowned by bfloat16 rounding). R gloo ranks each hold
+1/R of the batch; FSDP2's reduce-scatter averages the gradients. After every step the full
+weights (``full_tensor``) must equal the one-process weights (relative 1e-10) and be the same
+on every rank. The weights' rows do not divide evenly: at 4 ranks the 7-row weight is split
+2/2/2/1 and the 3-row one 1/1/1/0 (a rank with no rows at all). A DCP checkpoint written on
+4 ranks resumes on 2 and continues the one-process trajectory.
+
+Spawning costs seconds on the 2-core test machine, so each world size is one spawned group
+that runs every scenario in turn.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dist_utils import ranks_identical, run_workers
+from kron_precond import WhitenedMuon
+from test_whitened_muon import LR, WD, batches, loss_of, make_net
+
+DIMS = (5, 7, 3)
+STEPS = 5
+SAVE_AT = 2  # the world-4 run of SAVED writes a DCP checkpoint after this many steps
+SAVED = "input"
+TOL = dict(rtol=1e-10, atol=1e-12)
+SPAWN_TIMEOUT = 300.0
+# name -> (output_side, mesh); "2x2": HSDP, (replicate, shard)
+SCENARIOS = {"input": (False, "1d"), "output": (True, "1d"), "hsdp": (False, "2x2")}
+
+
+def make_optimizer(net, output_side: bool) -> WhitenedMuon:
+    return WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, statistics_every=2, output_side=output_side,
+                        ns_dtype=torch.float64)
+
+
+def weights(net) -> torch.Tensor:
+    return torch.cat([(w.full_tensor() if hasattr(w, "full_tensor") else w).detach().reshape(-1)
+                      for w in (net.a.weight, net.b.weight)])
+
+
+def one_process(output_side: bool) -> list[torch.Tensor]:
+    net = make_net(dims=DIMS)
+    opt = make_optimizer(net, output_side)
+    trajectory = []
+    for x, y in batches(STEPS, dims=DIMS):
+        opt.zero_grad()
+        loss_of(net, x, y).backward()
+        opt.step()
+        trajectory.append(weights(net))
+    return trajectory
+
+
+def _sharded(mesh_kind: str, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    net = make_net(dims=DIMS)
+    if mesh_kind == "2x2":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    for module in (net.a, net.b, net):
+        fully_shard(module, mesh=mesh)
+    return net
+
+
+def _steps(net, opt, rank: int, world: int, first: int, stop: int = STEPS) -> tuple[list[torch.Tensor], list[bool]]:
+    """Steps ``first`` to ``stop`` on this rank's share of each batch: the full weights after
+    each, and whether every rank holds the same."""
+    import torch.distributed as dist
+
+    trajectory, identical = [], []
+    for x, y in batches(STEPS, dims=DIMS)[first:stop]:
+        per = x.shape[0] // world
+        opt.zero_grad()
+        loss_of(net, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+        opt.step()
+        full = weights(net)
+        trajectory.append(full)
+        identical.append(ranks_identical(full, world, dist.all_gather))
+    return trajectory, identical
+
+
+def world_worker(rank, world, out_dir, scenarios, checkpoint):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    results = {}
+    for name in scenarios:
+        output_side, mesh_kind = SCENARIOS[name]
+        net = _sharded(mesh_kind, world)
+        opt = make_optimizer(net, output_side)
+        sharded = opt._is_sharded(net.a.weight)
+        if name == SAVED and world == 4:
+            first, same_first = _steps(net, opt, rank, world, 0, SAVE_AT)
+            model_sd, optim_sd = get_state_dict(net, opt)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
+            rest, same_rest = _steps(net, opt, rank, world, SAVE_AT)
+            results[name] = (first + rest, same_first + same_rest, sharded)
+        else:
+            trajectory, identical = _steps(net, opt, rank, world, 0)
+            results[name] = (trajectory, identical, sharded)
+    if world == 4:
+        results["nonfinite"] = _nonfinite_on_one_shard(rank, world)
+        results["shard1"] = _tensor_parallel_weight_error(world)
+    if world == 2:  # resume the 4-rank checkpoint on 2 ranks
+        net = _sharded("1d", world)
+        opt = make_optimizer(net, SCENARIOS[SAVED][0])
+        model_sd, optim_sd = get_state_dict(net, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=checkpoint)
+        set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        results["resumed"] = _steps(net, opt, rank, world, SAVE_AT)
+    dist.barrier()
+    return results
+
+
+def _nonfinite_on_one_shard(rank: int, world: int) -> dict:
+    """Two steps, then one whose gradient of ``a`` holds a NaN in the last rank's rows only."""
+    import torch.distributed as dist
+
+    net = _sharded("1d", world)
+    opt = make_optimizer(net, False)
+    _steps(net, opt, rank, world, 0, 2)
+    before = [weights(net), opt.state[net.a.weight]["momentum_buffer"].full_tensor().clone()]
+    x, y = batches(STEPS, dims=DIMS)[2]
+    per = x.shape[0] // world
+    opt.zero_grad()
+    loss_of(net, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+    if rank == world - 1:
+        net.a.weight.grad.to_local()[0, 0] = float("nan")
+    opt.step()
+    after = weights(net)
+    return {"before": before, "after": after, "buffer": opt.state[net.a.weight]["momentum_buffer"].full_tensor(),
+            "identical": ranks_identical(after, world, dist.all_gather), "a_size": net.a.weight.numel()}
+
+
+def _tensor_parallel_weight_error(world: int) -> str:
+    """A weight sharded by columns (tensor-parallel style) must be refused, naming it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    net = make_net(dims=DIMS)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    net.b.weight = torch.nn.Parameter(distribute_tensor(net.b.weight.detach(), mesh, [Shard(1)]))
+    try:
+        make_optimizer(net, False)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wmuon_fsdp2")
+    checkpoint = str(root / "ckpt")
+    out = {4: run_workers(world_worker, 4, root / "w4", list(SCENARIOS), checkpoint, timeout=SPAWN_TIMEOUT)}
+    out[2] = run_workers(world_worker, 2, root / "w2", ["input", "output"], checkpoint, timeout=SPAWN_TIMEOUT)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {side: one_process(side) for side in (False, True)}
+
+
+@pytest.mark.parametrize("world,name", [(4, "input"), (4, "output"), (4, "hsdp"), (2, "input"), (2, "output")])
+def test_every_step_matches_one_process_on_every_rank(spawned, reference, world, name):
+    want = reference[SCENARIOS[name][0]]
+    start = weights(make_net(dims=DIMS))
+    assert (want[-1] - start).abs().max() > 1e-3  # the steps did something
+    for rank, result in enumerate(spawned[world]):
+        trajectory, identical, sharded = result[name]
+        assert sharded, "the weights were not sharded: the test would not test FSDP2"
+        assert all(identical), f"rank {rank}: ranks differ"
+        for step, (got, expected) in enumerate(zip(trajectory, want)):
+            torch.testing.assert_close(got, expected, **TOL, msg=lambda m: f"rank {rank}, step {step}: {m}")
+
+
+def test_a_checkpoint_saved_on_4_ranks_resumes_on_2(spawned, reference):
+    want = reference[SCENARIOS[SAVED][0]][SAVE_AT:]
+    for rank, result in enumerate(spawned[2]):
+        trajectory, identical = result["resumed"]
+        assert all(identical) and len(trajectory) == len(want)
+        for got, expected in zip(trajectory, want):
+            torch.testing.assert_close(got, expected, **TOL)
+
+
+def test_a_nan_in_one_shard_skips_that_weight_on_every_rank(spawned):
+    for rank, result in enumerate(spawned[4]):
+        r = result["nonfinite"]
+        n = r["a_size"]
+        assert r["identical"], f"rank {rank}: ranks differ"
+        assert torch.isfinite(r["after"]).all()
+        assert torch.equal(r["after"][:n], r["before"][0][:n])  # a: untouched
+        assert torch.equal(r["buffer"], r["before"][1])  # and its momentum
+        assert not torch.equal(r["after"][n:], r["before"][0][n:])  # b stepped
+
+
+def test_a_weight_sharded_by_columns_is_refused_naming_it(spawned):
+    assert "modules[1].weight" in spawned[4][0]["shard1"] and "Shard(dim=1)" in spawned[4][0]["shard1"]
