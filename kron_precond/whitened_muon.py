@@ -112,8 +112,8 @@ class WhitenedMuon(torch.optim.Optimizer):
         momentum, nesterov: ``torch.optim.Muon``'s momentum (``buf.lerp_(g, 1 - momentum)``).
         statistics_every: steps between statistics steps (which also refresh the whiteners).
         damping: ``λ = damping · tr(F) / dim F`` for each factor ``F``. With fresh statistics
-            (``statistics_every=1``) ``0.03`` reached AdamW's loss sooner than ``0.1`` in the
-            d_model 48 runs but ended higher (docs/benchmarks.md, "Issue 17, round 3").
+            (``statistics_every=1``) ``0.03`` reached AdamW's loss sooner than ``0.1`` at d_model
+            32 and 48, ending as low (32) or higher (48) (docs/benchmarks.md, "Issue 17, round 4").
         factor_decay: exponential-average decay of the factors, per refresh: they average
             over about ``statistics_every / (1 - factor_decay)`` steps (200 by default). For
             short or big-batch runs a few steps is better: ``statistics_every=1,
