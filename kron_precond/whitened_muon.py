@@ -382,10 +382,6 @@ class WhitenedMuon(torch.optim.Optimizer):
     def _is_sharded(self, p: nn.Parameter) -> bool:
         return self._sharded is not None and self._sharded.is_sharded(p)
 
-    def _local(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of a DTensor (writable in place); the tensor itself otherwise."""
-        return tensor.to_local() if is_dtensor(tensor) else tensor
-
     def _gather_rows(self, local: torch.Tensor, rows: int) -> torch.Tensor:
         """The full ``[k, rows, n]`` stack from every shard's ``[k, rows_here, n]`` (FSDP2's
         ``Shard(0)`` split: ``ceil(rows / S)`` per rank, padded on the wire): one all-gather."""
@@ -402,9 +398,10 @@ class WhitenedMuon(torch.optim.Optimizer):
         lr, momentum = group["lr"], group["momentum"]
         states = [self.state[p] for p in params]
         sharded = self._is_sharded(params[0])
+        local = (lambda t: t) if self._sharded is None else self._sharded.local  # a DTensor's piece
         # FSDP2 / HSDP: the momentum lives in each rank's rows of the weight; only the update
         # that goes into msign is gathered whole (one all-gather per stack).
-        grads = torch.stack([self._local(p.grad) for p in params])
+        grads = torch.stack([local(p.grad) for p in params])
         # A gradient whose norm is not finite (a NaN, an Inf, or an overflow) leaves its weight,
         # its momentum and its weight decay as they were.
         if sharded:  # the whole gradient's: its shards' sums of squares, summed over the shards
@@ -415,7 +412,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         else:
             finite = torch.isfinite(torch.linalg.vector_norm(grads.flatten(1), dim=1))
         mask = finite[:, None, None]
-        buffers = [self._local(s["momentum_buffer"]) for s in states]
+        buffers = [local(s["momentum_buffer"]) for s in states]
         stacked = torch.stack(buffers)
         stacked = torch.where(mask, stacked.lerp(grads, 1 - momentum), stacked)
         torch._foreach_copy_(buffers, list(stacked.unbind()))
@@ -431,7 +428,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         decay = torch.where(finite, decay, 1.0)
         adjusted = lr * 0.2 * max(params[0].shape) ** 0.5  # torch.optim.Muon's match_rms_adamw
         for i, p in enumerate(params):
-            weight = self._local(p)
+            weight = local(p)
             weight.mul_(decay[i])
             weight.add_(direction[i], alpha=-adjusted)
         torch._foreach_add_([s["nonfinite_steps"] for s in states], list((~finite).long().unbind()))

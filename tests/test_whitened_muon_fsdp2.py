@@ -13,8 +13,6 @@ that runs every scenario in turn.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
