@@ -98,7 +98,7 @@ class ActivationCapture:
                 if layer is None:
                     continue
                 if loss_scale is not None:
-                    dtype = getattr(layer.method, "statistics_dtype", layer.method.factor_dtype)
+                    dtype = getattr(layer.method, "statistics_dtype", None) or layer.method.factor_dtype
                     rows = rows.to(dtype) / loss_scale
                 scale = float(scale * self.accumulation_steps)
                 call = calls.get(slot)

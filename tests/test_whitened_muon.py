@@ -148,7 +148,7 @@ def test_block_diagonal_factors_match_the_blocked_reference(monkeypatch, root):
     opt = WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, momentum=MOMENTUM, statistics_every=1,
                        damping=DAMPING, factor_decay=DECAY, output_side=True, root=root, block_size=2,
                        ns_dtype=torch.float64)
-    assert opt.state == {} and opt._blocks(8) == 4 and opt._blocks(5) == 1 and opt._blocks(2) == 1
+    assert opt.state == {} and opt._statistics.blocks(8) == 4 and opt._statistics.blocks(5) == 1 and opt._statistics.blocks(2) == 1
     for step, (x, y) in enumerate(batches(3, dims=dims)):
         opt.zero_grad()
         loss_of(net, x, y).backward()
@@ -199,7 +199,7 @@ def test_statistics_only_on_statistics_steps_and_refresh_then():
     for x, y in batches(7):
         opt.zero_grad()
         loss_of(net, x, y).backward()
-        seen.append(bool(opt._pending))
+        seen.append(bool(opt._statistics.pending))
         before = opt.state[net.a.weight].get("input_whitener")
         before = None if before is None else before.clone()
         opt.step()
@@ -306,9 +306,16 @@ def test_bad_arguments_fail_at_construction_naming_them(kwargs, error, name):
         WhitenedMuon([net.a, net.b], **kwargs)
 
 
-def test_modules_without_a_matrix_weight_are_refused():
-    with pytest.raises(TypeError, match=r"modules\[1\]"):
+def test_modules_the_adapters_do_not_know_are_refused_at_construction_naming_them():
+    """Refused when the optimizer is built, never at the first forward: a norm, an embedding
+    (an nn.Embedding weight is [num, dim], applied by lookup, not to the last dim of an input)
+    and a grouped convolution are named with their position and kind."""
+    with pytest.raises(ValueError, match=r"modules\[1\] \(LayerNorm\)"):
         WhitenedMuon([nn.Linear(3, 3), nn.LayerNorm(3)])
+    with pytest.raises(ValueError, match=r"modules\[0\] \(Embedding\)"):
+        WhitenedMuon([nn.Embedding(10, 3), nn.Linear(3, 3)])
+    with pytest.raises(ValueError, match=r"modules\[0\] \(Conv2d\).*groups=2"):
+        WhitenedMuon([nn.Conv2d(4, 4, 3, groups=2)])
     with pytest.raises(TypeError, match=r"modules\[0\]"):
         WhitenedMuon([nn.Linear(3, 3).weight])
     with pytest.raises(ValueError, match="empty"):
@@ -316,6 +323,8 @@ def test_modules_without_a_matrix_weight_are_refused():
     shared = nn.Linear(3, 3)
     with pytest.raises(ValueError, match="twice"):
         WhitenedMuon([shared, shared])
+    with pytest.raises(ValueError, match="skip_layers"):
+        WhitenedMuon([nn.Linear(3, 3)], skip_layers=["lm_head"])
 
 
 def test_a_non_finite_gradient_skips_that_weight_and_is_reported():
@@ -339,7 +348,7 @@ def test_a_non_finite_gradient_skips_that_weight_and_is_reported():
     assert torch.isfinite(net.b.weight).all()
     opt.zero_grad()
     loss_of(net, *data[0]).backward()
-    with pytest.warns(RuntimeWarning, match=r"weight 0 \(shape \(7, 5\)\): 1 step"):
+    with pytest.warns(RuntimeWarning, match=r"modules\[0\]\.weight \(shape \(7, 5\)\): 1 step"):
         opt.step()  # the fourth step reads them and reports it
     assert torch.isfinite(net.a.weight).all()
     with warnings.catch_warnings():
@@ -391,13 +400,13 @@ def test_a_failed_cholesky_keeps_the_previous_whitener_and_an_unseen_layer_gets_
     net = make_net()
     opt = WhitenedMuon([net.a, net.b], lr=LR)
     good = torch.diag(torch.tensor([4.0, 1, 1, 1, 1], dtype=torch.float64))[None]
-    previous = opt._whitener(good, None)
+    previous = opt._statistics.whitener(good, None)
     lam = DAMPING * 8 / 5
     torch.testing.assert_close(previous[0].T @ previous[0], torch.linalg.inv(good[0] + lam * torch.eye(5, dtype=torch.float64)))
     not_positive = -10 * torch.eye(5, dtype=torch.float64)[None]
-    assert torch.equal(opt._whitener(not_positive, previous), previous)
-    assert torch.equal(opt._whitener(not_positive, None), torch.eye(5, dtype=torch.float64)[None])
-    assert torch.equal(opt._whitener(torch.zeros(1, 5, 5, dtype=torch.float64), None),
+    assert torch.equal(opt._statistics.whitener(not_positive, previous), previous)
+    assert torch.equal(opt._statistics.whitener(not_positive, None), torch.eye(5, dtype=torch.float64)[None])
+    assert torch.equal(opt._statistics.whitener(torch.zeros(1, 5, 5, dtype=torch.float64), None),
                        torch.eye(5, dtype=torch.float64)[None])
 
 

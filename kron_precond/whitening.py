@@ -1,0 +1,264 @@
+"""The covariance factors of a whitened matrix's sides and their whiteners, for ``WhitenedMuon``.
+
+A whitened parameter holds ``k`` matrices ``[out, in]`` (one for an ``nn.Linear``, HF
+``Conv1D`` or convolution, one per expert for fused experts). For each matrix and side
+(``"input"``; ``"output"`` with the output side on) this keeps
+
+    F ← decay·F + (1 − decay)·mean over the rows of a statistics step of  r rᵀ
+
+and the whitener ``T`` of ``F + λI`` (``Tᵀ T = (F + λI)⁻¹``, ``λ = damping · tr(F) / dim``, so
+the whitener is invariant to the scale of the rows), per diagonal block when ``block_size``
+splits the side. The rows come through :mod:`kron_precond.capture` and the module adapters of
+:mod:`kron_precond.modules`, the same rows K-FAC reads (without the bias's trailing 1: a bias
+is not whitened), so every module kind the engine knows is whitened on the right side.
+
+State lives in the optimizer's per-parameter state (``input_factor``, ``input_seen``,
+``input_whitener``, and ``output_*``; shape ``units + [blocks, b, b]`` with ``units`` ``()`` for
+one matrix and ``(E,)`` for experts) so that checkpoints carry it. Sums since the last refresh
+are pending here and are all-reduced (one bucketed collective, upper triangles) on the refresh,
+so every world size gets one process's factors.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from kron_precond.distributed import collectives
+
+ALLREDUCE_BUCKET_BYTES = 25 * 2**20  # KronPreconditioner's default allreduce_bucket_cap_mb
+SIDES = ("input", "output")
+
+
+class MatrixView:
+    """How a parameter's tensor is read as a stack of ``k`` matrices ``[out, in]`` and written back.
+
+    ``stacked``: dim 0 indexes the matrices (fused experts, ``k = E``); otherwise ``k = 1``.
+    ``stored``: one matrix as stored (``[in, out]`` when ``transposed``, HF ``Conv1D``); a
+    convolution's ``[out, in, *kernel]`` is read as ``[out, in · Π kernel]``, the layout of the
+    rows its adapter unfolds."""
+
+    def __init__(self, param: torch.Tensor, stacked: bool, transposed: bool) -> None:
+        shape = param.shape[1:] if stacked else param.shape
+        self.units = param.shape[0] if stacked else 1
+        self.state_units: tuple[int, ...] = (self.units,) if stacked else ()
+        self.transposed = transposed
+        self.stored = (shape[0], shape[1:].numel())
+        self.shape = (self.stored[1], self.stored[0]) if transposed else self.stored  # [out, in]
+
+    def matrices(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``[n, *param shape]`` (a stack of ``n`` parameters' tensors) as ``[n·k, out, in]``."""
+        x = tensor.reshape(-1, *self.stored)
+        return x.mT if self.transposed else x
+
+    def tensors(self, matrices: torch.Tensor, like: torch.Size) -> torch.Tensor:
+        """The inverse of :meth:`matrices`: ``[n·k, out, in]`` back to ``[n, *like]``."""
+        x = matrices.mT if self.transposed else matrices
+        return x.reshape(-1, *like)
+
+    def width(self, side: str) -> int:
+        return self.shape[1] if side == "input" else self.shape[0]
+
+
+class UnitObserver:
+    """What :class:`~kron_precond.capture.ActivationCapture` calls with one matrix's rows."""
+
+    def __init__(self, statistics: "WhiteningStatistics", param: torch.Tensor, index: int, name: str) -> None:
+        self.statistics, self.param, self.index, self.name = statistics, param, index, name
+
+    @property
+    def statistics_dtype(self) -> torch.dtype:  # loss-scaled output gradients are cast to it first
+        return torch.promote_types(self.param.dtype, torch.float32)
+
+    def observe_activations(self, rows: torch.Tensor) -> None:
+        self.statistics.observe(self, "input", rows, 1.0)
+
+    def observe_output_grads(self, rows: torch.Tensor, scale: float, call: Any = None) -> None:
+        self.statistics.observe(self, "output", rows, scale)
+
+
+class WhiteningStatistics:
+    """Pending row sums, their all-reduce and the batched refresh of factors and whiteners.
+
+    Args:
+        state: the optimizer's per-parameter state (factors and whiteners are kept there).
+        views: ``id(param) -> MatrixView`` of every whitened parameter.
+        due: ``due(param)``: whether this step gathers the parameter's statistics.
+        sides: ``("input",)`` or ``("input", "output")``.
+        damping, factor_decay, statistics_rows, root, block_size, process_group: as
+            :class:`~kron_precond.WhitenedMuon`.
+    """
+
+    def __init__(self, state: dict, views: dict[int, MatrixView], due: Callable[[torch.Tensor], bool], *,
+                 sides: tuple[str, ...], damping: float, factor_decay: float, statistics_rows: int | None,
+                 root: str, block_size: int | None, process_group: Any) -> None:
+        self.state, self.views, self.due, self.sides = state, views, due, sides
+        self.damping, self.factor_decay, self.statistics_rows = damping, factor_decay, statistics_rows
+        self.root, self.block_size, self.process_group = root, block_size, process_group
+        # (id(param), side) -> [row-product sums [k, blocks, b, b], row counts [k]] since the last refresh
+        self.pending: dict[tuple[int, str], list[torch.Tensor]] = {}
+        # (width, blocks) -> (weak reference to the last input's storage, its key, its row product)
+        self._last_product: dict[tuple[int, int], tuple] = {}
+        self.observed: set[int] = set()  # parameters whose rows were seen at least once
+
+    # -- statistics --------------------------------------------------------------------
+    def blocks(self, width: int) -> int:
+        """Number of diagonal blocks a side of this width is whitened in."""
+        b = self.block_size
+        return width // b if b is not None and width > b and width % b == 0 else 1
+
+    @torch.no_grad()
+    def observe(self, unit: UnitObserver, side: str, rows: torch.Tensor, scale: float) -> None:
+        param = unit.param
+        if not self.due(param):
+            return
+        view = self.views[id(param)]
+        width = view.width(side)
+        if rows.shape[-1] != width:  # the adapters guarantee it; a user adapter may not
+            raise ValueError(f"WhitenedMuon: the {side} rows of {unit.name} have width {rows.shape[-1]}, "
+                             f"expected {width} for its weight {tuple(param.shape)}")
+        x = rows.reshape(-1, width)
+        if self.statistics_rows is not None:
+            x = x[: self.statistics_rows]
+        wide = torch.promote_types(x.dtype, torch.float32)
+        pending = self.pending.get((id(param), side))
+        if pending is None:
+            pending = self.pending[(id(param), side)] = self._zeros(view, side, wide, x.device)
+        blocks = pending[0].shape[1]
+        product = self._shared_product(rows, width, blocks) if side == "input" else None
+        if product is None:
+            xs = x.to(wide)
+            if scale != 1.0:
+                xs = xs * scale
+            xb = xs.reshape(xs.shape[0], blocks, -1).transpose(0, 1)  # [blocks, rows, block]
+            product = torch.bmm(xb.transpose(1, 2), xb)
+            if side == "input":
+                self._remember(rows, width, blocks, product)
+        # rows that are not finite (an fp16 overflow that GradScaler will skip) are left out
+        finite = torch.isfinite(product.sum())
+        pending[0][unit.index].add_(torch.where(finite, product, 0.0))
+        pending[1][unit.index].add_(torch.where(finite, x.shape[0], 0))
+        self.observed.add(id(param))
+
+    def _shared_product(self, rows: torch.Tensor, width: int, blocks: int) -> torch.Tensor | None:
+        """The row product of the input the last layer of this width read, when this is that
+        input unchanged (q, k and v projections read one tensor: one product). The input is
+        remembered by a weak reference to its storage (no activation kept alive) and its
+        offset, shape, strides and version."""
+        last = self._last_product.get((width, blocks))
+        if last is None:
+            return None
+        ref, key, product = last
+        return product if not ref.expired() and key == _rows_key(rows) else None
+
+    def _remember(self, rows: torch.Tensor, width: int, blocks: int, product: torch.Tensor) -> None:
+        self._last_product[(width, blocks)] = (StorageWeakRef(rows.untyped_storage()), _rows_key(rows), product)
+
+    def forget_inputs(self) -> None:
+        """One step's inputs only: called at every step."""
+        self._last_product.clear()
+
+    def _zeros(self, view: MatrixView, side: str, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        width = view.width(side)
+        blocks = self.blocks(width)
+        size = width // blocks
+        return [torch.zeros(view.units, blocks, size, size, dtype=dtype, device=device),
+                torch.zeros(view.units, dtype=dtype, device=device)]
+
+    # -- refresh -----------------------------------------------------------------------
+    def _all_reduce_pending(self, keys: list[tuple[int, str]]) -> None:
+        group = self.process_group
+        world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        if world <= 1:
+            return
+        # the engine's bucketed all-reduce; each block is symmetric, so only its upper triangle travels
+        tensors = [t for key in keys for t in (*self.pending[key][0].flatten(0, 1).unbind(0), self.pending[key][1])]
+        collectives.all_reduce(tensors, group=group, cap_bytes=ALLREDUCE_BUCKET_BYTES, symmetric=True).wait()
+
+    @torch.no_grad()
+    def refresh(self, params: Iterable[torch.Tensor]) -> None:
+        """Fold the pending sums of ``params`` into their factors and recompute their whiteners.
+        Every rank allocates every factor it refreshes, so the collective has the same shape
+        everywhere (a layer not called on a rank contributes zeros)."""
+        keys = []
+        for p in params:
+            view = self.views[id(p)]
+            for side in self.sides:
+                key = (id(p), side)
+                if key not in self.pending:
+                    self.pending[key] = self._zeros(view, side, torch.promote_types(p.dtype, torch.float32), p.device)
+                keys.append((key, p))
+        self._all_reduce_pending([key for key, _ in keys])
+        # The factors of one layout are updated and decomposed as one batch: a refresh costs a
+        # fixed number of ops per layout, not per matrix (it runs every step with statistics_every=1).
+        layouts: dict[tuple, list[tuple[dict, str, torch.Tensor, torch.Tensor, MatrixView]]] = {}
+        for key, p in keys:
+            total, count = self.pending.pop(key)
+            state, side, view = self.state[p], key[1], self.views[id(p)]
+            if state.get(f"{side}_factor") is None:
+                state[f"{side}_factor"] = torch.zeros(view.state_units + total.shape[1:], dtype=total.dtype,
+                                                      device=total.device)
+                # 0 / 1 per matrix: a float, because torch.optim's load casts state tensors
+                state[f"{side}_seen"] = torch.zeros(view.state_units, dtype=total.dtype, device=total.device)
+            layouts.setdefault((tuple(total.shape[1:]), total.dtype, total.device), []).append(
+                (state, side, total, count, view))
+        for members in layouts.values():
+            self._refresh_layout(members)
+
+    def _refresh_layout(self, members: list[tuple[dict, str, torch.Tensor, torch.Tensor, MatrixView]]) -> None:
+        factors = [state[f"{side}_factor"] for state, side, *_ in members]
+        seens = [state[f"{side}_seen"] for state, side, *_ in members]
+        counts = torch.cat([count for _, _, _, count, _ in members])
+        batch = torch.cat([total for _, _, total, _, _ in members]) / counts.clamp(min=1)[:, None, None, None]
+        usable = (counts > 0) & torch.isfinite(batch.sum(dim=(1, 2, 3)))  # one reduction each, not a mask
+        seen = torch.cat([s.reshape(-1) for s in seens])
+        stacked = torch.cat([f.reshape(-1, *f.shape[-3:]) for f in factors])
+        # first observation: take it whole; later: the exponential average; unusable: keep
+        weight = (torch.where(seen > 0, 1 - self.factor_decay, 1.0) * usable).to(stacked.dtype)
+        stacked = stacked.lerp(torch.where(usable[:, None, None, None], batch, stacked), weight[:, None, None, None])
+        sizes = [f.reshape(-1, *f.shape[-3:]).shape[0] for f in factors]
+        torch._foreach_copy_(factors, [s.reshape(f.shape) for s, f in zip(stacked.split(sizes), factors)])
+        new_seen = torch.maximum(seen, usable.to(seen.dtype))
+        torch._foreach_copy_(seens, [s.reshape(f.shape) for s, f in zip(new_seen.split(sizes), seens)])
+        previous = [state.get(f"{side}_whitener") for state, side, *_ in members]
+        if all(p is None for p in previous):
+            stacked_previous = None
+        else:
+            eye = torch.eye(stacked.shape[-1], dtype=stacked.dtype, device=stacked.device)
+            stacked_previous = torch.cat([(eye.expand_as(f) if p is None else p).reshape(-1, *f.shape[-2:])
+                                          for p, f in zip(previous, factors)])
+        whiteners = self.whitener(stacked.flatten(0, 1), stacked_previous).unflatten(0, stacked.shape[:2])
+        for (state, side, *_), whitener, factor in zip(members, whiteners.split(sizes), factors):
+            # its own tensor, as torch.optim's per-parameter state (not a view of the batch)
+            state[f"{side}_whitener"] = whitener.reshape(factor.shape).clone()
+
+    def whitener(self, factor: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+        """``T`` per diagonal block of ``factor`` (``[blocks, b, b]``), with ``Tᵀ T = (F + λI)⁻¹``
+        and ``λ = damping · tr(F)/b`` per block: ``L⁻¹`` (Cholesky) or ``(F + λI)^{-1/2}``. The
+        identity for an all-zero block; the previous ``T`` where the decomposition fails."""
+        size = factor.shape[-1]
+        eye = torch.eye(size, dtype=factor.dtype, device=factor.device)
+        lam = (self.damping * factor.diagonal(dim1=-2, dim2=-1).sum(-1) / size)[:, None, None]
+        # an all-zero block (a layer never called) becomes the identity: never a zero matrix
+        safe = factor + torch.where(lam > 0, lam, 1.0) * eye
+        if self.root == "cholesky":
+            lower, info = torch.linalg.cholesky_ex(safe)
+            # a failed block (info > 0) may hold anything, even zeros on the diagonal: replaced below
+            whitener = torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False)
+            good = (info == 0)[:, None, None]
+        else:
+            values, vectors = torch.linalg.eigh(safe)
+            floor = torch.where(lam > 0, lam, 1.0)[:, :, 0]
+            whitener = (vectors * values.clamp(min=floor).rsqrt()[:, None, :]) @ vectors.transpose(1, 2)
+            good = torch.isfinite(whitener.sum(dim=(1, 2), keepdim=True))
+        fallback = eye.expand_as(whitener) if previous is None else previous
+        return torch.where(good, whitener, fallback)
+
+
+def _rows_key(rows: torch.Tensor) -> tuple:
+    """What identifies a tensor's contents while its storage lives: where it starts, how it is
+    laid out and its version (shared by views and ``detach()``, bumped by in-place writes)."""
+    return (rows.untyped_storage().data_ptr(), rows.storage_offset(), tuple(rows.shape), rows.stride(),
+            rows._version, rows.dtype)
