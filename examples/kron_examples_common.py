@@ -233,7 +233,10 @@ class OptimizerChain(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = closure() if closure is not None else None
+        loss = None
+        if closure is not None:  # as torch.optim: the closure runs backward
+            with torch.enable_grad():
+                loss = closure()
         for opt in self.optimizers:
             opt.step()
         return loss
@@ -288,23 +291,19 @@ def build_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequen
 
 
 def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequence[str],
-                        config: PrecondConfig, post: bool) -> OptimizerChain:
-    """``kron_precond.WhitenedMuon`` on Muon's usual hidden weights + AdamW on the rest.
-    ``post=False`` is the whitening-before-only control (``examples/whitened_muon_pre.py``)."""
-    modules = muon_modules(model, exclude)
-    hidden_ids = {id(m.weight) for m in modules}
-    rest = [p for p in model.parameters() if id(p) not in hidden_ids]
+                        config: PrecondConfig, post: bool) -> WhitenedMuon:
+    """``kron_precond.WhitenedMuon(model)``: one optimizer, the Linear units ``exclude`` leaves
+    (``skip_layers``) whitened, AdamW on the rest. ``post=False`` is the whitening-before-only
+    control (``examples/whitened_muon_pre.py``)."""
     settings = dict(momentum=config.muon_momentum, statistics_every=config.wmuon_every,
                     damping=config.wmuon_damping, statistics_rows=config.wmuon_statistics_rows,
                     output_side=config.wmuon_both_sides, root=config.wmuon_root,
-                    block_size=config.wmuon_block_size, factor_decay=config.wmuon_factor_decay)
+                    block_size=config.wmuon_block_size, factor_decay=config.wmuon_factor_decay,
+                    skip_layers=list(exclude), adamw_lr=config.muon_rest_lr)
     if post:
-        muon = WhitenedMuon(modules, lr, weight_decay, **settings)
-    else:
-        from whitened_muon_pre import PreWhitenedMuon
-        muon = PreWhitenedMuon(modules, lr, weight_decay, **settings)
-    rest_lr = lr if config.muon_rest_lr is None else config.muon_rest_lr
-    return OptimizerChain([muon, build_optimizer("adamw", rest, rest_lr, weight_decay, config)])
+        return WhitenedMuon(model, lr, weight_decay, **settings)
+    from whitened_muon_pre import PreWhitenedMuon
+    return PreWhitenedMuon(model, lr, weight_decay, **settings)
 
 
 def warm_muon_momentum(muon: torch.optim.Optimizer, start: float, steps: int, end: float) -> None:
