@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from integration_common import (FactorLog, RowRecorder, assert_same_parameters, assert_trains_like_adamw,
-                                check_factors_saw_every_micro_batch_once, make_optimizer, require)
+                                check_factors_saw_every_micro_batch_once, make_optimizer, require, steps_taken)
 
 BATCH, K, STEPS, SEQ, LR = 8, 2, 30, 32, 3e-3
 KFAC = dict(damping=1e-2, inv_update_steps=2, factor_decay=0.9, skip_layers=["lm_head"])
@@ -58,7 +58,7 @@ def _model(transformers):
 def _fit(method, steps, out_dir, *, record=False, save_steps=None, resume_from=None):
     transformers = _transformers()
     model = _model(transformers)
-    optimizer = make_optimizer(method, model, LR, accumulation_steps=K, kfac=KFAC)
+    optimizer = make_optimizer(method, model, LR, accumulation_steps=K, kfac=KFAC, wmuon=dict(skip_layers=["lm_head"]))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5))
     recorder = log = None
     if record:
@@ -89,24 +89,23 @@ def test_hf_trainer_trains_and_sees_every_micro_batch_once(tmp_path):
     transformers = _transformers()
     initial = _lm_loss(_model(transformers))
     losses = {}
-    for method in ("adamw", "kfac", "psgd"):
+    for method in ("adamw", "kfac", "psgd", "wmuon"):
         model, optimizer, recorder, log, trainer = _fit(method, STEPS, tmp_path / method, record=method == "kfac")
         assert trainer.state.global_step == STEPS
         losses[method] = _lm_loss(model)
-        if method != "adamw":
-            assert optimizer.preconditioner.steps == STEPS
+        assert steps_taken(optimizer, model) == STEPS
         if method == "kfac":
             check_factors_saw_every_micro_batch_once(recorder, log, K, rows_per_step=K * BATCH * SEQ)
     print(f"HF Trainer final losses (initial {initial:.3f}):", losses)
     assert_trains_like_adamw(losses, initial)
 
 
-@pytest.mark.parametrize("method", ["kfac", "psgd"])
+@pytest.mark.parametrize("method", ["kfac", "psgd", "wmuon"])
 def test_hf_trainer_checkpoint_resumes_to_the_same_update(tmp_path, method):
     steps, save_at = 6, 4
     straight, *_ = _fit(method, steps, tmp_path / "a", save_steps=save_at)
     checkpoint = tmp_path / "a" / f"checkpoint-{save_at}"
     assert checkpoint.is_dir()
     resumed, optimizer, *_ = _fit(method, steps, tmp_path / "b", resume_from=str(checkpoint))
-    assert optimizer.preconditioner.steps == steps
+    assert steps_taken(optimizer, resumed) == steps
     assert_same_parameters(straight, resumed)

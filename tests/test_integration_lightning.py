@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from integration_common import (FactorLog, RowRecorder, assert_same_parameters, assert_trains_like_adamw,
                                 check_factors_saw_every_micro_batch_once, classification_loss, digits,
-                                digits_mlp, make_optimizer, require)
+                                digits_mlp, make_optimizer, require, steps_taken)
 
 BATCH, K, STEPS_PER_EPOCH, EPOCHS, LR = 16, 4, 8, 3, 1e-2
 
@@ -84,10 +84,11 @@ def test_lightning_trains_and_sees_every_micro_batch_once(tmp_path):
     x, y = digits()
     initial = classification_loss(digits_mlp(), x, y)
     losses = {}
-    for method in ("adamw", "kfac", "psgd"):
+    for method in ("adamw", "kfac", "psgd", "wmuon"):
         module = _fit(method, EPOCHS, tmp_path / method, record=method == "kfac")
         losses[method] = classification_loss(module.net, x, y)
         assert module.trainer.global_step == EPOCHS * STEPS_PER_EPOCH
+        assert steps_taken(module.trainer.optimizers[0], module.net) == EPOCHS * STEPS_PER_EPOCH
         if method == "kfac":
             check_factors_saw_every_micro_batch_once(module.recorder, module.log_factors, K,
                                                      rows_per_step=K * BATCH)
@@ -95,14 +96,13 @@ def test_lightning_trains_and_sees_every_micro_batch_once(tmp_path):
     assert_trains_like_adamw(losses, initial)
 
 
-@pytest.mark.parametrize("method", ["kfac", "psgd"])
+@pytest.mark.parametrize("method", ["kfac", "psgd", "wmuon"])
 def test_lightning_checkpoint_resumes_to_the_same_update(tmp_path, method):
     straight = _fit(method, 2, tmp_path / "a", checkpoint_dir=tmp_path / "ckpt")
     checkpoint = tmp_path / "ckpt" / "epoch=0.ckpt"
     assert checkpoint.exists(), sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     saved = torch.load(checkpoint, weights_only=True)
-    assert "preconditioner" in saved["optimizer_states"][0]
+    assert ("state" if method == "wmuon" else "preconditioner") in saved["optimizer_states"][0]
     resumed = _fit(method, 2, tmp_path / "b", resume_from=str(checkpoint))
-    optimizer = resumed.trainer.optimizers[0]
-    assert optimizer.preconditioner.steps == 2 * STEPS_PER_EPOCH
+    assert steps_taken(resumed.trainer.optimizers[0], resumed.net) == 2 * STEPS_PER_EPOCH
     assert_same_parameters(straight.net, resumed.net)
