@@ -208,20 +208,27 @@ class WhitenedMuon(torch.optim.Optimizer):
 
         units, rest = self._select(params, skip_layers)
         self._views: dict[int, MatrixView] = {}
+        # qualified parameter names: the model's, or modules[i].<name> in the list form
         self._names: dict[int, str] = {}
+        if isinstance(params, nn.Module):
+            for name, p in params.named_parameters():
+                self._names.setdefault(id(p), name)
         whitened: list[nn.Parameter] = []
         for unit in units:
             weight = _weight(unit)
             if id(weight) not in self._views:
                 self._views[id(weight)] = MatrixView(weight, stacked=unit.index is not None,
                                                      transposed=unit.weight_transposed)
-                # the parameter's qualified name (an expert unit is named <module>.<weight>.<e>)
-                self._names[id(weight)] = (f"{unit.name}.{unit.params[0][0]}" if unit.index is None
-                                           else unit.name.rsplit(".", 1)[0])
+                # an expert unit is named <module>.<weight>.<e>
+                self._names.setdefault(id(weight), f"{unit.name}.{unit.params[0][0]}" if unit.index is None
+                                       else unit.name.rsplit(".", 1)[0])
                 whitened.append(weight)
         groups: list[dict[str, Any]] = [dict(params=whitened, algorithm=WHITENED)]
         if rest:
             groups.append(dict(params=rest, algorithm=ADAMW))
+        if isinstance(params, nn.Module):  # named parameters: torch.optim keeps "param_names" per group,
+            for group in groups:           # which FQN-keyed checkpoints (torchtitan, DCP) read
+                group["params"] = [(self._names[id(p)], p) for p in group["params"]]
         super().__init__(groups, defaults)
         self.process_group = process_group
         self._sharded = self._sharded_layout([(self._names[id(w)], w) for w in whitened], process_group)
@@ -305,6 +312,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         param_group["algorithm"] = algorithm
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        params = [p[1] if isinstance(p, tuple) else p for p in params]  # (name, parameter) pairs
         if algorithm == WHITENED:
             unknown = [tuple(p.shape) for p in params if id(p) not in self._views]
             if unknown:
@@ -338,12 +346,12 @@ class WhitenedMuon(torch.optim.Optimizer):
         return [p for g in self.param_groups if g["algorithm"] == WHITENED for p in g["params"]]
 
     def _step(self) -> None:
-        self._statistics.forget_inputs()
         due = [p for p in self._whitened_params() if p.grad is not None and self._due(p)]
         if due:
             self._warn_unobserved(due)
             self._statistics.refresh(due)
             self._casts.clear()
+        self._statistics.forget_inputs()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if any(p.grad.is_sparse for p in params):
@@ -372,6 +380,8 @@ class WhitenedMuon(torch.optim.Optimizer):
     def _warn_unobserved(self, due: list[nn.Parameter]) -> None:
         """A weight with a gradient whose module never delivered rows is applied outside its
         module's forward (e.g. a functional call): it is stepped as plain Muon. Said once."""
+        if not self._statistics.observed_this_step:  # no training forward (e.g. a state-initialising step)
+            return
         missing = [p for p in due if id(p) not in self._statistics.observed and id(p) not in self._unobserved_warned]
         if missing:
             self._unobserved_warned.update(id(p) for p in missing)

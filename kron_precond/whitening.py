@@ -102,6 +102,7 @@ class WhiteningStatistics:
         # (width, blocks) -> (weak reference to the last input's storage, its key, its row product)
         self._last_product: dict[tuple[int, int], tuple] = {}
         self.observed: set[int] = set()  # parameters whose rows were seen at least once
+        self.observed_this_step = False
 
     # -- statistics --------------------------------------------------------------------
     def blocks(self, width: int) -> int:
@@ -141,6 +142,7 @@ class WhiteningStatistics:
         pending[0][unit.index].add_(torch.where(finite, product, 0.0))
         pending[1][unit.index].add_(torch.where(finite, x.shape[0], 0))
         self.observed.add(id(param))
+        self.observed_this_step = True
 
     def _shared_product(self, rows: torch.Tensor, width: int, blocks: int) -> torch.Tensor | None:
         """The row product of the input the last layer of this width read, when this is that
@@ -159,6 +161,7 @@ class WhiteningStatistics:
     def forget_inputs(self) -> None:
         """One step's inputs only: called at every step."""
         self._last_product.clear()
+        self.observed_this_step = False
 
     def _zeros(self, view: MatrixView, side: str, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
         width = view.width(side)

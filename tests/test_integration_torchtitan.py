@@ -43,8 +43,12 @@ pytest.importorskip(
     "/tmp/kron_precond_constraints.txt -e '.[torchtitan]'` and `triton --no-deps` (see .ci/run)")
 
 from dist_utils import run_workers  # noqa: E402
-from examples.torchtitan_debugmodel import write_texts, write_tokenizer  # noqa: E402
-from torchtitan_worker import run_phases  # noqa: E402
+from torchtitan_worker import TITAN_EXAMPLE, run_phases  # noqa: E402
+
+write_texts, write_tokenizer = TITAN_EXAMPLE.write_texts, TITAN_EXAMPLE.write_tokenizer
+# torchtitan imports an override's module by this name; the example is loaded by path (under a
+# name of its own, registered in sys.modules), so the name is the loaded module's.
+SDPA_OVERRIDE = f"{TITAN_EXAMPLE.sdpa_attention.__module__}.sdpa_attention"
 
 SEQ, STEPS, SAVE_AT, GLOBAL_BATCH, WORLD = 32, 4, 2, 4, 2
 WORDS = [f"w{i}" for i in range(200)]
@@ -76,16 +80,22 @@ def _layout(docs: list[list[str]], steps: range, world: int) -> list[str]:
     return [doc for r in range(world) for s in steps for doc in docs[s][r * per_rank:(r + 1) * per_rank]]
 
 
+WMUON_OVERRIDE = "kron_precond.integrations.torchtitan.whitened_muon_optimizers"
+# float32 Newton-Schulz so that the runs differ only by summation order, as above
+WMUON = {"lr": 0.02, "statistics_every": 1, "factor_decay": 0.8, "ns_dtype": "float32",
+         "skip_layers": ["lm_head"]}
+
+
 def _args(tmp_path, name: str, *, data: str, local_batch: int, steps: int = STEPS, kron: dict | None = KFAC,
-          extra: list[str] = ()) -> list[str]:
+          extra: list[str] = (), override: str = OVERRIDE) -> list[str]:
     args = ["--module", "llama3", "--config", "llama3_debugmodel",
             "--training.steps", str(steps), "--training.seq_len", str(SEQ),
             "--training.local_batch_size", str(local_batch), "--training.mixed_precision_param", "float32",
             "--hf_assets_path", str(tmp_path / "tokenizer"), "--dataloader.dataset_path", str(tmp_path / data),
             "--dump_folder", str(tmp_path / name), "--validator.no-enable", "--metrics.log_freq", "1",
-            "--override.imports", "examples.torchtitan_debugmodel.sdpa_attention"]
+            "--override.imports", SDPA_OVERRIDE]
     if kron is not None:
-        args.append(f"{OVERRIDE}={json.dumps(kron)}")
+        args.append(f"{override}={json.dumps(kron)}")
     return args + list(extra)
 
 
@@ -104,6 +114,9 @@ def runs(tmp_path_factory):
               "--checkpoint.initial_load_path", str(tmp / "ref" / "checkpoint" / f"step-{SAVE_AT}"),
               "--checkpoint.no-initial-load-model-only", "--checkpoint.exclude_from_loading", "dataloader"]
     half = GLOBAL_BATCH // WORLD
+    wmuon_resume = ["--checkpoint.enable", *no_saves,
+                    "--checkpoint.initial_load_path", str(tmp / "wmuon-ref" / "checkpoint" / f"step-{SAVE_AT}"),
+                    "--checkpoint.no-initial-load-model-only", "--checkpoint.exclude_from_loading", "dataloader"]
     one = run_workers(run_phases, 1, tmp / "out-one", [
         ("seed", {"seed_checkpoint": True, "args": _args(
             tmp, "seed", data="data-one", local_batch=GLOBAL_BATCH, kron=None,
@@ -118,12 +131,21 @@ def runs(tmp_path_factory):
             tmp, "accumulating-set", data="data-one", local_batch=half, steps=1,
             kron={**KFAC, "accumulation_steps": GLOBAL_BATCH // half},
             extra=["--training.global_batch_size", str(GLOBAL_BATCH)])}),
+        ("wmuon-ref", {"args": _args(
+            tmp, "wmuon-ref", data="data-one", local_batch=GLOBAL_BATCH, kron=WMUON, override=WMUON_OVERRIDE,
+            extra=from_seed + ["--checkpoint.interval", str(SAVE_AT)])}),
     ], timeout=TIMEOUT)[0]
     two = run_workers(run_phases, WORLD, tmp / "out-two", [
         ("fsdp", {"optimizer_kwargs": ADAM, "args": _args(
             tmp, "fsdp", data="data-two", local_batch=half, extra=from_seed + no_saves)}),
         ("resumed", {"optimizer_kwargs": ADAM, "args": _args(
             tmp, "resumed", data="data-two-resume", local_batch=half, extra=resume)}),
+        ("wmuon-fsdp", {"args": _args(
+            tmp, "wmuon-fsdp", data="data-two", local_batch=half, kron=WMUON, override=WMUON_OVERRIDE,
+            extra=from_seed + no_saves)}),
+        ("wmuon-resumed", {"args": _args(
+            tmp, "wmuon-resumed", data="data-two-resume", local_batch=half, kron=WMUON, override=WMUON_OVERRIDE,
+            extra=wmuon_resume)}),
     ], timeout=TIMEOUT)
     return one, two
 
@@ -180,6 +202,64 @@ def test_gradient_accumulation_needs_matching_accumulation_steps(runs):
     matching = one["accumulating-set"]
     assert matching["accumulation_steps"] == 2 and matching["steps"] == 1
     assert all(loss == loss for loss in matching["losses"])
+
+
+def test_whitened_muon_as_torchtitans_optimizer_matches_one_process_and_resumes_on_another_world_size(runs):
+    """``whitened_muon_optimizers``: one WhitenedMuon whitens the 30 block Linear weights (not the
+    embeddings, nor the output layer it is told to skip); FSDP2 on 2 ranks gives one process's run, and its state in
+    torchtitan's DCP checkpoint, saved by one process, resumes on 2 ranks."""
+    one, two = runs
+    ref = one["wmuon-ref"]
+    assert ref["container"] == "WhitenedMuonOptimizersContainer" and ref["steps"] == STEPS
+    assert len(ref["whitened"]) == 30 and not any("lm_head" in n or "embed" in n for n in ref["whitened"])
+    assert all(loss == loss for loss in ref["losses"]) and ref["losses"][-1] < ref["losses"][0]
+    for rank in range(WORLD):
+        assert two[rank]["wmuon-fsdp"]["losses"] == pytest.approx(ref["losses"], rel=LOSS_TOL, abs=0)
+        assert two[rank]["wmuon-resumed"]["steps"] == STEPS
+    gap = _relative_gap(two[0]["wmuon-fsdp"]["params"], ref["params"], one["seed"]["params"])
+    assert gap < PARAM_TOL, f"2 ranks vs 1 process: relative gap {gap:.2e}"
+    resumed = two[0]["wmuon-resumed"]
+    assert resumed["losses"] == pytest.approx(ref["losses"][SAVE_AT:], rel=LOSS_TOL, abs=0)
+    gap = _relative_gap(resumed["params"], ref["params"], one["seed"]["params"])
+    assert gap < PARAM_TOL, f"resumed on 2 ranks from 1 process's step {SAVE_AT}: relative gap {gap:.2e}"
+
+
+def test_whitened_muon_override_keeps_the_stock_adamw_settings_for_its_adamw_half():
+    import copy
+
+    from torchtitan.components.optimizer import default_adamw
+
+    from kron_precond.integrations.torchtitan import whitened_muon_optimizers
+
+    config = whitened_muon_optimizers(default_adamw(lr=1e-2, implementation="for-loop"), skip_layers="^1$",
+                                      lr=0.05, momentum=0.8)
+    model = _tiny_model()
+    twin = copy.deepcopy(model)
+    container = config.build(model_parts=[model])
+    optimizer = container.optimizers[0]
+    groups = {g["algorithm"]: g for g in optimizer.param_groups}
+    assert groups["whitened_muon"]["lr"] == 0.05 and groups["whitened_muon"]["momentum"] == 0.8
+    assert groups["adamw"]["lr"] == 1e-2 and groups["adamw"]["param_names"] == ["0.0.bias", "1.weight", "1.bias"]
+    assert groups["whitened_muon"]["param_names"] == ["0.0.weight"]
+    with pytest.raises(ValueError, match="nope"):
+        whitened_muon_optimizers(default_adamw(lr=1e-2), nope=1)
+    # torchtitan's flat, FQN-keyed state resumes bitwise in a new container
+    x = torch.randn(4, 6)
+    for _ in range(3):
+        container.zero_grad()
+        model(x).square().mean().backward()
+        container.step()
+    saved = copy.deepcopy(container.state_dict())
+    assert any(key.endswith("input_whitener") for key in saved)
+    twin.load_state_dict(model.state_dict())
+    resumed = config.build(model_parts=[twin])
+    resumed.load_state_dict(saved)
+    for m, c in ((model, container), (twin, resumed)):
+        c.zero_grad()
+        m(x).square().mean().backward()
+        c.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
 
 
 def _state_name(state: dict, canonical: str) -> str:

@@ -15,7 +15,13 @@ import time
 
 import torch
 
-from examples.torchtitan_debugmodel import cpu_workarounds
+from example_modules import load
+
+# By path, not as ``examples.torchtitan_debugmodel``: another wheel's top-level ``examples``
+# package would shadow the checkout's folder. Loading it here, in every rank, also registers its
+# ``@override`` under the module name the test passes to ``--override.imports``.
+TITAN_EXAMPLE = load("examples/torchtitan_debugmodel.py")
+cpu_workarounds = TITAN_EXAMPLE.cpu_workarounds
 
 
 def run_phases(rank: int, world: int, out_dir: str, phases: list[tuple[str, dict]]) -> dict:
@@ -60,6 +66,16 @@ def _phase(rank: int, phase: dict, flags: list[str]) -> dict:
                 return {"error": str(err)}
             raise
         container = trainer.optimizers
+        if not hasattr(container, "preconditioner"):  # WhitenedMuonOptimizersContainer
+            optimizer = container.optimizers[0]
+            whitened = optimizer.param_groups[0]
+            final = params()  # collectives (all-gathers): every rank
+            result = {"losses": losses, "container": type(container).__name__,
+                      "whitened": list(whitened["param_names"]),
+                      "steps": int(optimizer.state[whitened["params"][0]]["step"])}
+            if rank == 0:
+                result.update(params=final)
+            return result
         precond = container.preconditioner
         state = precond.gather_state_dict()  # collectives: every rank
         final = params()  # collectives (all-gathers): every rank

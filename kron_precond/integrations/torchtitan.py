@@ -7,7 +7,15 @@ its DCP checkpoints. :class:`KronOptimizersContainer` is that container with a
 gradients (after torchtitan's gradient clipping), then steps the optimizers; its state dict
 carries the preconditioner's state under ``"kron_precond"``. No torchtitan file changes.
 
-Two ways in:
+A second container, :class:`WhitenedMuonOptimizersContainer`, replaces the stock optimizers by one
+:class:`~kron_precond.WhitenedMuon` built from the model (its AdamW groups take the parameters it
+does not whiten, with the stock AdamW group's settings)::
+
+      torchrun --nproc_per_node=8 -m torchtitan.train --module llama3 --config llama3_8b \\
+        --override.imports 'kron_precond.integrations.torchtitan.whitened_muon_optimizers={"lr": 0.02,
+            "skip_layers": ["tok_embeddings", "output"]}'
+
+Two ways in for the preconditioner:
 
 * on any stock config, torchtitan's override mechanism (``@override`` swaps the optimizer
   config node; ``derive`` keeps every field the stock config set)::
@@ -42,10 +50,12 @@ from torchtitan.config import derive, override
 from kron_precond.enums import DistributedStrategy
 from kron_precond.methods import registry
 from kron_precond.preconditioner import KronPreconditioner
+from kron_precond.whitened_muon import WhitenedMuon
 
 STATE_KEY = "kron_precond"
 
-__all__ = ["KronOptimizersContainer", "kron_optimizers", "STATE_KEY"]
+__all__ = ["KronOptimizersContainer", "kron_optimizers", "WhitenedMuonOptimizersContainer",
+           "whitened_muon_optimizers", "STATE_KEY"]
 
 
 class KronOptimizersContainer(OptimizersContainer):
@@ -180,3 +190,69 @@ def kron_optimizers(cfg: OptimizersContainer.Config, *, method: str = "kfac",
 def _patterns(skip_layers) -> list[str]:
     """One regex or several, as ``KronPreconditioner(skip_layers=...)`` takes them."""
     return [skip_layers] if isinstance(skip_layers, str) else list(skip_layers)
+
+
+class WhitenedMuonOptimizersContainer(OptimizersContainer):
+    """torchtitan's ``OptimizersContainer`` holding one :class:`~kron_precond.WhitenedMuon` built
+    from the model part: the layers it whitens, and AdamW groups for every other parameter.
+
+    The AdamW groups take the stock config's AdamW (or Adam) group settings (``lr``, ``betas``,
+    ``eps``, ``weight_decay``) unless ``options`` sets ``adamw_*``; ``lr`` and ``weight_decay``
+    of the whitened layers default to the same values. Checkpoints are torchtitan's own
+    FQN-keyed optimizer state (the param groups carry ``param_names``): a DCP checkpoint
+    resumes on another number of ranks.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        skip_layers: list[str] = field(default_factory=list)
+        """Regexes of module names / class names not to whiten (their parameters go to AdamW)."""
+
+        options: dict[str, Any] = field(default_factory=dict)
+        """Every other WhitenedMuon keyword (lr, momentum, statistics_every, damping, ...);
+        ``ns_dtype`` as a name ("bfloat16", "float32")."""
+
+    def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
+        if len(model_parts) != 1:
+            raise ValueError(f"WhitenedMuonOptimizersContainer takes one model part per rank, got "
+                             f"{len(model_parts)} (pipeline parallelism is not supported)")
+        options = dict(config.options)
+        if "skip_layers" in options:
+            raise ValueError(f"options={config.options!r}: skip_layers is a field of the optimizer config")
+        if isinstance(options.get("ns_dtype"), str):
+            name = options["ns_dtype"]
+            dtype = getattr(torch, name, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"ns_dtype={name!r} is not a torch dtype name")
+            options["ns_dtype"] = dtype
+        stock = next((g.optimizer_kwargs for g in config.param_groups if g.optimizer_name in ("AdamW", "Adam")), {})
+        for key, adamw_key in (("lr", "adamw_lr"), ("betas", "adamw_betas"), ("eps", "adamw_eps"),
+                               ("weight_decay", "adamw_weight_decay")):
+            if key in stock:
+                options.setdefault(adamw_key, tuple(stock[key]) if key == "betas" else stock[key])
+        for key in ("lr", "weight_decay"):
+            if key in stock:
+                options.setdefault(key, stock[key])
+        self.model_parts = model_parts
+        optimizer = WhitenedMuon(model_parts[0], skip_layers=_patterns(config.skip_layers), **options)
+        for group in optimizer.param_groups:  # as torchtitan's checkpoints spell them
+            group["param_names"] = [canonical_fqn(name) for name in group["param_names"]]
+        self.optimizers = [optimizer]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._validate_params(params)
+        self._post_init(params)
+
+
+@override(target=OptimizersContainer.Config,
+          description="kron_precond: WhitenedMuon (Muon in K-FAC's input-whitened norm) as the one optimizer")
+def whitened_muon_optimizers(cfg: OptimizersContainer.Config, *,
+                             skip_layers: list[str] | tuple[str, ...] = (),
+                             **options: Any) -> WhitenedMuonOptimizersContainer.Config:
+    """The ``--override.imports`` entry: the matched optimizer config replaced by one
+    :class:`~kron_precond.WhitenedMuon` (the stock groups' AdamW settings kept for its AdamW
+    half). Keywords: ``skip_layers`` and any :class:`~kron_precond.WhitenedMuon` keyword."""
+    unknown = sorted(set(options) - set(WhitenedMuon.__init__.__code__.co_varnames[2:]))
+    if unknown:
+        raise ValueError(f"whitened_muon_optimizers: {unknown} are not WhitenedMuon keywords")
+    return derive(cfg, WhitenedMuonOptimizersContainer.Config, skip_layers=_patterns(skip_layers),
+                  options=dict(options))
