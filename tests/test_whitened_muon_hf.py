@@ -1,0 +1,76 @@
+"""``WhitenedMuon(model)`` on the Hugging Face models users have: GPT-2 (``Conv1D``), Llama and
+a fused-expert mixture of experts, built from configs (no downloads).
+
+Each trains on a learnable next-token task beside the usual split it replaces, torch's Muon on
+the same hidden 2-D weights + AdamW on everything else (the experts too: ``torch.optim.Muon``
+takes 2-D weights only), at the same lr, momentum and number of steps; it must end at least as
+low, within a margin (GPT-2 does not gain on this task; see ``MARGIN``).
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is an optional extra ([trainers])")
+
+import hf_zoo  # noqa: E402
+from kron_precond import WhitenedMuon  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+LR, MOMENTUM, STEPS, BATCH = 2e-2, 0.9, 16, 16
+SKIP = ["lm_head", "embed", "wte", "wpe"]
+# WhitenedMuon's final loss at most this much above Muon's. Measured (library defaults, 16 steps):
+# Llama 0.0099 vs 0.0106 and Mixtral below Muon; GPT-2 0.287 vs 0.246 at lr 2e-2 (0.918 vs 0.837
+# at 1e-2, 0.057 vs 0.043 at 4e-2): on this task GPT-2 does not gain, and the bound says how far.
+MARGIN = {"gpt2": 1.25, "llama": 1.05, "mixtral": 1.05}
+
+
+def _muon_split(model, whitened):
+    hidden = [p for p in whitened if p.dim() == 2]
+    taken = {id(p) for p in hidden}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
+    return [torch.optim.Muon(hidden, lr=LR, momentum=MOMENTUM, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW(rest, lr=LR)]
+
+
+def _train(model, optimizers, permutation):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        ids = hf_zoo.next_token_batch(g, BATCH, permutation)
+        for o in optimizers:
+            o.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        for o in optimizers:
+            o.step()
+    held_out = hf_zoo.next_token_batch(torch.Generator().manual_seed(99), 64, permutation)
+    with torch.no_grad():
+        return model(input_ids=held_out, labels=held_out).loss.item()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mixtral"])
+def test_whitened_muon_trains_hf_models_at_least_as_well_as_muon(name):
+    permutation = torch.randperm(hf_zoo.VOCAB, generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for kind in ("muon", "wmuon"):
+        torch.manual_seed(0)
+        model = hf_zoo.build(name, transformers)
+        optimizer = WhitenedMuon(model, lr=LR, momentum=MOMENTUM, skip_layers=SKIP)
+        whitened = optimizer.param_groups[0]["params"]
+        if name == "gpt2":  # every block's Conv1D, on its input side
+            assert len(whitened) == 4 * model.config.n_layer
+        if name == "mixtral":  # the fused experts, expert by expert
+            assert any(p.dim() == 3 for p in whitened)
+        if kind == "muon":
+            optimizer.remove()
+            optimizers = _muon_split(model, whitened)
+        else:
+            optimizers = [optimizer]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # every whitened layer got statistics
+            losses[kind] = _train(model, optimizers, permutation)
+    initial = torch.log(torch.tensor(float(hf_zoo.VOCAB))).item()
+    print(f"\n{name}: held-out loss {losses} (uniform {initial:.3f})")
+    assert losses["muon"] < 0.2 * initial and losses["wmuon"] < 0.2 * initial, losses
+    assert losses["wmuon"] <= MARGIN[name] * losses["muon"], losses
