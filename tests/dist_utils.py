@@ -11,7 +11,12 @@ Failure modes are made loud and quick instead of hanging the test session:
 * a rank that hangs (e.g. a collective the other ranks never issue): every rank is
   killed after ``timeout`` seconds and the test fails with ``WorkerTimeout``, naming
   the ranks that had not finished;
-* a rank that exits without writing its result (killed, segfault): ``WorkerFailed``.
+* a rank that exits without writing its result (killed, segfault, abort): ``WorkerFailed``.
+
+Every failure message names each rank's fate (finished, raised, exit code, or the signal
+that ended it, e.g. ``SIGABRT``) and includes the failing ranks' stderr: each rank's file
+descriptor 2 goes to ``out_dir/stderr_<rank>.txt``, so what C++ writes on its way down
+(gloo's errors, libstdc++'s ``terminate called ...``) is kept, not only Python tracebacks.
 
 Each rank writes its result to ``out_dir/result_<rank>.pt`` (``torch.save``); the
 process group uses a fresh free TCP port on 127.0.0.1 for every spawn, and every rank
@@ -20,6 +25,7 @@ runs with ``torch.set_num_threads(1)`` (the test machines have two shared cores)
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
@@ -50,38 +56,57 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _stderr_path(out_dir: str | os.PathLike, rank: int) -> Path:
+    return Path(out_dir) / f"stderr_{rank}.txt"
+
+
+def _capture_stderr(out_dir: str, rank: int) -> None:
+    """Send this process's file descriptor 2 to ``stderr_<rank>.txt``: a rank killed by a
+    signal leaves no traceback, only what C++ and Python wrote there before it died."""
+    sys.stderr.flush()
+    fd = os.open(_stderr_path(out_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple,
            collective_timeout: float) -> None:
+    _capture_stderr(out_dir, rank)
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # never an external interface
     import datetime
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=collective_timeout))
+    code = 1
     try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=collective_timeout))
         result = fn(rank, world_size, out_dir, *args)
         # Nobody leaves before everyone is done (a rank's last collective may still be
         # serving a peer).
         dist.barrier()
         torch.save(result, os.path.join(out_dir, f"result_{rank}.pt"))
-    except BaseException:
+        code = 0
+    except BaseException:  # reported through the file: this process leaves by os._exit below
         with open(os.path.join(out_dir, f"error_{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
-        raise
     finally:
         try:
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - best effort on the way out
+        except Exception:  # noqa: BLE001 - best effort on the way out (also: init failed)
             pass
-    # Done and saved: leave without the interpreter's shutdown. Rarely (about one spawn in a
-    # few hundred here), a rank aborted there with "terminate called without an active
-    # exception" -- after every rank had written its result, i.e. after the last collective:
-    # a joinable C++ thread destroyed during static destruction, outside the code under test.
+    # Leave without the interpreter's shutdown, on success and on failure alike. With gloo
+    # (torch 2.13), destroy_process_group only drops torch.distributed's own references:
+    # ProcessGroupGloo has no shutdown of its own, and its worker threads stop only when the
+    # last reference to the group goes, which FSDP2's mesh info, a DeviceMesh or the
+    # preconditioner's sharded layout may still hold. Finalization then runs beside
+    # those threads; rarely (about one spawn in a few hundred here) a rank aborted there
+    # ("terminate called without an active exception") after every rank had written its
+    # result, i.e. after the last collective, outside the code under test.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def run_workers(fn: Callable, world_size: int, out_dir: str | os.PathLike, *args: Any,
@@ -104,47 +129,101 @@ def run_workers(fn: Callable, world_size: int, out_dir: str | os.PathLike, *args
 def _run_workers_once(fn, world_size, out_dir, args, timeout) -> list[Any]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in list(out.glob("result_*.pt")) + list(out.glob("error_*.txt")):
+    for stale in [*out.glob("result_*.pt"), *out.glob("error_*.txt"), *out.glob("stderr_*.txt")]:
         stale.unlink()
     port = free_port()
     context = mp.start_processes(
         _entry, args=(fn, world_size, port, str(out), args, max(timeout, 1.0)),
         nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
+    failure: Exception | None = None
+    timed_out = False
     try:
         while True:
             try:
                 if context.join(timeout=0.2):
                     break
             except Exception as err:  # ProcessRaisedException / ProcessExitedException
-                raise WorkerFailed(_describe_failure(out, world_size, str(err))) from None
+                failure = err
+                break
             if time.monotonic() > deadline:
-                alive = [rank for rank, p in enumerate(context.processes) if p.is_alive()]
-                raise WorkerTimeout(
-                    f"{fn.__name__} at world size {world_size}: rank(s) {alive} still running after "
-                    f"{timeout:.0f} s (a hang?); all ranks killed."
-                    + _describe_failure(out, world_size, ""))
+                timed_out = True
+                break
     finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+        # Ranks the harness ends, reported as such rather than as failures of their own:
+        # those still running here, and those torch.multiprocessing's join terminated
+        # (SIGTERM, then SIGKILL) when another rank failed.
+        killed = {rank for rank, p in enumerate(context.processes) if p.is_alive()}
+        first = getattr(failure, "error_index", None)
+        killed |= {rank for rank, p in enumerate(context.processes)
+                   if first is not None and rank != first and p.exitcode in (-signal.SIGTERM, -signal.SIGKILL)}
+        for rank in sorted(killed):
+            context.processes[rank].kill()
         for process in context.processes:
             process.join(5)
+    if timed_out:
+        raise WorkerTimeout(
+            f"{fn.__name__} at world size {world_size}: rank(s) {sorted(killed)} still running after "
+            f"{timeout:.0f} s (a hang?); all ranks killed.\n" + _describe_ranks(out, context.processes, killed))
+    if failure is not None:
+        raise WorkerFailed(f"{fn.__name__} at world size {world_size}: {_first_failure(failure)}\n"
+                           + _describe_ranks(out, context.processes, killed))
     results = []
     for rank in range(world_size):
         path = out / f"result_{rank}.pt"
         if not path.exists():
-            raise WorkerFailed(f"rank {rank} exited without a result" + _describe_failure(out, world_size, ""))
+            raise WorkerFailed(f"{fn.__name__} at world size {world_size}: rank {rank} exited without a result\n"
+                               + _describe_ranks(out, context.processes, killed))
         results.append(torch.load(path, weights_only=False))
     return results
 
 
-def _describe_failure(out: Path, world_size: int, message: str) -> str:
-    parts = [message] if message else []
-    for rank in range(world_size):
-        path = out / f"error_{rank}.txt"
-        if path.exists():
-            parts.append(f"--- rank {rank} traceback ---\n{path.read_text()}")
+def _first_failure(err: Exception) -> str:
+    """The rank torch.multiprocessing saw fail first, and how (its own words otherwise: an
+    exception raised before the rank's own reporting was set up)."""
+    rank = getattr(err, "error_index", None)
+    if rank is not None and getattr(err, "signal_name", None):
+        return f"rank {rank} was killed by signal {err.signal_name}"
+    if rank is not None and getattr(err, "exit_code", None) is not None:
+        return f"rank {rank} exited with code {err.exit_code}"
+    return str(err).strip() or type(err).__name__
+
+
+def _fate(exitcode: int | None, killed_by_harness: bool, raised: bool) -> str:
+    if raised and exitcode == 1:
+        return "raised (exit code 1; traceback below)"
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        if killed_by_harness:
+            return f"killed by the harness ({name}) after another rank failed or the timeout passed"
+        return f"killed by signal {name}"
+    return "finished" if exitcode == 0 else f"exited with code {exitcode}"
+
+
+def _tail(text: str, limit: int = 6000) -> str:
+    return text if len(text) <= limit else f"[... {len(text) - limit} characters cut ...]\n{text[-limit:]}"
+
+
+def _describe_ranks(out: Path, processes: list, killed: set[int]) -> str:
+    """One line per rank with its fate, then each rank's traceback (if it raised) and its
+    captured stderr (if it wrote any)."""
+    parts = []
+    for rank, process in enumerate(processes):
+        raised = (out / f"error_{rank}.txt").exists()
+        parts.append(f"rank {rank}: {_fate(process.exitcode, rank in killed, raised)}")
+    for rank in range(len(processes)):
+        error = out / f"error_{rank}.txt"
+        if error.exists():
+            parts.append(f"--- rank {rank} traceback ---\n{error.read_text()}")
+        stderr = _stderr_path(out, rank)
+        text = stderr.read_text(errors="replace") if stderr.exists() else ""
+        if text.strip():
+            parts.append(f"--- rank {rank} stderr ({stderr.name}) ---\n{_tail(text)}")
     return "\n".join(parts)
 
 

@@ -2,23 +2,14 @@
 examples and the interpolated crossing of a target (``RunResult.first_reaching``)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from example_modules import load
 
 
 @pytest.fixture(scope="module")
 def examples():
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import char_lm
-        import kron_examples_common
-        yield char_lm, kron_examples_common
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
+    return load("examples/char_lm.py"), load("examples/kron_examples_common.py")
 
 
 def test_first_reaching_interpolates_between_evaluations(examples):

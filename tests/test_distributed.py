@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 
 import pytest
@@ -764,6 +765,53 @@ def _hanging_worker(rank, world, out_dir):
         time.sleep(3600)  # never joins the collective below
     dist.barrier()
     return rank
+
+
+def _aborting_worker(rank, world, out_dir):
+    if rank == 1:
+        # Both ways a dying rank writes: Python's sys.stderr and C++ straight to fd 2 (as
+        # libstdc++'s "terminate called ..." does), then SIGABRT without a traceback.
+        print("rank 1 python stderr before the abort", file=sys.stderr, flush=True)
+        os.write(2, b"rank 1 native stderr: terminate called without an active exception\n")
+        os.abort()
+    dist.barrier()  # rank 0 would wait here until the harness kills it
+    return rank
+
+
+def test_harness_reports_a_rank_killed_by_a_signal_with_its_stderr(tmp_path):
+    from dist_utils import WorkerFailed
+
+    start = time.monotonic()
+    with pytest.raises(WorkerFailed) as failed:
+        run_workers(_aborting_worker, 2, tmp_path, timeout=60)
+    message = str(failed.value)
+    assert "rank 1 was killed by signal SIGABRT" in message, message
+    assert "rank 1: killed by signal SIGABRT" in message, message
+    assert "rank 0: killed by the harness" in message, message  # not blamed for rank 1's death
+    assert "rank 1 python stderr before the abort" in message, message
+    assert "rank 1 native stderr: terminate called without an active exception" in message, message
+    assert time.monotonic() - start < 30
+
+
+def _raising_worker_with_exit_handler(rank, world, out_dir):
+    import atexit
+
+    # Writes only if the rank goes through the interpreter's shutdown, where gloo's threads,
+    # still alive after destroy_process_group, meet the interpreter's finalization.
+    atexit.register(lambda: os.write(2, b"interpreter shutdown ran\n"))
+    if rank == 1:
+        raise RuntimeError("boom on rank 1")
+    dist.barrier()
+    return rank
+
+
+def test_harness_ranks_leave_without_the_interpreter_shutdown_also_on_failure(tmp_path):
+    from dist_utils import WorkerFailed
+
+    with pytest.raises(WorkerFailed, match="boom on rank 1") as failed:
+        run_workers(_raising_worker_with_exit_handler, 2, tmp_path, timeout=60)
+    assert "interpreter shutdown ran" not in str(failed.value), str(failed.value)
+    assert "rank 1: raised" in str(failed.value), str(failed.value)
 
 
 def test_harness_reports_a_failing_rank_quickly(tmp_path):

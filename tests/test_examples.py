@@ -5,8 +5,10 @@ whether the methods beat AdamW is measured by the benchmarks, not asserted here.
 """
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -90,12 +92,17 @@ def test_rest_lr_gives_the_adamw_half_its_own_peak_lr_under_the_one_schedule():
     model = char_lm.CharTransformer(char_lm.ModelConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8))
     for method in ("muon", "wmuon", "kfac_muon"):
         _, name, overrides, _ = convergence.parse_family(f"{method}{{rlr=2e-3}}=8e-2")
-        chain, _ = common.build_method(name, model, 8e-2, 0.0,
-                                       common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS, **overrides))
-        hidden, rest = chain.optimizers
-        assert isinstance(rest, torch.optim.AdamW)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(chain, lambda step: 0.5)
-        assert hidden.param_groups[0]["lr"] == 4e-2 and rest.param_groups[0]["lr"] == 1e-3, method
+        optimizer, _ = common.build_method(name, model, 8e-2, 0.0,
+                                           common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS, **overrides))
+        if method == "wmuon":  # one optimizer: its AdamW group is the rest
+            hidden_group, rest_group = optimizer.param_groups
+            assert rest_group["algorithm"] == "adamw"
+        else:
+            hidden, rest = optimizer.optimizers
+            assert isinstance(rest, torch.optim.AdamW)
+            hidden_group, rest_group = hidden.param_groups[0], rest.param_groups[0]
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
+        assert hidden_group["lr"] == 4e-2 and rest_group["lr"] == 1e-3, method
         del scheduler
     default, _ = common.build_method("muon", model, 8e-2, 0.0, common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS))
     assert default.optimizers[1].param_groups[0]["lr"] == 8e-2  # None: the same lr for both halves
@@ -146,6 +153,65 @@ def test_tests_ignore_an_installed_top_level_examples_package(foreign_examples_e
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"tests failed under a foreign `examples`:\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}"
     assert f"{len(LOADING_TESTS)} passed" in done.stdout, done.stdout[-2000:]
+
+
+def test_whole_suite_collects_under_an_installed_top_level_examples_package(foreign_examples_env):
+    """The README's test command (``pytest tests``) collects every test module with a foreign
+    ``examples`` package first on the path: an import by package name at a module's top
+    (``from examples.x import ...``) would end collection with an error and pytest would run
+    nothing. Collection only, so it stays fast."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "tests"], cwd=ROOT, env=foreign_examples_env, capture_output=True, text=True,
+                          timeout=300)
+    report = f"{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
+    assert done.returncode == 0, f"collection failed under a foreign `examples`:\n{report}"
+    summary = done.stdout.strip().splitlines()[-1]
+    assert "collected" in summary and "error" not in summary, report
+    assert not re.search(r"^ERROR ", done.stdout, re.MULTILINE), report
+
+
+def _package_imports(source: str) -> list[str]:
+    """Every import of the checkout's ``examples/`` by package name in ``source`` (``import
+    examples.x``, ``from examples import x``, ``from examples.x import y``), at any depth: the
+    collection run above only executes module tops, not the imports inside tests and workers."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        found += [f"line {node.lineno}: {name}" for name in names if name.split(".")[0] == "examples"]
+    return found
+
+
+def _dotted_names(source: str) -> list[str]:
+    """String constants that name a module under ``examples`` (``"examples.x.f"``), which
+    torchtitan's ``--override.imports`` resolves with an import by name."""
+    return [f"line {node.lineno}: {node.value}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and re.fullmatch(r"examples(?:\.\w+)+", node.value)]
+
+
+def test_package_import_finder_sees_nested_imports_and_dotted_names():
+    source = ("import os\nfrom example_modules import load\ndef f():\n    from examples.op import g\n"
+              "    import examples.char_lm, json\n    from examples import x\n    from benchmarks import y\n"
+              "    return ['--override.imports', 'examples.mod.fn', 'examples/x.py']\n")
+    assert _package_imports(source) == ["line 4: examples.op", "line 5: examples.char_lm", "line 6: examples"]
+    assert _dotted_names(source) == ["line 8: examples.mod.fn"]
+
+
+def test_no_test_file_imports_examples_by_package_name():
+    """The same guard for imports that collection does not run (inside tests and workers):
+    tests load ``examples/`` scripts by path (``example_modules.load``)."""
+    offenders = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        source = path.read_text()
+        found = _package_imports(source) + _dotted_names(source)
+        if found:
+            offenders[str(path.relative_to(ROOT))] = found
+    assert not offenders, f"load these by path with example_modules.load: {offenders}"
 
 
 @pytest.mark.parametrize("script,framework,args", [
@@ -309,9 +375,9 @@ def test_precond_momentum_feeds_the_nesterov_momentum_to_the_preconditioner():
 
 
 def test_whitened_muon_methods_take_muons_split_and_their_sweep_settings():
-    """``wmuon`` / ``wmuon_pre``: WhitenedMuon (or its pre-only control) on exactly Muon's
-    hidden weights, AdamW on the rest; ``we=``, ``wdamp=``, ``wboth=``, ``wrows=``, ``wdecay=``
-    and ``mom=`` reach it."""
+    """``wmuon`` / ``wmuon_pre``: one WhitenedMuon (or its pre-only control) built from the model
+    whitens exactly Muon's hidden weights and steps the rest with AdamW; ``we=``, ``wdamp=``,
+    ``wboth=``, ``wrows=``, ``wdecay=`` and ``mom=`` reach it."""
     import torch
 
     from kron_precond import WhitenedMuon
@@ -322,28 +388,28 @@ def test_whitened_muon_methods_take_muons_split_and_their_sweep_settings():
     _, method, overrides, _ = convergence.parse_family("wmuon{we=7,wdamp=0.3,wboth=1,wrows=all,wdecay=0.6,mom=0.85}=1.6e-2")
     config = common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS, **overrides)
     model = char_lm.CharTransformer(char_lm.ModelConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8))
-    chain, precond = common.build_method(method, model, 1.6e-2, 0.0, config)
-    assert precond is None
-    optimizer = chain.optimizers[0]
-    assert isinstance(optimizer, WhitenedMuon)
+    optimizer, precond = common.build_method(method, model, 1.6e-2, 0.0, config)
+    assert precond is None and isinstance(optimizer, WhitenedMuon)
     assert (optimizer.statistics_every, optimizer.damping, optimizer.output_side, optimizer.statistics_rows,
             optimizer.factor_decay) == (7, 0.3, True, None, 0.6)
     assert optimizer.param_groups[0]["momentum"] == 0.85
     plain, _ = common.build_method("muon", model, 1.6e-2, 0.0, common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS))
     assert [id(p) for p in optimizer.param_groups[0]["params"]] == [
         id(p) for p in plain.optimizers[0].param_groups[0]["params"]]
-    assert isinstance(chain.optimizers[1], torch.optim.AdamW)
+    assert [g["algorithm"] for g in optimizer.param_groups] == ["whitened_muon", "adamw"]
+    assert [id(p) for p in optimizer.param_groups[1]["params"]] == [
+        id(p) for p in plain.optimizers[1].param_groups[0]["params"]]
     pre, _ = common.build_method("wmuon_pre", model, 1.6e-2, 0.0, config)
-    assert type(pre.optimizers[0]).__name__ == "PreWhitenedMuon"
+    assert type(pre).__name__ == "PreWhitenedMuon"
     tokens = torch.randint(0, 256, (2, 8))
-    for opt in (chain, pre):  # both step and move every hidden weight
-        before = [p.detach().clone() for p in opt.optimizers[0].param_groups[0]["params"]]
+    for opt in (optimizer, pre):  # both step and move every hidden weight
+        before = [p.detach().clone() for p in opt.param_groups[0]["params"]]
         opt.zero_grad()
         model(tokens).square().mean().backward()
         opt.step()
-        assert all(not torch.equal(b, p) for b, p in zip(before, opt.optimizers[0].param_groups[0]["params"]))
+        assert all(not torch.equal(b, p) for b, p in zip(before, opt.param_groups[0]["params"]))
     optimizer.remove()
-    pre.optimizers[0].remove()
+    pre.remove()
 
 
 def test_sweep_best_point_is_the_first_to_reach_the_target():
