@@ -1,0 +1,135 @@
+"""benchmarks/budget_speedup.py: the budget-equivalent speed-up against hand-computed curves.
+
+The interpolation is exact on a curve that is linear in log(steps), so such curves give
+closed-form budgets; the issue's own Muon figures (0.6397 / 0.5937 / 0.5724 at 600 / 750 /
+900 steps, 0.6174 to match) give its "about 670 steps". The report is checked on fake run
+records whose speed-ups are worked out by hand below, and the tuning's edge rule on a grid
+whose best point is known."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+
+from benchmarks import budget_speedup as bs  # noqa: E402
+
+STEPS = [100, 125, 150]
+
+
+def log_linear(steps: float) -> float:
+    return 2.0 - 0.5 * math.log(steps / 100)
+
+
+def test_issue_example_gives_about_670_steps():
+    budget, how = bs.matching_budget([600, 750, 900], [0.6397, 0.5937, 0.5724], 0.6174)
+    # 0.6174 lies (0.6397 - 0.6174) / (0.6397 - 0.5937) = 0.4848 of the way from 600 to 750 in log steps.
+    assert how == "interpolated"
+    assert budget == pytest.approx(600 * 1.25 ** (0.0223 / 0.0460), rel=1e-12)
+    assert budget == pytest.approx(668.55, abs=0.01)
+
+
+@pytest.mark.parametrize("steps, how", [(140, "interpolated"), (110, "interpolated"), (125, "interpolated"),
+                                        (100, "interpolated"), (200, "extrapolated"), (80, "extrapolated")])
+def test_log_linear_curve_is_recovered_exactly(steps, how):
+    losses = [log_linear(s) for s in STEPS]
+    budget, got = bs.matching_budget(STEPS, losses, log_linear(steps))
+    assert got == how
+    assert budget == pytest.approx(steps, rel=1e-12)
+
+
+def test_points_need_not_be_sorted():
+    losses = [log_linear(s) for s in STEPS]
+    budget, _ = bs.matching_budget(STEPS[::-1], losses[::-1], log_linear(140))
+    assert budget == pytest.approx(140, rel=1e-12)
+
+
+def test_noisy_curve_takes_the_first_downward_crossing():
+    # 1.1 at 125 steps is noise above the 100-step loss; 0.95 is first reached on the way to 150.
+    budget, how = bs.matching_budget(STEPS, [1.0, 1.1, 0.9], 0.95)
+    assert how == "interpolated"
+    assert budget == pytest.approx(125 * 1.2 ** 0.75, rel=1e-12)
+    # Above the smallest budget's loss, with a rising first segment: no trend to extrapolate.
+    assert math.isnan(bs.matching_budget(STEPS, [1.0, 1.1, 0.9], 1.05)[0])
+    # Below every loss, with a rising last segment: never reached.
+    assert bs.matching_budget(STEPS, [1.0, 0.9, 0.95], 0.8) == (math.inf, "unreached")
+
+
+def test_speedup_in_steps_and_wallclock():
+    out = bs.speedup(STEPS, [log_linear(s) for s in STEPS], 100, log_linear(140), 1.1, 1.0)
+    assert out["steps"] == pytest.approx(1.4)
+    assert out["step_ratio"] == pytest.approx(1.1)
+    assert out["wallclock"] == pytest.approx(1.4 / 1.1)
+
+
+def test_mean_spread():
+    stats = bs.mean_spread([1.0, 1.2, 1.4])
+    assert stats["mean"] == pytest.approx(1.2)
+    assert stats["sd"] == pytest.approx(0.2)  # sqrt((0.04 + 0 + 0.04) / 2)
+    assert (stats["min"], stats["max"], stats["n"]) == (1.0, 1.4, 3)
+    assert bs.mean_spread([1.3])["sd"] == 0.0
+
+
+def _run(name: str, lr: float, loss: float, seconds: float, steps: int = 4) -> dict:
+    return {"name": name, "lr": lr, "eval_steps": [0, steps], "eval_losses": [5.0, loss],
+            "eval_train_seconds": [0.0, seconds * steps], "step_seconds": [seconds] * steps, "state_bytes": {}}
+
+
+def _write(out: Path, seed: int, budget: float, part: str, runs: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    bs.record_path(out, seed, budget, part).write_text(json.dumps({"runs": runs}))
+
+
+def test_report_on_hand_made_records(tmp_path):
+    out = tmp_path / "records"
+    # 1x: Muon's best point is momentum 0.8 (1.90); an extension run that is worse must not
+    # change it, and its step time (3.0 s) must not enter the step-time ratio.
+    _write(out, 0, 1.0, "grid", [
+        _run("muon{mom=0.9} lr=0.01", 0.01, 2.00, 1.0), _run("muon{mom=0.8} lr=0.01", 0.01, 1.90, 1.0),
+        _run("normuon{mom=0.9} lr=0.01", 0.01, 1.85, 1.2), _run("wmuon lr=0.016", 0.016, 1.80, 1.1)])
+    _write(out, 0, 1.0, "ext1", [_run("muon{mom=0.6} lr=0.01", 0.01, 1.95, 3.0)])
+    _write(out, 0, 1.25, "grid", [_run("muon{mom=0.8} lr=0.01", 0.01, 1.80, 1.0),
+                                  _run("muon{mom=0.8} lr=0.02", 0.02, 1.82, 1.0),
+                                  _run("normuon{mom=0.9} lr=0.01", 0.01, 1.75, 1.2)])
+    _write(out, 0, 1.5, "grid", [_run("muon{mom=0.8} lr=0.01", 0.01, 1.70, 1.0),
+                                 _run("normuon{mom=0.9} lr=0.01", 0.01, 1.70, 1.2)])
+    measures = bs.seed_measures(out, 0, [1.0, 1.25, 1.5], 100, sweep_ours=False)
+    ours = measures["rows"]["wmuon (defaults)"]
+    # Muon: 1.90 / 1.80 / 1.70; ours 1.80 = Muon's 1.25x loss: 125 steps, 1.25x; step 1.1 s vs 1.0 s.
+    assert ours["vs"]["muon"]["steps"] == pytest.approx(1.25)
+    assert ours["vs"]["muon"]["step_ratio"] == pytest.approx(1.1)
+    assert ours["vs"]["muon"]["wallclock"] == pytest.approx(1.25 / 1.1)
+    # NorMuon: 1.85 / 1.75 / 1.70; 1.80 is halfway from 100 to 125 in log steps: 100 * sqrt(1.25).
+    assert ours["vs"]["normuon"]["steps"] == pytest.approx(math.sqrt(1.25))
+    assert ours["vs"]["normuon"]["wallclock"] == pytest.approx(math.sqrt(1.25) / (1.1 / 1.2))
+    # NorMuon as "ours" against Muon: 1.85 is halfway from 1.90 to 1.80, in log steps.
+    normuon = measures["rows"]["normuon (tuned)"]["vs"]["muon"]
+    assert normuon["steps"] == pytest.approx(math.sqrt(1.25))
+    assert normuon["step_ratio"] == pytest.approx(1.2)
+
+    class Args:
+        pass
+
+    args = Args()
+    args.out, args.budgets, args.steps, args.sweep_ours = out, [1.0, 1.25, 1.5], 100, False
+    table = bs.report(args)
+    assert "| wmuon (defaults) | 1.8000 ± 0.0000 (1.8000) | **1.25 ± 0.00** (1.25) |" in table
+
+
+def test_edge_points_extend_past_the_best_point():
+    def runs(points):
+        return [_run(f"muon{{mom={m:g}}} lr={lr:g}", lr, loss, 1.0) for m, lr, loss in points]
+
+    grid = [(m, lr, 2.0) for m in (0.95, 0.9, 0.8) for lr in (0.01, 0.02, 0.04)]
+    inside = runs([*grid[:4], (0.9, 0.02, 1.0), *grid[5:]])  # best at the grid's centre
+    assert bs.edge_points(inside, "muon") == []
+    corner = runs([*grid[:-1], (0.8, 0.04, 1.0)])  # best at the largest lr and smallest momentum
+    new = bs.edge_points(corner, "muon")
+    assert new[0] == (0.8, pytest.approx(0.04 * math.sqrt(2)))
+    assert new[1] == (pytest.approx(0.6), 0.04)
