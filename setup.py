@@ -1,8 +1,16 @@
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# The version is written once, in kron_precond/_version.py (read as text: importing the
+# package here would import torch).
+VERSION = re.search(r'^__version__ = "([^"]+)"', (Path(__file__).parent / "kron_precond" / "_version.py").read_text(),
+                    re.M).group(1)
 
 setup(
     name="kron_precond",
-    version="0.1.0",
+    version=VERSION,
     description="Kronecker-factored second-order preconditioning (K-FAC, PSGD Kron) for any "
     "PyTorch optimizer, distributed over torchrun workers.",
     packages=find_packages(include=["kron_precond", "kron_precond.*"]),
@@ -21,5 +29,8 @@ setup(
         # override internals). torchtitan also needs `triton` importable: on CPU-only machines
         # install it with `--no-deps` (see .ci/run).
         "torchtitan": ["torchtitan==0.3.0"],
+        # Developer checks run by .ci/run before the tests: `ruff check` and `mypy` (configured
+        # in ruff.toml and mypy.ini at the repository root).
+        "dev": ["ruff", "mypy"],
     },
 )

@@ -11,18 +11,16 @@ or, for loops that only call ``optimizer.step()`` (HF Trainer, Lightning, Accele
 whitening before *and* after the orthogonalisation, which a preconditioner in front of Muon
 cannot do).
 """
-from kron_precond.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, Method
+from kron_precond._version import __version__ as __version__
+from kron_precond.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy
 from kron_precond.experts import RoutedExperts, RoutedExpertsAdapter  # also registers the experts adapters
+from kron_precond.methods.registry import Method
 from kron_precond.modules import register_adapter
+from kron_precond.optim import Kron
 from kron_precond.preconditioner import KronPreconditioner
 from kron_precond.schedules import precond_update_prob_schedule
 from kron_precond.whitened_muon import WhitenedMuon
 from kron_precond.wrapped import PreconditionedOptimizer
-
-try:  # the standalone optimizer lands separately
-    from kron_precond.optim import Kron
-except ImportError:  # pragma: no cover
-    Kron = None  # type: ignore[assignment]
 
 __all__ = [
     "KronPreconditioner",
@@ -38,4 +36,3 @@ __all__ = [
     "RoutedExpertsAdapter",
     "register_adapter",
 ]
-__version__ = "0.1.0"

@@ -12,7 +12,7 @@ it cannot poison the other layers; the engine warns naming it.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import torch
 
@@ -28,7 +28,8 @@ class _Work:
 
 def precondition_gradients(layers: Sequence, *, holds: Callable, owner_of: Callable, runtime, ctx: StepContext,
                            kl_clip: float | None, lr: float | None, cache: dict,
-                           grads: dict[str, list] | None = None) -> tuple[torch.Tensor, list] | None:
+                           grads: dict[str, list] | None = None
+                           ) -> tuple[torch.Tensor, list, torch.Tensor | None] | None:
     """Rewrite ``.grad`` of every registered parameter with its preconditioned value.
 
     Args:
@@ -43,8 +44,9 @@ def precondition_gradients(layers: Sequence, *, holds: Callable, owner_of: Calla
             from the DTensor shards); default: each parameter's ``.grad``. Results are
             written into ``.grad``; for a sharded parameter, this rank's rows into its shard.
 
-    Returns ``(finite, layers)``: one bool per listed layer, whether its gradient was finite
-    (for the engine's warning), or ``None`` when no layer had a gradient.
+    Returns ``(finite, layers, norms)``: per listed layer, whether its gradient was finite
+    (for the engine's warning) and the norm of the update written for it (``None`` if nothing
+    was written; see :func:`_update_norms`), or ``None`` when no layer had a gradient.
     """
     communicate = runtime.world_size > 1 and runtime.has_receivers
     work: list[_Work] = []
@@ -66,43 +68,48 @@ def precondition_gradients(layers: Sequence, *, holds: Callable, owner_of: Calla
         for i, w in enumerate(work):
             if not w.holds:  # receives its preconditioned gradient below
                 outputs[i] = [torch.empty_like(g) for g in w.grads]
-            by_owner.setdefault(owner_of(w.layer), []).extend(outputs[i])
+            by_owner.setdefault(owner_of(w.layer), []).extend(_output(outputs, i))
         runtime.receive_gradients(by_owner)
 
     sources, destinations, tensor_layer, params = [], [], [], []
     for i, w in enumerate(work):
-        for value, grad, (_, p) in zip(outputs[i], w.raw, w.layer.params):
+        for value, grad, (_, p) in zip(_output(outputs, i), w.raw, w.layer.params):
             if grad is not None:
                 sources.append(value)
                 destinations.append(grad)
                 tensor_layer.append(i)
                 params.append(p)
+    norms = None
     if destinations:
         scale = None
         if kl_clip is not None:  # over full tensors: the same sum on every rank
             keep = finite[_index(tensor_layer, finite.device, cache)]
             scale = _kl_clip_factor(_kl_sum(sources, destinations, keep), kl_clip, lr)
+        norms = _update_norms(sources, tensor_layer, finite, scale, cache)
         if runtime.sharding is not None:  # this rank's rows, into its shards
             destinations = [runtime.local(p.grad) for p in params]
             sources = [runtime.local_rows(p, v) for p, v in zip(params, sources)]
-        if scale is not None:
-            sources = torch._foreach_mul(sources, scale)
-        torch._foreach_copy_(destinations, sources)
-    return finite, [w.layer for w in work]
+        torch._foreach_copy_(destinations, sources if scale is None else torch._foreach_mul(sources, scale))
+    return finite, [w.layer for w in work], norms
 
 
 def precondition_exchanged(layers: Sequence, *, owner_of: Callable, runtime, ctx: StepContext,
                            kl_clip: float | None, lr: float | None, cache: dict,
-                           grads: dict[str, list]) -> tuple[torch.Tensor, list] | None:
+                           grads: dict[str, list]) -> tuple[torch.Tensor, list, torch.Tensor | None] | None:
     """Owner-exchange mode (FSDP2, one gradient worker per layer): ``grads`` holds the full
     gradients of the layers this rank owns (gathered to it); it preconditions them, completes
     ``kl_clip``'s sum with one scalar all-reduce, and every rank writes the rows the owners
-    scatter back into its gradient shards. Returns the owned layers' finiteness flags."""
+    scatter back into its gradient shards. Returns the owned layers' finiteness flags and
+    update norms."""
     rank = runtime.rank
     mine = [layer for layer in layers if owner_of(layer) == rank]
     work = [_Work(layer, grads[layer.name], grads[layer.name], True) for layer in mine]
-    finite = _finite_per_layer([w.grads for w in work], cache) if work else None
-    outputs = _apply_held(work, list(range(len(work))), finite, ctx, cache) if work else []
+    finite: torch.Tensor | None = None
+    outputs: list[list[torch.Tensor]] = []
+    if work:
+        finite = _finite_per_layer([w.grads for w in work], cache)
+        # every layer of work is held here: _apply_held fills every output
+        outputs = cast(list[list[torch.Tensor]], _apply_held(work, list(range(len(work))), finite, ctx, cache))
     scale = None
     if kl_clip is not None:
         reference = layers[0].params[0][1]
@@ -110,6 +117,7 @@ def precondition_exchanged(layers: Sequence, *, owner_of: Callable, runtime, ctx
         values = [v for out in outputs for v in out]
         if values:
             tensor_layer = [i for i, w in enumerate(work) for _ in w.grads]
+            assert finite is not None  # values come from work
             keep = finite[_index(tensor_layer, finite.device, cache)]
             total = total + _kl_sum(values, [g for w in work for g in w.grads], keep)
         runtime.sum_over_shards(total)
@@ -125,10 +133,13 @@ def precondition_exchanged(layers: Sequence, *, owner_of: Callable, runtime, ctx
                 destinations.append(runtime.local(p.grad))
                 sources.append(piece)
     if destinations:
-        if scale is not None:
-            sources = torch._foreach_mul(sources, scale)
-        torch._foreach_copy_(destinations, sources)
-    return (finite, mine) if work else None
+        torch._foreach_copy_(destinations, sources if scale is None else torch._foreach_mul(sources, scale))
+    if not work:
+        return None
+    assert finite is not None  # set for a non-empty work
+    owned = [v for out in outputs for v in out]
+    norms = _update_norms(owned, [i for i, w in enumerate(work) for _ in w.grads], finite, scale, cache)
+    return finite, mine, norms
 
 
 def _apply_held(work: list[_Work], held: list[int], finite: torch.Tensor, ctx: StepContext,
@@ -148,6 +159,13 @@ def _apply_held(work: list[_Work], held: list[int], finite: torch.Tensor, ctx: S
         for i, result in zip(members, results):
             outputs[i] = result
     return outputs
+
+
+def _output(outputs: list[list[torch.Tensor] | None], i: int) -> list[torch.Tensor]:
+    """Layer ``i``'s preconditioned gradients: computed here (held) or received."""
+    out = outputs[i]
+    assert out is not None, "kron_precond: a layer's gradient was neither preconditioned here nor received"
+    return out
 
 
 def _index(members: list[int], device, cache: dict) -> torch.Tensor:
@@ -180,6 +198,22 @@ def _finite_per_layer(grads: list[list[torch.Tensor]], cache: dict) -> torch.Ten
     return per_layer.index_add_(0, cache[key], bad) == 0
 
 
+def _update_norms(values: list[torch.Tensor], tensor_layer: list[int], finite: torch.Tensor,
+                  scale: torch.Tensor | None, cache: dict) -> torch.Tensor:
+    """Per layer of ``finite``: the L2 norm of the update written into ``.grad`` (its
+    tensors ``values``, layer ``tensor_layer[i]``, times ``kl_clip``'s ``scale``), on the
+    device with a fixed number of ops; 0 for a layer whose gradient was not finite (it passed
+    through and is reported as such). The health checks follow it to notice an update that
+    grows by orders of magnitude (:mod:`kron_precond.health`)."""
+    accumulate = torch.float64 if any(v.dtype == torch.float64 for v in values) else torch.float32
+    squares = torch.stack(torch._foreach_norm(values, 2, dtype=accumulate)).square()
+    per_layer = torch.zeros(len(finite), dtype=accumulate, device=squares.device)
+    norms = per_layer.index_add_(0, _index(tensor_layer, squares.device, cache), squares).sqrt()
+    if scale is not None:
+        norms = norms * scale
+    return torch.where(finite, norms, torch.zeros((), dtype=accumulate, device=norms.device))
+
+
 def _kl_sum(values, grads, keep: torch.Tensor) -> torch.Tensor:
     """``Σ⟨V, ∇⟩`` over the tensors of finite layers (``keep``), summed in float32 or better.
 
@@ -199,6 +233,7 @@ def _kl_sum(values, grads, keep: torch.Tensor) -> torch.Tensor:
     return terms.sum()
 
 
-def _kl_clip_factor(total: torch.Tensor, kl_clip: float, lr: float) -> torch.Tensor:
+def _kl_clip_factor(total: torch.Tensor, kl_clip: float, lr: float | None) -> torch.Tensor:
     """``min(1, sqrt(κ / |lr² total|))``; a zero sum gives inf, clamped to 1."""
+    assert lr is not None, "kron_precond: kl_clip needs the learning rate"
     return torch.sqrt(kl_clip / (total * lr**2).abs()).clamp(max=1.0)

@@ -1,7 +1,13 @@
-"""Enumerations accepted (as the enum or its string value) by the public constructors."""
+"""Enumerations accepted (as the enum or its string value) by the public constructors.
+
+``Method`` (which preconditioner a layer uses) is built from the method registry, so it lists
+exactly the registered methods; it lives in :mod:`kron_precond.methods.registry` and is
+re-exported here and from ``kron_precond``.
+"""
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 
 class _StrEnum(str, enum.Enum):
@@ -16,13 +22,6 @@ class _StrEnum(str, enum.Enum):
                     return member
         choices = ", ".join(repr(m.value) for m in cls)
         raise ValueError(f"{argument}={value!r} is not one of {choices}")
-
-
-class Method(_StrEnum):
-    """Which Kronecker-factored preconditioner a layer uses."""
-
-    KFAC = "kfac"
-    PSGD = "psgd"
 
 
 class ComputeMethod(_StrEnum):
@@ -45,3 +44,13 @@ class DistributedStrategy(enum.Enum):
     COMM_OPT = 1.0  # every rank keeps every layer's state: no traffic on plain steps
     HYBRID_OPT = 0.5
     MEM_OPT = 0.0  # stands for 1 / world_size: one rank per layer keeps state
+
+
+def __getattr__(name: str) -> Any:
+    # ``Method`` comes from the registry, whose method modules import this module: resolve it
+    # on first use instead of at import time.
+    if name == "Method":
+        from kron_precond.methods.registry import Method
+
+        return Method
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

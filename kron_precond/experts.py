@@ -142,7 +142,8 @@ class RoutedExpertsAdapter(abc.ABC):
         if routing is None:
             return None
         experts, m = self.num_experts, len(self.inputs)
-        rows, first = [], []
+        rows: list[tuple[int, torch.Tensor]] = []
+        first: list[list[torch.Tensor] | None] = []
         for e, x in enumerate(routing.rows.split(routing.counts)):
             if x.shape[0] == 0:  # no row: the expert's statistics are left alone
                 first.append(None)
@@ -244,7 +245,7 @@ class TransformersExpertsAdapter(RoutedExpertsAdapter):
         bias = bool(module.has_bias)
         transposed = bool(module.is_transposed)
         first = "gate_up_proj" if gated else "up_proj"
-        super().__init__(module, num_experts=module.num_experts,
+        super().__init__(module, num_experts=int(module.num_experts),  # type: ignore[arg-type]
                          inputs=[ExpertWeight(first, f"{first}_bias" if bias else None, transposed)],
                          output=ExpertWeight("down_proj", "down_proj_bias" if bias else None, transposed))
         self._gated = gated
@@ -254,17 +255,18 @@ class TransformersExpertsAdapter(RoutedExpertsAdapter):
         return top_k_routing(type(self.module).__name__, self.num_experts, hidden, index, weights)
 
     def combine(self, outputs: list[torch.Tensor]) -> torch.Tensor:
+        module: Any = self.module  # transformers' experts module: its own methods
         if self._gated:
-            return self.module._apply_gate(outputs[0])
-        return self.module.act_fn(outputs[0])
+            return module._apply_gate(outputs[0])
+        return module.act_fn(outputs[0])
 
 
 def is_transformers_experts(module: nn.Module) -> bool:
     """A transformers ``@use_experts_implementation`` module (duck-typed: transformers is
     never imported here)."""
+    down = getattr(module, "down_proj", None)
     return (all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "num_experts"))
-            and isinstance(getattr(module, "down_proj", None), nn.Parameter)
-            and getattr(module, "down_proj").dim() == 3)
+            and isinstance(down, nn.Parameter) and down.dim() == 3)
 
 
 class RoutedExperts(nn.Module):
@@ -338,7 +340,8 @@ class RoutedExpertsModuleAdapter(RoutedExpertsAdapter):
         return top_k_routing(type(self.module).__name__, self.num_experts, x, index, weights)
 
     def combine(self, outputs: list[torch.Tensor]) -> torch.Tensor:
-        return self.module.activation(outputs[0])
+        module: Any = self.module  # a RoutedExperts
+        return module.activation(outputs[0])
 
 
 register_adapter(RoutedExperts, RoutedExpertsModuleAdapter, builtin=True)

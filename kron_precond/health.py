@@ -7,6 +7,15 @@
   never observed, and layers that had statistics and then stopped getting them: counters
   on the device, read on refresh steps (one host sync, next to the refresh's own work) or
   every ``check_every`` steps.
+* Updates that blow up: per layer, the largest norm of the update written into ``.grad``
+  since the last read, against the layer's first non-zero update norm; read with the
+  counters above. A layer whose update reached ``UPDATE_GROWTH_WARNING`` times its first
+  norm, or became non-finite from a finite gradient, is reported: training is diverging.
+  The first update is the reference because the alternatives fire on healthy runs: the
+  ratio of a layer's update norm to its gradient norm is ``1 / damping`` (1e3) for
+  K-FAC by design and unbounded for the normalised methods (Adam's second moment, SOAP,
+  PSGD) where a gradient is near zero, and the running minimum of the update norm falls
+  towards zero as a run converges.
 """
 from __future__ import annotations
 
@@ -16,6 +25,10 @@ from typing import Sequence
 import torch
 
 STALE_STATISTICS_STEPS = 3  # statistics steps in a row without rows before a layer is reported
+# Growth of a layer's update norm over its first one that is reported as a blow-up. Healthy
+# runs of every method on the digits MLP (lr up to 0.1, refreshes every 1-100 steps) stay
+# below 300; Shampoo's stale roots without grafting reach 1e6 and more.
+UPDATE_GROWTH_WARNING = 1e3
 
 
 def new_nonfinite_steps(optimizer: torch.optim.Optimizer, reported: dict[int, int]) -> list[tuple]:
@@ -44,7 +57,11 @@ class Health:
         self._captures = captures
         self._observed_checked = False
         self._stale: set[str] = set()  # layers reported as no longer receiving statistics
-        self._pending: list[tuple[torch.Tensor, object, list]] = []
+        self._pending: list[tuple[torch.Tensor, torch.cuda.Event | None, list]] = []
+        # per layer (by index): first non-zero update norm and largest since the last read
+        self._first_update: torch.Tensor | None = None
+        self._peak_update: torch.Tensor | None = None
+        self._update_index: dict[tuple, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ gradients
     def record_gradients(self, finite: torch.Tensor, layers: list) -> None:
@@ -79,6 +96,50 @@ class Health:
                           "passed through unpreconditioned and left out of kl_clip's sum",
                           RuntimeWarning, stacklevel=4)
 
+    # ------------------------------------------------------------------ updates
+    def record_updates(self, norms: torch.Tensor | None, layers: list) -> None:
+        """``norms[i]``: the norm of the update written for ``layers[i]`` this step (0: none,
+        or a non-finite gradient passed through). Device ops only: read in :meth:`report_state`."""
+        if norms is None:
+            return
+        if self._peak_update is None or self._first_update is None or self._peak_update.device != norms.device:
+            self._first_update = torch.zeros(len(self._layers), dtype=torch.float32, device=norms.device)
+            self._peak_update = torch.zeros_like(self._first_update)
+            self._update_index.clear()
+        first_update, peak_update = self._first_update, self._peak_update
+        key = tuple(layer.index for layer in layers)
+        index = self._update_index.get(key)
+        if index is None:
+            index = self._update_index[key] = torch.tensor(key, dtype=torch.int64, device=norms.device)
+        norms = norms.to(torch.float32)  # (float64 is not available on every device)
+        first = first_update[index]
+        usable = torch.isfinite(norms) & (norms > 0)
+        first_update.index_copy_(0, index, torch.where((first > 0) | ~usable, first, norms))
+        # torch.maximum propagates NaN: a non-finite update stays visible until the next read
+        peak_update.index_copy_(0, index, torch.maximum(peak_update[index], norms))
+
+    def _update_growth(self) -> torch.Tensor:
+        """Per layer, as int64: the peak update norm over the first one (rounded down; 0
+        before any update), ``-1`` if the peak is not finite. Resets the peaks."""
+        if self._peak_update is None or self._first_update is None:
+            return torch.zeros(0, dtype=torch.int64)
+        peak, first = self._peak_update, self._first_update
+        ratio = torch.where(first > 0, peak / first.clamp_min(torch.finfo(first.dtype).tiny), torch.zeros_like(peak))
+        growth = torch.where(torch.isfinite(peak), ratio.clamp(max=2.0**62).floor(), torch.full_like(peak, -1.0))
+        growth = growth.to(torch.int64)
+        self._peak_update.zero_()
+        return growth
+
+    def _report_updates(self, growth: list[int]) -> None:
+        grown = [(layer.name, g) for layer, g in zip(self._layers, growth) if g < 0 or g >= UPDATE_GROWTH_WARNING]
+        if not grown:
+            return
+        described = ", ".join(f"{name} ({'non-finite' if g < 0 else f'{g:.3g}x'})" for name, g in grown)
+        warnings.warn(f"kron_precond: the preconditioned update of {described} grew to at least "
+                      f"{UPDATE_GROWTH_WARNING:g} times its first norm since the last check: training is "
+                      "diverging. Lower the learning rate or refresh the preconditioner more often "
+                      "(method='shampoo': grafting=True)", RuntimeWarning, stacklevel=4)
+
     # ------------------------------------------------------------------ state updates
     def report_state(self, statistics_seen: bool) -> None:
         """Warn about skipped non-finite state updates and, once statistics were gathered,
@@ -91,8 +152,11 @@ class Health:
         watched = [layer for layer in self._layers if hasattr(layer.method, "statistics_health")] \
             if self._captures and statistics_seen else []
         health = [layer.method.statistics_health() for layer in watched]
+        growth = self._update_growth()
         every = [f.reshape(-1) for f in flags + [o.to(torch.int64) for o in observed] + health]
-        values = torch.cat(every).tolist()  # one host sync for every check
+        values = torch.cat([growth.to(every[0].device)] + every).tolist()  # one host sync for every check
+        self._report_updates(values[:len(growth)])
+        values = values[len(growth):]
         if watched:
             tail = values[len(values) - 4 * len(watched):]
             self._report_stale(watched, [tail[4 * i:4 * i + 4] for i in range(len(watched))])

@@ -155,12 +155,15 @@ class ConvAdapter(KFACAdapter):
         """The batch size: a convolution's loss is usually a mean over samples (each
         sample's output positions are summed, not averaged), so each position's gradient
         carries ``1/B``; undoing it makes G independent of the batch size."""
-        spatial = len(self.module.kernel_size)
-        return output.shape[0] if output.dim() > spatial + 1 else 1
+        return output.shape[0] if output.dim() > self._spatial + 1 else 1
+
+    @property
+    def _spatial(self) -> int:
+        conv: nn.modules.conv._ConvNd = self.module  # type: ignore[assignment]
+        return len(conv.kernel_size)
 
     def output_grad_rows(self, g: torch.Tensor) -> torch.Tensor:
-        spatial = len(self.module.kernel_size)
-        if g.dim() == spatial + 1:
+        if g.dim() == self._spatial + 1:
             g = g.unsqueeze(0)
         return g.movedim(1, -1).reshape(-1, g.shape[1])
 
@@ -191,7 +194,7 @@ _ADAPTERS: list[tuple[Callable[[nn.Module], bool], Callable[[nn.Module], Any]]] 
 ]
 
 
-def register_adapter(matches: type | Callable[[nn.Module], bool], factory: Callable[[nn.Module], Any], *,
+def register_adapter(matches: type | Callable[[nn.Module], bool], factory: Callable[..., Any], *,
                      builtin: bool = False) -> None:
     """Teach the capturing methods (K-FAC, EK-FAC) a module kind.
 
@@ -314,7 +317,8 @@ def find_kfac_modules(model: nn.Module, is_skipped, log) -> list[Selected]:
 def find_parameter_modules(model: nn.Module, is_skipped, log) -> list[Selected]:
     """Every module with trainable parameters of its own, each parameter once (so tied
     weights are preconditioned once); for methods that need only the gradient."""
-    found, taken = [], set()
+    found: list[Selected] = []
+    taken: set[int] = set()
     for name, module, own, label in _candidates(model, is_skipped, log):
         if getattr(module, "sparse", False) is True:
             log(f"skipping {label}: sparse gradients cannot be preconditioned")

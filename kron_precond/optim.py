@@ -31,7 +31,6 @@ from .methods.psgd import PSGDFactors, check_memory_save_mode, check_update_rule
 from .methods.psgd_tensor import RMS_CLIP, PSGDTensor
 from .schedules import UpdateDecider, check_probability
 
-
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 

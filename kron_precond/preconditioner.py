@@ -21,7 +21,7 @@ import logging
 import types
 import warnings
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 import torch
 from torch import nn
@@ -226,7 +226,8 @@ class KronPreconditioner:
         self._health = Health(self._layers, captures=self._spec.captures)
         self._capture = (ActivationCapture(self._layers, accumulation_steps=self.accumulation_steps,
                                            loss_scale=loss_scale, before_write=self._wait_for_statistics,
-                                           before_observe=self._follow_parameters,
+                                           # the capture calls it with the Layers it was given
+                                           before_observe=cast(Callable[[object], None], self._follow_parameters),
                                            output_grads=self._spec.captures_output_grads)
                          if self._spec.captures else None)
         self._collecting = False
@@ -296,7 +297,9 @@ class KronPreconditioner:
                             kl_clip=ctx.hparams.get("kl_clip"), lr=ctx.hparams.get("lr"),
                             cache=self._apply_cache, grads=grads)
             if written is not None:
-                self._health.record_gradients(*written)
+                finite, written_layers, update_norms = written
+                self._health.record_gradients(finite, written_layers)
+                self._health.record_updates(update_norms, written_layers)
             every = self._spec.health_check_every
             if (ctx.refresh if every is None else ctx.step % every == 0):
                 self._health.report_state(self._statistics_steps > 0)
@@ -674,9 +677,10 @@ def _unwrap(model: nn.Module) -> nn.Module:
     checkpoints) are the same with and without them."""
     while True:
         if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
+            model = cast(nn.Module, model.module)
         elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile
-            model = model._orig_mod
+            # nn.Module.__getattr__ types submodule attributes as Tensor | Module
+            model = cast(nn.Module, model._orig_mod)
         else:
             return model
 
@@ -695,8 +699,8 @@ def _grad_workers(fraction, world_size: int) -> int:
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
         raise ValueError(f"grad_worker_fraction must be a DistributedStrategy or a float in (0, 1], "
                          f"got {fraction!r}")
-    workers = world_size * fraction
-    if abs(workers - round(workers)) > 1e-9 or round(workers) < 1 or world_size % round(workers):
-        raise ValueError(f"grad_worker_fraction={fraction!r} gives {workers:g} gradient workers, "
+    exact = world_size * fraction
+    if abs(exact - round(exact)) > 1e-9 or round(exact) < 1 or world_size % round(exact):
+        raise ValueError(f"grad_worker_fraction={fraction!r} gives {exact:g} gradient workers, "
                          f"which does not divide the world size {world_size}")
-    return int(round(workers))
+    return int(round(exact))

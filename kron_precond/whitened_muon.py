@@ -48,8 +48,7 @@ from kron_precond.autocast import autocast_disabled
 from kron_precond.capture import ActivationCapture, grad_scaler_scale
 from kron_precond.distributed.sharded import ShardedLayout, is_dtensor
 from kron_precond.health import new_nonfinite_steps
-from kron_precond.modules import (Selected, compile_skip_patterns, find_kfac_modules, is_skipped,
-                                  kfac_adapter)
+from kron_precond.modules import Selected, compile_skip_patterns, find_kfac_modules, is_skipped, kfac_adapter
 from kron_precond.whitening import MatrixView, UnitObserver, WhiteningStatistics
 
 logger = logging.getLogger("kron_precond")
@@ -115,6 +114,11 @@ def _listed_units(modules: list, log) -> list[Selected]:
 
 def _weight(unit: Selected) -> nn.Parameter:
     return unit.params[0][1]
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    assert p.grad is not None  # only parameters with a gradient are stepped
+    return p.grad
 
 
 class WhitenedMuon(torch.optim.Optimizer):
@@ -203,7 +207,9 @@ class WhitenedMuon(torch.optim.Optimizer):
         if block_size is not None:
             block_size = validation.check_int("block_size", block_size)
         self.ns_steps = validation.check_int("ns_steps", ns_steps)
-        self.ns_dtype = validation.check_float_dtype("ns_dtype", ns_dtype)
+        checked = validation.check_float_dtype("ns_dtype", ns_dtype)
+        assert checked is not None  # allow_none is off
+        self.ns_dtype: torch.dtype = checked
         loss_scale = grad_scaler_scale(grad_scaler)  # TypeError for anything else
 
         units, rest = self._select(params, skip_layers)
@@ -421,7 +427,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         sharded = self._is_sharded(params[0])
         # FSDP2 / HSDP: the momentum lives in each rank's rows of the weight; only the update
         # that goes into msign is gathered whole (one all-gather per stack).
-        grads = torch.stack([self._local(p.grad) for p in params])
+        grads = torch.stack([self._local(_grad(p)) for p in params])
         # A gradient whose norm is not finite (a NaN, an Inf, or an overflow) leaves its weight,
         # its momentum and its weight decay as they were.
         wide = torch.promote_types(grads.dtype, torch.float32)
@@ -523,7 +529,7 @@ class WhitenedMuon(torch.optim.Optimizer):
             by_step.setdefault(state["step"], []).append(p)
         for step, members in by_step.items():
             weights = [self._local(p) for p in members]
-            grads = [self._local(p.grad) for p in members]
+            grads = [self._local(_grad(p)) for p in members]
             exp_avgs = [self._local(self.state[p]["exp_avg"]) for p in members]
             exp_avg_sqs = [self._local(self.state[p]["exp_avg_sq"]) for p in members]
             if wd != 0:
@@ -542,7 +548,8 @@ class WhitenedMuon(torch.optim.Optimizer):
                  for i, p, new, _ in new_nonfinite_steps(self, self._reported)]
         if lines:
             warnings.warn("WhitenedMuon: non-finite gradients; those steps left these weights and their "
-                          "momentum unchanged: " + "; ".join(lines), RuntimeWarning, stacklevel=6)  # the caller of step()
+                          "momentum unchanged: " + "; ".join(lines), RuntimeWarning,
+                          stacklevel=6)  # the caller of step()
 
     # -- checkpoints -------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

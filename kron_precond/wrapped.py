@@ -74,7 +74,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
     # The base optimizer's, looked up on every access: its load_state_dict replaces
     # the group dicts, and a scheduler must keep seeing the live ones.
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -82,7 +82,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self.optimizer.param_groups = value
 
     @property
-    def state(self):  # type: ignore[override]
+    def state(self):
         return self.optimizer.state
 
     @state.setter
@@ -90,7 +90,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self.optimizer.state = value
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
     @defaults.setter
@@ -101,7 +101,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         return {"optimizer": self.optimizer, "preconditioner": self.preconditioner}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["optimizer"], state["preconditioner"])
+        type(self).__init__(self, state["optimizer"], state["preconditioner"])
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()

@@ -281,7 +281,8 @@ class CollectiveCounter:
         return sum(self.calls.values())
 
     def snapshot(self) -> dict[str, Any]:
-        return {"calls": dict(self.calls), "bytes": dict(self.bytes), "sizes": {k: list(v) for k, v in self.sizes.items()}}
+        return {"calls": dict(self.calls), "bytes": dict(self.bytes),
+                "sizes": {k: list(v) for k, v in self.sizes.items()}}
 
 
 # ----------------------------------------------------------------------------- trainers' pieces

@@ -46,14 +46,14 @@ def test_compiled_model_matches_eager_without_recompiling(method):
                 graphs_after_warmup = counters["stats"]["unique_graphs"]
                 torch.compiler.set_stance("fail_on_recompile")
             x, y = _batch(step)
-            for forward, (model, precond, optimizer) in zip(forwards, runs):
+            for forward, (_model, precond, optimizer) in zip(forwards, runs):
                 optimizer.zero_grad()
                 F.mse_loss(forward(x), y).backward()
                 precond.step()
                 optimizer.step()
             for (name, p_eager), p_compiled in zip(eager.named_parameters(), source.parameters()):
                 torch.testing.assert_close(p_compiled, p_eager, rtol=1e-5, atol=1e-5,
-                                           msg=lambda m: f"step {step}, {name}: {m}")
+                                           msg=lambda m, step=step, name=name: f"step {step}, {name}: {m}")
     finally:
         torch.compiler.set_stance("default")
     assert counters["stats"]["unique_graphs"] == graphs_after_warmup

@@ -25,7 +25,6 @@ hard timeout (``dist_utils``); the results are compared here, in the test proces
 """
 from __future__ import annotations
 
-import os
 import time
 import traceback
 import warnings

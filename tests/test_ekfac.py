@@ -308,7 +308,7 @@ def test_ekfac_beats_sgd_on_badly_scaled_least_squares():
     assert best * 10 <= best_sgd, (ekfac, sgd)
 
 
-def test_digits_mlp_accuracy_with_sgd(digits):
+def test_digits_mlp_accuracy_with_sgd(digits):  # noqa: F811 (the fixture imported above)
     acc = _train_digits(digits, _mlp, lambda p: torch.optim.SGD(p, lr=0.02, momentum=0.9), epochs=5,
                         method="ekfac", damping=1e-2)
     print(f"digits MLP + EK-FAC + SGD: test accuracy {acc:.4f}")
@@ -372,7 +372,8 @@ def test_kfac_checkpoint_is_refused():
 def test_distributed_ekfac_configurations_differ_from_kfac():
     """The ekfac-* runs of tests/test_distributed.py are EK-FAC runs: each one's single-process
     trajectory differs from K-FAC's with the same settings."""
-    from test_distributed import CONFIGS, STEPS as DIST_STEPS, Trainer
+    from test_distributed import CONFIGS, Trainer
+    from test_distributed import STEPS as DIST_STEPS
 
     names = [name for name in CONFIGS if CONFIGS[name]["kw"].get("method") == "ekfac"]
     assert len(names) >= 5

@@ -3,7 +3,6 @@ checkpoint format's versions, a method plugged in from outside the engine, the n
 layer under kl_clip, and the collectives on strided tensors the batched path produces."""
 from __future__ import annotations
 
-import math
 import warnings
 from pathlib import Path
 
@@ -11,13 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from kron_precond import KronPreconditioner
+from dist_utils import run_workers
+from kfac_reference import Capture, DenseKFAC, grad_matrix
+from kron_precond import KronPreconditioner, validation
 from kron_precond.methods import registry
 from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected
 from kron_precond.schedules import IntervalSchedule
-from kron_precond import validation
-from kfac_reference import Capture, DenseKFAC, grad_matrix
-from dist_utils import run_workers
 
 F64 = torch.float64
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from example_modules import ROOT, load
+
 TINY_LM = ["--steps", "4", "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
            "--batch-size", "4", "--seq-len", "16", "--eval-every", "2", "--eval-seqs", "4",
            "--corpus-mb", "0.2", "--warmup-steps", "1", "--threads", "1"]
@@ -151,7 +152,8 @@ def test_tests_ignore_an_installed_top_level_examples_package(foreign_examples_e
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_examples.py",
                            "-k", " or ".join(LOADING_TESTS)], cwd=ROOT, env=foreign_examples_env,
                           capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"tests failed under a foreign `examples`:\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}"
+    assert done.returncode == 0, (f"tests failed under a foreign `examples`:\n{done.stdout[-3000:]}\n"
+                                  f"{done.stderr[-2000:]}")
     assert f"{len(LOADING_TESTS)} passed" in done.stdout, done.stdout[-2000:]
 
 
@@ -355,7 +357,7 @@ def test_precond_momentum_feeds_the_nesterov_momentum_to_the_preconditioner():
     twin_params = [p for g in plain.optimizers[0].param_groups for p in g["params"]]
     buffers = [torch.zeros_like(p) for p in twin_params]
     tokens = torch.randint(0, 256, (2, 8))
-    for step in range(4):
+    for _ in range(4):
         for net, optimizer in ((model, chain), (twin, plain)):
             optimizer.zero_grad()
             net(tokens).square().mean().backward()
@@ -385,7 +387,8 @@ def test_whitened_muon_methods_take_muons_split_and_their_sweep_settings():
     convergence = load("benchmarks/convergence.py")
     common = load("examples/kron_examples_common.py")
     char_lm = load("examples/char_lm.py")
-    _, method, overrides, _ = convergence.parse_family("wmuon{we=7,wdamp=0.3,wboth=1,wrows=all,wdecay=0.6,mom=0.85}=1.6e-2")
+    _, method, overrides, _ = convergence.parse_family(
+        "wmuon{we=7,wdamp=0.3,wboth=1,wrows=all,wdecay=0.6,mom=0.85}=1.6e-2")
     config = common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS, **overrides)
     model = char_lm.CharTransformer(char_lm.ModelConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8))
     optimizer, precond = common.build_method(method, model, 1.6e-2, 0.0, config)

@@ -104,7 +104,6 @@ class Run:
         self.opt.zero_grad()
         ((self.model(x) - y) ** 2).mean().backward()
         if self.world > 1:
-            import torch.distributed as dist
             from kron_precond.distributed.sharded import is_dtensor
             for p in self.model.parameters():
                 if not is_dtensor(p):
@@ -145,8 +144,8 @@ def _memory(run: Run) -> int:
 def world4_worker(rank, world, out_dir):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     from dist_utils import CollectiveCounter
 

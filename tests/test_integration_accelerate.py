@@ -13,9 +13,19 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from integration_common import (FactorLog, RowRecorder, assert_same_parameters, assert_trains_like_adamw,
-                                check_factors_saw_every_micro_batch_once, classification_loss, digits,
-                                digits_mlp, make_optimizer, require, steps_taken)
+from integration_common import (
+    FactorLog,
+    RowRecorder,
+    assert_same_parameters,
+    assert_trains_like_adamw,
+    check_factors_saw_every_micro_batch_once,
+    classification_loss,
+    digits,
+    digits_mlp,
+    make_optimizer,
+    require,
+    steps_taken,
+)
 
 BATCH, K, STEPS, LR = 16, 4, 24, 1e-2
 
@@ -45,7 +55,7 @@ def _fit(method: str, steps: int, *, save_to=None, save_at=None, resume_from=Non
         accelerator.load_state(resume_from)
         done = save_at
         loader = accelerator.skip_first_batches(loader, save_at * K)
-    for batch_index, (xb, yb) in enumerate(loader):
+    for xb, yb in loader:
         with accelerator.accumulate(model):
             loss = F.cross_entropy(model(xb), yb)
             accelerator.backward(loss)

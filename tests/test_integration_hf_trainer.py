@@ -16,8 +16,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from integration_common import (FactorLog, RowRecorder, assert_same_parameters, assert_trains_like_adamw,
-                                check_factors_saw_every_micro_batch_once, make_optimizer, require, steps_taken)
+from integration_common import (
+    FactorLog,
+    RowRecorder,
+    assert_same_parameters,
+    assert_trains_like_adamw,
+    check_factors_saw_every_micro_batch_once,
+    make_optimizer,
+    require,
+    steps_taken,
+)
 
 BATCH, K, STEPS, SEQ, LR = 8, 2, 30, 32, 3e-3
 KFAC = dict(damping=1e-2, inv_update_steps=2, factor_decay=0.9, skip_layers=["lm_head"])

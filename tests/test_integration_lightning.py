@@ -15,9 +15,19 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from integration_common import (FactorLog, RowRecorder, assert_same_parameters, assert_trains_like_adamw,
-                                check_factors_saw_every_micro_batch_once, classification_loss, digits,
-                                digits_mlp, make_optimizer, require, steps_taken)
+from integration_common import (
+    FactorLog,
+    RowRecorder,
+    assert_same_parameters,
+    assert_trains_like_adamw,
+    check_factors_saw_every_micro_batch_once,
+    classification_loss,
+    digits,
+    digits_mlp,
+    make_optimizer,
+    require,
+    steps_taken,
+)
 
 BATCH, K, STEPS_PER_EPOCH, EPOCHS, LR = 16, 4, 8, 3, 1e-2
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import io
 import re
-import warnings
 from collections.abc import Mapping
 
 import pytest
@@ -372,7 +371,7 @@ def test_non_factor_and_non_refresh_steps():
                                  damping=lam, kl_clip=None, inv_dtype=DT)
     cap = Capture({"0": model[0]})
     facs, grads, outs = [], [], []
-    for step in range(3):
+    for _ in range(3):
         model.zero_grad()
         loss_fn(model, *batch())
         facs.append(cap.factors("0"))

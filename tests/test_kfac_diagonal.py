@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from kron_precond import KronPreconditioner
 from kfac_reference import F64, DenseKFAC, grad_matrix
+from kron_precond import KronPreconditioner
 
 
 def mlp() -> nn.Sequential:

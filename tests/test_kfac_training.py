@@ -84,7 +84,10 @@ def digits():
     X, y = load_digits(return_X_y=True)
     Xtr, Xte, ytr, yte = train_test_split(X, y, test_size=0.25, random_state=0, stratify=y)
     scaler = StandardScaler().fit(Xtr)
-    f = lambda a: torch.tensor(scaler.transform(a), dtype=torch.float32)
+
+    def f(a):
+        return torch.tensor(scaler.transform(a), dtype=torch.float32)
+
     return f(Xtr), torch.tensor(ytr), f(Xte), torch.tensor(yte)
 
 

@@ -43,7 +43,8 @@ def dense_reference(x, index, weights, first, second, combine):
     for e in range(num_experts):
         token, choice = torch.where(index == e)
         rec = {"rows": token.numel()}
-        params = [(W[e].detach().clone().requires_grad_(), None if b is None else b[e].detach().clone().requires_grad_())
+        params = [(W[e].detach().clone().requires_grad_(),
+                   None if b is None else b[e].detach().clone().requires_grad_())
                   for W, b in first + [second]]
         layers.append(params)
         if token.numel() == 0:
@@ -79,7 +80,8 @@ def covariance(rows, bias):
 def kfac_solution(G, A, grad, damping=DAMPING):
     """(G ⊗ A + λI)⁻¹ vec(∇) for a row-major [out, in] gradient."""
     n = G.shape[0] * A.shape[0]
-    return torch.linalg.solve(torch.kron(G, A) + damping * torch.eye(n, dtype=F64), grad.reshape(-1)).reshape(grad.shape)
+    matrix = torch.kron(G, A) + damping * torch.eye(n, dtype=F64)
+    return torch.linalg.solve(matrix, grad.reshape(-1)).reshape(grad.shape)
 
 
 def unit_matrix(param, bias, e, transposed=False):
@@ -146,8 +148,10 @@ class SeparateExperts(nn.Module):
         self.activation = fused.activation
         with torch.no_grad():
             for e in range(E):
-                self.up[e].weight.copy_(fused.up_weight[e]); self.up[e].bias.copy_(fused.up_bias[e])
-                self.down[e].weight.copy_(fused.down_weight[e]); self.down[e].bias.copy_(fused.down_bias[e])
+                self.up[e].weight.copy_(fused.up_weight[e])
+                self.up[e].bias.copy_(fused.up_bias[e])
+                self.down[e].weight.copy_(fused.down_weight[e])
+                self.down[e].bias.copy_(fused.down_bias[e])
 
     def forward(self, x, index, weights):
         out = torch.zeros_like(x)
@@ -213,7 +217,8 @@ def test_ekfac_scaling_step_equals_dense_float64():
     model = RoutedExperts(E, d, hidden, activation=torch.tanh, dtype=F64)
     x = torch.randn(T, d, dtype=F64)
     index, weights = routing(T, E, 2, seed=7)
-    precond = KronPreconditioner(model, method="ekfac", damping=DAMPING, kl_clip=None, inv_update_steps=10, inv_dtype=F64)
+    precond = KronPreconditioner(model, method="ekfac", damping=DAMPING, kl_clip=None, inv_update_steps=10,
+                                 inv_dtype=F64)
     ref = dense_reference(x, index, weights, [(model.up_weight, model.up_bias)], (model.down_weight, model.down_bias),
                           lambda zs: torch.tanh(zs[0]))
     for step in range(2):
@@ -222,8 +227,9 @@ def test_ekfac_scaling_step_equals_dense_float64():
         precond.step()
         for e in range(E):
             rec = ref[e]
-            for name, param, bias, a, g, grad in (("up_weight", model.up_weight, model.up_bias, rec["a0"], rec["g0"], rec["grads"][0]),
-                                                  ("down_weight", model.down_weight, model.down_bias, rec["a_out"], rec["g_out"], rec["grads"][1])):
+            cases = (("up_weight", model.up_weight, model.up_bias, rec["a0"], rec["g0"], rec["grads"][0]),
+                     ("down_weight", model.down_weight, model.down_bias, rec["a_out"], rec["g_out"], rec["grads"][1]))
+            for name, param, bias, a, g, grad in cases:
                 A, G = covariance(a, True), covariance(g, False)
                 d_a, q_a = torch.linalg.eigh(A)
                 d_g, q_g = torch.linalg.eigh(G)
@@ -234,7 +240,7 @@ def test_ekfac_scaling_step_equals_dense_float64():
                     s = ((g @ q_g) ** 2).t() @ ((a1 @ q_a) ** 2) / a.shape[0]
                 expected = q_g @ ((q_g.t() @ grad @ q_a) / (s + DAMPING)) @ q_a.t()
                 torch.testing.assert_close(unit_matrix(param, bias, e), expected, rtol=1e-7, atol=1e-10,
-                                           msg=lambda m: f"step {step} {name}.{e}: {m}")
+                                           msg=lambda m, step=step, name=name, e=e: f"step {step} {name}.{e}: {m}")
 
 
 def test_expert_without_rows_keeps_its_factors():
@@ -269,7 +275,8 @@ def test_expert_left_without_tokens_is_reported_as_such():
     model(x, index, weights).sum().backward()
     precond.step()
     index, weights = routing(20, 3, 1, seed=16, empty=2)
-    with pytest.warns(RuntimeWarning, match=r"'(up|down)_weight.2' received no rows \(the router sent this expert no token\)"):
+    no_rows = r"'(up|down)_weight.2' received no rows \(the router sent this expert no token\)"
+    with pytest.warns(RuntimeWarning, match=no_rows):
         for _ in range(3):
             model.zero_grad()
             model(x, index, weights).sum().backward()

@@ -222,6 +222,6 @@ def test_ddp_world_2_equals_one_process(tmp_path):
         for name, value in single.items():
             for rank in ranks:
                 torch.testing.assert_close(rank[method]["params"][name], value, rtol=1e-9, atol=1e-11,
-                                           msg=lambda m: f"{method} {name}: {m}")
+                                           msg=lambda m, method=method, name=name: f"{method} {name}: {m}")
         moved = initial["model.layers.0.mlp.experts.gate_up_proj"] - single["model.layers.0.mlp.experts.gate_up_proj"]
         assert moved.abs().amax() > 1e-4  # the experts were trained

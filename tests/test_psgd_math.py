@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from kron_precond.methods import psgd
-from kron_precond.methods.psgd import (
-    PSGDFactors, factor_is_diagonal, most_square_split, spectral_norm_lower_bound)
+from kron_precond.methods.psgd import PSGDFactors, factor_is_diagonal, most_square_split, spectral_norm_lower_bound
 from kron_precond.optim import Kron
 
 torch.set_num_threads(1)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -77,7 +77,7 @@ def test_map_ratios_match_the_closed_form_and_the_run_resumes(tmp_path):
     cells = regimes.main([*TOY, *GRID, "--out", str(tmp_path)], train_fn=fake)
     assert len(cells) == 2 and all(len(records) == 2 for records in cells.values())
     params = non_embedding_params(8, 1)
-    for (width, ratio, tokens), records in cells.items():
+    for (_width, ratio, tokens), records in cells.items():
         steps = round(ratio * params / tokens)
         final = {f: L0 - SLOPE[f] * steps for f in SLOPE}  # every family at its best lr
         target = final["adamw"]

@@ -11,9 +11,7 @@ reason, so they turn into failures (to be unmarked) as soon as they are fixed.
 """
 from __future__ import annotations
 
-import copy
 import logging
-import math
 import re
 import warnings
 

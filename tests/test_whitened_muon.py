@@ -148,7 +148,8 @@ def test_block_diagonal_factors_match_the_blocked_reference(monkeypatch, root):
     opt = WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, momentum=MOMENTUM, statistics_every=1,
                        damping=DAMPING, factor_decay=DECAY, output_side=True, root=root, block_size=2,
                        ns_dtype=torch.float64)
-    assert opt.state == {} and opt._statistics.blocks(8) == 4 and opt._statistics.blocks(5) == 1 and opt._statistics.blocks(2) == 1
+    blocks = opt._statistics.blocks
+    assert opt.state == {} and blocks(8) == 4 and blocks(5) == 1 and blocks(2) == 1
     for step, (x, y) in enumerate(batches(3, dims=dims)):
         opt.zero_grad()
         loss_of(net, x, y).backward()
@@ -402,7 +403,8 @@ def test_a_failed_cholesky_keeps_the_previous_whitener_and_an_unseen_layer_gets_
     good = torch.diag(torch.tensor([4.0, 1, 1, 1, 1], dtype=torch.float64))[None]
     previous = opt._statistics.whitener(good, None)
     lam = DAMPING * 8 / 5
-    torch.testing.assert_close(previous[0].T @ previous[0], torch.linalg.inv(good[0] + lam * torch.eye(5, dtype=torch.float64)))
+    torch.testing.assert_close(previous[0].T @ previous[0],
+                               torch.linalg.inv(good[0] + lam * torch.eye(5, dtype=torch.float64)))
     not_positive = -10 * torch.eye(5, dtype=torch.float64)[None]
     assert torch.equal(opt._statistics.whitener(not_positive, previous), previous)
     assert torch.equal(opt._statistics.whitener(not_positive, None), torch.eye(5, dtype=torch.float64)[None])

@@ -177,14 +177,15 @@ def test_every_step_matches_one_process_on_every_rank(spawned, reference, world,
         assert sharded, "the weights were not sharded: the test would not test FSDP2"
         assert all(identical), f"rank {rank}: ranks differ"
         for step, (got, expected) in enumerate(zip(trajectory, want)):
-            torch.testing.assert_close(got, expected, **TOL, msg=lambda m: f"rank {rank}, step {step}: {m}")
+            torch.testing.assert_close(got, expected, **TOL,
+                                       msg=lambda m, rank=rank, step=step: f"rank {rank}, step {step}: {m}")
 
 
 def test_a_checkpoint_saved_on_4_ranks_resumes_on_2(spawned, reference):
     want = reference[SCENARIOS[SAVED][0]][SAVE_AT:]
     for rank, result in enumerate(spawned[2]):
         trajectory, identical = result["resumed"]
-        assert all(identical) and len(trajectory) == len(want)
+        assert all(identical) and len(trajectory) == len(want), f"rank {rank}"
         for got, expected in zip(trajectory, want):
             torch.testing.assert_close(got, expected, **TOL)
 

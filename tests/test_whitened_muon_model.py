@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import kron_precond.whitened_muon as wm
 from kron_precond import RoutedExperts, WhitenedMuon, register_adapter
-from kron_precond.modules import KFACAdapter, _ADAPTERS
+from kron_precond.modules import _ADAPTERS, KFACAdapter
 
 torch.set_default_dtype(torch.float32)
 
@@ -207,7 +207,8 @@ def test_one_optimizer_for_the_model_equals_the_split_by_hand_bitwise():
                 o.step()
         for s in schedules:
             s.step()
-    assert opt.param_groups[1]["lr"] == pytest.approx(0.003 / 6) and opt.param_groups[0]["lr"] == pytest.approx(0.02 / 6)
+    assert opt.param_groups[1]["lr"] == pytest.approx(0.003 / 6)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.02 / 6)
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
     assert opt.state[model.norm.weight]["step"] == 4
@@ -522,7 +523,7 @@ def test_an_fp16_grad_scaler_is_divided_out_of_the_output_statistics():
         opt = WhitenedMuon([net[0], net[2]], lr=0.02, statistics_every=1, factor_decay=0.5, output_side=True,
                            grad_scaler=scaler if pass_scaler else None)
         g = torch.Generator().manual_seed(1)
-        for step in range(4):
+        for _ in range(4):
             x, y = torch.randn(32, 8, generator=g), torch.randn(32, 4, generator=g)
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = (net(x).float() - y).square().mean()

@@ -82,11 +82,11 @@ def assign_work(
     heap = [(0.0, rank) for rank in range(world_size)]
     loads = [0.0] * world_size
     owners: dict[tuple[str, str], int] = {}
-    for cost, _, layer, parts in items:
+    for item_cost, _, layer, item_parts in items:
         load, rank = heapq.heappop(heap)
-        loads[rank] = load + cost
+        loads[rank] = load + item_cost
         heapq.heappush(heap, (loads[rank], rank))
-        for part in parts:
+        for part in item_parts:
             owners[(layer, part)] = rank
     # Report in registration order, independent of placement order.
     ordered = {key: owners[key] for key in sorted(owners, key=_registration_key(costs))}

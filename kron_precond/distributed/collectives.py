@@ -7,7 +7,7 @@ written back into the original tensors when the returned handle is waited on.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,7 +72,8 @@ def _grouped_by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list
 
 def _launch(tensors, cap_bytes, symmetric, start, divisor: int = 1) -> PendingCollective:
     """Pack ``tensors`` into buffers, call ``start(buffer)`` per bucket, unpack on wait."""
-    works, plans = [], []
+    works: list[Any] = []
+    plans: list[tuple[list[torch.Tensor], list[torch.Tensor], list[int] | None]] = []
     for group in _grouped_by_dtype(tensors).values():
         packed = [_pack(t, symmetric) for t in group]
         if cap_bytes <= 0:

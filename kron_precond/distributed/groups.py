@@ -13,6 +13,8 @@ only the owner holds state and broadcasts the preconditioned gradient every step
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch.distributed as dist
 
 
@@ -27,7 +29,7 @@ class WorkerGrid:
         self.columns = world_size // grad_workers
         self.process_group = process_group
         self._column_groups: dict[int, object] = {}
-        self._row_group = None
+        self._row_group: Any = None  # a ProcessGroup (or dist's non-member marker) once built
         if world_size > 1:
             self._create_groups()
 

@@ -54,9 +54,9 @@ class Runtime:
         with torch.no_grad():
             # Position-weighted, so permuted values do not cancel out.
             checksum = torch.zeros((), dtype=torch.float64, device=device)
-            for i, p in enumerate(model.parameters()):
-                if is_dtensor(p):  # compare whole values: shards differ by design
-                    p = p.full_tensor()
+            for i, param in enumerate(model.parameters()):
+                # compare whole values: shards differ by design
+                p = param.full_tensor() if is_dtensor(param) else param
                 flat = p.detach().double().reshape(-1)
                 weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=device)
                 checksum += (i + 1) * (flat * weights).sum()
@@ -77,6 +77,21 @@ class Runtime:
     def create_grid(self, grad_workers: int) -> None:
         self.grid = WorkerGrid(self.world_size, self.rank, grad_workers, self.process_group)
 
+    def _grid(self) -> WorkerGrid:
+        """The worker grid, once :meth:`create_grid` made it (placement queries need it)."""
+        assert self.grid is not None, "kron_precond: Runtime.create_grid was not called"
+        return self.grid
+
+    def _sharding(self) -> ShardedLayout:
+        """The DTensor layout :meth:`detect_sharding` found (sharded models only)."""
+        assert self.sharding is not None, "kron_precond: no DTensor parameters (detect_sharding found none)"
+        return self.sharding
+
+    def _exchange(self) -> OwnerExchange:
+        """The owner exchange, once :meth:`use_owner_exchange` turned it on."""
+        assert self.exchange is not None, "kron_precond: the owner exchange is off"
+        return self.exchange
+
     def detect_sharding(self, named_params) -> None:
         """Validate DTensor parameters (FSDP2 / HSDP) before anything touches them;
         ``ValueError`` names an unsupported placement or a second mesh."""
@@ -87,21 +102,21 @@ class Runtime:
         every preconditioned parameter sharded, gradients go to owners and back (gather /
         scatter) instead of being all-gathered everywhere. Returns whether it is on."""
         if (self.sharding is not None and self.world_size > 1 and self.sharding.mesh.ndim == 1
-                and self.grid.grad_workers == 1 and all(self.sharding.is_sharded(p) for p in params)
+                and self._grid().grad_workers == 1 and all(self.sharding.is_sharded(p) for p in params)
                 # owners are named by group rank: the mesh must list the group in order
                 and self.sharding.mesh.mesh.reshape(-1).tolist()
-                == [self.grid.global_rank(r) for r in range(self.world_size)]):
-            self.exchange = OwnerExchange(self.sharding, [self.grid.global_rank(r)
+                == [self._grid().global_rank(r) for r in range(self.world_size)]):
+            self.exchange = OwnerExchange(self.sharding, [self._grid().global_rank(r)
                                                            for r in range(self.world_size)])
         return self.exchange is not None
 
     # ------------------------------------------------------------------ placement queries
     def is_grad_worker(self, owner: int) -> bool:
-        return self.grid.is_grad_worker(owner)
+        return self._grid().is_grad_worker(owner)
 
     @property
     def has_receivers(self) -> bool:
-        return self.grid.has_receivers
+        return self._grid().has_receivers
 
     # ------------------------------------------------------------------ collectives
     def reduce_statistics(self, tensors: Sequence[torch.Tensor]) -> collectives.PendingCollective:
@@ -114,27 +129,27 @@ class Runtime:
         """Start summing each owner's tensors onto that owner only (sharded models keep
         factors on owners); elsewhere the tensors' content is unspecified after ``wait()``."""
         return collectives.waiting_all([
-            collectives.reduce(tensors, dst=self.grid.global_rank(owner), group=self.process_group,
+            collectives.reduce(tensors, dst=self._grid().global_rank(owner), group=self.process_group,
                                cap_bytes=self.bucket_cap_bytes, symmetric=self.symmetric)
             for owner, tensors in sorted(by_owner.items()) if tensors])
 
     # ------------------------------------------------------------------ sharded gradients
     def full_gradients(self, grads: dict[str, list]) -> dict[str, list]:
         """Every layer's full gradients on every rank (all-gathers of DTensor shards)."""
-        return {name: [None if g is None else self.sharding.full(g) for g in values]
+        return {name: [None if g is None else self._sharding().full(g) for g in values]
                 for name, values in grads.items()}
 
     def gather_to_owners(self, by_owner: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]]
                          ) -> list[torch.Tensor]:
         """Owner exchange: ``by_owner[r]`` lists ``(param, grad)`` of rank ``r``'s layers; returns
         the full gradients of this rank's own list (zeros where a gradient is missing)."""
-        return self.exchange.gather(by_owner).get(self.rank, [])
+        return self._exchange().gather(by_owner).get(self.rank, [])
 
     def scatter_from_owners(self, by_owner: dict[int, list[torch.Tensor]], mine: list[torch.Tensor]
                             ) -> dict[int, list[torch.Tensor]]:
         """Owner exchange: owners send each rank its rows of their results (``mine``, in the
         order of ``by_owner[self.rank]``); returns this rank's rows per owner."""
-        return self.exchange.scatter(by_owner, {self.rank: mine})
+        return self._exchange().scatter(by_owner, {self.rank: mine})
 
     def local(self, tensor) -> torch.Tensor:
         """The writable local piece of a (possibly DTensor) gradient."""
@@ -146,19 +161,20 @@ class Runtime:
 
     def sum_over_shards(self, value: torch.Tensor) -> None:
         """In place: sum a per-rank partial value over the ranks that share a model copy."""
-        self.sharding.group_sum(value)
+        self._sharding().group_sum(value)
 
     def shares_with(self, owner: int) -> bool:
         """Whether ``owner`` broadcasts refreshed state to a group this rank is in."""
-        return self.grid.state_group(owner) is not None and self.grid.is_grad_worker(owner)
+        grid = self._grid()
+        return grid.state_group(owner) is not None and grid.is_grad_worker(owner)
 
     def share_refreshed(self, by_owner: dict[int, list[torch.Tensor]]) -> None:
         """Owners broadcast their refreshed tensors to the gradient workers of their layers.
         ``by_owner`` holds the tensors of every owner this rank :meth:`shares_with`."""
         if self.world_size == 1:
             return
-        pending = [collectives.broadcast(tensors, src=self.grid.global_rank(owner),
-                                         group=self.grid.state_group(owner), cap_bytes=self.bucket_cap_bytes)
+        pending = [collectives.broadcast(tensors, src=self._grid().global_rank(owner),
+                                         group=self._grid().state_group(owner), cap_bytes=self.bucket_cap_bytes)
                    for owner, tensors in sorted(by_owner.items())]
         for handle in pending:
             handle.wait()
@@ -167,7 +183,7 @@ class Runtime:
         """Owners broadcast tensors to every rank of the group (statistics tensors)."""
         if self.world_size == 1:
             return
-        pending = [collectives.broadcast(tensors, src=self.grid.global_rank(owner), group=self.process_group,
+        pending = [collectives.broadcast(tensors, src=self._grid().global_rank(owner), group=self.process_group,
                                          cap_bytes=self.bucket_cap_bytes)
                    for owner, tensors in sorted(by_owner.items()) if tensors]
         for handle in pending:
@@ -178,9 +194,9 @@ class Runtime:
         every layer's output tensors keyed by the layer's owner."""
         by_source: dict[int, list[torch.Tensor]] = {}
         for owner, tensors in by_owner.items():
-            by_source.setdefault(self.grid.gradient_source(owner), []).extend(tensors)
-        pending = [collectives.broadcast(tensors, src=self.grid.global_rank(source),
-                                         group=self.grid.row_group, cap_bytes=self.bucket_cap_bytes)
+            by_source.setdefault(self._grid().gradient_source(owner), []).extend(tensors)
+        pending = [collectives.broadcast(tensors, src=self._grid().global_rank(source),
+                                         group=self._grid().row_group, cap_bytes=self.bucket_cap_bytes)
                    for source, tensors in sorted(by_source.items())]
         for handle in pending:
             handle.wait()
@@ -188,8 +204,9 @@ class Runtime:
     def gather_state(self, owner: int, local_state: dict[str, Any] | None) -> dict[str, Any]:
         """The state held by ``owner``'s column, on every rank (moved to the CPU so that it
         unpickles on any device). A collective: every rank calls it for every layer."""
-        payload = [_to_cpu(local_state) if local_state is not None else None]
-        dist.broadcast_object_list(payload, src=self.grid.global_rank(owner), group=self.process_group)
+        # after the broadcast: the owner's state (the object it sent, whatever its type)
+        payload: list[Any] = [_to_cpu(local_state) if local_state is not None else None]
+        dist.broadcast_object_list(payload, src=self._grid().global_rank(owner), group=self.process_group)
         return payload[0]
 
 

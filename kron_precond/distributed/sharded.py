@@ -25,7 +25,7 @@ the last ranks get fewer or none; pieces are padded to that size on the wire.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Sequence, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -33,10 +33,10 @@ import torch.distributed as dist
 try:  # DTensor is public from torch 2.4
     from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # pragma: no cover - torch without distributed tensors
-    DTensor = None  # type: ignore[assignment]
+    DTensor = None  # type: ignore[assignment, misc]  # an optional import: callers check for None
 
 
-def is_dtensor(tensor) -> bool:
+def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
     return DTensor is not None and isinstance(tensor, DTensor)
 
 
@@ -178,6 +178,7 @@ class OwnerExchange:
             work.wait()
             if owner != me:
                 continue
+            assert receive is not None  # allocated above for the owner this rank is
             full[owner] = self._unpack_full(items, receive)
         return full
 

@@ -131,6 +131,7 @@ class KronOptimizersContainer(OptimizersContainer):
             self._micro_batches += 1
 
     def _check_accumulation(self) -> None:
+        assert self._counter is not None
         self._counter.remove()
         self._counter = None
         precond = self.preconditioner
@@ -225,7 +226,8 @@ class WhitenedMuonOptimizersContainer(OptimizersContainer):
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"ns_dtype={name!r} is not a torch dtype name")
             options["ns_dtype"] = dtype
-        stock = next((g.optimizer_kwargs for g in config.param_groups if g.optimizer_name in ("AdamW", "Adam")), {})
+        stock: dict[str, Any] = next((g.optimizer_kwargs for g in config.param_groups
+                                      if g.optimizer_name in ("AdamW", "Adam")), {})
         for key, adamw_key in (("lr", "adamw_lr"), ("betas", "adamw_betas"), ("eps", "adamw_eps"),
                                ("weight_decay", "adamw_weight_decay")):
             if key in stock:

@@ -17,13 +17,16 @@ restore it.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal, overload
 
 import keras
 from keras import ops
 
 from ..methods.psgd import (
-    MEMORY_SAVE_MODES, factor_is_diagonal, most_square_split, probe_seed,
+    MEMORY_SAVE_MODES,
+    factor_is_diagonal,
+    most_square_split,
+    probe_seed,
 )
 from . import psgd_ops
 from .schedules import PrecondUpdateProbSchedule, as_keras_schedule
@@ -46,6 +49,10 @@ def _check_positive(name: str, value: Any, *, allow_none: bool = False) -> None:
                          + (" or None" if allow_none else ""))
 
 
+@overload
+def _check_float_dtype(name: str, dtype: Any, *, allow_none: Literal[False] = False) -> str: ...
+@overload
+def _check_float_dtype(name: str, dtype: Any, *, allow_none: bool) -> str | None: ...
 def _check_float_dtype(name: str, dtype: Any, *, allow_none: bool = False) -> str | None:
     if dtype is None and allow_none:
         return None

@@ -7,10 +7,12 @@ that Keras serializes it.
 """
 from __future__ import annotations
 
+from typing import cast
+
 import keras
 from keras import ops
 
-from kron_precond.schedules import precond_update_prob_schedule
+from kron_precond.schedules import _ProbSchedule, precond_update_prob_schedule  # plain Python, no torch math
 
 
 @keras.saving.register_keras_serializable(package="kron_precond")
@@ -26,8 +28,11 @@ class PrecondUpdateProbSchedule(keras.optimizers.schedules.LearningRateSchedule)
 
     def __init__(self, max_prob: float = 1.0, min_prob: float = 0.03, decay: float = 0.001,
                  flat_start: float = 500):
-        # the torch package's schedule checks the arguments (naming the bad one) and normalises them
-        checked = precond_update_prob_schedule(max_prob, min_prob, decay, flat_start)
+        # the torch package's schedule checks the arguments (naming the bad one) and normalises them.
+        # cast: it returns a _ProbSchedule but is annotated as a plain callable. ignore: it accepts
+        # any finite flat_start (and stores float(flat_start)) but annotates it as int.
+        checked = cast(_ProbSchedule, precond_update_prob_schedule(
+            max_prob, min_prob, decay, flat_start))  # type: ignore[arg-type]
         self.max_prob, self.min_prob = checked.max_prob, checked.min_prob
         self.decay, self.flat_start = checked.decay, checked.flat_start
 
@@ -50,8 +55,6 @@ class PrecondUpdateProbSchedule(keras.optimizers.schedules.LearningRateSchedule)
 def as_keras_schedule(probability):
     """The torch package's schedule object becomes its in-graph twin; anything else is
     returned unchanged."""
-    from kron_precond.schedules import _ProbSchedule  # plain Python, no torch math
-
     if isinstance(probability, _ProbSchedule):
         return PrecondUpdateProbSchedule(probability.max_prob, probability.min_prob,
                                          probability.decay, probability.flat_start)

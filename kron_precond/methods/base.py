@@ -25,13 +25,16 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Hashable, Sequence, overload
 
 import torch
 from torch import nn
 
 from kron_precond.modules import Selected  # a unit of work, as the module adapters describe it
 from kron_precond.schedules import StepContext
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 __all__ = ["Option", "Selected", "LayerMethod", "MethodSpec", "tensor_bytes", "moved"]
 
@@ -79,7 +82,7 @@ class LayerMethod(abc.ABC):
         ``call`` is what ``observe_activations`` returned for the same call."""
         raise NotImplementedError
 
-    def observe_gradients(self, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:
+    def observe_gradients(self, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:  # noqa: B027 (optional hook, a no-op by default)
         """The raw gradients of this step (``None`` where a parameter has none), on every rank."""
 
     def shared_statistics(self) -> list[torch.Tensor]:
@@ -87,10 +90,10 @@ class LayerMethod(abc.ABC):
         every rank, whether or not it observed data)."""
         return []
 
-    def fold_statistics(self, ctx: StepContext) -> None:
+    def fold_statistics(self, ctx: StepContext) -> None:  # noqa: B027 (optional hook, a no-op by default)
         """Fold this step's (reduced) statistics into the running state."""
 
-    def release_statistics_state(self) -> None:
+    def release_statistics_state(self) -> None:  # noqa: B027 (optional hook, a no-op by default)
         """Drop the running statistics state (K-FAC: the factors) on a rank that does not own
         this layer, when the engine reduces statistics to owners only (sharded models).
         ``fold_statistics`` must then discard instead of folding. Default: nothing to drop."""
@@ -115,7 +118,7 @@ class LayerMethod(abc.ABC):
         layer has fewer gradient workers than ranks. Fixed shapes; empty by default."""
         return []
 
-    def finalize_refresh(self, ctx: StepContext) -> None:
+    def finalize_refresh(self, ctx: StepContext) -> None:  # noqa: B027 (optional hook, a no-op by default)
         """Derive what ``apply`` needs from the refreshed tensors (every gradient worker)."""
 
     @abc.abstractmethod
@@ -133,7 +136,7 @@ class LayerMethod(abc.ABC):
         return None
 
     @classmethod
-    def apply_batch(cls, layers: Sequence["LayerMethod"], grads: Sequence[list[torch.Tensor]],
+    def apply_batch(cls, layers: Sequence[Self], grads: Sequence[list[torch.Tensor]],
                     ctx: StepContext, cache: dict, keep: torch.Tensor) -> list[list[torch.Tensor]]:
         """Precondition several layers at once; where ``keep[i]`` is False (a non-finite
         gradient) return layer ``i``'s gradients unchanged. ``cache`` is kept by the engine
@@ -214,7 +217,10 @@ class GradientMatrix:
         """The inverse of :meth:`stack_matrices`: per layer, its parameters' gradients (views)."""
         first = layers[0]
         weights = matrices[:, :, :-1] if first.has_bias else matrices
-        weights = weights.transpose(1, 2) if first.weight_transposed else weights.reshape(len(layers), *first.weight_shape)
+        if first.weight_transposed:
+            weights = weights.transpose(1, 2)
+        else:
+            weights = weights.reshape(len(layers), *first.weight_shape)
         if not first.has_bias:
             return [[w] for w in weights.unbind(0)]
         return [[w, b] for w, b in zip(weights.unbind(0), matrices[:, :, -1].unbind(0))]
@@ -281,6 +287,10 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+@overload
+def moved(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor: ...
+@overload
+def moved(tensor: None, device: torch.device, dtype: torch.dtype | None = None) -> None: ...
 def moved(tensor: torch.Tensor | None, device: torch.device,
           dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """``tensor`` on ``device`` (and ``dtype``); a ``meta`` tensor becomes zeros, which is

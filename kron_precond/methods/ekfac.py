@@ -54,7 +54,7 @@ worker (every gradient worker folds the same sums, so they agree without a broad
 """
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Sequence, cast
 
 import torch
 
@@ -129,21 +129,33 @@ class EKFACLayer(KFACLayer):
                                f"{rows.shape[0]} output-gradient rows in one call")
         rows = self.statistics_subset(rows)
         projected = (rows.to(self._work_dtype) @ self._basis("G")).mul_(scale).square_()
-        self._s_sum.view(self.g_dim, self.a_dim).addmm_(projected.t().to(self.scaling_dtype),
+        self._held_s_sum().view(self.g_dim, self.a_dim).addmm_(projected.t().to(self.scaling_dtype),
                                                          call.to(self.scaling_dtype))
         self._s_rows.add_(rows.shape[0])
+
+    def _held_s_sum(self) -> torch.Tensor:
+        """This step's flat sum of ``s``, allocated with K-FAC's sums (``_allocate_statistics``)."""
+        assert self._s_sum is not None, f"{self.name}: the scaling's sum is not allocated"
+        return self._s_sum
+
+    def _held_scaling(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The running scaling ``s`` and its average's weight (allocated together by ``_reset_scaling``)."""
+        assert self._scaling is not None and self._scaling_weight is not None, f"{self.name}: no scaling held"
+        return self._scaling, self._scaling_weight
 
     def _basis(self, part: str) -> torch.Tensor:
         return self._allocated()[part][0].to(self._work_dtype)
 
-    def _allocate_statistics(self) -> None:
-        super()._allocate_statistics()
+    def _allocate_statistics(self) -> tuple[torch.Tensor, torch.Tensor]:
+        sums = super()._allocate_statistics()
         if self._s_sum is None:
             self._s_sum = torch.zeros(self.g_dim * self.a_dim, dtype=self.scaling_dtype, device=self._device)
+        return sums
 
     def shared_statistics(self) -> list[torch.Tensor]:
         """K-FAC's sums and counts, then the scaling's sum (flat) and its row count."""
-        return super().shared_statistics() + [self._s_sum, self._s_rows]
+        shared = super().shared_statistics()  # allocates the sums, the scaling's too
+        return shared + [self._held_s_sum(), self._s_rows]
 
     def fold_statistics(self, ctx: StepContext) -> None:
         """Fold ``s`` (on gradient workers), then K-FAC's factors."""
@@ -155,16 +167,18 @@ class EKFACLayer(KFACLayer):
 
     def _fold_scaling(self, decay: float) -> None:
         rows = self._s_rows[0]
-        new = self._pooled(self._s_sum.view(self.g_dim, self.a_dim) / rows.clamp_min(1.0).to(self.scaling_dtype))
+        new = self._pooled(self._held_s_sum().view(self.g_dim, self.a_dim) / rows.clamp_min(1.0).to(self.scaling_dtype))
         finite = torch.isfinite(new).all()
         has_rows = rows > 0
         # rows projected on a basis that never held data say nothing
-        basis_valid = (self._refreshed["A"][-1] * self._refreshed["G"][-1]).bool().reshape(())
+        refreshed = self._refreshed_state()
+        basis_valid = (refreshed["A"][-1] * refreshed["G"][-1]).bool().reshape(())
         accept = finite & has_rows & basis_valid
-        weight = self._scaling_weight * decay + 1.0
-        updated = self._scaling + (new - self._scaling) / weight
-        self._scaling.copy_(torch.where(accept, updated, self._scaling))
-        self._scaling_weight.copy_(torch.where(accept, weight, self._scaling_weight))
+        scaling, scaling_weight = self._held_scaling()
+        weight = scaling_weight * decay + 1.0
+        updated = scaling + (new - scaling) / weight
+        scaling.copy_(torch.where(accept, updated, scaling))
+        scaling_weight.copy_(torch.where(accept, weight, scaling_weight))
         self.nonfinite.add_((has_rows & ~finite).to(self.nonfinite.dtype))
 
     def discard_statistics(self) -> None:
@@ -208,8 +222,9 @@ class EKFACLayer(KFACLayer):
         if self._scaling is None:
             self._scaling = torch.empty(self.g_dim, self.a_dim, dtype=self.scaling_dtype, device=self._device)
             self._scaling_weight = torch.zeros((), dtype=self.scaling_dtype, device=self._device)
-        self._scaling.copy_(self._pooled(torch.outer(d_g, d_a)))
-        self._scaling_weight.zero_()
+        scaling, scaling_weight = self._held_scaling()
+        scaling.copy_(self._pooled(torch.outer(d_g, d_a)))
+        scaling_weight.zero_()
 
     def release_refreshed(self) -> None:
         """Drop what only ``apply`` needs; keep the bases, which this rank still projects on."""
@@ -225,11 +240,13 @@ class EKFACLayer(KFACLayer):
 
     def precondition_matrix(self, grad: torch.Tensor) -> torch.Tensor:
         """``Q_G [(Q_Gᵀ ∇ Q_A) / (s + λ)] Q_Aᵀ``."""
-        q_a = self._refreshed["A"][0]
-        q_g = self._refreshed["G"][0]
+        refreshed = self._refreshed_state()
+        q_a = refreshed["A"][0]
+        q_g = refreshed["G"][0]
         rotated = q_g.t() @ grad @ q_a
         work = torch.promote_types(self._work_dtype, torch.float32)
-        inverse = (1.0 / (self._scaling.to(work) + self._damping_used)).to(rotated.dtype)
+        assert self._damping_used is not None, f"{self.name}: applied before its first refresh was finalised"
+        inverse = (1.0 / (self._held_scaling()[0].to(work) + self._damping_used)).to(rotated.dtype)
         return q_g @ (rotated * inverse) @ q_a.t()
 
     def batch_key(self) -> Hashable | None:
@@ -256,10 +273,11 @@ class EKFACLayer(KFACLayer):
         q_a, valid_a, q_g, valid_g, scaling = stacks
         first = layers[0]
         work = torch.promote_types(first._work_dtype, torch.float32)
+        assert first._damping_used is not None, "a ready layer holds the damping of its refresh"
         denominator = (1.0 / (scaling.to(work) + first._damping_used)).to(first.inv_dtype)
         # K-FAC's batched apply reads only Q, validity and the denominator of its stacks
         kfac_view = {"stacked": {"A": [q_a, None, valid_a], "G": [q_g, None, valid_g], "denominator": denominator}}
-        return KFACLayer.apply_batch.__func__(cls, layers, grads, ctx, kfac_view, keep)
+        return super().apply_batch(layers, grads, ctx, kfac_view, keep)  # K-FAC's, with cls bound
 
     # ------------------------------------------------------------------ estimates, state
     def memory_by_kind(self) -> dict[str, int]:
@@ -295,8 +313,9 @@ class EKFACLayer(KFACLayer):
             return
         if self._scaling is None:
             self._reset_scaling()  # allocates
-        self._scaling.copy_(state["scaling"])
-        self._scaling_weight.copy_(state["scaling_weight"])
+        scaling, scaling_weight = self._held_scaling()
+        scaling.copy_(state["scaling"])
+        scaling_weight.copy_(state["scaling_weight"])
 
 
 def _adopt_into_stacks(layers: Sequence[EKFACLayer]) -> list[torch.Tensor]:
@@ -304,13 +323,15 @@ def _adopt_into_stacks(layers: Sequence[EKFACLayer]) -> list[torch.Tensor]:
     re-point each layer at its slice."""
     count = len(layers)
     stacks = []
+    refreshed = [layer._refreshed_state() for layer in layers]
     for part in FACTORS:
         for index in (0, -1):  # the basis and the one-element validity flag
-            stack = torch.stack([layer._refreshed[part][index] for layer in layers])
-            for layer, view in zip(layers, stack.unbind(0)):
-                layer._refreshed[part][index] = view
+            stack = torch.stack([state[part][index] for state in refreshed])
+            for state, view in zip(refreshed, stack.unbind(0)):
+                state[part][index] = view
             stacks.append(stack if index == 0 else stack.reshape(count))
-    stack = torch.stack([layer._scaling for layer in layers])
+    # batch_key groups only layers that hold a scaling
+    stack = torch.stack(cast(list[torch.Tensor], [layer._scaling for layer in layers]))
     for layer, view in zip(layers, stack.unbind(0)):
         layer._scaling = view
     stacks.append(stack)
@@ -348,7 +369,8 @@ class EKFACSpec(KFACSpec):
     layer_class = EKFACLayer
 
     def make_layer(self, index: int, selected: Selected) -> EKFACLayer:
-        return self._make_factored_layer(selected)
+        # layer_class is EKFACLayer
+        return cast(EKFACLayer, self._make_factored_layer(selected))
 
     def describe(self) -> dict[str, Any]:
         return dict(self.settings)

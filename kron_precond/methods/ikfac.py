@@ -59,7 +59,8 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
         self.factor_dtype, self.inv_dtype = factor_dtype, inv_dtype
         self.statistics_dtype = torch.promote_types(factor_dtype, torch.float32)
         self._device = device
-        self.a_factor = torch.zeros(self.a_dim, self.a_dim, dtype=factor_dtype, device=device)
+        # ``None`` on a rank that keeps no factor (release_statistics_state).
+        self.a_factor: torch.Tensor | None = torch.zeros(self.a_dim, self.a_dim, dtype=factor_dtype, device=device)
         # This statistics step's sum of ã ãᵀ and its row count: what ranks reduce. Allocated
         # on statistics steps only and freed once folded.
         self._a_sum: torch.Tensor | None = None
@@ -83,23 +84,25 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
             rows = rows[: self.statistics_rows]
         rows = rows.to(self.statistics_dtype)
         d = rows.shape[1]
-        self._allocate_statistics()
-        self._a_sum[:d, :d].addmm_(rows.t(), rows)
+        a_sum = self._allocate_statistics()
+        a_sum[:d, :d].addmm_(rows.t(), rows)
         if self.has_bias:  # the ones column of ã, without materialising it
             col_sum = rows.sum(0)
-            self._a_sum[:d, d].add_(col_sum)
-            self._a_sum[d, :d].add_(col_sum)
-            self._a_sum[d, d].add_(rows.shape[0])
+            a_sum[:d, d].add_(col_sum)
+            a_sum[d, :d].add_(col_sum)
+            a_sum[d, d].add_(rows.shape[0])
         self._rows.add_(rows.shape[0])
 
-    def _allocate_statistics(self) -> None:
+    def _allocate_statistics(self) -> torch.Tensor:
+        """This statistics step's sum of ``ã ãᵀ``, allocated (zero) on first use."""
         if self._a_sum is None:
             self._a_sum = torch.zeros(self.a_dim, self.a_dim, dtype=self.statistics_dtype, device=self._device)
+        return self._a_sum
 
     def shared_statistics(self) -> list[torch.Tensor]:
         """This step's ``Σ ã ãᵀ`` and row count, summed across ranks before folding."""
-        self._allocate_statistics()
-        return [self._a_sum, self._rows]
+        a_sum = self._allocate_statistics()
+        return [a_sum, self._rows]
 
     def release_statistics_state(self) -> None:
         self.a_factor = None
@@ -144,7 +147,7 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
     # ------------------------------------------------------------------ refresh
     def _allocated(self) -> list[torch.Tensor]:
         if self._refreshed is None:
-            kw = dict(device=self._device, dtype=self.inv_dtype)
+            kw: dict[str, Any] = dict(device=self._device, dtype=self.inv_dtype)
             self._refreshed = [torch.zeros(self.a_dim, self.a_dim, **kw), torch.zeros(1, **kw)]
         return self._refreshed
 
@@ -157,12 +160,22 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
 
     def refresh(self, part: str, grads, ctx: StepContext) -> None:
         """``(A + λI)⁻¹`` by Cholesky, ``λ = damping · tr(A) / dim``; previous inverse kept on failure."""
-        inverse = damped_inverse(self.a_factor, ctx["damping"], self.inv_dtype, self.name)
+        inverse = damped_inverse(self._held_factor(), ctx["damping"], self.inv_dtype, self.name)
         if inverse is None:
             return
         target, valid = self._allocated()
         target.copy_(inverse)
         valid.fill_(1.0).mul_(self._seen)
+
+    def _held_factor(self) -> torch.Tensor:
+        """The running factor A of a rank that keeps it (its owner, on sharded models)."""
+        assert self.a_factor is not None, f"{self.name}: the factor was released on this rank"
+        return self.a_factor
+
+    def _refreshed_state(self) -> list[torch.Tensor]:
+        """``[inverse, validity flag]`` of a layer that is ``ready`` (allocated by its refresh)."""
+        assert self._refreshed is not None, f"{self.name}: no refreshed state (not a gradient worker?)"
+        return self._refreshed
 
     def finalize_refresh(self, ctx: StepContext) -> None:
         if ctx.statistics_count:
@@ -201,6 +214,7 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
         if moments is not None:
             for layer in layers:
                 layer.updates += 1
+            assert first.moment_decay is not None  # a layer holds moments only with a moment_decay
             out = scale_by_moment(out, moments, first.moment_decay, first.moment_eps,
                                   [layer.updates for layer in layers], use)
         return cls.unstack_matrices(layers, torch.where(use.reshape(-1, 1, 1), out.to(matrix.dtype), matrix))
@@ -298,8 +312,8 @@ def damped_inverse(factor: torch.Tensor, damping: float, out_dtype: torch.dtype,
 
 def _adopt(layers: Sequence[InputKFACLayer]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Stack the layers' inverses, flags and moments; re-point each layer at its slices."""
-    inverses = torch.stack([layer._refreshed[0] for layer in layers])
-    flags = torch.stack([layer._refreshed[1] for layer in layers])
+    inverses = torch.stack([layer._refreshed_state()[0] for layer in layers])
+    flags = torch.stack([layer._refreshed_state()[1] for layer in layers])
     for layer, inverse, flag in zip(layers, inverses.unbind(0), flags.unbind(0)):
         layer._refreshed = [inverse, flag]
     moments = adopt_moments(layers) if layers[0].moment is not None else None

@@ -33,17 +33,28 @@ diagonal). This is what makes K-FAC affordable on a wide MLP side or a vocabular
 from __future__ import annotations
 
 import warnings
-from typing import Any, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Hashable, Sequence, cast
 
 import torch
 
-from kron_precond.enums import ComputeMethod
 from kron_precond import validation as check
+from kron_precond.enums import ComputeMethod
 from kron_precond.methods import state_checks as checks
-from kron_precond.methods.base import (GradientMatrix, LayerMethod, MethodSpec, Option, Selected,
-                                       graft_to_gradient_norm, moved, tensor_bytes)
+from kron_precond.methods.base import (
+    GradientMatrix,
+    LayerMethod,
+    MethodSpec,
+    Option,
+    Selected,
+    graft_to_gradient_norm,
+    moved,
+    tensor_bytes,
+)
 from kron_precond.modules import find_kfac_modules
 from kron_precond.schedules import IntervalSchedule, StepContext
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 FACTORS = ("A", "G")
 
@@ -97,15 +108,16 @@ class KFACLayer(GradientMatrix, LayerMethod):
         self.eigenvalue_outer_product = eigenvalue_outer_product
         self.factor_dtype = factor_dtype
         self.inv_dtype = inv_dtype
-        kw = dict(device=device, dtype=factor_dtype)
+        kw: dict[str, Any] = dict(device=device, dtype=factor_dtype)
         # Statistics are summed in float32 or better: a float16 sum overflows past 65,504
         # rows and a bfloat16 one stops growing at 256 equal terms.
         self.statistics_dtype = torch.promote_types(factor_dtype, torch.float32)
         # Per factor: keep only its diagonal (a vector) because the side is too wide.
         self.diagonal = {part: max_factor_size is not None and dim > max_factor_size
                          for part, dim in (("A", self.a_dim), ("G", self.g_dim))}
-        self.a_factor = torch.zeros(self._factor_shape("A"), **kw)
-        self.g_factor = torch.zeros(self._factor_shape("G"), **kw)
+        # ``None`` on a rank that keeps no factors (release_statistics_state).
+        self.a_factor: torch.Tensor | None = torch.zeros(self._factor_shape("A"), **kw)
+        self.g_factor: torch.Tensor | None = torch.zeros(self._factor_shape("G"), **kw)
         # Statistics of the current factor step, summed over rows and micro-batches.
         # Sums and row counts (not means) are what ranks reduce, so a layer that saw no
         # rows on one rank still gets the same global mean on every rank.
@@ -140,36 +152,36 @@ class KFACLayer(GradientMatrix, LayerMethod):
         return (dim,) if self.diagonal[part] else (dim, dim)
 
     # ------------------------------------------------------------------ observe
-    def observe_activations(self, rows: torch.Tensor) -> None:
+    def observe_activations(self, rows: torch.Tensor) -> Any:
         """Accumulate ``Σ ã ãᵀ`` (its diagonal ``Σ ã²`` for a diagonal A) for activation
         rows ``[N, in]`` (no bias column)."""
         rows = self.statistics_subset(rows).to(self.statistics_dtype)
         d = rows.shape[1]
-        self._allocate_statistics()
+        a_sum, _ = self._allocate_statistics()
         if self.diagonal["A"]:
-            self._a_sum[:d].add_(rows.square().sum(0))
+            a_sum[:d].add_(rows.square().sum(0))
             if self.has_bias:
-                self._a_sum[d].add_(rows.shape[0])
+                a_sum[d].add_(rows.shape[0])
             self._rows[0].add_(rows.shape[0])
             return
-        self._a_sum[:d, :d].addmm_(rows.t(), rows)
+        a_sum[:d, :d].addmm_(rows.t(), rows)
         if self.has_bias:
             # The ones column of ã, without materialising it.
             col_sum = rows.sum(0)
-            self._a_sum[:d, d].add_(col_sum)
-            self._a_sum[d, :d].add_(col_sum)
-            self._a_sum[d, d].add_(rows.shape[0])
+            a_sum[:d, d].add_(col_sum)
+            a_sum[d, :d].add_(col_sum)
+            a_sum[d, d].add_(rows.shape[0])
         self._rows[0].add_(rows.shape[0])  # counted on the device: no host round trip
 
-    def observe_output_grads(self, rows: torch.Tensor, scale: float) -> None:
+    def observe_output_grads(self, rows: torch.Tensor, scale: float, call: Any = None) -> None:
         """Accumulate ``Σ δ δᵀ`` (``Σ δ²`` for a diagonal G) for output-gradient rows
-        ``[N, out]``, ``δ = scale · rows``."""
+        ``[N, out]``, ``δ = scale · rows`` (``call`` is not needed here)."""
         rows = self.statistics_subset(rows).to(self.statistics_dtype)
-        self._allocate_statistics()
+        _, g_sum = self._allocate_statistics()
         if self.diagonal["G"]:
-            self._g_sum.add_(rows.square().sum(0), alpha=scale * scale)
+            g_sum.add_(rows.square().sum(0), alpha=scale * scale)
         else:
-            self._g_sum.addmm_(rows.t(), rows, alpha=scale * scale)
+            g_sum.addmm_(rows.t(), rows, alpha=scale * scale)
         self._rows[1].add_(rows.shape[0])
 
     def statistics_subset(self, rows: torch.Tensor) -> torch.Tensor:
@@ -182,14 +194,16 @@ class KFACLayer(GradientMatrix, LayerMethod):
     def shared_statistics(self) -> list[torch.Tensor]:
         """This step's sums of ``ã ãᵀ`` and ``δ δᵀ`` and their row counts, to be summed
         across ranks before :meth:`fold_statistics`."""
-        self._allocate_statistics()  # every rank sends the same layout, data or not
-        return [self._a_sum, self._g_sum, self._rows]
+        a_sum, g_sum = self._allocate_statistics()  # every rank sends the same layout, data or not
+        return [a_sum, g_sum, self._rows]
 
-    def _allocate_statistics(self) -> None:
-        if self._a_sum is None:
-            kw = dict(device=self._device, dtype=self.statistics_dtype)
+    def _allocate_statistics(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This factor step's sums ``(A, G)``, allocated (zero) on first use."""
+        if self._a_sum is None or self._g_sum is None:
+            kw: dict[str, Any] = dict(device=self._device, dtype=self.statistics_dtype)
             self._a_sum = torch.zeros(self._factor_shape("A"), **kw)
             self._g_sum = torch.zeros(self._factor_shape("G"), **kw)
+        return self._a_sum, self._g_sum
 
     def release_statistics_state(self) -> None:
         """Free the running factors on a rank that never refreshes this layer (sharded
@@ -204,10 +218,10 @@ class KFACLayer(GradientMatrix, LayerMethod):
         The first update of a factor takes the statistics as they are. A factor with no
         rows, or with non-finite statistics, keeps its value; all decided on the device.
         """
-        if self._a_sum is None:  # nothing observed on this factor step
+        if self._a_sum is None or self._g_sum is None:  # nothing observed on this factor step
             self._missed.add_(1)
             return
-        if self.a_factor is None:  # factors live on the owner (sharded models)
+        if self.a_factor is None or self.g_factor is None:  # factors live on the owner (sharded models)
             self.discard_statistics()
             return
         decay = ctx["factor_decay"]
@@ -249,7 +263,7 @@ class KFACLayer(GradientMatrix, LayerMethod):
 
     def _allocated(self) -> dict[str, list[torch.Tensor]]:
         if self._refreshed is None:
-            kw = dict(device=self._device, dtype=self.inv_dtype)
+            kw: dict[str, Any] = dict(device=self._device, dtype=self.inv_dtype)
             self._refreshed = {part: [torch.zeros(shape, **kw) for shape in self._refreshed_shapes(part)]
                                for part in FACTORS}
         return self._refreshed
@@ -277,8 +291,9 @@ class KFACLayer(GradientMatrix, LayerMethod):
     def refresh(self, factor: str, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:
         """Decompose (EIGEN) or invert (INVERSE) one factor; keep the old result on failure."""
         damping = ctx["damping"]
+        result: tuple[torch.Tensor, ...] | None
         if self.compute_method is ComputeMethod.EIGEN:
-            matrix = self.a_factor if factor == "A" else self.g_factor
+            matrix = self._held_factor(factor)
             if self.diagonal[factor]:  # already diagonal: its eigenvalues, basis the identity
                 result = (matrix.clamp_min(0.0).to(self.inv_dtype),)
             else:
@@ -310,10 +325,16 @@ class KFACLayer(GradientMatrix, LayerMethod):
         self._damping_used = damping
         self.ready = True
 
-    def _damped_inverse(self, factor: str, damping: float) -> torch.Tensor | None:
+    def _held_factor(self, part: str) -> torch.Tensor:
+        """The running factor ``part`` ("A" or "G") of a rank that keeps the factors."""
+        factor = self.a_factor if part == "A" else self.g_factor
+        assert factor is not None, f"{self.name}: the factors were released on this rank"
+        return factor
+
+    def _damped_inverse(self, factor: str, damping: float) -> tuple[torch.Tensor] | None:
         work_dtype = _decomposition_dtype(self.inv_dtype)
-        a = self.a_factor.to(work_dtype)
-        g = self.g_factor.to(work_dtype)
+        a = self._held_factor("A").to(work_dtype)
+        g = self._held_factor("G").to(work_dtype)
         trace_a = _trace(a) / self.a_dim
         trace_g = _trace(g) / self.g_dim
         both_positive = (trace_a > 0) & (trace_g > 0)
@@ -347,11 +368,18 @@ class KFACLayer(GradientMatrix, LayerMethod):
             out = graft_to_gradient_norm([out.unsqueeze(0)], [matrix.unsqueeze(0)])[0].squeeze(0)
         # Until both factors have a valid refresh (data seen, decomposition succeeded),
         # the gradient passes through; chosen on the device.
-        valid = self._refreshed["A"][-1] * self._refreshed["G"][-1]
+        refreshed = self._refreshed_state()
+        valid = refreshed["A"][-1] * refreshed["G"][-1]
         return self.matrix_to_grads(torch.where(valid.bool(), out, matrix))
 
+    def _refreshed_state(self) -> dict[str, list[torch.Tensor]]:
+        """The refreshed tensors of a layer that is ``ready`` (allocated by its refresh)."""
+        assert self._refreshed is not None, f"{self.name}: no refreshed state (not a gradient worker?)"
+        return self._refreshed
+
     def precondition_matrix(self, grad: torch.Tensor) -> torch.Tensor:
-        parts = {part: self._refreshed[part] for part in FACTORS}
+        refreshed = self._refreshed_state()
+        parts = {part: refreshed[part] for part in FACTORS}
         return _precondition(grad, parts, self.compute_method, self._inverse_denominator, self._damping_used)
 
     def batch_key(self) -> Hashable | None:
@@ -362,7 +390,7 @@ class KFACLayer(GradientMatrix, LayerMethod):
                 self.diagonal["A"], self.diagonal["G"], self.grafting)
 
     @classmethod
-    def apply_batch(cls, layers: Sequence["KFACLayer"], grads: Sequence[list[torch.Tensor]],
+    def apply_batch(cls, layers: Sequence[Self], grads: Sequence[list[torch.Tensor]],
                     ctx: StepContext, cache: dict, keep: torch.Tensor) -> list[list[torch.Tensor]]:
         """All layers of one shape at once: one batched matmul per product, not one per layer.
 
@@ -398,10 +426,10 @@ class KFACLayer(GradientMatrix, LayerMethod):
             weights = weights.transpose(1, 2)
         else:
             weights = weights.reshape(count, *first.weight_shape)
-        weights = weights.unbind(0)
+        unstacked = weights.unbind(0)
         if biases is None:
-            return [[w] for w in weights]
-        return [[w, b] for w, b in zip(weights, biases)]
+            return [[w] for w in unstacked]
+        return [[w, b] for w, b in zip(unstacked, biases)]
 
 
     # ------------------------------------------------------------------ estimates
@@ -447,7 +475,7 @@ class KFACLayer(GradientMatrix, LayerMethod):
         (with their ``seen`` flags) where they were dropped, the decompositions where this
         rank is not a gradient worker (sharded checkpoints store each piece where it lives)."""
         state: dict[str, Any] = {"compute_method": self.compute_method.value}
-        if self.a_factor is not None:
+        if self.a_factor is not None and self.g_factor is not None:  # both or neither
             state.update(a_factor=self.a_factor.clone(), g_factor=self.g_factor.clone(),
                          seen=self._seen.clone())
         if self.holds_state:
@@ -488,7 +516,7 @@ class KFACLayer(GradientMatrix, LayerMethod):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
-        if self.a_factor is not None:
+        if self.a_factor is not None and self.g_factor is not None:  # both or neither
             self.a_factor.copy_(state["a_factor"])
             self.g_factor.copy_(state["g_factor"])
             self._seen.copy_(state["seen"])
@@ -521,6 +549,7 @@ def _precondition(grad: torch.Tensor, parts: dict, compute_method: ComputeMethod
         q_a = None if diagonal_a else parts["A"][0]
         q_g = None if diagonal_g else parts["G"][0]
         if denominator is None:
+            assert damping is not None, "the eigenvalue product needs the damping it was built with"
             denominator = _inverse_denominator(parts["G"][-2], parts["A"][-2], damping)
         rotated = grad if q_g is None else q_g.transpose(-1, -2) @ grad
         rotated = rotated if q_a is None else rotated @ q_a
@@ -577,18 +606,20 @@ def _adopt_into_stacks(layers: Sequence[KFACLayer]) -> dict[str, Any]:
     ``{"A": [...], "G": [...], "denominator": stack or None}`` (the parts' lists as in
     ``_refreshed_shapes``, each validity flag stacked to ``[k]``)."""
     first = layers[0]
+    refreshed = [layer._refreshed_state() for layer in layers]
     stacks: dict[str, Any] = {"denominator": None}
     for part in FACTORS:
         stacks[part] = []
-        for i in range(len(first._refreshed[part])):
-            stack = torch.stack([layer._refreshed[part][i] for layer in layers])
-            for layer, view in zip(layers, stack.unbind(0)):
-                layer._refreshed[part][i] = view
-            if i == len(first._refreshed[part]) - 1:
+        for i in range(len(refreshed[0][part])):
+            stack = torch.stack([state[part][i] for state in refreshed])
+            for state, view in zip(refreshed, stack.unbind(0)):
+                state[part][i] = view
+            if i == len(refreshed[0][part]) - 1:
                 stack = stack.reshape(len(layers))  # the one-element validity flags
             stacks[part].append(stack)
     if first.compute_method is ComputeMethod.EIGEN and first._inverse_denominator is not None:
-        stack = torch.stack([layer._inverse_denominator for layer in layers])
+        # batch_key groups layers by whether it is set: all of them hold one here.
+        stack = torch.stack(cast(list[torch.Tensor], [layer._inverse_denominator for layer in layers]))
         for layer, view in zip(layers, stack.unbind(0)):
             layer._inverse_denominator = view
         stacks["denominator"] = stack

@@ -498,7 +498,7 @@ class PSGDFactors:
 
     def _dense_p_maps(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:
         """``x ↦ QᵀQ x`` on mode fibres for dense (not triangular) factors."""
-        maps = []
+        maps: list[Callable[..., torch.Tensor]] = []  # each x -> x·(factor), factor bound by default
         for q in self.q:
             n = q.shape[0]
             fibres = self.numel // n

@@ -8,7 +8,7 @@ and the update-RMS clip of kron_torch.
 """
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Sequence, cast
 
 import torch
 
@@ -63,9 +63,10 @@ class PSGDLayer(LayerMethod):
                           b1=self.b1, **self._settings)
 
     def tensor(self, part: str) -> PSGDTensor:
-        if self._tensors[part] is None:
-            self._tensors[part] = self._new_tensor(part)
-        return self._tensors[part]
+        tensor = self._tensors[part]
+        if tensor is None:
+            tensor = self._tensors[part] = self._new_tensor(part)
+        return tensor
 
     def factor(self, part: str) -> PSGDFactors:
         return self.tensor(part).factors
@@ -153,7 +154,7 @@ class PSGDLayer(LayerMethod):
     def batch_key(self) -> Hashable | None:
         """Layers whose parameters have equal shapes and factor structures (which products are
         formed), all initialised, of rank at most 2, are preconditioned together."""
-        key = [type(self)]
+        key: list[Hashable] = [type(self)]
         for part in self.parts:
             state = self.tensor(part)
             factors = state.factors
@@ -173,7 +174,8 @@ class PSGDLayer(LayerMethod):
         (two products). Built when a factor changes; each layer's tensors are then re-pointed
         at their slice of the stack, so nothing is held twice and in-place updates reach it."""
         if len(layers) == 1:
-            return super().apply_batch(layers, grads, ctx, cache, keep)
+            # the base hands ctx on to PSGDLayer.apply, which also takes None
+            return super().apply_batch(layers, grads, cast(StepContext, ctx), cache, keep)
         states = [[layer.tensor(part) for part in layer.parts] for layer in layers]
         versions = tuple(t.version for row in states for t in row)
         if cache.get("versions") != versions:  # factors changed since the stacks were built
@@ -226,7 +228,7 @@ class PSGDLayer(LayerMethod):
                                for key, value in self.factor(part).state_dict().items()}
                         for part in self.parts},
             "momentum": None if self._averages is None else
-            {k: v.momentum.clone() for k, v in self._averages.items()},
+            {k: v.held_momentum().clone() for k, v in self._averages.items()},
             "momentum_steps": None if self._averages is None else
             {k: v.steps.clone() for k, v in self._averages.items()},
             # decides whether Q_iᵀQ_i is formed: saved so that a resumed run is bitwise the same
@@ -274,7 +276,7 @@ class PSGDLayer(LayerMethod):
         if self._averages is not None and state.get("momentum") is not None:
             steps = state.get("momentum_steps", 0)
             for part, value in state["momentum"].items():
-                self._averages[part].momentum.copy_(value)
+                self._averages[part].held_momentum().copy_(value)
                 # files written before the per-tensor state kept one count for the layer
                 self._averages[part].steps.fill_(steps) if not isinstance(steps, dict) else \
                     self._averages[part].steps.copy_(steps[part])

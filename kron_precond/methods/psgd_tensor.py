@@ -87,7 +87,12 @@ class PSGDTensor:
         return (1.0 - torch.pow(self.b1, self.steps)).clamp_min(1e-30).to(dtype)
 
     def debiased_momentum(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.momentum.to(dtype) / self.debias(dtype)
+        return self.held_momentum().to(dtype) / self.debias(dtype)
+
+    def held_momentum(self) -> torch.Tensor:
+        """The running average of a tensor built with ``momentum=True``."""
+        assert self.momentum is not None, "kron_precond: this PSGDTensor keeps no momentum (momentum=False)"
+        return self.momentum
 
     # ------------------------------------------------------------------ Q updates
     def probe(self, step: int, dtype: torch.dtype) -> torch.Tensor:

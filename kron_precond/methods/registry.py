@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 
+from kron_precond.enums import _StrEnum
 from kron_precond.methods.base import MethodSpec
 from kron_precond.methods.ekfac import EKFACSpec
 from kron_precond.methods.ikfac import InputKFACSpec
@@ -22,9 +23,17 @@ METHODS: dict[str, type[MethodSpec]] = {spec.name: spec for spec in (
     SOAPSpec,
 )}
 
+# Which Kronecker-factored preconditioner a layer uses: one member per registered method
+# (``Method.KFAC.value == "kfac"``); anywhere a method name is accepted, a member is too.
+# Built from the registry with the functional Enum API, so that the two cannot disagree. mypy
+# cannot follow it: it reads a call of a str-mixin Enum class as the str constructor.
+Method: type[_StrEnum] = _StrEnum(  # type: ignore[call-overload]
+    "Method", [(name.upper(), name) for name in METHODS], module=__name__, qualname="Method")
+Method.__doc__ = "Which Kronecker-factored preconditioner a layer uses (one member per registered method)."
+
 
 def get(method) -> type[MethodSpec]:
-    """The spec registered as ``method`` (a name, case-insensitive, or a ``Method`` member)."""
+    """The spec registered as ``method`` (a name, case-insensitive, or a :class:`Method` member)."""
     name = method.value if isinstance(method, enum.Enum) else method
     if isinstance(name, str) and name.lower() in METHODS:
         return METHODS[name.lower()]

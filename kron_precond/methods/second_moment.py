@@ -43,6 +43,7 @@ def scale_by_moment(values: torch.Tensor, moment: torch.Tensor, decay: float, ep
     blended = torch.lerp(moment, squares, 1.0 - decay)
     moment.copy_(torch.where(flags, blended, moment))
     counts = updates if isinstance(updates, list) else [updates]
+    correction: float | torch.Tensor
     if len(set(counts)) == 1:
         correction = 1.0 - decay**counts[0]
     else:  # rare: a small host-built tensor, no sync

@@ -24,9 +24,14 @@ default ``exponent = 1/4``, a matrix gets ``L̂^{-1/4} M R̂^{-1/4}`` and a one-
 of Shampoo for a tensor of order ``k``. A parameter passes through unchanged until each of
 its sides has a valid root (its statistic holds data and is not all zero).
 
-With ``grafting=True`` the layer's preconditioned update is rescaled to the norm of its
-incoming gradient (all of the layer's parameters together): Shampoo's direction with
-SGD's step size.
+With ``grafting=True`` (the default) the layer's preconditioned update is rescaled to the
+norm of its incoming gradient (all of the layer's parameters together): Shampoo's direction
+with SGD's step size. It is on by default because roots are applied unchanged between
+refreshes: without it the update is ``L̂^{-e} M R̂^{-e}`` with roots computed for the gradients
+of the last refresh, so a gradient that grows between refreshes (or one in a direction the
+statistics had not yet seen) gives a step up to ``ε^(-2e)`` times larger, the loss grows,
+the gradient with it, and with ``inv_update_steps`` of 10 or 100 training diverges. Grafted,
+the step is never larger than SGD's, whatever the roots.
 
 The statistics come from the gradients themselves, which are already averaged under DDP:
 nothing is reduced. They are kept by every gradient worker of the layer (its owner's column
@@ -44,8 +49,15 @@ import torch
 
 from kron_precond import validation as check
 from kron_precond.methods import state_checks as checks
-from kron_precond.methods.base import (LayerMethod, MethodSpec, Option, Selected, graft_to_gradient_norm, moved,
-                                       tensor_bytes)
+from kron_precond.methods.base import (
+    LayerMethod,
+    MethodSpec,
+    Option,
+    Selected,
+    graft_to_gradient_norm,
+    moved,
+    tensor_bytes,
+)
 from kron_precond.modules import find_parameter_modules
 from kron_precond.schedules import IntervalSchedule, StepContext
 
@@ -143,7 +155,7 @@ class ShampooLayer(LayerMethod):
 
     def _statistics(self) -> dict[str, torch.Tensor]:
         if self._stats is None:
-            kw = dict(device=self.device, dtype=self.factor_dtype)
+            kw: dict[str, Any] = dict(device=self.device, dtype=self.factor_dtype)
             self._stats = {part: torch.zeros(self._side_shape(part), **kw) for part in self.parts}
             mass_dtype = torch.promote_types(self.factor_dtype, torch.float32)
             self._mass = [torch.zeros((), device=self.device, dtype=mass_dtype) for _ in self.shapes]
@@ -151,10 +163,16 @@ class ShampooLayer(LayerMethod):
 
     def _allocated_roots(self) -> dict[str, list[torch.Tensor]]:
         if self._roots is None:
-            kw = dict(device=self.device, dtype=self.inv_dtype)
+            kw: dict[str, Any] = dict(device=self.device, dtype=self.inv_dtype)
             self._roots = {part: [torch.zeros(self._side_shape(part), **kw), torch.zeros(1, **kw)]
                            for part in self.parts}
         return self._roots
+
+    def _held_mass(self) -> list[torch.Tensor]:
+        """The statistics' masses (allocated with the statistics)."""
+        self._statistics()
+        assert self._mass is not None
+        return self._mass
 
     # ------------------------------------------------------------------ statistics
     def observe_gradients(self, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:
@@ -175,7 +193,7 @@ class ShampooLayer(LayerMethod):
             finite = torch.stack([torch.isfinite(u).all() for u in updated]).all()
             for part, new in zip(parts, updated):
                 stats[part].copy_(torch.where(finite, new, stats[part]))
-            mass = self._mass[index]
+            mass = self._held_mass()[index]
             mass.copy_(torch.where(finite, mass * decay + 1.0, mass))
             self.nonfinite.add_((~finite).to(self.nonfinite.dtype))
 
@@ -185,7 +203,7 @@ class ShampooLayer(LayerMethod):
         is kept if the statistic is all zero or the decomposition fails."""
         side = self.sides[part]
         stat = self._statistics()[part]
-        mass = self._mass[side.param]
+        mass = self._held_mass()[side.param]
         work = _decomposition_dtype(self.inv_dtype, self.factor_dtype)
         average = stat.to(work) / mass.to(work).clamp_min(torch.finfo(work).tiny)
         exponent = 2.0 * ctx["exponent"] / side.sides_of_param
@@ -223,7 +241,7 @@ class ShampooLayer(LayerMethod):
         a parameter without valid roots on all of its sides passes through."""
         if not self.ready:
             return grads
-        roots = {part: [t.unsqueeze(0) for t in pair] for part, pair in self._roots.items()}
+        roots = {part: [t.unsqueeze(0) for t in pair] for part, pair in self._allocated_roots().items()}
         return [out[0] for out in self._precondition([g.unsqueeze(0) for g in grads], roots)]
 
     def batch_key(self) -> Hashable | None:
@@ -242,6 +260,10 @@ class ShampooLayer(LayerMethod):
         tensors views into the stacks, so later refreshes and broadcasts (in place) update
         them: nothing is copied per step and no memory is duplicated.
         """
+        if not all(layer.ready for layer in layers):
+            # a layer without roots yet (before its first refresh) is alone in its group
+            # (``batch_key`` is None) and passes its gradients through
+            return super().apply_batch(layers, grads, ctx, cache, keep)
         stacks = cache.get("stacks")
         if stacks is None:
             stacks = cache["stacks"] = _adopt_into_stacks(layers)
@@ -270,6 +292,7 @@ class ShampooLayer(LayerMethod):
                 else:
                     result = result * root.unsqueeze(1) if side.diagonal else torch.matmul(result, root)
                 valid = flag if valid is None else valid * flag
+            assert valid is not None  # every parameter has at least one side
             result = torch.where(valid.reshape(count, 1, 1).bool(), result, matrix)
             out.append(result.reshape(grad.shape).to(grad.dtype))
         if self.grafting:
@@ -288,7 +311,7 @@ class ShampooLayer(LayerMethod):
         return costs
 
     def memory_by_kind(self) -> dict[str, int]:
-        stats = [] if self._stats is None else list(self._stats.values()) + list(self._mass)
+        stats = [] if self._stats is None else list(self._stats.values()) + list(self._held_mass())
         roots = [] if self._roots is None else [t for pair in self._roots.values() for t in pair]
         return {"shampoo_statistics": tensor_bytes(stats), "shampoo_roots": tensor_bytes(roots)}
 
@@ -298,7 +321,7 @@ class ShampooLayer(LayerMethod):
         return {
             "layout": {part: list(self._side_shape(part)) for part in self.parts},
             "statistics": {part: t.clone() for part, t in stats.items()},
-            "mass": [m.clone() for m in self._mass],
+            "mass": [m.clone() for m in self._held_mass()],
             "roots": {part: [t.clone() for t in pair] for part, pair in self._allocated_roots().items()},
             "ready": self.ready,
         }
@@ -332,7 +355,7 @@ class ShampooLayer(LayerMethod):
             return
         for part, value in state["statistics"].items():
             self._statistics()[part].copy_(value)
-        for mass, value in zip(self._mass, state["mass"]):
+        for mass, value in zip(self._held_mass(), state["mass"]):
             mass.copy_(value)
         for part, pair in state["roots"].items():
             for dst, src in zip(self._allocated_roots()[part], pair, strict=True):
@@ -397,9 +420,9 @@ def _adopt_into_stacks(layers: Sequence[ShampooLayer]) -> dict[str, list[torch.T
     for part in layers[0].parts:
         pair = []
         for i in range(2):
-            stack = torch.stack([layer._roots[part][i] for layer in layers])
+            stack = torch.stack([layer._allocated_roots()[part][i] for layer in layers])
             for layer, view in zip(layers, stack.unbind(0)):
-                layer._roots[part][i] = view
+                layer._allocated_roots()[part][i] = view
             pair.append(stack)
         stacks[part] = pair
     return stacks
@@ -444,7 +467,8 @@ class ShampooSpec(MethodSpec):
         "factor_decay": Option(0.99, _check_decay, per_step="statistics"),
         "epsilon": Option(1e-4, check.check_positive, per_step="refresh"),
         "exponent": Option(0.25, _check_exponent, per_step="refresh"),
-        "grafting": Option(False, check.check_bool),
+        # on by default: ungrafted, stale roots between refreshes can diverge (module docstring)
+        "grafting": Option(True, check.check_bool),
         "max_factor_size": Option(8192, check.check_int, collective=True),
         "factor_dtype": Option(None, lambda n, v: check.check_float_dtype(n, v, allow_none=True),
                                collective=True),

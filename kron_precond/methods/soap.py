@@ -30,7 +30,7 @@ case once the statistics hold more gradients than the side's dimension) neither 
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence, cast
 
 import torch
 
@@ -86,7 +86,7 @@ class SOAPLayer(GradientMatrix, LayerMethod):
     # ------------------------------------------------------------------ state allocation
     def _statistics(self) -> dict[str, torch.Tensor]:
         if self._stats is None:
-            kw = dict(device=self.device, dtype=self.factor_dtype)
+            kw: dict[str, Any] = dict(device=self.device, dtype=self.factor_dtype)
             self._stats = {side: torch.zeros(self.dims[side], self.dims[side], **kw) for side in self.active}
             self._mass = torch.zeros((), **kw)
         return self._stats
@@ -94,11 +94,21 @@ class SOAPLayer(GradientMatrix, LayerMethod):
     def _allocated(self) -> dict[str, list[torch.Tensor]]:
         """Bases start as the identity (the moment alone, Adam's, until the first refresh)."""
         if self._bases is None:
-            kw = dict(device=self.device, dtype=self.factor_dtype)
+            kw: dict[str, Any] = dict(device=self.device, dtype=self.factor_dtype)
             self._bases = {side: [torch.eye(self.dims[side], **kw), torch.zeros(self.dims[side], **kw)]
                            for side in self.active}
             self.moment = torch.zeros(self.g_dim, self.a_dim, **kw)
         return self._bases
+
+    def _held_mass(self) -> torch.Tensor:
+        """The statistics' total weight ``c``, allocated with them (:meth:`_statistics`)."""
+        assert self._mass is not None, f"{self.name}: no statistics held on this rank"
+        return self._mass
+
+    def _held_moment(self) -> torch.Tensor:
+        """The rotated second moment, allocated with the bases (:meth:`_allocated`)."""
+        assert self.moment is not None, f"{self.name}: no moment held on this rank"
+        return self.moment
 
     # ------------------------------------------------------------------ statistics
     def observe_gradients(self, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:
@@ -108,13 +118,15 @@ class SOAPLayer(GradientMatrix, LayerMethod):
             return
         decay = ctx["factor_decay"]
         stats = self._statistics()
-        matrix = self.grads_to_matrix([g.detach() for g in grads]).to(self.factor_dtype)
+        present = cast(Sequence[torch.Tensor], grads)  # none is None: returned above otherwise
+        matrix = self.grads_to_matrix([g.detach() for g in present]).to(self.factor_dtype)
         products = {"L": (matrix, matrix.t()), "R": (matrix.t(), matrix)}
         updated = {side: torch.addmm(stats[side], *products[side], beta=decay) for side in self.active}
         finite = torch.stack([torch.isfinite(u).all() for u in updated.values()]).all()
         for side, new in updated.items():
             stats[side].copy_(torch.where(finite, new, stats[side]))
-        self._mass.copy_(torch.where(finite, self._mass * decay + 1.0, self._mass))
+        mass = self._held_mass()
+        mass.copy_(torch.where(finite, mass * decay + 1.0, mass))
         self.nonfinite.add_((~finite).to(self.nonfinite.dtype))
 
     # ------------------------------------------------------------------ refresh
@@ -125,9 +137,9 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         if part not in self.active:
             return
         basis, estimates = self._allocated()[part]
-        self._statistics()
-        mass = self._mass
-        average = self._stats[part] / mass.clamp_min(torch.finfo(self.factor_dtype).tiny)
+        stats = self._statistics()
+        mass = self._held_mass()
+        average = stats[part] / mass.clamp_min(torch.finfo(self.factor_dtype).tiny)
         if self._warm[part]:
             q, r = torch.linalg.qr(average @ basis)
             values = r.diagonal().abs()
@@ -159,14 +171,17 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         self._warm = {side: not rep for side, rep in zip(self.active, repeated)}
         self._clusters = clusters if any(repeated) else None
         if self._clusters is not None:
-            self.moment.copy_(self._pooled(self.moment))
+            moment = self._held_moment()
+            moment.copy_(self._pooled(moment))
 
     def _pooled(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` (``[out, in(+1)]``) averaged over each block of equal eigenvalues."""
+        clusters = self._clusters
+        assert clusters is not None, f"{self.name}: pooled without repeated eigenvalues"
         for dim, side in ((0, "L"), (1, "R")):
-            if side not in self._clusters:
+            if side not in clusters:
                 continue
-            index, size = self._clusters[side]
+            index, size = clusters[side]
             sums = torch.zeros_like(values).index_add_(dim, index, values)
             values = (sums / size.to(values.dtype).unsqueeze(1 - dim)).index_select(dim, index)
         return values
@@ -183,8 +198,8 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         bases = self._allocated()
         self.updates += 1
         pool = self._pooled if self._clusters is not None else None
-        out = _rotated_step(matrix, {side: bases[side][0] for side in self.active}, self.moment, self.moment_decay,
-                            self.moment_eps, self.updates, keep, pool)
+        out = _rotated_step(matrix, {side: bases[side][0] for side in self.active}, self._held_moment(),
+                            self.moment_decay, self.moment_eps, self.updates, keep, pool)
         return self.matrix_to_grads(torch.where(keep, out, matrix))
 
     def batch_key(self) -> Hashable | None:
@@ -236,7 +251,8 @@ class SOAPLayer(GradientMatrix, LayerMethod):
             self._bases = {k: [moved(t, device, fd) for t in v] for k, v in self._bases.items()}
             self.moment = moved(self.moment, device, fd)
         if self._clusters is not None:
-            self._clusters = {k: tuple(moved(t, device) for t in v) for k, v in self._clusters.items()}
+            self._clusters = {k: (moved(index, device), moved(size, device))
+                              for k, (index, size) in self._clusters.items()}
         self.nonfinite = moved(self.nonfinite, device)
         self.device = device
 
@@ -244,8 +260,8 @@ class SOAPLayer(GradientMatrix, LayerMethod):
     def state_dict(self) -> dict[str, Any]:
         stats, bases = self._statistics(), self._allocated()
         return {"sides": list(self.active), "statistics": {k: t.clone() for k, t in stats.items()},
-                "mass": self._mass.clone(), "bases": {k: [t.clone() for t in v] for k, v in bases.items()},
-                "moment": self.moment.clone(), "updates": self.updates}
+                "mass": self._held_mass().clone(), "bases": {k: [t.clone() for t in v] for k, v in bases.items()},
+                "moment": self._held_moment().clone(), "updates": self.updates}
 
     def check_state(self, state: dict[str, Any]) -> None:
         where = f"state of {self.name}"
@@ -277,8 +293,8 @@ class SOAPLayer(GradientMatrix, LayerMethod):
             stats[side].copy_(state["statistics"][side])
             for dst, src in zip(bases[side], state["bases"][side]):
                 dst.copy_(src)
-        self._mass.copy_(state["mass"])
-        self.moment.copy_(state["moment"])
+        self._held_mass().copy_(state["mass"])
+        self._held_moment().copy_(state["moment"])
         self.updates = int(state["updates"])
         self._derive_from_bases()
 
@@ -315,8 +331,8 @@ def _unsorted_clusters(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """:func:`eigenvalue_clusters` for estimates in any order (a QR step does not sort them),
     at float64's resolution whatever the dtype: in float32 the statistics' spectrum spans
     more decades than float32 resolves near its top, so float32's tolerance would pool most
-    of it into one block (measured on the char-LM: 450-500 of an MLP side's 512 eigenvalues)
-    and SOAP would no longer be SOAP. Float32 runs promise no bitwise agreement across world
+    of it into one block (on a character-level language model, 450-500 of an MLP side's 512
+    eigenvalues) and SOAP would no longer be SOAP. Float32 runs promise no bitwise agreement across world
     sizes anyway; in float64, where the promise is tested, the two tolerances agree."""
     order = torch.argsort(values, stable=True)
     sorted_index, size = eigenvalue_clusters(values[order], eps=torch.finfo(torch.float64).eps)
@@ -325,15 +341,14 @@ def _unsorted_clusters(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def _adopt_into_stacks(layers: Sequence[SOAPLayer]) -> dict[str, Any]:
     """Stack the layers' bases and moments and re-point each layer at its slice."""
-    for layer in layers:
-        layer._allocated()
+    allocated = [layer._allocated() for layer in layers]
     bases = {}
     for side in layers[0].active:
-        stack = torch.stack([layer._bases[side][0] for layer in layers])
-        for layer, view in zip(layers, stack.unbind(0)):
-            layer._bases[side][0] = view
+        stack = torch.stack([layer_bases[side][0] for layer_bases in allocated])
+        for layer_bases, view in zip(allocated, stack.unbind(0)):
+            layer_bases[side][0] = view
         bases[side] = stack
-    moment = torch.stack([layer.moment for layer in layers])
+    moment = torch.stack([layer._held_moment() for layer in layers])
     for layer, view in zip(layers, moment.unbind(0)):
         layer.moment = view
     return {"bases": bases, "moment": moment, "views": [layer.moment for layer in layers]}

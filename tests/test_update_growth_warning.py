@@ -1,0 +1,131 @@
+"""An update that grows by orders of magnitude is reported, without a host sync per step.
+
+The engine keeps, per layer and on the device, the first non-zero norm of the update it
+writes into ``.grad`` and the largest since the last read; the counters are read with the
+non-finite counters (refresh steps, or every ``health_check_every`` steps) and a layer whose
+update reached ``UPDATE_GROWTH_WARNING`` times its first norm, or became non-finite, is
+warned about (``kron_precond/health.py``). ``tests/test_host_syncs.py`` checks that the
+steps in between read nothing back.
+
+* Mechanism: Shampoo's roots are kept between refreshes, so gradients scaled up 1e4-fold
+  after a refresh give updates 1e4 times larger: warned at the next refresh, naming the
+  layers; the same run with unscaled gradients is not warned about.
+* Training: on the digits MLP, ungrafted Shampoo with roots refreshed every 10 / 100 steps
+  diverges (the loss ends far above its start) and is warned about; the default (grafted)
+  Shampoo and K-FAC at the same settings train and are not.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kron_precond import KronPreconditioner
+from kron_precond.health import UPDATE_GROWTH_WARNING, Health
+from test_method_defaults import load_split
+
+MATCH = "preconditioned update"
+
+
+def _growth_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if MATCH in str(w.message)]
+
+
+def _run_scaled(scale_from: int, scale: float, *, steps: int = 11, **options) -> list[str]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    precond = KronPreconditioner(model, method="shampoo", inv_update_steps=10, **options)
+    data = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            x, y = torch.randn(32, 8, generator=data), torch.randn(32, 4, generator=data)
+            model.zero_grad()
+            loss = (model(x) - y).square().mean()
+            (loss * (scale if step >= scale_from else 1.0)).backward()
+            precond.step()  # no optimizer: the model stays put, only the gradients' scale changes
+    return _growth_warnings(record)
+
+
+@pytest.mark.parametrize("grafting", [False, True])
+def test_gradients_scaled_up_between_refreshes_are_warned_about_at_the_next_read(grafting):
+    # step 0 refreshes (first read: nothing yet), steps 5-9 are scaled, step 10 reads
+    assert _run_scaled(5, 1e4, steps=10, grafting=grafting) == []  # not read before step 10
+    messages = _run_scaled(5, 1e4, grafting=grafting)
+    assert len(messages) == 1, messages
+    assert "0 (" in messages[0] and "2 (" in messages[0], messages  # both Linear layers named
+
+
+def test_unscaled_gradients_are_not_warned_about():
+    assert _run_scaled(5, 1.0, steps=31, grafting=False) == []
+    # grafted, the update follows the gradient: 10-fold, far below the threshold (ungrafted,
+    # the stale roots of step 0 amplify unseen directions up to 100-fold on top of it)
+    assert _run_scaled(5, 10.0, steps=31) == []
+
+
+def test_non_finite_update_from_a_finite_gradient_is_reported():
+    class Method:
+        nonfinite = torch.zeros((), dtype=torch.int64)
+
+    class FakeLayer:
+        def __init__(self, index):
+            self.index, self.name, self.method = index, f"layer{index}", Method()
+
+    layers = [FakeLayer(0), FakeLayer(1)]
+    health = Health(layers, captures=False)
+    health.record_updates(torch.tensor([1.0, 2.0]), layers)
+    health.record_updates(torch.tensor([float("nan"), 2.0 * UPDATE_GROWTH_WARNING]), layers)
+    with pytest.warns(RuntimeWarning, match=MATCH) as record:
+        health.report_state(statistics_seen=True)
+    text = " ".join(_growth_warnings(record))
+    assert "layer0 (non-finite)" in text and "layer1 (1e+03x)" in text, text
+    with warnings.catch_warnings():  # the peaks were reset by the read
+        warnings.simplefilter("error")
+        health.record_updates(torch.tensor([1.0, 2.0]), layers)
+        health.report_state(statistics_seen=True)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_split()
+
+
+def _train_digits(data, lr: float, method: str, steps: int = 150, **options):
+    """``(first loss, last loss, growth warnings)`` of SGD (momentum 0.9) on the digits MLP."""
+    Xtr, ytr, _, _ = data
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    precond = KronPreconditioner(model, method=method, factor_update_steps=1, **options)
+    order = torch.Generator().manual_seed(0)
+    losses = []
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            idx = torch.randint(len(Xtr), (64,), generator=order)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(Xtr[idx]), ytr[idx])
+            loss.backward()
+            losses.append(loss.item())
+            precond.step(lr=lr)
+            opt.step()
+    return losses[0], losses[-1], _growth_warnings(record)
+
+
+@pytest.mark.parametrize("every, lr", [(10, 0.1), (100, 0.03)])
+def test_diverging_ungrafted_shampoo_is_warned_about(digits, every, lr):
+    first, last, messages = _train_digits(digits, lr, "shampoo", grafting=False, inv_update_steps=every)
+    assert not (last < first), f"expected this configuration to diverge: loss {first:.3g} -> {last:.3g}"
+    assert messages, f"loss {first:.3g} -> {last:.3g} without a warning"
+
+
+@pytest.mark.parametrize("method", ["shampoo", "kfac"])
+@pytest.mark.parametrize("every, lr", [(10, 0.1), (100, 0.03)])
+def test_healthy_runs_are_not_warned_about(digits, method, every, lr):
+    first, last, messages = _train_digits(digits, lr, method, inv_update_steps=every)
+    assert math.isfinite(last) and last < first, f"{method}: loss {first:.3g} -> {last:.3g}"
+    assert messages == [], messages
