@@ -147,7 +147,8 @@ def run_strategy(args, rank: int, world: int, strategy: str, counter: Counter) -
     result = {
         "rank": rank, "world": world, "strategy": strategy, "grad_workers": precond.grad_workers,
         "layers": len(precond.layers),
-        "precond_ms": 1e3 * precond_time / args.measure, "precond_cpu_ms": 1e3 * precond_cpu / args.measure, "rest_ms": 1e3 * rest_time / args.measure,
+        "precond_ms": 1e3 * precond_time / args.measure, "precond_cpu_ms": 1e3 * precond_cpu / args.measure,
+        "rest_ms": 1e3 * rest_time / args.measure,
         "kind_ms": {k: 1e3 * sum(v) / max(len(v), 1) for k, v in by_kind.items()},
         "calls": {k: v / args.measure for k, v in counter.calls.items()},
         "mbytes": {k: v / args.measure / 2**20 for k, v in counter.bytes.items()},
@@ -210,7 +211,8 @@ def print_tables(rows: list[dict], summary: list[dict], args) -> None:
     print(f"\nper rank, per step (mean over {args.measure} measured steps after {args.warmup} warm-up; "
           f"factors every {args.factor_steps}, inverses every {args.inv_steps} steps). AR/BC: all-reduce/"
           f"broadcast calls and payload MB issued by the preconditioner; precond ms: precond.step() wall time, "
-          f"amortised; cpu ms: its CPU time on this rank (all threads), unaffected by waiting for a core; rest ms: forward + backward (incl. DDP) + optimizer; inv-step / fac-step / plain: "
+          f"amortised; cpu ms: its CPU time on this rank (all threads), unaffected by waiting for a core; "
+          f"rest ms: forward + backward (incl. DDP) + optimizer; inv-step / fac-step / plain: "
           f"precond.step() ms on each kind of step")
     header = (f"{'world':>5} {'strategy':>10} {'rank':>4} {'W':>2} {'AR/step':>8} {'BC/step':>8} "
               f"{'AR MB':>8} {'BC MB':>8} {'precond ms':>10} {'rest ms':>8} {'precond %':>9} {'cpu ms':>7} "
@@ -234,7 +236,8 @@ def print_tables(rows: list[dict], summary: list[dict], args) -> None:
     for s in summary:
         speed = f"{base / s['precond_ms']:.2f}x" if base else "-"
         print(f"{s['world']:>5} {s['strategy']:>10} {s['grad_workers']:>2} {s['ar_calls']:>8.2f} {s['bc_calls']:>8.2f} "
-              f"{s['ar_mb']:>8.3f} {s['bc_mb']:>8.3f} {s['precond_ms']:>10.2f} {s['rest_ms']:>8.2f} {speed:>10} {s['precond_cpu_ms']:>7.1f} "
+              f"{s['ar_mb']:>8.3f} {s['bc_mb']:>8.3f} {s['precond_ms']:>10.2f} {s['rest_ms']:>8.2f} {speed:>10} "
+              f"{s['precond_cpu_ms']:>7.1f} "
               f"{s['imb_c']:>8.3f} {s['imb_m']:>8.3f}")
 
 

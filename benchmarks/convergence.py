@@ -38,7 +38,7 @@ if str(REPO_ROOT) not in sys.path:  # run from a checkout: `benchmarks.*`, unins
 # `examples` (other wheels, e.g. kfac-pytorch's, install a top-level `examples`).
 sys.path.insert(0, str(REPO_ROOT / "examples"))
 
-from benchmarks.peers import ALL_PEERS, DEFAULT_PEERS, available_peers, parse_peers  # noqa: E402
+from benchmarks.peers import ALL_PEERS, available_peers, parse_peers  # noqa: E402
 from char_lm import (  # noqa: E402
     Contender,
     RunResult,
@@ -58,7 +58,7 @@ from kron_examples_common import METHODS, PrecondConfig, close_distributed, init
 # best point of earlier sweeps, so that each family's best point can land inside its grid.
 # The Muon-based families share Muon's grid, centred on 1.6e-2, their best point at the
 # examples' Muon momentum of 0.9 (8e-3 was, at torch's 0.95). Each preconditioner runs in
-# the main job's setting and in the one it replaced (docs/benchmarks.md: K-FAC on every row
+# the main job's setting and in the one it replaced (docs/history.md: K-FAC on every row
 # with the eigenbasis; PSGD with the annealed update probability).
 DEFAULT_GRID = {
     "adamw": (1e-3, 2e-3, 4e-3),
@@ -81,7 +81,10 @@ VARIANT_KEYS = {
     "maxtri": "psgd_max_size_triangular", "msm": "psgd_memory_save_mode",
     "ie": "ikfac_every", "idamp": "ikfac_damping", "idecay": "ikfac_factor_decay",
     "irows": "ikfac_statistics_rows", "m2": "moment_decay",
-    "mom": "muon_momentum", "momw": "muon_momentum_warmup", "kmax": "kfac_max_size", "graft": "kfac_grafting", "until": "precond_until", "pm": "precond_momentum", "we": "wmuon_every", "wdamp": "wmuon_damping", "wboth": "wmuon_both_sides", "wrows": "wmuon_statistics_rows", "wroot": "wmuon_root", "wblock": "wmuon_block_size", "wdecay": "wmuon_factor_decay", "rlr": "muon_rest_lr",
+    "mom": "muon_momentum", "momw": "muon_momentum_warmup", "kmax": "kfac_max_size", "graft": "kfac_grafting",
+    "until": "precond_until", "pm": "precond_momentum",
+    "we": "wmuon_every", "wdamp": "wmuon_damping", "wboth": "wmuon_both_sides", "wrows": "wmuon_statistics_rows",
+    "wroot": "wmuon_root", "wblock": "wmuon_block_size", "wdecay": "wmuon_factor_decay", "rlr": "muon_rest_lr",
     "se": "soap_statistics_every", "sb": "soap_every", "sdecay": "soap_factor_decay", "smax": "soap_max_size",
 }
 _FAMILY = re.compile(r"^(?P<method>\w+)(?:\{(?P<variant>[^}]*)\})?=(?P<lrs>.+)$")
@@ -89,7 +92,8 @@ _FAMILY = re.compile(r"^(?P<method>\w+)(?:\{(?P<variant>[^}]*)\})?=(?P<lrs>.+)$"
 
 def _variant_value(field: str, text: str):
     if field in ("factor_update_steps", "inv_update_steps", "psgd_max_size_triangular", "ikfac_every",
-                 "soap_statistics_every", "soap_every", "soap_max_size", "kfac_max_size", "wmuon_every", "wmuon_block_size"):
+                 "soap_statistics_every", "soap_every", "soap_max_size", "kfac_max_size", "wmuon_every",
+                 "wmuon_block_size"):
         return int(text)
     if field in ("statistics_rows", "ikfac_statistics_rows", "wmuon_statistics_rows"):
         return _optional_rows(text)
@@ -257,7 +261,8 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
         print(results_table(best, reference, target, muon))
         args.out.mkdir(parents=True, exist_ok=True)
         plot_curves(best, target, args.out / "convergence.png",
-                    f"best sweep point per method, {train.steps} steps, {train.batch_size * model_config.seq_len} tokens/step")
+                    f"best sweep point per method, {train.steps} steps, "
+                    f"{train.batch_size * model_config.seq_len} tokens/step")
         with open(args.out / "results.json", "w") as f:
             json.dump({"model": asdict(model_config), "train": asdict(train), "target": target,
                        "runs": [asdict(r) for r in results]}, f)

@@ -48,7 +48,10 @@ def build_kron_torch(
         update_probability = default_update_probability
     elif callable(update_probability):
         schedule = update_probability
-        update_probability = lambda step: schedule(int(step))  # kron_torch passes a tensor
+
+        def update_probability(step):  # kron_torch passes a tensor
+            return schedule(int(step))
+
     return kron_torch.Kron(
         params, lr=lr, weight_decay=weight_decay, merge_dims=False,
         preconditioner_update_probability=update_probability, precond_dtype=torch.float32,

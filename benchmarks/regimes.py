@@ -333,7 +333,8 @@ def run_map(args, train_fn: TrainFn = train_round_robin) -> None:
         raise SystemExit("--grid needs an adamw family (the target) and a muon family (the reference)")
     if len(muons) > 1 and MUON in muons:
         raise SystemExit(f"--grid: several Muon families {muons} are one reference, the best of them, which is "
-                         "named 'muon'; spell out every member's settings (e.g. muon{mom=0.9}) instead of a plain 'muon'")
+                         "named 'muon'; spell out every member's settings (e.g. muon{mom=0.9}) instead of a plain "
+                         "'muon'")
     ours = [f for f in families if f != REFERENCE and f not in muons]
     if not ours:
         raise SystemExit("--grid needs at least one family besides adamw and muon")
@@ -418,7 +419,8 @@ def add_pooled_measures(cells: dict[tuple, list[dict]]) -> None:
             m["time_ratio_pooled"], m["time_ratio_pooled_by"] = min(
                 (steps[f] / muon_steps * costs[(width, tokens)][f], f) for f in record["ours"])
             # to Muon's own final loss: steps recovered from seconds / the process's step time
-            to_muon = {f: _ratio(fams[f]["seconds_to_muon_loss"]) / fams[f]["step_seconds"] for f in [MUON, *record["ours"]]}
+            to_muon = {f: _ratio(fams[f]["seconds_to_muon_loss"]) / fams[f]["step_seconds"]
+                       for f in [MUON, *record["ours"]]}
             m["time_ratio_muon_target_pooled"] = min(
                 to_muon[f] / to_muon[MUON] * costs[(width, tokens)][f] for f in record["ours"])
 
@@ -436,8 +438,8 @@ def markdown_table(cells: dict[tuple, list[dict]]) -> str:
     costs = pooled_step_costs(cells)
     rows = ["| width | tokens/param (non-emb; all) | tokens/step | steps | lrs | seeds | time to AdamW's loss x Muon "
             "(per seed) | steps to it x Muon | time to it x Muon, pooled step cost (step x Muon) | "
-            "time to Muon's loss x Muon (measured; pooled step cost) | final loss x Muon | final losses Muon / best of ours "
-            "(seed 0) | lrs AdamW / Muon / ours (seed 0) |",
+            "time to Muon's loss x Muon (measured; pooled step cost) | final loss x Muon | "
+            "final losses Muon / best of ours (seed 0) | lrs AdamW / Muon / ours (seed 0) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (width, ratio, tokens), records in sorted(cells.items()):
         records = sorted(records, key=lambda r: r["seed"])
@@ -446,7 +448,7 @@ def markdown_table(cells: dict[tuple, list[dict]]) -> str:
         fams = m["families"]
         ours_lrs = ", ".join(f"{f} {fams[f]['lr_time']:g}/{fams[f]['lr_final']:g}" for f in first["ours"])
 
-        def per_seed(key: str, digits: int) -> str:
+        def per_seed(key: str, digits: int, records: Sequence[dict] = records) -> str:
             values = [_fmt(_ratio(r["measures"][key]), digits) for r in records]
             return f"**{_fmt(seed_mean(records, key), digits)}** ({', '.join(values)})"
 
@@ -505,7 +507,8 @@ def muon_configuration(records: Sequence[dict]) -> dict:
         steps = [crossing_step(run, record["measures"]["target"]) for run, record in zip(runs, records)]
         steps = [math.inf if s is None else s for s in steps]
         per_config[(family, lr)] = {
-            "steps": steps, "seconds": [s * r["measures"]["families"][MUON]["step_seconds"] for s, r in zip(steps, records)],
+            "steps": steps,
+            "seconds": [s * r["measures"]["families"][MUON]["step_seconds"] for s, r in zip(steps, records)],
             "final_loss": [run.final_loss for run in runs]}
     time_key = min(per_config, key=lambda k: (sum(per_config[k]["steps"]), k))
     final_key = min(per_config, key=lambda k: (sum(per_config[k]["final_loss"]), k))
@@ -572,10 +575,10 @@ def configuration_table(cells: dict[tuple, list[dict]]) -> str:
         width, ratio, tokens = row["cell"]
         s, mean = row["per_seed"], row["mean"]
 
-        def col(key: str, digits: int) -> str:
+        def col(key: str, digits: int, mean: dict = mean, s: dict = s) -> str:
             return f"**{_fmt(mean[key], digits)}** ({', '.join(_fmt(v, digits) for v in s[key])})"
 
-        def median(key: str, digits: int) -> str:
+        def median(key: str, digits: int, row: dict = row, s: dict = s) -> str:
             return f"**{_fmt(row['median'][key], digits)}** ({', '.join(_fmt(v, digits) for v in s[key])})"
 
         verdict = ", ".join(name for name, ok in zip(("time", "to Muon's loss", "final loss"), row["met"]) if ok)
@@ -647,7 +650,8 @@ def plot_map(cells: dict[tuple, list[dict]], path: Path) -> None:
                     value = seed_mean(records, key)
                     grid[i][j] = min(value, 10.0)
                     few = records[0]["steps"] < FEW_STEPS
-                    text = (_fmt(value, digits) + ("*" if few else "") + f"\n{_short(records[0]['measures'][key + '_by'])}"
+                    text = (_fmt(value, digits) + ("*" if few else "")
+                            + f"\n{_short(records[0]['measures'][key + '_by'])}"
                             + f"\n{records[0]['steps']} steps, {len(records)} seed{'s' * (len(records) > 1)}")
                     shade = float(norm(min(value, 10.0)))
                     ax.text(j, i, text, ha="center", va="center", fontsize=7,
@@ -661,7 +665,8 @@ def plot_map(cells: dict[tuple, list[dict]], path: Path) -> None:
             fig.colorbar(image, ax=ax, fraction=0.046)
     swept = any("members" in r["measures"]["families"][MUON] for records in cells.values() for r in records)
     fig.suptitle("char-LM regime map: blue = curvature + Muon beats Muon (mean of seeds; * = fewer than "
-                 f"{FEW_STEPS} steps)" + ("\nevery Muon-based family at its best lr and momentum per cell" if swept else ""),
+                 f"{FEW_STEPS} steps)"
+                 + ("\nevery Muon-based family at its best lr and momentum per cell" if swept else ""),
                  fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -39,10 +39,17 @@ sys.path.insert(0, str(REPO_ROOT / "examples"))
 
 from benchmarks.peers import ALL_PEERS, DEFAULT_PEERS, available_peers, parse_peers  # noqa: E402
 from char_lm import (  # noqa: E402
-    SKIP_LAYERS, ByteCorpus, CharTransformer, ModelConfig, TrainConfig, format_table, lm_loss, load_corpus,
+    SKIP_LAYERS,
+    ByteCorpus,
+    CharTransformer,
+    ModelConfig,
+    TrainConfig,
+    format_table,
+    lm_loss,
+    load_corpus,
 )
-from kron_examples_common import AmpState, PrecondConfig, StepTimer, build_optimizer, build_preconditioner, train_step  # noqa: E402
 from digits_cnn import DigitsCNN, classification_loss, load_digits_tensors  # noqa: E402
+from kron_examples_common import AmpState, PrecondConfig, StepTimer, build_optimizer, build_preconditioner, train_step  # noqa: E402
 
 LR = {"adamw": 1e-3, "sgd": 0.01, "kron": 3e-4}  # timing only: any stable value will do
 ANNEALED_P = 0.03  # floor of the default update-probability schedule
@@ -111,7 +118,8 @@ def digits_workload(batch_size: int, device: torch.device, n_batches: int = 4) -
 def _preconditioned(base: str, kind: str, **overrides) -> Callable:
     def build(model: nn.Module, workload: Workload):
         config = PrecondConfig(skip_layers=workload.skip_layers, **overrides)
-        return build_optimizer(base, model.parameters(), LR[base], 0.0), build_preconditioner(kind, model, LR[base], config)
+        return (build_optimizer(base, model.parameters(), LR[base], 0.0),
+                build_preconditioner(kind, model, LR[base], config))
 
     return build
 
@@ -142,7 +150,8 @@ def default_configs(peers: Sequence[str]) -> list[Config]:
         Config("K-FAC 1/1 + AdamW", "AdamW", _preconditioned("adamw", "kfac", **kfac_every_step)),
         Config("K-FAC 10/100 + AdamW", "AdamW", _preconditioned("adamw", "kfac", **kfac_amortised)),
         Config("PSGD p=1 + AdamW", "AdamW", _preconditioned("adamw", "psgd", update_probability=1.0)),
-        Config(f"PSGD p={ANNEALED_P} + AdamW", "AdamW", _preconditioned("adamw", "psgd", update_probability=ANNEALED_P)),
+        Config(f"PSGD p={ANNEALED_P} + AdamW", "AdamW",
+               _preconditioned("adamw", "psgd", update_probability=ANNEALED_P)),
         Config("SGD", "SGD", _bare("sgd")),
         Config("K-FAC 10/100 + SGD", "SGD", _preconditioned("sgd", "kfac", **kfac_amortised)),
         Config(f"PSGD p={ANNEALED_P} + SGD", "SGD", _preconditioned("sgd", "psgd", update_probability=ANNEALED_P)),
@@ -156,7 +165,8 @@ def default_configs(peers: Sequence[str]) -> list[Config]:
 
 
 # --------------------------------------------------------------------------- timing
-def time_workload(workload: Workload, configs: Sequence[Config], steps: int, warmup: int, device: torch.device) -> list[Timing]:
+def time_workload(workload: Workload, configs: Sequence[Config], steps: int, warmup: int,
+                  device: torch.device) -> list[Timing]:
     """Round-robin over ``configs``; returns per-step seconds of the timed steps."""
     timings = []
     for config in configs:
@@ -215,7 +225,8 @@ def plot(results: dict[str, list[Timing]], path: Path) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--workloads", default="lm,lm_tiny,digits",
                    help="comma-separated: lm (>= 4096 tokens/step), lm_tiny (one short sequence), digits")
     p.add_argument("--steps", type=int, default=100, help="timed steps per configuration (after warm-up)")

@@ -85,7 +85,8 @@ DEFAULT_LRS = {"sgd": 0.05, "adamw": 3e-3}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--method", choices=["none", "kfac", "psgd"], default="kfac",
                    help="preconditioner in front of the optimizer (none: the bare optimizer)")
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd", help="base optimizer")

@@ -31,7 +31,6 @@ import sysconfig
 import types
 from pathlib import Path
 
-
 try:
     import kron_precond  # noqa: F401
 except ImportError:  # run from a checkout without installing
@@ -41,7 +40,6 @@ except ImportError:  # run from a checkout without installing
 # TensorFlow or JAX installed beside it, their LLVM loaded first makes triton abort the process
 # ("LLVM ERROR: inconsistency in registered CommandLine options").
 import torch._dynamo  # noqa: E402,F401
-
 from torchtitan.config import override  # noqa: E402
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention  # noqa: E402
 
