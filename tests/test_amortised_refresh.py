@@ -25,13 +25,9 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
-from kron_precond import KronPreconditioner
 from kron_precond.methods import registry
-from test_method_defaults import load_split
+from test_method_defaults import load_split, run
 
 STEPS, BATCH = 200, 64
 TARGET = 0.95
@@ -82,29 +78,9 @@ def digits():
 
 
 def train(data, lr: float, method: str, **options) -> tuple[float, float, float]:
-    """``(training loss at the start, at the end, test accuracy)``."""
-    Xtr, ytr, Xte, yte = data
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    precond = KronPreconditioner(model, method=method, **options)
-    with torch.no_grad():
-        first = F.cross_entropy(model(Xtr), ytr).item()
-    order = torch.Generator().manual_seed(0)
-    perm, at = torch.randperm(len(Xtr), generator=order), 0
-    for _ in range(STEPS):
-        if at + BATCH > len(perm):  # a new epoch: reshuffle, drop the ragged tail
-            perm, at = torch.randperm(len(Xtr), generator=order), 0
-        idx = perm[at:at + BATCH]
-        at += BATCH
-        opt.zero_grad()
-        F.cross_entropy(model(Xtr[idx]), ytr[idx]).backward()
-        precond.step()  # as test_method_defaults: kl_clip (K-FAC, EK-FAC) at its fallback lr
-        opt.step()
-    with torch.no_grad():
-        last = F.cross_entropy(model(Xtr), ytr).item()
-        accuracy = (model(Xte).argmax(1) == yte).float().mean().item()
-    return first, last, accuracy
+    """``(training loss at the start, at the end, test accuracy)``: the digits run of
+    ``test_method_defaults`` for ``STEPS`` steps."""
+    return run(data, lr, method, steps=STEPS, **options)
 
 
 def test_every_registered_method_is_covered():

@@ -1,4 +1,4 @@
-"""Every registered method trains at its defaults (issue 18).
+"""Every registered method trains at its defaults.
 
 ``KronPreconditioner(model, method=name)`` with no other option, in front of SGD (momentum
 0.9), on scikit-learn's digits: a ReLU MLP 64-128-10, standardised features, a fixed
@@ -53,14 +53,22 @@ def train(data, lr: float, method: str | None, activation: type[nn.Module] = nn.
           **options) -> float:
     """Test accuracy after STEPS steps of SGD (momentum 0.9), preconditioned by ``method``
     (``None``: plain SGD) built with ``options`` only (none: the method's defaults)."""
+    return run(data, lr, method, activation, seed, STEPS, **options)[2]
+
+
+def run(data, lr: float, method: str | None, activation: type[nn.Module] = nn.ReLU, seed: int = 0,
+        steps: int = STEPS, **options) -> tuple[float, float, float]:
+    """``(training loss at the start, at the end, test accuracy)`` after ``steps`` steps."""
     Xtr, ytr, Xte, yte = data
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, 128), activation(), nn.Linear(128, 10))
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     precond = None if method is None else KronPreconditioner(model, method=method, **options)
+    with torch.no_grad():
+        first = F.cross_entropy(model(Xtr), ytr).item()
     order = torch.Generator().manual_seed(seed)
     perm, at = torch.randperm(len(Xtr), generator=order), 0
-    for _ in range(STEPS):
+    for _ in range(steps):
         if at + BATCH > len(perm):  # a new epoch: reshuffle, drop the ragged tail
             perm, at = torch.randperm(len(Xtr), generator=order), 0
         idx = perm[at:at + BATCH]
@@ -68,10 +76,11 @@ def train(data, lr: float, method: str | None, activation: type[nn.Module] = nn.
         opt.zero_grad()
         F.cross_entropy(model(Xtr[idx]), ytr[idx]).backward()
         if precond is not None:
-            precond.step()
+            precond.step()  # kl_clip (K-FAC, EK-FAC) at its fallback lr
         opt.step()
     with torch.no_grad():  # a diverged (NaN) model predicts class 0: ~10 %, never NaN
-        return (model(Xte).argmax(1) == yte).float().mean().item()
+        last = F.cross_entropy(model(Xtr), ytr).item()
+        return first, last, (model(Xte).argmax(1) == yte).float().mean().item()
 
 
 @pytest.fixture(scope="module")
