@@ -20,7 +20,7 @@ hook sees the output gradient in eager autograd, exactly as without compile.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -50,7 +50,7 @@ class ActivationCapture:
     def __init__(self, layers: Sequence, *, accumulation_steps: int,
                  loss_scale: Callable[[], float | torch.Tensor | None],
                  before_write: Callable[[], None],
-                 before_observe: Callable[[object], None] = lambda layer: None,
+                 before_observe: Callable[[Any], None] = lambda layer: None,
                  output_grads: bool = True) -> None:
         self.output_grads = output_grads
         self.accumulation_steps = accumulation_steps

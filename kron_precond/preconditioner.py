@@ -226,8 +226,7 @@ class KronPreconditioner:
         self._health = Health(self._layers, captures=self._spec.captures)
         self._capture = (ActivationCapture(self._layers, accumulation_steps=self.accumulation_steps,
                                            loss_scale=loss_scale, before_write=self._wait_for_statistics,
-                                           # the capture calls it with the Layers it was given
-                                           before_observe=cast(Callable[[object], None], self._follow_parameters),
+                                           before_observe=self._follow_parameters,
                                            output_grads=self._spec.captures_output_grads)
                          if self._spec.captures else None)
         self._collecting = False

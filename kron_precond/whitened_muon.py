@@ -90,7 +90,7 @@ class _CaptureLayer:
     method: UnitObserver
 
 
-def _listed_units(modules: list, log) -> list[Selected]:
+def _listed_units(modules: list) -> list[Selected]:
     """The units of the modules of the list form; ``TypeError`` / ``ValueError`` naming a
     module that is not one, or whose kind no adapter describes."""
     if not modules:
@@ -293,7 +293,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         if skip_layers not in ((), None, []):
             raise ValueError("WhitenedMuon: skip_layers applies to the model form (WhitenedMuon(model, ...)); "
                              "with a list of modules, leave the skipped ones out of the list")
-        units = _listed_units(list(params), logger.info)
+        units = _listed_units(list(params))
         weights = [_weight(u) for u in units if u.index is None or u.index == 0]
         if len({id(w) for w in weights}) != len(weights):
             raise ValueError("WhitenedMuon: a weight appears twice in modules (tied or repeated module)")
