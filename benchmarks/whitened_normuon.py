@@ -104,13 +104,45 @@ LEVERS = {  # name: (PrecondConfig overrides, with the row normalisation)
     "fresh_damp": (dict(wmuon_every=1, wmuon_factor_decay=0.8, wmuon_damping=0.03), False),
     "both": (dict(wmuon_both_sides=True), False),
     "normuon": ({}, True),
+    "polar": (dict(wmuon_ns_coefficients="polar_express"), False),
+    "spread128": (dict(wmuon_every=1, wmuon_statistics_rows=128), False),
+    "spread256": (dict(wmuon_every=1, wmuon_statistics_rows=256, wmuon_factor_decay=0.9), False),
+    "ema_nesterov1": ({}, False),
+    "ema_nesterov3": ({}, False),
+    "ema_b05": ({}, False),
+    "ema_b03": ({}, False),
+    "decay08": (dict(wmuon_factor_decay=0.8), False),
+    "decay05": (dict(wmuon_factor_decay=0.5), False),
+    "every5_decay08": (dict(wmuon_every=5, wmuon_factor_decay=0.8), False),
+    "every5_decay05": (dict(wmuon_every=5, wmuon_factor_decay=0.5), False),
+    "every3_decay07": (dict(wmuon_every=3, wmuon_factor_decay=0.7), False),
+    "every2_decay08": (dict(wmuon_every=2, wmuon_factor_decay=0.8), False),
+    "every5_decay08_damp005": (dict(wmuon_every=5, wmuon_factor_decay=0.8, wmuon_damping=0.05), False),
 }
+# EMA-Nesterov levers: β at peak lr (γ 0.9). In a steady state the lookahead multiplies the
+# step by 1 / (1 - β) (β >= 1 diverges), so the β < 1 levers take the lr times (1 - β).
+EMA_NESTEROV = {"ema_nesterov1": 1.0, "ema_nesterov3": 3.0, "ema_b05": 0.5, "ema_b03": 0.3}
+LEVER_LR = {"ema_b05": 0.5, "ema_b03": 0.7}  # the lever's lr, times the tuned lr
 LABELS = {
     "baseline": "wmuon (tuned), no lever",
     "fresh": "fresh statistics: every 1, factor_decay 0.8",
     "fresh_damp": "fresh statistics + damping 0.03",
     "both": "output side too (output_side=True)",
     "normuon": "row (per-neuron) normalisation, β2 0.95",
+    "polar": "Polar Express coefficients in msign",
+    "spread128": "statistics every step on 128 rows (refresh every step, factor_decay 0.95)",
+    "spread256": "statistics every step on 256 rows (refresh every step, factor_decay 0.9)",
+    "ema_nesterov1": "EMA-Nesterov lookahead, γ 0.9, β 1 (scaled by the lr schedule)",
+    "ema_nesterov3": "EMA-Nesterov lookahead, γ 0.9, β 3 (scaled by the lr schedule)",
+    "ema_b05": "EMA-Nesterov lookahead, γ 0.9, β 0.5, lr × 0.5",
+    "ema_b03": "EMA-Nesterov lookahead, γ 0.9, β 0.3, lr × 0.7",
+    "decay08": "shorter statistics horizon: factor_decay 0.8 (50 steps)",
+    "decay05": "shorter statistics horizon: factor_decay 0.5 (20 steps)",
+    "every5_decay08": "statistics and refresh every 5 steps, factor_decay 0.8 (25 steps)",
+    "every5_decay05": "statistics and refresh every 5 steps, factor_decay 0.5 (10 steps)",
+    "every3_decay07": "statistics and refresh every 3 steps, factor_decay 0.7 (10 steps)",
+    "every2_decay08": "statistics and refresh every 2 steps, factor_decay 0.8 (10 steps)",
+    "every5_decay08_damp005": "every 5 steps, factor_decay 0.8, damping 0.05",
 }
 
 
@@ -123,7 +155,14 @@ def build_whitened_normuon(model: nn.Module, lr: float, weight_decay: float, con
                            statistics_rows=config.wmuon_statistics_rows, output_side=config.wmuon_both_sides,
                            root=config.wmuon_root, block_size=config.wmuon_block_size,
                            factor_decay=config.wmuon_factor_decay, skip_layers=list(exclude),
-                           adamw_lr=config.muon_rest_lr)
+                           adamw_lr=config.muon_rest_lr, ns_coefficients=config.wmuon_ns_coefficients)
+
+
+def _with_ema_nesterov(built: tuple, beta: float) -> tuple:
+    from benchmarks.ema_nesterov import add_ema_nesterov
+    optimizer, precond = built
+    add_ema_nesterov(optimizer, gamma=0.9, beta=beta)
+    return optimizer, precond
 
 
 def lever_contenders(levers: list[str], weight_decay: float, precond) -> list:
@@ -139,6 +178,11 @@ def lever_contenders(levers: list[str], weight_decay: float, precond) -> list:
         if rows:
             out.append(Contender(name, LR, build=lambda model, scaler, c=config:
                                  (build_whitened_normuon(model, LR, weight_decay, c), None)))
+        elif name in EMA_NESTEROV:
+            lr = LR * LEVER_LR.get(name, 1.0)
+            base = method_contender("wmuon", lr, weight_decay, config)
+            out.append(Contender(name, lr, build=lambda model, scaler, b=base.build, beta=EMA_NESTEROV[name]:
+                                 _with_ema_nesterov(b(model, scaler), beta)))
         else:
             out.append(replace(method_contender("wmuon", LR, weight_decay, config), name=name))
     return out
@@ -187,6 +231,9 @@ def table(out: Path, steps: int) -> str:
             if r is muon:
                 continue
             loss = r["eval_losses"][-1]
+            if loss is None or not math.isfinite(loss):  # recorded as null: the run diverged
+                lines.append(f"| {LABELS.get(r['name'], r['name'])} | {part} | diverged | - | - | - |")
+                continue
             step = sum(r["step_seconds"]) / len(r["step_seconds"])
             s = speedup([b for b, _ in MUON_CURVE], [x for _, x in MUON_CURVE], steps, loss, step, muon_step)
             flag = "" if s["how"] == "interpolated" else f" ({s['how']})"

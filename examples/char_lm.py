@@ -171,6 +171,7 @@ class ModelConfig:
     n_heads: int = 4
     seq_len: int = 64
     tie_embeddings: bool = False
+    arch: str = "gpt"  # "gpt": CharTransformer; "llama": examples/byte_llama.py's ByteLlama
 
 
 class CharTransformer(nn.Module):
@@ -200,6 +201,17 @@ class CharTransformer(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_final(x))
+
+
+def build_model(config: ModelConfig) -> nn.Module:
+    """The model ``config.arch`` names, on bytes: CharTransformer or the Llama-style ByteLlama."""
+    if config.arch == "gpt":
+        return CharTransformer(config)
+    if config.arch == "llama":
+        from byte_llama import ByteLlama
+        return ByteLlama(config.d_model, config.n_layers, config.n_heads, config.seq_len, VOCAB_SIZE,
+                         config.tie_embeddings)
+    raise ValueError(f"arch must be 'gpt' or 'llama', got {config.arch!r}")
 
 
 def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -321,7 +333,7 @@ def evaluate(model: nn.Module, heldout, ctx: DistContext, amp: AmpState, chunk: 
 
 def _start(contender: Contender, model_config: ModelConfig, train: TrainConfig, ctx: DistContext) -> _Live:
     torch.manual_seed(train.seed)  # identical initial weights for every contender
-    model = wrap_ddp(CharTransformer(model_config).to(ctx.device), ctx)
+    model = wrap_ddp(build_model(model_config).to(ctx.device), ctx)
     amp = AmpState.create(train.amp, ctx.device)
     optimizer, precond = contender.build(model, amp.scaler)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(train.warmup_steps, train.steps))
@@ -534,6 +546,9 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-layers", type=int, default=ModelConfig.n_layers, help="transformer blocks")
     p.add_argument("--n-heads", type=int, default=ModelConfig.n_heads, help="attention heads")
     p.add_argument("--tie-embeddings", action="store_true", help="share token embedding and lm_head weights")
+    p.add_argument("--arch", choices=("gpt", "llama"), default=ModelConfig.arch,
+                   help="gpt: the byte-level GPT (LayerNorm, learned positions, GELU); llama: a Llama-style "
+                        "model from a transformers config (RMSNorm, rotary, SwiGLU, grouped-query attention)")
     p.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay, help="decoupled weight decay")
     p.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps, help="linear LR warm-up steps")
     p.add_argument("--damping", type=float, default=PrecondConfig.damping, help="K-FAC damping")
@@ -600,7 +615,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig, PrecondConfig]:
     """The configs ``add_training_args`` flags describe."""
-    model = ModelConfig(args.d_model, args.n_layers, args.n_heads, args.seq_len, args.tie_embeddings)
+    model = ModelConfig(args.d_model, args.n_layers, args.n_heads, args.seq_len, args.tie_embeddings, args.arch)
     train = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
         warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, eval_every=args.eval_every,
@@ -664,7 +679,7 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
     lrs = {m: getattr(args, f"lr_{m}") for m in methods}
     contenders = [method_contender(m, lrs[m], train.weight_decay, precond) for m in methods]
     if ctx.is_main:
-        n_params = sum(p.numel() for p in CharTransformer(model_config).parameters())
+        n_params = sum(p.numel() for p in build_model(model_config).parameters())
         tokens = train.batch_size * model_config.seq_len
         print(f"{n_params:,} parameters, {tokens} tokens/step, {train.steps} steps, "
               f"world size {ctx.world_size}, device {ctx.device}, {torch.get_num_threads()} threads")

@@ -197,6 +197,7 @@ class PrecondConfig:
     wmuon_root: str = "cholesky"
     wmuon_block_size: int | None = None
     wmuon_factor_decay: float = 0.95  # per refresh: the factors' exponential-average decay
+    wmuon_ns_coefficients: str = "muon"  # or "polar_express"
 
 
 class OptimizerChain(torch.optim.Optimizer):
@@ -299,7 +300,8 @@ def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, exclud
                     damping=config.wmuon_damping, statistics_rows=config.wmuon_statistics_rows,
                     output_side=config.wmuon_both_sides, root=config.wmuon_root,
                     block_size=config.wmuon_block_size, factor_decay=config.wmuon_factor_decay,
-                    skip_layers=list(exclude), adamw_lr=config.muon_rest_lr)
+                    skip_layers=list(exclude), adamw_lr=config.muon_rest_lr,
+                    ns_coefficients=config.wmuon_ns_coefficients)
     if post:
         return WhitenedMuon(model, lr, weight_decay, **settings)
     from whitened_muon_pre import PreWhitenedMuon

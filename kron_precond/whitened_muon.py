@@ -54,16 +54,33 @@ from kron_precond.whitening import MatrixView, UnitObserver, WhiteningStatistics
 logger = logging.getLogger("kron_precond")
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's quintic Newton-Schulz
+# Polar Express (Amsel et al., arXiv 2505.16932): one quintic per iteration, each the minimax
+# approximation of sign() on the interval the previous ones leave, so 5 iterations bring
+# every singular value closer to 1 than 5 of the fixed quintic. Its first iteration assumes
+# singular values <= 1, which a Frobenius normalisation with a 2 % margin guarantees in bf16.
+POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
+                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
+NS_SCHEDULES = {"muon": ((NS_COEFFICIENTS,), 1.0), "polar_express": (POLAR_EXPRESS, 1.02)}
 WHITENED, ADAMW = "whitened_muon", "adamw"
 ALGORITHMS = (WHITENED, ADAMW)
 
 
 def msign(matrix: torch.Tensor, steps: int = 5, eps: float = 1e-7,
-          dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``≈ U Vᵀ`` of ``matrix = U S Vᵀ`` by torch.optim.Muon's Newton-Schulz iteration, for one
-    matrix or a stack ``[k, m, n]``, each normalised by its own norm. In bfloat16 (the default)
-    every matrix of a stack gets ``torch.optim.Muon``'s result (bitwise on CPU, tested)."""
-    a, b, c = NS_COEFFICIENTS
+          dtype: torch.dtype = torch.bfloat16, coefficients: str = "muon") -> torch.Tensor:
+    """``≈ U Vᵀ`` of ``matrix = U S Vᵀ`` by a Newton-Schulz iteration, for one matrix or a
+    stack ``[k, m, n]``, each normalised by its own norm.
+
+    ``coefficients="muon"``: torch.optim.Muon's fixed quintic; in bfloat16 (the default) every
+    matrix of a stack gets ``torch.optim.Muon``'s result (bitwise on CPU, tested).
+    ``"polar_express"``: Polar Express's per-iteration quintics (iterations past the fifth
+    repeat the fifth); the same cost, singular values closer to 1."""
+    try:
+        schedule, margin = NS_SCHEDULES[coefficients]
+    except KeyError:
+        raise ValueError(f"coefficients must be one of {sorted(NS_SCHEDULES)}, got {coefficients!r}") from None
     x = matrix.to(dtype)
     single = x.dim() == 2
     if single:
@@ -71,8 +88,10 @@ def msign(matrix: torch.Tensor, steps: int = 5, eps: float = 1e-7,
     transposed = x.shape[-2] > x.shape[-1]
     if transposed:
         x = x.mT
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
-    for _ in range(steps):
+    norm = x.norm(dim=(-2, -1), keepdim=True)
+    x = x / (norm.clamp(min=eps) if margin == 1.0 else norm * margin + eps)
+    for i in range(steps):
+        a, b, c = schedule[min(i, len(schedule) - 1)]
         gram = x @ x.mT
         x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     if transposed:
@@ -169,6 +188,9 @@ class WhitenedMuon(torch.optim.Optimizer):
             by ``width / block_size``. ``None``: every side whole.
         ns_steps: Newton-Schulz iterations.
         ns_dtype: dtype of the Newton-Schulz iteration (bfloat16, as ``torch.optim.Muon``).
+        ns_coefficients: ``"muon"`` (``torch.optim.Muon``'s fixed quintic) or ``"polar_express"``
+            (Polar Express's per-iteration quintics, as the NanoGPT speedrun uses: the same cost,
+            a more exact ``msign``).
         grad_scaler: the ``torch.amp.GradScaler`` of an fp16 run (or a callable returning the
             loss scale): its scale is divided out of the output-side statistics.
         process_group: where the statistics are all-reduced; ``None``: the default group when
@@ -188,8 +210,8 @@ class WhitenedMuon(torch.optim.Optimizer):
                  adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None, statistics_every: int = 10,
                  damping: float = 0.1, factor_decay: float = 0.95, statistics_rows: int | None = 1024,
                  output_side: bool = False, root: str = "cholesky", block_size: int | None = None,
-                 ns_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16, grad_scaler: Any = None,
-                 process_group: Any = None):
+                 ns_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16, ns_coefficients: str = "muon",
+                 grad_scaler: Any = None, process_group: Any = None):
         defaults = dict(lr=validation.check_positive("lr", lr),
                         weight_decay=validation.check_non_negative("weight_decay", weight_decay),
                         momentum=validation.check_unit_interval("momentum", momentum, low_open=False, high_open=True),
@@ -207,6 +229,9 @@ class WhitenedMuon(torch.optim.Optimizer):
         if block_size is not None:
             block_size = validation.check_int("block_size", block_size)
         self.ns_steps = validation.check_int("ns_steps", ns_steps)
+        if ns_coefficients not in NS_SCHEDULES:
+            raise ValueError(f"ns_coefficients must be one of {sorted(NS_SCHEDULES)}, got {ns_coefficients!r}")
+        self.ns_coefficients = ns_coefficients
         checked = validation.check_float_dtype("ns_dtype", ns_dtype)
         assert checked is not None  # allow_none is off
         self.ns_dtype: torch.dtype = checked
@@ -481,7 +506,8 @@ class WhitenedMuon(torch.optim.Optimizer):
         with ``L``, ``R`` the output- and input-side whiteners (block-diagonal ``[k, blocks, b, b]``;
         either may be absent), in ``ns_dtype``."""
         update = update.to(self.ns_dtype)
-        ortho = msign(self._whiten(update, left, right, transpose=True), self.ns_steps, dtype=self.ns_dtype)
+        ortho = msign(self._whiten(update, left, right, transpose=True), self.ns_steps, dtype=self.ns_dtype,
+                      coefficients=self.ns_coefficients)
         if left is None and right is None:
             return ortho
         direction = self._whiten(ortho, left, right, transpose=False)
