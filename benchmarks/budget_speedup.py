@@ -288,17 +288,17 @@ def run_all(args) -> dict:
     first = args.seeds[0]
     chosen: dict[float, dict] = {}
     if not args.only_ours:
-        grid = [(m, mom, lr) for m in BASELINES for mom in args.momenta for lr in args.lrs]
-        chosen[1.0] = tune(args, first, 1.0, grid + [ours_default()], BASELINES)
+        grid = [(m, mom, lr) for m in args.baselines for mom in args.momenta for lr in args.lrs]
+        chosen[1.0] = tune(args, first, 1.0, grid + [ours_default()], args.baselines)
         for budget in args.budgets:
             if budget == 1.0:
                 continue
-            around = [(m, mom, lr * f) for m in BASELINES for mom, lr in [chosen[1.0][m]]
+            around = [(m, mom, lr * f) for m in args.baselines for mom, lr in [chosen[1.0][m]]
                       for f in (1 / SQRT2, 1.0, SQRT2)]
-            chosen[budget] = tune(args, first, budget, around, BASELINES)
+            chosen[budget] = tune(args, first, budget, around, args.baselines)
         for seed in args.seeds[1:]:
             for budget in args.budgets:
-                points = [(m, *chosen[budget][m]) for m in BASELINES]
+                points = [(m, *chosen[budget][m]) for m in args.baselines]
                 train_part(args, seed, budget, "chosen", points + ([ours_default()] if budget == 1.0 else []))
     if args.sweep_ours:  # ours on the baselines' grid, at 1x only (its step time: the default run's)
         grid = [(OURS, mom, lr) for mom in args.momenta for lr in args.lrs]
@@ -318,15 +318,16 @@ def _mean_step(runs: Sequence[dict]) -> float:
     return sum(seconds) / len(seconds)
 
 
-def seed_measures(out: Path, seed: int, budgets: Sequence[float], base_steps: int, sweep_ours: bool) -> dict:
+def seed_measures(out: Path, seed: int, budgets: Sequence[float], base_steps: int, sweep_ours: bool,
+                  baselines: Sequence[str] = BASELINES) -> dict:
     """Per seed: each baseline's final loss per budget (its chosen point there), each
     method's step time in the 1x interleaved run, and every (ours, baseline) speed-up."""
     by_budget = {b: load_runs(out, seed, b) for b in budgets}
     swept = [r for r in by_budget[1.0] if _point(r)[0] == OURS and _point(r)[1] is not None]
-    methods = list(BASELINES) + ([OURS] if sweep_ours and swept else [])
+    methods = list(baselines) + ([OURS] if sweep_ours and swept else [])
     main = _main_runs(out, seed)
     curves = {}
-    for m in BASELINES:
+    for m in baselines:
         points = []
         for b in budgets:
             best = best_point(by_budget[b], m)
@@ -344,7 +345,7 @@ def seed_measures(out: Path, seed: int, budgets: Sequence[float], base_steps: in
         step_seconds[f"{m} (tuned)"] = step_seconds[m]
     for name, row in rows.items():
         row["vs"] = {}
-        for base in BASELINES:
+        for base in baselines:
             if name.startswith(base):
                 continue
             c = curves[base]
@@ -372,7 +373,7 @@ def report(args) -> str:
     seeds = [s for s in dict.fromkeys(seeds) if all(load_runs(args.out, s, b) for b in args.budgets)]
     if not seeds:
         return "no complete seed yet"
-    per_seed = [seed_measures(args.out, s, args.budgets, args.steps, args.sweep_ours) for s in seeds]
+    per_seed = [seed_measures(args.out, s, args.budgets, args.steps, args.sweep_ours, args.baselines) for s in seeds]
     lines = [f"seeds {', '.join(map(str, seeds))}; mean ± sample sd over seeds (per-seed values in brackets); "
              f"step budget N = {args.steps}", "",
              "| method | final loss at N | × best Muon: steps | step time × Muon | × best Muon: wall-clock "
@@ -383,7 +384,7 @@ def report(args) -> str:
         rows = [m["rows"][name] for m in per_seed]
         cells = [name, f"{_fmt(mean_spread([r['loss'] for r in rows]), 4)} ({_per_seed([r['loss'] for r in rows], 4)})"]
         for base in BASELINES:
-            if base not in rows[0]["vs"]:
+            if base not in args.baselines or base not in rows[0]["vs"]:
                 cells += ["-", "-", "-"]
                 continue
             for key in ("steps", "step_ratio", "wallclock"):
@@ -397,7 +398,7 @@ def report(args) -> str:
               "baselines' final loss per budget (the point chosen on the tuning seed at that budget):", "",
               "| baseline | " + " | ".join(f"{b:g}x ({round(args.steps * b)} steps)" for b in args.budgets) + " |",
               "|---|" + "---|" * len(args.budgets)]
-    for base in BASELINES:
+    for base in args.baselines:
         cells = []
         for i in range(len(args.budgets)):
             losses = [m["curves"][base][i]["loss"] for m in per_seed]
@@ -425,6 +426,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lrs", type=_floats, default=[1.6e-2 / SQRT2, 1.6e-2, 1.6e-2 * SQRT2],
                    help="the baselines' lr grid (sqrt(2) apart)")
     p.add_argument("--momenta", type=_floats, default=[0.95, 0.9, 0.8], help="the baselines' momentum grid")
+    p.add_argument("--baselines", type=lambda t: tuple(x for x in t.split(",") if x), default=BASELINES,
+                   help=f"comma-separated, from {BASELINES}")
     p.add_argument("--max-extend", type=int, default=2, help="rounds of grid extension past an edge")
     p.add_argument("--sweep-ours", action="store_true",
                    help="also tune wmuon on the baselines' grid (a 'wmuon (tuned)' row next to the defaults)")
@@ -441,6 +444,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if 1.0 not in args.budgets or len(args.budgets) < 2:
         p.error("--budgets must hold 1 and at least one more")
     args.budgets = sorted(args.budgets)
+    unknown = [b for b in args.baselines if b not in BASELINES]
+    if unknown or not args.baselines:
+        p.error(f"--baselines must name some of {BASELINES}, got {args.baselines}")
     return args
 
 

@@ -72,10 +72,10 @@ sys.path.insert(0, str(REPO_ROOT / "examples"))
 from benchmarks.convergence import best_of, family_of, grid_edges, parse_family, sweep_contenders  # noqa: E402
 from char_lm import (  # noqa: E402
     ByteCorpus,
-    CharTransformer,
     ModelConfig,
     RunResult,
     add_training_args,
+    build_model,
     configs_from_args,
     load_corpus,
     stdlib_source_files,
@@ -96,7 +96,7 @@ DEFAULT_GRID = ("adamw=8e-3,1.6e-2,3.2e-2",
 WARMUP_FRACTION = 0.05
 EVALS_PER_RUN = 30
 FEW_STEPS = 50  # cells with fewer steps are flagged: a handful of steps is not a training run
-EMBEDDING_PARTS = ("token_embedding", "position_embedding", "lm_head")
+EMBEDDING_PARTS = ("token_embedding", "position_embedding", "embed_tokens", "lm_head")
 
 TrainFn = Callable[..., list]
 
@@ -104,8 +104,8 @@ TrainFn = Callable[..., list]
 # --------------------------------------------------------------------------- cells
 def parameter_counts(model: ModelConfig) -> tuple[int, int]:
     """(non-embedding, all) parameter counts of the char-LM ``model`` builds."""
-    params = dict(CharTransformer(model).named_parameters())
-    body = sum(p.numel() for name, p in params.items() if not name.startswith(EMBEDDING_PARTS))
+    params = dict(build_model(model).named_parameters())
+    body = sum(p.numel() for name, p in params.items() if not any(part in name for part in EMBEDDING_PARTS))
     return body, sum(p.numel() for p in params.values())
 
 

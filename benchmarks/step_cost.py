@@ -60,9 +60,10 @@ CONFIGS = {
     "soap_muon": ("soap_muon", {"soap_statistics_every": 10}),
     "soap_muon one-sided (smax=200)": ("soap_muon", {"soap_statistics_every": 10, "soap_max_size": 200}),
     # WhitenedMuon (an optimizer, not a preconditioner: its time is in "optim"); statistics
-    # every wmuon_every steps, input side only or both sides
-    "wmuon every 10": ("wmuon", {}),
-    "wmuon every 20": ("wmuon", {"wmuon_every": 20}),
+    # every wmuon_every steps (the library's default: 5), input side only or both sides
+    "wmuon (defaults)": ("wmuon", {}),
+    "wmuon every 10": ("wmuon", {"wmuon_every": 10}),
+    "wmuon 512 rows": ("wmuon", {"wmuon_statistics_rows": 512}),
     "wmuon both sides": ("wmuon", {"wmuon_both_sides": True}),
 }
 

@@ -190,13 +190,13 @@ class PrecondConfig:
     soap_factor_decay: float = 0.95
     soap_max_size: int = 4096
     # Input-whitened Muon (wmuon, wmuon_pre): statistics / refresh interval, relative damping.
-    wmuon_every: int = 10
+    wmuon_every: int = 5
     wmuon_damping: float = 0.1
     wmuon_both_sides: bool = False  # also whiten by the output-gradient factor G
     wmuon_statistics_rows: int | None = 1024
     wmuon_root: str = "cholesky"
     wmuon_block_size: int | None = None
-    wmuon_factor_decay: float = 0.95  # per refresh: the factors' exponential-average decay
+    wmuon_factor_decay: float = 0.8  # per refresh: the factors' exponential-average decay
     wmuon_ns_coefficients: str = "muon"  # or "polar_express"
 
 

@@ -170,12 +170,14 @@ class WhitenedMuon(torch.optim.Optimizer):
             (model form); ``adamw_lr`` defaults to ``lr`` (one schedule serves both halves, as
             ``match_rms_adamw`` intends), ``adamw_weight_decay`` to ``weight_decay``.
         statistics_every: steps between statistics steps (which also refresh the whiteners).
-            Refresh every step (``statistics_every=1``, with ``factor_decay=0.8``) when the
-            run is short or each step sees many tokens: the factors then follow the weights.
-        damping: ``λ = damping · tr(F) / dim F`` for each factor ``F``; lower it (``0.03``)
-            with fresh statistics (``statistics_every=1``), keep ``0.1`` with stale ones.
+        damping: ``λ = damping · tr(F) / dim F`` for each factor ``F``.
         factor_decay: exponential-average decay of the factors, per refresh: they average over
-            about ``statistics_every / (1 - factor_decay)`` steps (200 by default).
+            about ``statistics_every / (1 - factor_decay)`` steps, the statistics horizon (25 by
+            default). Keep the horizon short, a few tens of steps: the inputs' covariance moves
+            with the weights, and a factor averaged over hundreds of steps whitens for weights
+            the model no longer has. Lengthen it (``factor_decay`` towards 0.95) only when a
+            statistics step sees few rows (small batches): ``statistics_rows`` times the
+            horizon's statistics steps should stay well above the widest input.
         statistics_rows: at most this many rows per module call enter a factor (``None``: all).
             Rows beyond a thousand or so change the factor little and cost a product each.
         output_side: also whiten the output side with K-FAC's ``G`` (a tensor hook on each
@@ -207,8 +209,8 @@ class WhitenedMuon(torch.optim.Optimizer):
     def __init__(self, params: nn.Module | Iterable[nn.Module], lr: float = 1e-3, weight_decay: float = 0.0,
                  momentum: float = 0.9, nesterov: bool = True, *, skip_layers: str | Iterable[str] = (),
                  adamw_lr: float | None = None, adamw_betas: tuple[float, float] = (0.9, 0.999),
-                 adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None, statistics_every: int = 10,
-                 damping: float = 0.1, factor_decay: float = 0.95, statistics_rows: int | None = 1024,
+                 adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None, statistics_every: int = 5,
+                 damping: float = 0.1, factor_decay: float = 0.8, statistics_rows: int | None = 1024,
                  output_side: bool = False, root: str = "cholesky", block_size: int | None = None,
                  ns_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16, ns_coefficients: str = "muon",
                  grad_scaler: Any = None, process_group: Any = None):

@@ -118,8 +118,16 @@ def test_report_on_hand_made_records(tmp_path):
 
     args = Args()
     args.out, args.budgets, args.steps, args.sweep_ours = out, [1.0, 1.25, 1.5], 100, False
+    args.baselines = bs.BASELINES
     table = bs.report(args)
     assert "| wmuon (defaults) | 1.8000 ± 0.0000 (1.8000) | **1.25 ± 0.00** (1.25) |" in table
+    # Muon alone as the baseline (--baselines muon): the same row, no NorMuon columns filled
+    args.baselines = ("muon",)
+    table = bs.report(args)
+    ours = next(line for line in table.splitlines() if line.startswith("| wmuon (defaults)"))
+    assert ours.startswith("| wmuon (defaults) | 1.8000 ± 0.0000 (1.8000) | **1.25 ± 0.00** (1.25) |")
+    assert ours.endswith("| - | - | - |")
+    assert not any(line.startswith("| normuon") for line in table.splitlines())
 
 
 def test_edge_points_extend_past_the_best_point():

@@ -415,6 +415,59 @@ def test_whitened_muon_methods_take_muons_split_and_their_sweep_settings():
     pre.remove()
 
 
+def test_the_examples_wmuon_is_the_librarys_defaults():
+    """The benchmarks measure what a user gets: every WhitenedMuon setting the examples' default
+    ``wmuon`` passes (all but lr) is the library's default."""
+    import inspect
+
+    from kron_precond import WhitenedMuon
+
+    common = load("examples/kron_examples_common.py")
+    char_lm = load("examples/char_lm.py")
+    model = char_lm.CharTransformer(char_lm.ModelConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8))
+    built, _ = common.build_method("wmuon", model, 1.6e-2, 0.0, common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS))
+    default = WhitenedMuon(model, skip_layers=char_lm.SKIP_LAYERS)
+    for name in inspect.signature(WhitenedMuon.__init__).parameters:
+        if name in ("self", "params", "lr", "weight_decay", "skip_layers", "adamw_lr", "grad_scaler",
+                    "process_group"):
+            continue
+        ours = getattr(built, name, None)
+        if ours is None:  # per-group settings
+            ours, theirs = built.param_groups[0].get(name), default.param_groups[0].get(name)
+        else:
+            theirs = getattr(default, name)
+        assert ours == theirs, (name, ours, theirs)
+    built.remove()
+    default.remove()
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_char_lm_builds_each_architecture_and_whitens_its_hidden_weights(arch):
+    """``--arch llama``: Llama's RMSNorm / rotary / SwiGLU / grouped-query model from a
+    transformers config, on bytes; the examples' skip_layers leave its embeddings and head to
+    AdamW and WhitenedMuon whitens every projection (7 per block)."""
+    import torch
+
+    if arch == "llama":
+        pytest.importorskip("transformers", reason="transformers is an optional extra ([trainers])")
+    from kron_precond import WhitenedMuon
+
+    char_lm = load("examples/char_lm.py")
+    model = char_lm.build_model(char_lm.ModelConfig(d_model=16, n_layers=2, n_heads=4, seq_len=8, arch=arch))
+    logits = model(torch.randint(0, 256, (3, 8)))
+    assert logits.shape == (3, 8, 256)
+    optimizer = WhitenedMuon(model, lr=1e-2, skip_layers=char_lm.SKIP_LAYERS)
+    names = optimizer.param_groups[0]["param_names"]
+    assert len(names) == (7 if arch == "llama" else 6) * 2, names
+    if arch == "llama":
+        k_proj = model.get_submodule("inner.model.layers.0.self_attn.k_proj")
+        assert k_proj.weight.shape == (8, 16)  # 2 key/value heads of 4 for 4 query heads: grouped
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    optimizer.remove()
+    with pytest.raises(ValueError, match="arch"):
+        char_lm.build_model(char_lm.ModelConfig(arch="rnn"))
+
+
 def test_sweep_best_point_is_the_first_to_reach_the_target():
     """The sweep ranks a family's points by the step that first reaches the target (one
     family costs the same per step), final loss breaking ties and ranking points that never

@@ -60,7 +60,7 @@ def loss_of(net, x, y):
     return (net(x) - y).square().mean()
 
 
-def exact_polar(matrix, steps=5, eps=1e-7, dtype=None):
+def exact_polar(matrix, steps=5, eps=1e-7, dtype=None, coefficients=None):
     u, _, vh = torch.linalg.svd(matrix.double(), full_matrices=False)
     return (u @ vh).to(matrix.dtype)
 
