@@ -192,7 +192,7 @@ class PrecondConfig:
     # Input-whitened Muon (wmuon, wmuon_pre): statistics / refresh interval, relative damping.
     wmuon_every: int = 5
     wmuon_damping: float = 0.1
-    wmuon_both_sides: bool = False  # also whiten by the output-gradient factor G
+    wmuon_both_sides: bool = False  # also whiten the output side (factor G)
     wmuon_statistics_rows: int | None = 1024
     wmuon_root: str = "cholesky"
     wmuon_block_size: int | None = None

@@ -300,8 +300,8 @@ def test_fused_experts_are_whitened_expert_by_expert_like_one_linear_per_expert(
     torch.manual_seed(0)
     fused = RoutedExperts(3, 4, 5).double()
     models = [MoE(fused), MoE(ExpertTwin(fused))]
-    opts = [WhitenedMuon(m, lr=0.05, statistics_every=1, ns_dtype=torch.float64, skip_layers=["router"])
-            for m in models]
+    opts = [WhitenedMuon(m, lr=0.05, statistics_every=1, ns_dtype=torch.float64, skip_layers=["router"],
+                         output_side=False) for m in models]
     assert [tuple(p.shape) for p in opts[0].param_groups[0]["params"]] == [(3, 5, 4), (3, 4, 5)]
     g = torch.Generator().manual_seed(2)
     data = [(torch.randn(16, 4, generator=g, dtype=torch.float64), torch.randn(16, 4, generator=g, dtype=torch.float64))
@@ -314,6 +314,31 @@ def test_fused_experts_are_whitened_expert_by_expert_like_one_linear_per_expert(
         torch.testing.assert_close(fused.up_weight[e], twin.up[e].weight, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(fused.down_weight[e], twin.down[e].weight, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(fused.up_bias[e], twin.up[e].bias, rtol=1e-10, atol=1e-12)
+
+
+def test_fused_experts_output_side_is_one_linear_per_expert_up_to_each_experts_scale():
+    """The output side of a fused expert scales its gradients by the call's tokens (what the
+    mean loss divides by), a per-expert Linear by its own routed rows: the factors agree up to
+    one positive number per expert, and so does the first step (a whitener's scale cancels in
+    the rescaled direction). Across steps the two weight their statistics differently."""
+    torch.manual_seed(0)
+    fused = RoutedExperts(3, 4, 5).double()
+    models = [MoE(fused), MoE(ExpertTwin(fused))]
+    opts = [WhitenedMuon(m, lr=0.05, statistics_every=1, ns_dtype=torch.float64, skip_layers=["router"],
+                         output_side=True) for m in models]
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(16, 4, generator=g, dtype=torch.float64), torch.randn(16, 4, generator=g, dtype=torch.float64))]
+    for m, o in zip(models, opts):
+        train(m, o, data, loss=lambda model, x, y: (model(x) - y).square().mean())
+    twin = models[1].experts
+    for weight, linears in ((fused.up_weight, twin.up), (fused.down_weight, twin.down)):
+        for e in range(3):
+            ours = opts[0].state[weight]["output_factor"][e].reshape(-1)
+            theirs = opts[1].state[linears[e].weight]["output_factor"].reshape(-1)
+            ratio = ours / theirs
+            assert ratio.min() > 0
+            torch.testing.assert_close(ratio, ratio.mean().expand_as(ratio), rtol=1e-9, atol=0)
+            torch.testing.assert_close(weight[e], linears[e].weight, rtol=1e-10, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------- register_adapter
@@ -420,25 +445,42 @@ def inverse_root(factor: torch.Tensor, damping: float) -> torch.Tensor:
 
 
 def written_out(model, data, *, lrs, wd, momentum, nesterov, ns_steps, rows=None, damping=0.1, decay=0.8,
-                swap_sides=False, polar_express=False):
-    """The input-side step of every nn.Linear of ``model`` (statistics every step), in float64."""
+                swap_sides=False, polar_express=False, output_side=False):
+    """The step of every nn.Linear of ``model`` (statistics every step), in float64: input
+    factor ``A`` = mean of the input rows' products, output factor ``G`` = mean of ``δδᵀ`` with
+    ``δ`` the output gradient times the call's rows (the mean loss's 1/N undone), each side's
+    whitener ``(F + λI)^{-1/2}``, direction ``T_G msign(T_G M T_A) T_A`` at ``msign``'s norm.
+    ``swap_sides`` whitens the input side from the wrong end (``T_A M`` instead of ``M T_A``)."""
     layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    inputs, factors, buffers = {}, {}, {}
+    inputs, grads, factors, buffers = {}, {}, {}, {}
     hooks = [m.register_forward_pre_hook(lambda mod, args: inputs.__setitem__(mod, args[0].detach())) for m in layers]
+
+    def keep_output_grad(mod, args, out):
+        out.register_hook(lambda grad: grads.__setitem__(mod, grad.detach()))
+
+    hooks += [m.register_forward_hook(keep_output_grad) for m in layers]
+
+    def running(key, r):
+        batch = r.T @ r / r.shape[0]
+        factors[key] = batch if key not in factors else decay * factors[key] + (1 - decay) * batch
+        return inverse_root(factors[key], damping)
+
     for (x, y), lr in zip(data, lrs):
         model.zero_grad()
         (model(x) - y).square().mean().backward()
         for m in layers:
             w, g = m.weight, m.weight.grad.double()
             r = inputs[m].reshape(-1, w.shape[1]).double()
-            r = r[:rows] if rows is not None else r
-            batch = r.T @ r / r.shape[0]
-            factors[m] = batch if m not in factors else decay * factors[m] + (1 - decay) * batch
+            t = running((m, "input"), r[:rows] if rows is not None else r)
+            d = grads[m].reshape(-1, w.shape[0]).double() * (grads[m].numel() // w.shape[0])
+            left = running((m, "output"), d[:rows] if rows is not None else d) if output_side else None
             buffers[m] = buffers.get(m, torch.zeros_like(g)) * momentum + (1 - momentum) * g
             update = (1 - momentum) * g + momentum * buffers[m] if nesterov else buffers[m]
-            t = inverse_root(factors[m], damping)
-            ortho = newton_schulz(t @ update if swap_sides else update @ t, ns_steps, polar_express)
-            direction = ortho @ t if not swap_sides else t @ ortho
+            whitened = t @ update if swap_sides else update @ t
+            ortho = newton_schulz(whitened if left is None else left @ whitened, ns_steps, polar_express)
+            direction = t @ ortho if swap_sides else ortho @ t
+            if left is not None:
+                direction = left @ direction
             direction = direction * ortho.norm() / direction.norm()
             with torch.no_grad():
                 w.mul_(1 - lr * wd).sub_(direction.to(w.dtype), alpha=lr * 0.2 * math.sqrt(max(w.shape)))
@@ -482,6 +524,19 @@ def test_nesterov_and_ns_steps_are_the_written_out_step(nesterov, ns_steps):
     other = written_out(square_net(), data, lrs=[0.05] * 4, wd=0.0, momentum=0.9, nesterov=not nesterov,
                         ns_steps=ns_steps + 1)
     assert not torch.allclose(got[0], other[0], rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [None, 4])
+def test_the_output_side_is_the_written_out_two_sided_step(rows):
+    data = square_data(4)
+    want = written_out(square_net(), data, lrs=[0.05] * 4, wd=0.0, momentum=0.9, nesterov=True, ns_steps=5,
+                       rows=rows, output_side=True)
+    got = run_optimizer(square_net(), data, lr=0.05, ns_dtype=torch.float64, output_side=True, statistics_rows=rows)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
+    one_sided = written_out(square_net(), data, lrs=[0.05] * 4, wd=0.0, momentum=0.9, nesterov=True, ns_steps=5,
+                            rows=rows)
+    assert not torch.allclose(got[0], one_sided[0], rtol=1e-4)
 
 
 @pytest.mark.parametrize("ns_steps", [5, 7])
