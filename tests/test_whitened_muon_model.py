@@ -327,7 +327,8 @@ def test_fused_experts_output_side_is_one_linear_per_expert_up_to_each_experts_s
     opts = [WhitenedMuon(m, lr=0.05, statistics_every=1, ns_dtype=torch.float64, skip_layers=["router"],
                          output_side=True) for m in models]
     g = torch.Generator().manual_seed(2)
-    data = [(torch.randn(16, 4, generator=g, dtype=torch.float64), torch.randn(16, 4, generator=g, dtype=torch.float64))]
+    data = [(torch.randn(16, 4, generator=g, dtype=torch.float64),
+             torch.randn(16, 4, generator=g, dtype=torch.float64))]
     for m, o in zip(models, opts):
         train(m, o, data, loss=lambda model, x, y: (model(x) - y).square().mean())
     twin = models[1].experts
