@@ -60,9 +60,9 @@ CONFIGS = {
     "soap_muon": ("soap_muon", {"soap_statistics_every": 10}),
     "soap_muon one-sided (smax=200)": ("soap_muon", {"soap_statistics_every": 10, "soap_max_size": 200}),
     # WhitenedMuon (an optimizer, not a preconditioner: its time is in "optim"); statistics
-    # every wmuon_every steps (the library's default: 5), both sides (the default) or input only
+    # every wmuon_every steps (the library's default: 5), input side (the default) or both sides
     "wmuon (defaults)": ("wmuon", {}),
-    "wmuon input side only": ("wmuon", {"wmuon_both_sides": False}),
+    "wmuon output side too": ("wmuon", {"wmuon_both_sides": True}),
     "wmuon every 10": ("wmuon", {"wmuon_every": 10}),
     "wmuon 512 rows": ("wmuon", {"wmuon_statistics_rows": 512}),
 }

@@ -165,6 +165,11 @@ def _with_ema_nesterov(built: tuple, beta: float) -> tuple:
     return optimizer, precond
 
 
+# the WhitenedMuon settings a lever changes one thing of: the library's defaults, or the earlier
+# defaults' 200-step statistics horizon (statistics and refresh every 10 steps, decay 0.95)
+BASES = {"defaults": {}, "horizon200": dict(wmuon_every=10, wmuon_factor_decay=0.95)}
+
+
 def lever_contenders(levers: list[str], weight_decay: float, precond) -> list:
     """Best Muon, the tuned WhitenedMuon, and each lever on it, as char_lm Contenders."""
     from benchmarks.budget_speedup import contender
@@ -201,7 +206,7 @@ def run_part(args) -> Path:
     steps = args.steps
     train = replace(base_train, steps=steps, seed=args.seed, warmup_steps=max(1, round(WARMUP_FRACTION * steps)),
                     eval_every=max(1, steps // EVALS_PER_RUN), stop_after=0)
-    contenders = lever_contenders(args.levers, train.weight_decay, precond)
+    contenders = lever_contenders(args.levers, train.weight_decay, replace(precond, **BASES[args.base]))
     corpus = corpus_for(int(train.corpus_mb * 2**20), model.seq_len)
     results = train_round_robin(contenders, model, train, DistContext(0, 1, torch.device("cpu")),
                                 corpus=corpus, progress=False)
@@ -251,6 +256,8 @@ def main(argv=None) -> None:
     p.add_argument("--levers", type=lambda t: [x for x in t.split(",") if x], default=list(LEVERS),
                    help=f"from {list(LEVERS)}")
     p.add_argument("--part", default="levers", help="names this process's record, s0_b1_PART.json")
+    p.add_argument("--base", choices=list(BASES), default="defaults",
+                   help="the settings each lever changes one thing of (horizon200: the earlier defaults)")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/budget_levers"))
     add_training_args(p)
