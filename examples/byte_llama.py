@@ -31,8 +31,7 @@ class ByteLlama(nn.Module):
                              num_hidden_layers=n_layers, num_attention_heads=n_heads,
                              num_key_value_heads=n_heads // 2, max_position_embeddings=seq_len,
                              tie_word_embeddings=tie_embeddings, attention_dropout=0.0,
-                             initializer_range=0.02, use_cache=False)
-        config._attn_implementation = "sdpa"
+                             initializer_range=0.02, use_cache=False, attn_implementation="sdpa")
         self.inner = LlamaForCausalLM(config)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

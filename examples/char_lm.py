@@ -588,6 +588,11 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                    help="second moment (muon2, ikfac_muon2): decay beta of the running mean of squares")
     p.add_argument("--muon-momentum", type=float, default=PrecondConfig.muon_momentum,
                    help="torch.optim.Muon's momentum, for Muon and every method in front of it")
+    p.add_argument("--wmuon-every", type=int, default=PrecondConfig.wmuon_every,
+                   help="WhitenedMuon (wmuon): statistics_every, steps between statistics steps and refreshes")
+    p.add_argument("--wmuon-factor-decay", type=float, default=PrecondConfig.wmuon_factor_decay,
+                   help="WhitenedMuon: factor_decay per refresh (horizon: every / (1 - decay) steps)")
+    p.add_argument("--wmuon-output-side", action="store_true", help="WhitenedMuon: output_side=True")
     p.add_argument("--stop-after", type=int, default=0,
                    help="stop after this many steps while the LR schedule still spans --steps "
                         "(time-to-a-fixed---target checks; 'final loss' is then the loss there)")
@@ -633,7 +638,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
         accumulation_steps=args.grad_accum,
         ikfac_every=args.ikfac_every, ikfac_damping=args.ikfac_damping, ikfac_factor_decay=args.ikfac_decay,
         ikfac_statistics_rows=args.ikfac_rows, moment_decay=args.moment_decay,
-        muon_momentum=args.muon_momentum,
+        muon_momentum=args.muon_momentum, wmuon_every=args.wmuon_every,
+        wmuon_factor_decay=args.wmuon_factor_decay, wmuon_both_sides=args.wmuon_output_side,
     )
     return model, train, precond
 

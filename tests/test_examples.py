@@ -431,11 +431,13 @@ def test_the_examples_wmuon_is_the_librarys_defaults():
         if name in ("self", "params", "lr", "weight_decay", "skip_layers", "adamw_lr", "grad_scaler",
                     "process_group"):
             continue
-        ours = getattr(built, name, None)
-        if ours is None:  # per-group settings
-            ours, theirs = built.param_groups[0].get(name), default.param_groups[0].get(name)
-        else:
-            theirs = getattr(default, name)
+        if name.startswith("adamw_"):  # the AdamW group's settings
+            key = name.removeprefix("adamw_")
+            ours, theirs = built.param_groups[1][key], default.param_groups[1][key]
+        elif hasattr(built, name):
+            ours, theirs = getattr(built, name), getattr(default, name)
+        else:  # the whitened group's settings (momentum, nesterov)
+            ours, theirs = built.param_groups[0][name], default.param_groups[0][name]
         assert ours == theirs, (name, ours, theirs)
     built.remove()
     default.remove()
