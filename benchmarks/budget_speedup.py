@@ -195,26 +195,32 @@ def _close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-6)
 
 
+def _neighbours(values: Sequence[float], at: float, below: float, above: float) -> list[float]:
+    """The next value of ``values`` either side of ``at``; past the outermost, ``below`` / ``above``."""
+    lower = [v for v in values if v < at and not _close(v, at)]
+    higher = [v for v in values if v > at and not _close(v, at)]
+    return [lower[-1] if lower else below, higher[0] if higher else above]
+
+
 def edge_points(runs: Sequence[dict], method: str) -> list[tuple[float, float]]:
-    """(momentum, lr) points to add where ``method``'s best point sits on an edge: along lr
-    at its best momentum, along momentum at its best lr (each only where >= 2 values ran)."""
+    """The (momentum, lr) neighbours of ``method``'s best point that have not run: at its
+    momentum the next lr either side among the lrs the method ran (past the outermost, lr /
+    or x sqrt(2)), and at its lr the next momentum either side among the momenta it ran
+    (past the outermost, ``1 - momentum`` doubled or halved; momentum only where >= 2 ran).
+    A best point all of whose neighbours ran is a local minimum of the grid; a best lr
+    reached along one momentum (the grid's edge extended) gets its momentum neighbours too."""
     best = best_point(runs, method)
     if best is None:
         return []
     _, mom, lr = _point(best)
-    points = [_point(r) for r in runs if _point(r)[0] == method]
-    lrs = sorted({p[2] for p in points if _close(p[1], mom)})
-    moms = sorted({p[1] for p in points if _close(p[2], lr)})
-    new = []
-    if len(lrs) >= 2 and _close(lr, lrs[0]):
-        new.append((mom, lr / SQRT2))
-    elif len(lrs) >= 2 and _close(lr, lrs[-1]):
-        new.append((mom, lr * SQRT2))
-    if len(moms) >= 2 and _close(mom, moms[-1]) and mom < 0.99:
-        new.append((1 - (1 - mom) / 2, lr))
-    elif len(moms) >= 2 and _close(mom, moms[0]) and mom > 0.3:
-        new.append((1 - 2 * (1 - mom), lr))
-    return new
+    points = [_point(r)[1:] for r in runs if _point(r)[0] == method]
+    lrs = sorted({x for _, x in points})
+    moms = sorted({m for m, _ in points})
+    candidates = [(mom, x) for x in _neighbours(lrs, lr, lr / SQRT2, lr * SQRT2)]
+    if len(moms) >= 2:
+        candidates += [(m, lr) for m in _neighbours(moms, mom, 1 - 2 * (1 - mom), 1 - (1 - mom) / 2)
+                       if 0.3 <= m <= 0.995]
+    return [(m, x) for m, x in candidates if not any(_close(m, pm) and _close(x, px) for pm, px in points)]
 
 
 # --------------------------------------------------------------------------- running

@@ -593,6 +593,8 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wmuon-factor-decay", type=float, default=PrecondConfig.wmuon_factor_decay,
                    help="WhitenedMuon: factor_decay per refresh (horizon: every / (1 - decay) steps)")
     p.add_argument("--wmuon-output-side", action="store_true", help="WhitenedMuon: output_side=True")
+    p.add_argument("--wmuon-center-inputs", choices=("auto", "all", "none"), default="auto",
+                   help="WhitenedMuon: center_inputs None (the layers without a bias) / True / False")
     p.add_argument("--stop-after", type=int, default=0,
                    help="stop after this many steps while the LR schedule still spans --steps "
                         "(time-to-a-fixed---target checks; 'final loss' is then the loss there)")
@@ -640,6 +642,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
         ikfac_statistics_rows=args.ikfac_rows, moment_decay=args.moment_decay,
         muon_momentum=args.muon_momentum, wmuon_every=args.wmuon_every,
         wmuon_factor_decay=args.wmuon_factor_decay, wmuon_both_sides=args.wmuon_output_side,
+        wmuon_center_inputs={"auto": None, "all": True, "none": False}[args.wmuon_center_inputs],
     )
     return model, train, precond
 

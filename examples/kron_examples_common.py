@@ -193,6 +193,7 @@ class PrecondConfig:
     wmuon_every: int = 5
     wmuon_damping: float = 0.1
     wmuon_both_sides: bool = False  # also whiten the output side (factor G)
+    wmuon_center_inputs: bool | None = None  # centred input factors (None: the layers without a bias)
     wmuon_statistics_rows: int | None = 1024
     wmuon_root: str = "cholesky"
     wmuon_block_size: int | None = None
@@ -298,7 +299,8 @@ def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, exclud
     control (``examples/whitened_muon_pre.py``)."""
     settings = dict(momentum=config.muon_momentum, statistics_every=config.wmuon_every,
                     damping=config.wmuon_damping, statistics_rows=config.wmuon_statistics_rows,
-                    output_side=config.wmuon_both_sides, root=config.wmuon_root,
+                    output_side=config.wmuon_both_sides, center_inputs=config.wmuon_center_inputs,
+                    root=config.wmuon_root,
                     block_size=config.wmuon_block_size, factor_decay=config.wmuon_factor_decay,
                     skip_layers=list(exclude), adamw_lr=config.muon_rest_lr,
                     ns_coefficients=config.wmuon_ns_coefficients)

@@ -182,6 +182,15 @@ class WhitenedMuon(torch.optim.Optimizer):
             Rows beyond a thousand or so change the factor little and cost a product each.
         output_side: also whiten the output side with K-FAC's ``G`` (a tensor hook on each
             output on statistics steps; a backward cost then).
+        center_inputs: whiten with the covariance of a layer's inputs about their mean (over
+            each statistics step's rows) instead of their second moment. ``None`` (default):
+            centre the layers without a bias; ``True`` / ``False``: every layer / none. A layer
+            without a bias shifts all its outputs together only through the inputs' mean,
+            which the second moment makes the stiffest direction of the whitened norm, so such
+            layers barely move it; centring measures the step by the change it makes to the
+            outputs' spread and leaves that shift free. A layer with a bias has the bias
+            (stepped by AdamW) for the shift: centring it changes little, and it is left
+            uncentred. Centring costs a row sum per statistics step.
         root: how ``F + λI`` is whitened: ``"cholesky"`` (``T = L⁻¹``, cheap) or
             ``"symmetric"`` (``(F + λI)^{-1/2}``, an ``eigh``). Both define the same norm and the
             same exact step; they differ only through Newton-Schulz's approximation.
@@ -211,7 +220,8 @@ class WhitenedMuon(torch.optim.Optimizer):
                  adamw_lr: float | None = None, adamw_betas: tuple[float, float] = (0.9, 0.999),
                  adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None, statistics_every: int = 5,
                  damping: float = 0.1, factor_decay: float = 0.8, statistics_rows: int | None = 1024,
-                 output_side: bool = False, root: str = "cholesky", block_size: int | None = None,
+                 output_side: bool = False, center_inputs: bool | None = None, root: str = "cholesky",
+                 block_size: int | None = None,
                  ns_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16, ns_coefficients: str = "muon",
                  grad_scaler: Any = None, process_group: Any = None):
         defaults = dict(lr=validation.check_positive("lr", lr),
@@ -226,6 +236,9 @@ class WhitenedMuon(torch.optim.Optimizer):
         if statistics_rows is not None:
             statistics_rows = validation.check_int("statistics_rows", statistics_rows)
         self.output_side = validation.check_bool("output_side", output_side)
+        if center_inputs is not None:
+            validation.check_bool("center_inputs", center_inputs)
+        self.center_inputs = center_inputs
         if root not in ("cholesky", "symmetric"):
             raise ValueError(f"root must be 'cholesky' or 'symmetric', got {root!r}")
         if block_size is not None:
@@ -266,9 +279,12 @@ class WhitenedMuon(torch.optim.Optimizer):
         self.process_group = process_group
         self._sharded = self._sharded_layout([(self._names[id(w)], w) for w in whitened], process_group)
         sides = ("input", "output") if self.output_side else ("input",)
+        # None: centre the layers without a bias (see the docstring)
+        centered = {id(_weight(u)) for u in units if (not u.has_bias if center_inputs is None else center_inputs)}
         self._statistics = WhiteningStatistics(self.state, self._views, self._due, sides=sides, damping=damping,
                                                factor_decay=factor_decay, statistics_rows=statistics_rows,
-                                               root=root, block_size=block_size, process_group=process_group)
+                                               root=root, block_size=block_size, process_group=process_group,
+                                               centered=centered)
         layers = [_CaptureLayer(unit.module, unit.adapter, unit.slot,
                                 UnitObserver(self._statistics, _weight(unit), unit.index or 0, unit.name))
                   for unit in units]

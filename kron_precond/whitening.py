@@ -6,6 +6,7 @@ A whitened parameter holds ``k`` matrices ``[out, in]`` (one for an ``nn.Linear`
 
     F ← decay·F + (1 − decay)·mean over the rows of a statistics step of  r rᵀ
 
+(for a centred input side, of ``(r − r̄)(r − r̄)ᵀ``, ``r̄`` the mean of the step's rows)
 and the whitener ``T`` of ``F + λI`` (``Tᵀ T = (F + λI)⁻¹``, ``λ = damping · tr(F) / dim``, so
 the whitener is invariant to the scale of the rows), per diagonal block when ``block_size``
 splits the side. The rows come through :mod:`kron_precond.capture` and the module adapters of
@@ -87,17 +88,20 @@ class WhiteningStatistics:
         views: ``id(param) -> MatrixView`` of every whitened parameter.
         due: ``due(param)``: whether this step gathers the parameter's statistics.
         sides: ``("input",)`` or ``("input", "output")``.
+        centered: ``id(param)`` of the parameters whose input side is centred.
         damping, factor_decay, statistics_rows, root, block_size, process_group: as
             :class:`~kron_precond.WhitenedMuon`.
     """
 
     def __init__(self, state: dict, views: dict[int, MatrixView], due: Callable[[torch.Tensor], bool], *,
                  sides: tuple[str, ...], damping: float, factor_decay: float, statistics_rows: int | None,
-                 root: str, block_size: int | None, process_group: Any) -> None:
+                 root: str, block_size: int | None, process_group: Any, centered: Iterable[int] = ()) -> None:
         self.state, self.views, self.due, self.sides = state, views, due, sides
+        self.centered = frozenset(centered)
         self.damping, self.factor_decay, self.statistics_rows = damping, factor_decay, statistics_rows
         self.root, self.block_size, self.process_group = root, block_size, process_group
-        # (id(param), side) -> [row-product sums [k, blocks, b, b], row counts [k]] since the last refresh
+        # (id(param), side) -> [row-product sums [k, blocks, b, b], row counts [k]] since the last refresh,
+        # and for a centred input side the row sums [k, width]
         self.pending: dict[tuple[int, str], list[torch.Tensor]] = {}
         # (width, blocks) -> (weak reference to the last input's storage, its key, its row product)
         self._last_product: dict[tuple[int, int], tuple] = {}
@@ -126,7 +130,8 @@ class WhiteningStatistics:
         wide = torch.promote_types(x.dtype, torch.float32)
         pending = self.pending.get((id(param), side))
         if pending is None:
-            pending = self.pending[(id(param), side)] = self._zeros(view, side, wide, x.device)
+            pending = self.pending[(id(param), side)] = self._zeros(
+                view, side, wide, x.device, centered=side == "input" and id(param) in self.centered)
         blocks = pending[0].shape[1]
         product = self._shared_product(rows, width, blocks) if side == "input" else None
         if product is None:
@@ -141,6 +146,8 @@ class WhiteningStatistics:
         finite = torch.isfinite(product.sum())
         pending[0][unit.index].add_(torch.where(finite, product, 0.0))
         pending[1][unit.index].add_(torch.where(finite, x.shape[0], 0))
+        if len(pending) == 3:  # a centred side: its rows' sum, for the mean taken out on the refresh
+            pending[2][unit.index].add_(torch.where(finite, x.to(wide).sum(dim=0), 0.0))
         self.observed.add(id(param))
         self.observed_this_step = True
 
@@ -163,12 +170,16 @@ class WhiteningStatistics:
         self._last_product.clear()
         self.observed_this_step = False
 
-    def _zeros(self, view: MatrixView, side: str, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    def _zeros(self, view: MatrixView, side: str, dtype: torch.dtype, device: torch.device,
+               centered: bool) -> list[torch.Tensor]:
         width = view.width(side)
         blocks = self.blocks(width)
         size = width // blocks
-        return [torch.zeros(view.units, blocks, size, size, dtype=dtype, device=device),
-                torch.zeros(view.units, dtype=dtype, device=device)]
+        zeros = [torch.zeros(view.units, blocks, size, size, dtype=dtype, device=device),
+                 torch.zeros(view.units, dtype=dtype, device=device)]
+        if centered:
+            zeros.append(torch.zeros(view.units, width, dtype=dtype, device=device))
+        return zeros
 
     # -- refresh -----------------------------------------------------------------------
     def _all_reduce_pending(self, keys: list[tuple[int, str]]) -> None:
@@ -177,7 +188,9 @@ class WhiteningStatistics:
         if world <= 1:
             return
         # the engine's bucketed all-reduce; each block is symmetric, so only its upper triangle travels
-        tensors = [t for key in keys for t in (*self.pending[key][0].flatten(0, 1).unbind(0), self.pending[key][1])]
+        # (row sums flattened: a [k, width] sum with k == width is not a symmetric matrix)
+        tensors = [t for key in keys for t in (*self.pending[key][0].flatten(0, 1).unbind(0),
+                                               *(p.view(-1) for p in self.pending[key][1:]))]
         collectives.all_reduce(tensors, group=group, cap_bytes=ALLREDUCE_BUCKET_BYTES, symmetric=True).wait()
 
     @torch.no_grad()
@@ -191,14 +204,18 @@ class WhiteningStatistics:
             for side in self.sides:
                 key = (id(p), side)
                 if key not in self.pending:
-                    self.pending[key] = self._zeros(view, side, torch.promote_types(p.dtype, torch.float32), p.device)
+                    self.pending[key] = self._zeros(view, side, torch.promote_types(p.dtype, torch.float32), p.device,
+                                                    centered=side == "input" and id(p) in self.centered)
                 keys.append((key, p))
         self._all_reduce_pending([key for key, _ in keys])
         # The factors of one layout are updated and decomposed as one batch: a refresh costs a
         # fixed number of ops per layout, not per matrix (it runs every step with statistics_every=1).
         layouts: dict[tuple, list[tuple[dict, str, torch.Tensor, torch.Tensor, MatrixView]]] = {}
         for key, p in keys:
-            total, count = self.pending.pop(key)
+            total, count, *sums = self.pending.pop(key)
+            if sums:  # centred: Σ r rᵀ − (Σ r)(Σ r)ᵀ / n, block by block (after the all-reduce: exact)
+                s = sums[0].reshape(total.shape[0], total.shape[1], -1)
+                total = total - torch.einsum("kjb,kjc->kjbc", s, s) / count.clamp(min=1)[:, None, None, None]
             state, side, view = self.state[p], key[1], self.views[id(p)]
             if state.get(f"{side}_factor") is None:
                 state[f"{side}_factor"] = torch.zeros(view.state_units + total.shape[1:], dtype=total.dtype,

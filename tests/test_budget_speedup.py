@@ -141,3 +141,9 @@ def test_edge_points_extend_past_the_best_point():
     new = bs.edge_points(corner, "muon")
     assert new[0] == (0.8, pytest.approx(0.04 * math.sqrt(2)))
     assert new[1] == (pytest.approx(0.6), 0.04)
+    # the best lr found along one momentum (an extension): its momentum neighbours run next
+    extended = runs([*grid, (0.9, 0.08, 1.5), (0.9, 0.16, 1.0), (0.9, 0.32, 1.8)])
+    assert sorted(bs.edge_points(extended, "muon")) == [(0.8, 0.16), (0.95, 0.16)]
+    done = runs([*grid, (0.9, 0.08, 1.5), (0.9, 0.16, 1.0), (0.9, 0.32, 1.8), (0.8, 0.16, 1.2),
+                 (0.95, 0.16, 1.3)])
+    assert bs.edge_points(done, "muon") == []  # a local minimum: nothing left to run

@@ -35,18 +35,18 @@ DIMS = (5, 7, 4)
 
 
 class Net(nn.Module):
-    def __init__(self, dims=DIMS):
+    def __init__(self, dims=DIMS, bias=(False, False)):
         super().__init__()
-        self.a = nn.Linear(dims[0], dims[1], bias=False)
-        self.b = nn.Linear(dims[1], dims[2], bias=False)
+        self.a = nn.Linear(dims[0], dims[1], bias=bias[0])
+        self.b = nn.Linear(dims[1], dims[2], bias=bias[1])
 
     def forward(self, x):
         return self.b(torch.tanh(self.a(x)))
 
 
-def make_net(dtype=torch.float64, dims=DIMS) -> Net:
+def make_net(dtype=torch.float64, dims=DIMS, bias=(False, False)) -> Net:
     torch.manual_seed(0)
-    return Net(dims).to(dtype)
+    return Net(dims, bias).to(dtype)
 
 
 def batches(steps: int, dtype=torch.float64, dims=DIMS):
@@ -77,9 +77,11 @@ def inverse_root(factor: np.ndarray, block: int | None = None) -> np.ndarray:
     return out
 
 
-def reference_run(output_side: bool, steps: int, dims=DIMS, block: int | None = None):
-    """The steps written out in float64 with numpy/scipy, statistics on every step."""
-    net = make_net(dims=dims)
+def reference_run(output_side: bool, steps: int, dims=DIMS, block: int | None = None,
+                  center=(True, True), bias=(False, False)):
+    """The steps written out in float64 with numpy/scipy, statistics on every step; the input
+    factor of layer i is the rows' covariance about their mean where ``center[i]``."""
+    net = make_net(dims=dims, bias=bias)
     weights = [net.a.weight, net.b.weight]
     factors = {}
     buffers = [torch.zeros_like(w) for w in weights]
@@ -95,6 +97,8 @@ def reference_run(output_side: bool, steps: int, dims=DIMS, block: int | None = 
         outputs = [grads[0].reshape(-1, dims[1]), grads[1].reshape(-1, dims[2])]
         for i, w in enumerate(weights):
             for side, rows in (("in", inputs[i]), ("out", outputs[i])):
+                if side == "in" and center[i]:
+                    rows = rows - rows.mean(dim=0)
                 batch = (rows.T @ rows / rows.shape[0]).detach().numpy()
                 key = (i, side)
                 factors[key] = batch if key not in factors else DECAY * factors[key] + (1 - DECAY) * batch
@@ -114,15 +118,20 @@ def reference_run(output_side: bool, steps: int, dims=DIMS, block: int | None = 
 
 @pytest.mark.parametrize("root", ["cholesky", "symmetric"])
 @pytest.mark.parametrize("output_side", [False, True])
-def test_steps_match_the_whitened_steepest_descent_written_out(monkeypatch, output_side, root):
+@pytest.mark.parametrize("center_inputs", [None, False])
+def test_steps_match_the_whitened_steepest_descent_written_out(monkeypatch, output_side, root, center_inputs):
     """With the exact polar factor, both roots give the step written out with symmetric
-    inverse roots: ``||ΔW L||_op = ||ΔW A^{1/2}||_op``, the same steepest descent."""
+    inverse roots: ``||ΔW L||_op = ||ΔW A^{1/2}||_op``, the same steepest descent. The net's
+    layers have no bias, so by default their input factors are centred."""
     monkeypatch.setattr(wm, "msign", exact_polar)  # the whitening algebra, not Newton-Schulz
     steps = 4
-    expected = reference_run(output_side, steps)
+    centred = center_inputs is None
+    expected = reference_run(output_side, steps, center=(centred, centred))
+    other = reference_run(output_side, steps, center=(not centred, not centred))
     net = make_net()
     opt = WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, momentum=MOMENTUM, statistics_every=1,
-                       damping=DAMPING, factor_decay=DECAY, output_side=output_side, root=root, ns_dtype=torch.float64)
+                       damping=DAMPING, factor_decay=DECAY, output_side=output_side, root=root, ns_dtype=torch.float64,
+                       center_inputs=center_inputs)
     for step, (x, y) in enumerate(batches(steps)):
         with torch.no_grad():  # an evaluation pass: no statistics
             net(torch.randn(2, 5, dtype=torch.float64) * 100)
@@ -134,6 +143,44 @@ def test_steps_match_the_whitened_steepest_descent_written_out(monkeypatch, outp
         opt.step()
         for got, want in zip([net.a.weight, net.b.weight], expected[step]):
             torch.testing.assert_close(got.detach(), want, rtol=1e-9, atol=1e-11)
+    assert not torch.allclose(net.a.weight.detach(), other[-1][0], rtol=1e-4)  # centring mattered
+
+
+def test_by_default_only_the_layers_without_a_bias_are_centred(monkeypatch):
+    """``center_inputs=None``: the biased layer ``a`` is whitened by its inputs' second moment,
+    the bias-free ``b`` by their covariance; ``True`` centres both."""
+    monkeypatch.setattr(wm, "msign", exact_polar)
+    steps, bias = 3, (True, False)
+    for center_inputs, center in ((None, (False, True)), (True, (True, True))):
+        expected = reference_run(False, steps, center=center, bias=bias)
+        net = make_net(bias=bias)
+        opt = WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, momentum=MOMENTUM, statistics_every=1,
+                           damping=DAMPING, factor_decay=DECAY, ns_dtype=torch.float64, center_inputs=center_inputs)
+        assert opt.center_inputs is center_inputs
+        for step, (x, y) in enumerate(batches(steps)):
+            opt.zero_grad()
+            loss_of(net, x, y).backward()
+            opt.step()
+            for got, want in zip([net.a.weight, net.b.weight], expected[step]):
+                torch.testing.assert_close(got.detach(), want, rtol=1e-9, atol=1e-11)
+
+
+def test_a_centred_factor_is_the_rows_covariance_and_a_mean_shift_does_not_move_it():
+    """The first statistics step's input factor against numpy's covariance of the rows; the
+    same rows shifted by a constant vector give the same factor (and the same step)."""
+    torch.manual_seed(3)
+    layer = nn.Linear(6, 3, bias=False).double()
+    rows = torch.randn(40, 6, dtype=torch.float64) * torch.linspace(0.2, 2.0, 6, dtype=torch.float64)
+    factors = []
+    for shift in (0.0, 5.0):
+        net = copy.deepcopy(layer)
+        opt = WhitenedMuon([net], lr=LR, ns_dtype=torch.float64)
+        net(rows + shift).square().sum().backward()
+        opt.step()
+        factors.append(opt.state[net.weight]["input_factor"][0])
+    want = np.cov(rows.numpy(), rowvar=False, bias=True)
+    torch.testing.assert_close(factors[0], torch.from_numpy(want), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(factors[1], torch.from_numpy(want), rtol=1e-8, atol=1e-10)
 
 
 @pytest.mark.parametrize("root", ["cholesky", "symmetric"])
@@ -142,7 +189,7 @@ def test_block_diagonal_factors_match_the_blocked_reference(monkeypatch, root):
     with its own damping; the reference takes the blocks of the full factors itself."""
     monkeypatch.setattr(wm, "msign", exact_polar)
     dims = (6, 8, 4)
-    expected = reference_run(True, 3, dims=dims, block=2)
+    expected = reference_run(True, 3, dims=dims, block=2)  # centred: the layers have no bias
     whole = reference_run(True, 3, dims=dims)
     net = make_net(dims=dims)
     opt = WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, momentum=MOMENTUM, statistics_every=1,
@@ -210,16 +257,18 @@ def test_statistics_only_on_statistics_steps_and_refresh_then():
                     (False, False), (False, False), (True, True)]
 
 
-def test_layers_fed_one_tensor_get_its_covariance_and_an_in_place_change_is_seen():
+@pytest.mark.parametrize("center_inputs", [False, None])
+def test_layers_fed_one_tensor_get_its_covariance_and_an_in_place_change_is_seen(center_inputs):
     """q / k / v-style layers called on one tensor share its row product; a layer called after
     that tensor changed in place, or on another tensor, gets its own. Each factor is checked
-    against ``xᵀx / rows`` written out, over two statistics steps (the exponential average),
-    with factors of two widths refreshed in one batch."""
+    against ``xᵀx / rows`` written out (centred ``x`` by default: the layers have no bias), over
+    two statistics steps (the exponential average), with factors of two widths refreshed in one batch."""
     torch.manual_seed(0)
     q, k, v = (nn.Linear(4, 3, bias=False).double() for _ in range(3))
     other = nn.Linear(4, 2, bias=False).double()
     wide = nn.Linear(6, 2, bias=False).double()
-    opt = WhitenedMuon([q, k, v, other, wide], lr=LR, statistics_every=1, factor_decay=0.5, damping=DAMPING)
+    opt = WhitenedMuon([q, k, v, other, wide], lr=LR, statistics_every=1, factor_decay=0.5, damping=DAMPING,
+                       center_inputs=center_inputs)
     expected = {}
     for step in range(2):
         x = torch.randn(5, 4, dtype=torch.float64)
@@ -230,6 +279,8 @@ def test_layers_fed_one_tensor_get_its_covariance_and_an_in_place_change_is_seen
         (v(x).sum() + wide(z).sum()).backward()
         batch = {"q": x / 3.0, "k": x / 3.0, "v": x, "other": shuffled, "wide": z}
         for name, rows in batch.items():
+            if center_inputs is None:
+                rows = rows - rows.mean(dim=0)
             current = rows.T @ rows / rows.shape[0]
             expected[name] = current if step == 0 else 0.5 * expected[name] + 0.5 * current
         opt.step()
@@ -300,6 +351,7 @@ def test_lr_scheduler_changes_the_step():
     (dict(statistics_rows=0), ValueError, "statistics_rows"), (dict(weight_decay=-0.1), ValueError, "weight_decay"),
     (dict(output_side=1), TypeError, "output_side"), (dict(ns_dtype=torch.int32), ValueError, "ns_dtype"),
     (dict(root="qr"), ValueError, "root"), (dict(block_size=0), ValueError, "block_size"),
+    (dict(center_inputs="auto"), TypeError, "center_inputs"),
 ])
 def test_bad_arguments_fail_at_construction_naming_them(kwargs, error, name):
     net = make_net()
@@ -442,7 +494,7 @@ def test_a_compiled_model_gets_the_eager_steps():
 
 def test_autocast_inputs_enter_the_factor_in_float32_and_a_scaler_skipped_step_keeps_its_rows():
     """Under bfloat16 autocast a layer after a bf16 matmul gets bf16 inputs: its factor must be
-    their row covariance computed in float32 (a bf16 product would be off by ~1e-2), and the
+    their (centred) row covariance computed in float32 (a bf16 product would be off by ~1e-2), and the
     weights stay float32. A step that GradScaler skips (an Inf gradient) does not step the
     optimizer: its rows stay pending and the next refresh averages them with the next batch's."""
     torch.manual_seed(0)
@@ -473,6 +525,7 @@ def test_autocast_inputs_enter_the_factor_in_float32_and_a_scaler_skipped_step_k
             assert "input_factor" not in opt.state[net.b.weight]
     assert all(x.dtype == torch.bfloat16 for x in seen)  # the input the hook saw: tanh of a bf16 matmul
     rows = torch.cat([x.reshape(-1, 32) for x in seen]).double()
+    rows = rows - rows.mean(dim=0)  # centred (no bias), about both batches' mean
     expected = rows.T @ rows / rows.shape[0]  # both batches' rows, one average (the first refresh)
     factor = opt.state[net.b.weight]["input_factor"][0]
     assert factor.dtype == torch.float32 and net.b.weight.dtype == torch.float32

@@ -367,7 +367,8 @@ def test_a_module_taught_by_register_adapter_is_whitened_and_unknown_ones_are_re
         x = torch.randn(8, 4, dtype=torch.float64)
         train(model, opt, [(x, None)], loss=lambda m, x, y: m(x).square().mean())
         factor = opt.state[model[0].weight]["input_factor"][0]
-        torch.testing.assert_close(factor, x.T @ x / 8)
+        centred = x - x.mean(dim=0)  # no bias: centred by default
+        torch.testing.assert_close(factor, centred.T @ centred / 8)
     finally:
         del _ADAPTERS[: len(_ADAPTERS) - count]
 
@@ -446,12 +447,13 @@ def inverse_root(factor: torch.Tensor, damping: float) -> torch.Tensor:
 
 
 def written_out(model, data, *, lrs, wd, momentum, nesterov, ns_steps, rows=None, damping=0.1, decay=0.8,
-                swap_sides=False, polar_express=False, output_side=False):
+                swap_sides=False, polar_express=False, output_side=False, center=None):
     """The step of every nn.Linear of ``model`` (statistics every step), in float64: input
     factor ``A`` = mean of the input rows' products, output factor ``G`` = mean of ``δδᵀ`` with
     ``δ`` the output gradient times the call's rows (the mean loss's 1/N undone), each side's
     whitener ``(F + λI)^{-1/2}``, direction ``T_G msign(T_G M T_A) T_A`` at ``msign``'s norm.
-    ``swap_sides`` whitens the input side from the wrong end (``T_A M`` instead of ``M T_A``)."""
+    ``swap_sides`` whitens the input side from the wrong end (``T_A M`` instead of ``M T_A``).
+    ``center``: the input rows are centred on their mean (``None``: for the layers without a bias)."""
     layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
     inputs, grads, factors, buffers = {}, {}, {}, {}
     hooks = [m.register_forward_pre_hook(lambda mod, args: inputs.__setitem__(mod, args[0].detach())) for m in layers]
@@ -461,7 +463,9 @@ def written_out(model, data, *, lrs, wd, momentum, nesterov, ns_steps, rows=None
 
     hooks += [m.register_forward_hook(keep_output_grad) for m in layers]
 
-    def running(key, r):
+    def running(key, r, centred=False):
+        if centred:
+            r = r - r.mean(dim=0)
         batch = r.T @ r / r.shape[0]
         factors[key] = batch if key not in factors else decay * factors[key] + (1 - decay) * batch
         return inverse_root(factors[key], damping)
@@ -472,7 +476,8 @@ def written_out(model, data, *, lrs, wd, momentum, nesterov, ns_steps, rows=None
         for m in layers:
             w, g = m.weight, m.weight.grad.double()
             r = inputs[m].reshape(-1, w.shape[1]).double()
-            t = running((m, "input"), r[:rows] if rows is not None else r)
+            t = running((m, "input"), r[:rows] if rows is not None else r,
+                        centred=m.bias is None if center is None else center)
             d = grads[m].reshape(-1, w.shape[0]).double() * (grads[m].numel() // w.shape[0])
             left = running((m, "output"), d[:rows] if rows is not None else d) if output_side else None
             buffers[m] = buffers.get(m, torch.zeros_like(g)) * momentum + (1 - momentum) * g
