@@ -9,6 +9,8 @@ settings::
                                                  are stepped as plain Muon (no whitening)
     centred=lr:0.0453,center:all                 center_inputs True ("all"), False ("none"),
                                                  None ("auto": the layers without a bias)
+    qk=lr:0.0453,center_only:q_proj|k_proj       centre the input factors of the weights whose
+                                                 name matches, and no other
 
 and the model can be changed the way the diagnosis needs: ``--arch llama`` with ``--mha``
 (as many key/value heads as query heads), ``--rope-theta 1e12`` (rotary angles ~0: no
@@ -48,9 +50,13 @@ class PartlyWhitenedMuon(WhitenedMuon):
     """``WhitenedMuon`` whose weights named by ``plain`` (a regex on the qualified name) get
     the identity whitener: plain Muon steps (statistics are still gathered, and unused)."""
 
-    def __init__(self, *args: Any, plain: str | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, plain: str | None = None, center_only: str | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.plain = re.compile(plain) if plain else None
+        if center_only:  # read when a statistics step's pending sums are first allocated
+            pattern = re.compile(center_only)
+            self._statistics.centered = frozenset(i for i, name in self._names.items()
+                                                  if i in self._views and pattern.search(name))
 
     def _is_plain(self, p: torch.nn.Parameter) -> bool:
         return self.plain is not None and bool(self.plain.search(self._names[id(p)]))
@@ -63,16 +69,17 @@ class PartlyWhitenedMuon(WhitenedMuon):
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
-    """``name=key:value,...`` -> (name, settings): lr (required), mom (0.8), plain, center."""
+    """``name=key:value,...`` -> (name, settings): lr (required), mom (0.8), plain, center,
+    center_only."""
     name, _, spec = text.partition("=")
     items = dict(item.split(":", 1) for item in spec.split(",") if item)
     if "lr" not in items:
         raise ValueError(f"variant {text!r}: lr is required")
-    unknown = set(items) - {"lr", "mom", "plain", "center"}
+    unknown = set(items) - {"lr", "mom", "plain", "center", "center_only"}
     if unknown:
         raise ValueError(f"variant {text!r}: unknown settings {sorted(unknown)}")
     return name, dict(lr=float(items["lr"]), momentum=float(items.get("mom", 0.8)), plain=items.get("plain"),
-                      center_inputs=CENTER[items.get("center", "auto")])
+                      center_inputs=CENTER[items.get("center", "auto")], center_only=items.get("center_only"))
 
 
 def variant_contender(name: str, settings: dict[str, Any], weight_decay: float, skip: list[str]) -> Contender:
@@ -80,7 +87,7 @@ def variant_contender(name: str, settings: dict[str, Any], weight_decay: float, 
 
     def build(model, scaler):
         return PartlyWhitenedMuon(unwrap(model), lr, weight_decay, momentum=settings["momentum"],
-                                  skip_layers=skip, plain=settings["plain"],
+                                  skip_layers=skip, plain=settings["plain"], center_only=settings["center_only"],
                                   center_inputs=settings["center_inputs"]), None
     return Contender(name, lr, build=build)
 

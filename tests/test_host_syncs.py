@@ -73,15 +73,19 @@ def test_steps_between_refreshes_make_no_host_sync(monkeypatch, method):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-@pytest.mark.parametrize("name", ["Kron", "WhitenedMuon", "WhitenedMuon(model)"])
+@pytest.mark.parametrize("name", ["Kron", "WhitenedMuon", "WhitenedMuon(model)", "WhitenedMuon(centred)"])
 def test_standalone_optimizer_steps_make_no_host_sync(monkeypatch, name):
     """``WhitenedMuon`` with the data-rich recipe refreshes on every step, so its refresh is on
-    the checked path; ``Kron`` updates its factors on every step here."""
+    the checked path (centred input factors too: their row sums and the mean taken out);
+    ``Kron`` updates its factors on every step here."""
     model = make_model()
     if name == "Kron":
         optimizer = Kron(model.parameters(), lr=1e-3, preconditioner_update_probability=1.0)
     elif name == "WhitenedMuon":
         optimizer = WhitenedMuon([model[0], model[2]], lr=1e-2, statistics_every=1, factor_decay=0.8)
+    elif name == "WhitenedMuon(centred)":
+        optimizer = WhitenedMuon([model[0], model[2]], lr=1e-2, statistics_every=1, factor_decay=0.8,
+                                 center_inputs=True)
     else:  # one optimizer for the model: its AdamW half (the biases) is checked too
         optimizer = WhitenedMuon(model, lr=1e-2, statistics_every=1, factor_decay=0.8)
         assert [g["algorithm"] for g in optimizer.param_groups] == ["whitened_muon", "adamw"]

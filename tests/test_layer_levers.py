@@ -47,10 +47,27 @@ def test_plain_weights_take_torch_muons_step_and_the_others_are_whitened():
 def test_variants_parse_and_bad_ones_name_the_fault():
     name, settings = parse_variant("plain_qk=lr:0.0453,plain:q_proj|k_proj,center:none")
     assert name == "plain_qk" and settings == dict(lr=0.0453, momentum=0.8, plain="q_proj|k_proj",
-                                                   center_inputs=False)
+                                                   center_inputs=False, center_only=None)
     assert parse_variant("c=lr:0.1,mom:0.9,center:all")[1]["center_inputs"] is True
     assert parse_variant("c=lr:0.1")[1]["center_inputs"] is None
     with pytest.raises(ValueError, match="lr is required"):
         parse_variant("x=mom:0.9")
     with pytest.raises(ValueError, match="unknown settings"):
         parse_variant("x=lr:0.1,damp:0.2")
+
+
+def test_center_only_centres_the_named_weights_alone():
+    """``center_only``: the matching weight's factor is its rows' covariance (numpy's), the
+    other's their second moment, though neither layer has a bias."""
+    import numpy as np
+    torch.manual_seed(0)
+    model = Attention()
+    opt = PartlyWhitenedMuon(model, lr=0.05, center_only="q_proj", statistics_every=1)
+    x = torch.randn(32, 6, dtype=torch.float32) + 2.0
+    model(x).backward()
+    opt.step()
+    rows = x.double().numpy()
+    q = opt.state[model.q_proj.weight]["input_factor"][0].double()
+    v = opt.state[model.v_proj.weight]["input_factor"][0].double()
+    torch.testing.assert_close(q, torch.from_numpy(np.cov(rows, rowvar=False, bias=True)), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(v, torch.from_numpy(rows.T @ rows / 32), rtol=1e-4, atol=1e-5)
