@@ -100,10 +100,11 @@ class WhiteningStatistics:
         self.centered = frozenset(centered)
         self.damping, self.factor_decay, self.statistics_rows = damping, factor_decay, statistics_rows
         self.root, self.block_size, self.process_group = root, block_size, process_group
-        # (id(param), side) -> [row-product sums [k, blocks, b, b], row counts [k]] since the last refresh,
-        # and for a centred input side the row sums [k, width]
+        # (id(param), side) -> [row-product sums [k, blocks, b, b], row counts [k]] since the last refresh;
+        # a centred input side: [scatter about each call's mean, counts, row sums [k, width] (float64),
+        # Σ s sᵀ / n per call [k, blocks, b, b] (float64)] (see _centred_terms)
         self.pending: dict[tuple[int, str], list[torch.Tensor]] = {}
-        # (width, blocks) -> (weak reference to the last input's storage, its key, its row product)
+        # (width, blocks, centred) -> (weak reference to the last input's storage, its key, its row statistics)
         self._last_product: dict[tuple[int, int], tuple] = {}
         self.observed: set[int] = set()  # parameters whose rows were seen at least once
         self.observed_this_step = False
@@ -133,37 +134,58 @@ class WhiteningStatistics:
             pending = self.pending[(id(param), side)] = self._zeros(
                 view, side, wide, x.device, centered=side == "input" and id(param) in self.centered)
         blocks = pending[0].shape[1]
-        product = self._shared_product(rows, width, blocks) if side == "input" else None
-        if product is None:
+        centred = len(pending) == 4
+        cache = (width, blocks, centred)
+        terms = self._shared_terms(rows, cache) if side == "input" else None
+        if terms is None:
             xs = x.to(wide)
             if scale != 1.0:
                 xs = xs * scale
-            xb = xs.reshape(xs.shape[0], blocks, -1).transpose(0, 1)  # [blocks, rows, block]
-            product = torch.bmm(xb.transpose(1, 2), xb)
+            terms = self._centred_terms(xs, blocks) if centred else (self._product(xs, blocks),)
             if side == "input":
-                self._remember(rows, width, blocks, product)
+                self._remember(rows, cache, terms)
         # rows that are not finite (an fp16 overflow that GradScaler will skip) are left out
-        finite = torch.isfinite(product.sum())
-        pending[0][unit.index].add_(torch.where(finite, product, 0.0))
+        finite = torch.isfinite(terms[0].sum())
+        pending[0][unit.index].add_(torch.where(finite, terms[0], 0.0))
         pending[1][unit.index].add_(torch.where(finite, x.shape[0], 0))
-        if len(pending) == 3:  # a centred side: its rows' sum, for the mean taken out on the refresh
-            pending[2][unit.index].add_(torch.where(finite, x.to(wide).sum(dim=0), 0.0))
+        for total, term in zip(pending[2:], terms[1:]):  # a centred side's row sum and mean product
+            total[unit.index].add_(torch.where(finite, term, 0.0))
         self.observed.add(id(param))
         self.observed_this_step = True
 
-    def _shared_product(self, rows: torch.Tensor, width: int, blocks: int) -> torch.Tensor | None:
-        """The row product of the input the last layer of this width read, when this is that
-        input unchanged (q, k and v projections read one tensor: one product). The input is
-        remembered by a weak reference to its storage (no activation kept alive) and its
-        offset, shape, strides and version."""
-        last = self._last_product.get((width, blocks))
+    @staticmethod
+    def _product(xs: torch.Tensor, blocks: int) -> torch.Tensor:
+        """``Σ x xᵀ`` over the rows, per diagonal block: ``[blocks, b, b]``."""
+        xb = xs.reshape(xs.shape[0], blocks, -1).transpose(0, 1)  # [blocks, rows, block]
+        return torch.bmm(xb.transpose(1, 2), xb)
+
+    @classmethod
+    def _centred_terms(cls, xs: torch.Tensor, blocks: int) -> tuple[torch.Tensor, ...]:
+        """One call's centred statistics: ``Σ (x − m)(x − m)ᵀ`` about the call's own mean ``m``
+        (in the rows' dtype: no cancellation, however far the rows are from the origin), and,
+        in float64, the row sum ``s = Σ x`` and ``s sᵀ / n``. Summed over calls and ranks,
+        ``Σ (x − m)(x − m)ᵀ + Σ s sᵀ / n − S Sᵀ / N`` (``S``, ``N``: the totals) is the scatter
+        of all the rows about their common mean; its float64 part cancels only digits of the
+        calls' means, not of their spread."""
+        sums = xs.sum(dim=0, dtype=torch.float64)
+        count = max(xs.shape[0], 1)
+        centred = xs - (sums / count).to(xs.dtype)
+        blocked = sums.reshape(blocks, -1)
+        return (cls._product(centred, blocks), sums, torch.einsum("jb,jc->jbc", blocked, blocked) / count)
+
+    def _shared_terms(self, rows: torch.Tensor, cache: tuple) -> tuple[torch.Tensor, ...] | None:
+        """The row statistics of the input the last layer of this width, blocking and
+        centring read, when this is that input unchanged (q, k and v projections read one
+        tensor: one product). The input is remembered by a weak reference to its storage (no
+        activation kept alive) and its offset, shape, strides and version."""
+        last = self._last_product.get(cache)
         if last is None:
             return None
-        ref, key, product = last
-        return product if not ref.expired() and key == _rows_key(rows) else None
+        ref, key, terms = last
+        return terms if not ref.expired() and key == _rows_key(rows) else None
 
-    def _remember(self, rows: torch.Tensor, width: int, blocks: int, product: torch.Tensor) -> None:
-        self._last_product[(width, blocks)] = (StorageWeakRef(rows.untyped_storage()), _rows_key(rows), product)
+    def _remember(self, rows: torch.Tensor, cache: tuple, terms: tuple[torch.Tensor, ...]) -> None:
+        self._last_product[cache] = (StorageWeakRef(rows.untyped_storage()), _rows_key(rows), terms)
 
     def forget_inputs(self) -> None:
         """One step's inputs only: called at every step."""
@@ -178,7 +200,8 @@ class WhiteningStatistics:
         zeros = [torch.zeros(view.units, blocks, size, size, dtype=dtype, device=device),
                  torch.zeros(view.units, dtype=dtype, device=device)]
         if centered:
-            zeros.append(torch.zeros(view.units, width, dtype=dtype, device=device))
+            zeros += [torch.zeros(view.units, width, dtype=torch.float64, device=device),
+                      torch.zeros(view.units, blocks, size, size, dtype=torch.float64, device=device)]
         return zeros
 
     # -- refresh -----------------------------------------------------------------------
@@ -188,9 +211,10 @@ class WhiteningStatistics:
         if world <= 1:
             return
         # the engine's bucketed all-reduce; each block is symmetric, so only its upper triangle travels
-        # (row sums flattened: a [k, width] sum with k == width is not a symmetric matrix)
+        # (counts and row sums flattened: a [k, width] sum with k == width is not a symmetric matrix)
         tensors = [t for key in keys for t in (*self.pending[key][0].flatten(0, 1).unbind(0),
-                                               *(p.view(-1) for p in self.pending[key][1:]))]
+                                               *(p.view(-1) for p in self.pending[key][1:3]),
+                                               *(p for m in self.pending[key][3:] for p in m.flatten(0, 1).unbind(0)))]
         collectives.all_reduce(tensors, group=group, cap_bytes=ALLREDUCE_BUCKET_BYTES, symmetric=True).wait()
 
     @torch.no_grad()
@@ -212,10 +236,12 @@ class WhiteningStatistics:
         # fixed number of ops per layout, not per matrix (it runs every step with statistics_every=1).
         layouts: dict[tuple, list[tuple[dict, str, torch.Tensor, torch.Tensor, MatrixView]]] = {}
         for key, p in keys:
-            total, count, *sums = self.pending.pop(key)
-            if sums:  # centred: Σ r rᵀ − (Σ r)(Σ r)ᵀ / n, block by block (after the all-reduce: exact)
-                s = sums[0].reshape(total.shape[0], total.shape[1], -1)
-                total = total - torch.einsum("kjb,kjc->kjbc", s, s) / count.clamp(min=1)[:, None, None, None]
+            total, count, *centring = self.pending.pop(key)
+            if centring:  # after the all-reduce, so the common mean is the global batch's
+                sums, means = centring
+                s = sums.reshape(total.shape[0], total.shape[1], -1)
+                between = means - torch.einsum("kjb,kjc->kjbc", s, s) / count.double().clamp(min=1)[:, None, None, None]
+                total = total + between.to(total.dtype)
             state, side, view = self.state[p], key[1], self.views[id(p)]
             if state.get(f"{side}_factor") is None:
                 state[f"{side}_factor"] = torch.zeros(view.state_units + total.shape[1:], dtype=total.dtype,

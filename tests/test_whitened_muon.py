@@ -183,6 +183,25 @@ def test_a_centred_factor_is_the_rows_covariance_and_a_mean_shift_does_not_move_
     torch.testing.assert_close(factors[1], torch.from_numpy(want), rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.parametrize("offset", [1e3, 1e4])
+def test_a_centred_factor_of_float32_rows_far_from_the_origin_keeps_its_precision(offset):
+    """Rows whose mean is 10^3-10^4 times their spread, in float32, over two calls of one
+    statistics step: ``Σ x xᵀ − n x̄ x̄ᵀ`` in float32 would lose every digit (even turn
+    indefinite); the factor must still be numpy's float64 covariance of the pooled rows."""
+    torch.manual_seed(4)
+    layer = nn.Linear(8, 3, bias=False)
+    opt = WhitenedMuon([layer], lr=LR, statistics_every=1)
+    spread = torch.linspace(0.1, 1.0, 8)
+    calls = [torch.randn(300, 8) * spread + offset, torch.randn(200, 8) * spread + offset * 1.001]
+    sum(layer(x).square().mean() for x in calls).backward()
+    opt.step()
+    rows = torch.cat(calls).double().numpy()
+    want = torch.from_numpy(np.cov(rows, rowvar=False, bias=True))
+    got = opt.state[layer.weight]["input_factor"][0].double()
+    assert ((got - want).norm() / want.norm()) < 1e-4
+    assert torch.linalg.eigvalsh(got).min() > 0
+
+
 @pytest.mark.parametrize("root", ["cholesky", "symmetric"])
 def test_block_diagonal_factors_match_the_blocked_reference(monkeypatch, root):
     """``block_size=2``: every side (6, 8, 4 wide) is whitened in 2 x 2 diagonal blocks, each
