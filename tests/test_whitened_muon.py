@@ -183,6 +183,22 @@ def test_a_centred_factor_is_the_rows_covariance_and_a_mean_shift_does_not_move_
     torch.testing.assert_close(factors[1], torch.from_numpy(want), rtol=1e-8, atol=1e-10)
 
 
+def test_a_biased_and_a_bias_free_layer_reading_one_tensor_each_get_their_own_factor():
+    """q (with a bias) and k (without) read one tensor: the shared row statistics must not
+    hand q's second moment to k or k's covariance to q, in either call order."""
+    torch.manual_seed(5)
+    q, k = nn.Linear(5, 3).double(), nn.Linear(5, 3, bias=False).double()
+    opt = WhitenedMuon([q, k], lr=LR, statistics_every=1)
+    x = torch.randn(40, 5, dtype=torch.float64) + 2.0
+    (q(x).sum() + k(x).sum() + q(x).sum()).backward()  # q, k, then q again on the same tensor
+    opt.step()
+    rows = torch.cat([x, x]).numpy()  # q saw the rows twice, k once
+    second_moment = torch.from_numpy(rows.T @ rows / rows.shape[0])
+    covariance = torch.from_numpy(np.cov(x.numpy(), rowvar=False, bias=True))
+    torch.testing.assert_close(opt.state[q.weight]["input_factor"][0], second_moment, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(opt.state[k.weight]["input_factor"][0], covariance, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("offset", [1e3, 1e4])
 def test_a_centred_factor_of_float32_rows_far_from_the_origin_keeps_its_precision(offset):
     """Rows whose mean is 10^3-10^4 times their spread, in float32, over two calls of one
