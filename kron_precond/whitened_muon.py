@@ -190,7 +190,9 @@ class WhitenedMuon(torch.optim.Optimizer):
             layers barely move it; centring measures the step by the change it makes to the
             outputs' spread and leaves that shift free. A layer with a bias has the bias
             (stepped by AdamW) for the shift: centring it changes little, and it is left
-            uncentred. Centring costs a row sum per statistics step.
+            uncentred. Centring costs, per call on statistics steps, a mean and a rank-1
+            product; until the step's refresh a centred side keeps, besides its product, a
+            float64 ``width²`` term (per expert for fused experts) that joins the all-reduce.
         root: how ``F + λI`` is whitened: ``"cholesky"`` (``T = L⁻¹``, cheap) or
             ``"symmetric"`` (``(F + λI)^{-1/2}``, an ``eigh``). Both define the same norm and the
             same exact step; they differ only through Newton-Schulz's approximation.
@@ -238,7 +240,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         self.output_side = validation.check_bool("output_side", output_side)
         if center_inputs is not None:
             validation.check_bool("center_inputs", center_inputs)
-        self.center_inputs = center_inputs
+        self._center_inputs = center_inputs
         if root not in ("cholesky", "symmetric"):
             raise ValueError(f"root must be 'cholesky' or 'symmetric', got {root!r}")
         if block_size is not None:
@@ -302,6 +304,7 @@ class WhitenedMuon(torch.optim.Optimizer):
     statistics_rows = property(lambda self: self._statistics.statistics_rows)
     root = property(lambda self: self._statistics.root)
     block_size = property(lambda self: self._statistics.block_size)
+    center_inputs = property(lambda self: self._center_inputs)
 
     # -- construction ------------------------------------------------------------------
     @staticmethod

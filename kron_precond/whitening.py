@@ -105,7 +105,7 @@ class WhiteningStatistics:
         # Σ s sᵀ / n per call [k, blocks, b, b] (float64)] (see _centred_terms)
         self.pending: dict[tuple[int, str], list[torch.Tensor]] = {}
         # (width, blocks, centred) -> (weak reference to the last input's storage, its key, its row statistics)
-        self._last_product: dict[tuple[int, int], tuple] = {}
+        self._last_product: dict[tuple[int, int, bool], tuple] = {}
         self.observed: set[int] = set()  # parameters whose rows were seen at least once
         self.observed_this_step = False
 
@@ -156,7 +156,7 @@ class WhiteningStatistics:
     @staticmethod
     def _product(xs: torch.Tensor, blocks: int) -> torch.Tensor:
         """``Σ x xᵀ`` over the rows, per diagonal block: ``[blocks, b, b]``."""
-        xb = xs.reshape(xs.shape[0], blocks, -1).transpose(0, 1)  # [blocks, rows, block]
+        xb = xs.reshape(xs.shape[0], blocks, xs.shape[1] // blocks).transpose(0, 1)  # [blocks, rows, block]
         return torch.bmm(xb.transpose(1, 2), xb)
 
     @classmethod
@@ -167,7 +167,7 @@ class WhiteningStatistics:
         ``Σ (x − m)(x − m)ᵀ + Σ s sᵀ / n − S Sᵀ / N`` (``S``, ``N``: the totals) is the scatter
         of all the rows about their common mean; its float64 part cancels only digits of the
         calls' means, not of their spread."""
-        sums = xs.sum(dim=0, dtype=torch.float64)
+        sums = xs.sum(dim=0, dtype=_exact(xs.device))
         count = max(xs.shape[0], 1)
         centred = xs - (sums / count).to(xs.dtype)
         blocked = sums.reshape(blocks, -1)
@@ -200,8 +200,9 @@ class WhiteningStatistics:
         zeros = [torch.zeros(view.units, blocks, size, size, dtype=dtype, device=device),
                  torch.zeros(view.units, dtype=dtype, device=device)]
         if centered:
-            zeros += [torch.zeros(view.units, width, dtype=torch.float64, device=device),
-                      torch.zeros(view.units, blocks, size, size, dtype=torch.float64, device=device)]
+            exact = _exact(device)
+            zeros += [torch.zeros(view.units, width, dtype=exact, device=device),
+                      torch.zeros(view.units, blocks, size, size, dtype=exact, device=device)]
         return zeros
 
     # -- refresh -----------------------------------------------------------------------
@@ -240,7 +241,8 @@ class WhiteningStatistics:
             if centring:  # after the all-reduce, so the common mean is the global batch's
                 sums, means = centring
                 s = sums.reshape(total.shape[0], total.shape[1], -1)
-                between = means - torch.einsum("kjb,kjc->kjbc", s, s) / count.double().clamp(min=1)[:, None, None, None]
+                scale = count.to(s.dtype).clamp(min=1)[:, None, None, None]
+                between = means - torch.einsum("kjb,kjc->kjbc", s, s) / scale
                 total = total + between.to(total.dtype)
             state, side, view = self.state[p], key[1], self.views[id(p)]
             if state.get(f"{side}_factor") is None:
@@ -301,6 +303,11 @@ class WhiteningStatistics:
             good = torch.isfinite(whitener.sum(dim=(1, 2), keepdim=True))
         fallback = eye.expand_as(whitener) if previous is None else previous
         return torch.where(good, whitener, fallback)
+
+
+def _exact(device: torch.device) -> torch.dtype:
+    """The dtype of a centred side's mean terms: float64, where the device has it (not MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def _rows_key(rows: torch.Tensor) -> tuple:

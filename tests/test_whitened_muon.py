@@ -183,6 +183,22 @@ def test_a_centred_factor_is_the_rows_covariance_and_a_mean_shift_does_not_move_
     torch.testing.assert_close(factors[1], torch.from_numpy(want), rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.parametrize("center_inputs", [False, True])
+def test_a_call_with_no_rows_adds_nothing_to_the_factor(center_inputs):
+    """An empty batch (a rank's last, short micro-batch) enters neither the product nor the
+    mean: the factor is that of the other call's rows alone."""
+    torch.manual_seed(6)
+    layer = nn.Linear(6, 3, bias=False).double()
+    opt = WhitenedMuon([layer], lr=LR, statistics_every=1, center_inputs=center_inputs, block_size=3)
+    x = torch.randn(20, 6, dtype=torch.float64) + 1.0
+    (layer(x).sum() + layer(torch.zeros(0, 6, dtype=torch.float64)).sum()).backward()
+    opt.step()
+    rows = x - x.mean(dim=0) if center_inputs else x
+    full = rows.T @ rows / rows.shape[0]
+    want = torch.stack([full[:3, :3], full[3:, 3:]])  # the two 3 x 3 diagonal blocks
+    torch.testing.assert_close(opt.state[layer.weight]["input_factor"], want, rtol=1e-10, atol=1e-12)
+
+
 def test_a_biased_and_a_bias_free_layer_reading_one_tensor_each_get_their_own_factor():
     """q (with a bias) and k (without) read one tensor: the shared row statistics must not
     hand q's second moment to k or k's covariance to q, in either call order."""
