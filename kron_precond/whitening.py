@@ -131,8 +131,7 @@ class WhiteningStatistics:
         wide = torch.promote_types(x.dtype, torch.float32)
         pending = self.pending.get((id(param), side))
         if pending is None:
-            pending = self.pending[(id(param), side)] = self._zeros(
-                view, side, wide, x.device, centered=side == "input" and id(param) in self.centered)
+            pending = self.pending[(id(param), side)] = self._zeros(param, side, wide, x.device)
         blocks = pending[0].shape[1]
         centred = len(pending) == 4
         cache = (width, blocks, centred)
@@ -192,14 +191,15 @@ class WhiteningStatistics:
         self._last_product.clear()
         self.observed_this_step = False
 
-    def _zeros(self, view: MatrixView, side: str, dtype: torch.dtype, device: torch.device,
-               centered: bool) -> list[torch.Tensor]:
+    def _zeros(self, param: torch.Tensor, side: str, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        """Empty pending sums of ``param``'s side (four tensors for a centred input side)."""
+        view = self.views[id(param)]
         width = view.width(side)
         blocks = self.blocks(width)
         size = width // blocks
         zeros = [torch.zeros(view.units, blocks, size, size, dtype=dtype, device=device),
                  torch.zeros(view.units, dtype=dtype, device=device)]
-        if centered:
+        if side == "input" and id(param) in self.centered:
             exact = _exact(device)
             zeros += [torch.zeros(view.units, width, dtype=exact, device=device),
                       torch.zeros(view.units, blocks, size, size, dtype=exact, device=device)]
@@ -225,12 +225,10 @@ class WhiteningStatistics:
         everywhere (a layer not called on a rank contributes zeros)."""
         keys = []
         for p in params:
-            view = self.views[id(p)]
             for side in self.sides:
                 key = (id(p), side)
                 if key not in self.pending:
-                    self.pending[key] = self._zeros(view, side, torch.promote_types(p.dtype, torch.float32), p.device,
-                                                    centered=side == "input" and id(p) in self.centered)
+                    self.pending[key] = self._zeros(p, side, torch.promote_types(p.dtype, torch.float32), p.device)
                 keys.append((key, p))
         self._all_reduce_pending([key for key, _ in keys])
         # The factors of one layout are updated and decomposed as one batch: a refresh costs a

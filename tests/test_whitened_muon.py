@@ -467,10 +467,10 @@ def test_a_non_finite_gradient_skips_that_weight_and_is_reported():
 STEPS = 5
 
 
-def _dist_worker(rank: int, world: int, out_dir: str, output_side: bool):
+def _dist_worker(rank: int, world: int, out_dir: str, output_side: bool, center_inputs: bool | None):
     net = make_net()
     opt = WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, statistics_every=2, output_side=output_side,
-                       ns_dtype=torch.float64)
+                       ns_dtype=torch.float64, center_inputs=center_inputs)
     params = list(net.parameters())
     identical = []
     for x, y in batches(STEPS):
@@ -486,14 +486,16 @@ def _dist_worker(rank: int, world: int, out_dir: str, output_side: bool):
     return {"params": [p.detach().clone() for p in params], "identical": identical}
 
 
-@pytest.mark.parametrize("output_side", [False, True])
-def test_any_world_size_gives_the_one_process_result(tmp_path, output_side):
-    single = run_workers(_dist_worker, 1, tmp_path / "w1", output_side, timeout=90)[0]
+@pytest.mark.parametrize("output_side, center_inputs", [(False, None), (True, None), (False, False), (True, False)])
+def test_any_world_size_gives_the_one_process_result(tmp_path, output_side, center_inputs):
+    """Centred (the default for these bias-free layers: each rank's row sums and mean terms
+    join the all-reduce) and uncentred, one side and both."""
+    single = run_workers(_dist_worker, 1, tmp_path / "w1", output_side, center_inputs, timeout=90)[0]
     start = make_net()
     moved = sum((p - q).abs().max() for p, q in zip(single["params"], start.parameters()))
     assert moved > 1e-3  # the steps did something
     for world in (2, 4):
-        results = run_workers(_dist_worker, world, tmp_path / f"w{world}", output_side, timeout=90)
+        results = run_workers(_dist_worker, world, tmp_path / f"w{world}", output_side, center_inputs, timeout=90)
         for r in results:
             assert all(r["identical"])
             for got, want in zip(r["params"], single["params"]):
