@@ -77,6 +77,7 @@ from kron_examples_common import (  # noqa: E402
     PrecondConfig,
     build_optimizer,
     muon_param_split,
+    resolve_device,
     unwrap,
 )
 
@@ -251,7 +252,7 @@ def train_part(args, seed: int, budget: float, part: str,
                     eval_every=max(1, steps // EVALS_PER_RUN), stop_after=0)
     contenders = [contender(m, mom, lr, train.weight_decay, precond) for m, mom, lr in points]
     corpus = corpus_for(int(train.corpus_mb * 2**20), model.seq_len)
-    ctx = DistContext(0, 1, torch.device("cpu"))
+    ctx = DistContext(0, 1, resolve_device(args.device))
     results = train_round_robin(contenders, model, train, ctx, corpus=corpus, progress=False)
     runs = [asdict(r) for r in results]
     for run in runs:  # keep the raw per-step times, at a precision that does not bloat the file
@@ -267,11 +268,12 @@ def train_part(args, seed: int, budget: float, part: str,
 
 
 def tune(args, seed: int, budget: float, first_points: list, methods: Sequence[str],
-         prefix: str = "") -> dict[str, tuple[float, float]]:
+         prefix: str = "", max_extend: int | None = None) -> dict[str, tuple[float, float]]:
     """Train ``first_points`` at ``budget`` and extend ``methods`` past the edges of their
-    grids; each one's chosen (momentum, lr). ``prefix`` names the parts (``ours_``)."""
+    grids (``max_extend`` rounds, default ``args.max_extend``); each one's chosen (momentum,
+    lr). ``prefix`` names the parts (``ours_``)."""
     runs = train_part(args, seed, budget, f"{prefix}grid", first_points)
-    for round_ in range(1, args.max_extend + 1):
+    for round_ in range(1, (args.max_extend if max_extend is None else max_extend) + 1):
         new = [(m, mom, lr) for m in methods for mom, lr in edge_points(runs, m)]
         new = [p for p in new if not any(_point(r)[0] == p[0] and _close(_point(r)[1], p[1])
                                          and _close(_point(r)[2], p[2]) for r in runs)]
@@ -299,9 +301,10 @@ def run_all(args) -> dict:
         for budget in args.budgets:
             if budget == 1.0:
                 continue
-            around = [(m, mom, lr * f) for m in args.baselines for mom, lr in [chosen[1.0][m]]
-                      for f in (1 / SQRT2, 1.0, SQRT2)]
-            chosen[budget] = tune(args, first, budget, around, args.baselines)
+            factors = (1 / SQRT2, 1.0, SQRT2) if args.longer_lrs == "around" else (1.0,)
+            around = [(m, mom, lr * f) for m in args.baselines for mom, lr in [chosen[1.0][m]] for f in factors]
+            chosen[budget] = tune(args, first, budget, around, args.baselines,
+                                  max_extend=args.max_extend if args.longer_lrs == "around" else 0)
         for seed in args.seeds[1:]:
             for budget in args.budgets:
                 points = [(m, *chosen[budget][m]) for m in args.baselines]
@@ -435,6 +438,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baselines", type=lambda t: tuple(x for x in t.split(",") if x), default=BASELINES,
                    help=f"comma-separated, from {BASELINES}")
     p.add_argument("--max-extend", type=int, default=2, help="rounds of grid extension past an edge")
+    p.add_argument("--longer-lrs", choices=("around", "chosen"), default="around",
+                   help="the baselines' lrs at the budgets past 1x: 'around' (the 1x choice and sqrt(2) "
+                        "either side, extended past an edge) or 'chosen' (the 1x choice alone: a cheaper, "
+                        "under-tuned baseline at longer budgets, which can only flatter ours)")
     p.add_argument("--sweep-ours", action="store_true",
                    help="also tune wmuon on the baselines' grid (a 'wmuon (tuned)' row next to the defaults)")
     p.add_argument("--only-ours", action="store_true",

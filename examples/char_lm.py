@@ -233,6 +233,7 @@ class TrainConfig:
     corpus_mb: float = 4.0
     seed: int = 0
     amp: bool = False
+    amp_dtype: str = "auto"  # with amp: "float16", "bfloat16", or "auto" (float16 on CUDA, else bfloat16)
     stop_after: int = 0  # > 0: stop after this many steps (the schedule still spans `steps`)
 
 
@@ -334,7 +335,7 @@ def evaluate(model: nn.Module, heldout, ctx: DistContext, amp: AmpState, chunk: 
 def _start(contender: Contender, model_config: ModelConfig, train: TrainConfig, ctx: DistContext) -> _Live:
     torch.manual_seed(train.seed)  # identical initial weights for every contender
     model = wrap_ddp(build_model(model_config).to(ctx.device), ctx)
-    amp = AmpState.create(train.amp, ctx.device)
+    amp = AmpState.create(train.amp, ctx.device, train.amp_dtype)
     optimizer, precond = contender.build(model, amp.scaler)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(train.warmup_steps, train.steps))
     until = None if contender.precond_until >= 1.0 else round(contender.precond_until * train.steps)
@@ -603,7 +604,9 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus-mb", type=float, default=TrainConfig.corpus_mb, help="MiB of stdlib source to use")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the data order")
     p.add_argument("--amp", action="store_true",
-                   help="autocast (float16 + GradScaler on CUDA, bfloat16 on CPU)")
+                   help="autocast (float16 + GradScaler on CUDA, bfloat16 on CPU; --amp-dtype picks)")
+    p.add_argument("--amp-dtype", choices=("auto", "float16", "bfloat16"), default="auto",
+                   help="autocast dtype with --amp (float16 runs a GradScaler)")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads per process (0: torch's default)")
 
@@ -626,7 +629,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
     train = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
         warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, eval_every=args.eval_every,
-        eval_seqs=args.eval_seqs, corpus_mb=args.corpus_mb, seed=args.seed, amp=args.amp,
+        eval_seqs=args.eval_seqs, corpus_mb=args.corpus_mb, seed=args.seed, amp=args.amp, amp_dtype=args.amp_dtype,
         stop_after=args.stop_after,
     )
     precond = PrecondConfig(

@@ -520,10 +520,16 @@ class AmpState:
     scaler: torch.amp.GradScaler
 
     @classmethod
-    def create(cls, enabled: bool, device: torch.device) -> "AmpState":
-        # float16 needs loss scaling; on CPU autocast runs bfloat16, whose range makes
-        # scaling unnecessary, so the scaler is only switched on for float16.
-        dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    def create(cls, enabled: bool, device: torch.device, dtype_name: str = "auto") -> "AmpState":
+        """``dtype_name``: ``"float16"``, ``"bfloat16"`` or ``"auto"`` (float16 on CUDA, bfloat16
+        elsewhere). float16 needs loss scaling; bfloat16's range makes it unnecessary, so the
+        scaler is only switched on for float16."""
+        if dtype_name == "auto":
+            dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+        elif dtype_name in ("float16", "bfloat16"):
+            dtype = getattr(torch, dtype_name)
+        else:
+            raise ValueError(f"amp dtype must be 'auto', 'float16' or 'bfloat16', got {dtype_name!r}")
         use_scaler = enabled and dtype == torch.float16
         return cls(enabled, device.type, dtype, torch.amp.GradScaler(device.type, enabled=use_scaler))
 
@@ -564,24 +570,32 @@ def train_step(
 
 
 class StepTimer:
-    """Wall-clock of a code block, synchronising CUDA so GPU work is counted."""
+    """Wall-clock of a code block. On CUDA: CUDA events around the block, after a
+    synchronisation, so the time counts the GPU's work and any gap in which it waits for
+    the host (launch overhead is part of a step's cost); elsewhere the host clock."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.seconds = 0.0
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._events: tuple | None = None
 
     def __enter__(self) -> "StepTimer":
-        self._sync()
-        self._start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # nothing earlier inside the timed span
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        else:
+            self._start = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._sync()
-        self.seconds = time.perf_counter() - self._start
+        if self._events is not None:
+            start, end = self._events
+            end.record()
+            end.synchronize()
+            self.seconds = start.elapsed_time(end) / 1000.0
+        else:
+            self.seconds = time.perf_counter() - self._start
 
 
 # --------------------------------------------------------------------------- memory

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -147,3 +148,50 @@ def test_edge_points_extend_past_the_best_point():
     done = runs([*grid, (0.9, 0.08, 1.5), (0.9, 0.16, 1.0), (0.9, 0.32, 1.8), (0.8, 0.16, 1.2),
                  (0.95, 0.16, 1.3)])
     assert bs.edge_points(done, "muon") == []  # a local minimum: nothing left to run
+
+
+def _fake_training(calls: list):
+    """A stand-in for ``train_part``: records what it is asked to train; a run's final loss
+    is ``1 + log2(lr / 0.01)²`` (best at lr 0.01, whatever the budget)."""
+    def train_part(args, seed, budget, part, points):
+        calls.append((seed, budget, part, list(points)))
+        return [_run(f"{bs.family_name(m, mom)} lr={lr:g}", lr, 1 + math.log2(lr / 0.01) ** 2, 1.0)
+                for m, mom, lr in points]
+    return train_part
+
+
+@pytest.mark.parametrize("longer", ["around", "chosen"])
+def test_longer_budgets_tune_around_the_1x_choice_or_take_it_alone(monkeypatch, tmp_path, longer):
+    calls: list = []
+    monkeypatch.setattr(bs, "train_part", _fake_training(calls))
+    args = bs.parse_args(["--seeds", "0", "--lrs", "0.01,0.02", "--momenta", "0.9", "--baselines", "muon",
+                          "--max-extend", "2", "--longer-lrs", longer, "--out", str(tmp_path)])
+    chosen = bs.run_all(args)
+    # 1x: the grid's best (0.01) is its lower edge, so lr 0.01 / sqrt(2) runs as an extension and loses
+    first = [(b, part) for _, b, part, _ in calls if b == 1.0]
+    assert first == [(1.0, "grid"), (1.0, "ext1")]
+    assert calls[1][3] == [("muon", 0.9, pytest.approx(0.01 / math.sqrt(2)))]
+    for budget in (1.25, 1.5):
+        parts = [(part, points) for _, b, part, points in calls if b == budget]
+        lrs = sorted(lr for _, points in parts for _, _, lr in points)
+        if longer == "around":  # the 1x lr and sqrt(2) either side: 0.01 inside, no extension
+            assert [part for part, _ in parts] == ["grid"]
+            assert lrs == pytest.approx([0.01 / math.sqrt(2), 0.01, 0.01 * math.sqrt(2)])
+        else:  # the 1x choice alone, never extended (it would be an edge of a one-point grid)
+            assert parts == [("grid", [("muon", 0.9, pytest.approx(0.01))])]
+        assert chosen[budget]["muon"] == (0.9, pytest.approx(0.01))
+
+
+def test_train_part_trains_on_the_device_the_flags_name(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_round_robin(contenders, model, train, ctx, corpus=None, progress=True):
+        seen["device"] = ctx.device
+        return []
+
+    monkeypatch.setattr(bs, "train_round_robin", fake_round_robin)
+    monkeypatch.setattr(bs, "corpus_for", lambda *a: None)
+    monkeypatch.setattr(bs, "resolve_device", lambda name: torch.device("meta") if name == "cuda" else None)
+    args = bs.parse_args(["--device", "cuda", "--out", str(tmp_path)])
+    bs.train_part(args, 0, 1.0, "grid", [])
+    assert seen["device"] == torch.device("meta")  # what resolve_device made of --device, not a fixed CPU
