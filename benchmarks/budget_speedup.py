@@ -26,7 +26,9 @@ the lrs sqrt(2) either side (extended the same way if the best one is an edge), 
 longer run may prefer a smaller lr: a baseline held at its 1x lr would be under-tuned at
 the longer budgets and would inflate our speed-up. Later seeds rerun, per budget, the
 point the first seed chose (another initialisation and data order), like
-benchmarks/regimes.py.
+benchmarks/regimes.py. ``--longer-lrs chosen`` runs only the 1x choice at the longer budgets
+(for a short GPU lease): a baseline held at its 1x lr can only be worse there, which flatters
+ours, and a report made that way says so.
 
 "Ours" is ``wmuon`` of the examples at the examples' defaults (``--lr-wmuon``, momentum
 0.9, ``PrecondConfig``'s wmuon settings), untuned: what a user gets. ``--sweep-ours`` also
@@ -40,6 +42,9 @@ skipped on a rerun, so a killed run resumes; ``--report-only`` rebuilds the tabl
     OMP_NUM_THREADS=1 python benchmarks/budget_speedup.py --threads 1 --seeds 0,1,2 --sweep-ours \\
         --max-extend 3 --out benchmarks/results/budget_speedup     # ~21 CPU-minutes on one thread
     python benchmarks/budget_speedup.py --report-only --sweep-ours --out benchmarks/results/budget_speedup
+    python benchmarks/budget_speedup.py --device cuda --amp --amp-dtype bfloat16 --d-model 768 --n-layers 12 \\
+        --n-heads 12 --seq-len 256 --batch-size 256 --steps 200 --seeds 0 --lrs 0.008,0.016 --momenta 0.9 \\
+        --max-extend 0 --longer-lrs chosen --out runs/gpu_a            # docs/results.md, "On a GPU"
 """
 from __future__ import annotations
 
