@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -33,7 +32,9 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.append(str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "examples"))  # the examples' modules, imported by file
 
+from kron_examples_common import StepTimer  # noqa: E402
 from kron_precond.whitening import WhiteningStatistics  # noqa: E402
 
 STATISTICS_ROWS = 1024  # WhitenedMuon's default rows per call entering a factor
@@ -45,18 +46,9 @@ def median_ms(fn: Callable[[], object], device: torch.device, repeats: int, warm
         fn()
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        with StepTimer(device) as timer:  # CUDA events on a GPU, the host clock elsewhere
             fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append(1000 * (time.perf_counter() - begin))
+        times.append(1000 * timer.seconds)
     return statistics.median(times)
 
 
