@@ -13,7 +13,8 @@ steps the baseline needs to end where we end, with its own full schedule. So:
 3. in wall-clock, ``speed-up in steps / (our step time / the baseline's step time)``, the
    step-time ratio taken from the 1x run, where every method trains interleaved
    (examples/char_lm.py's ``train_round_robin``: step 1 of each, then step 2, ...), so
-   load from other processes slows them all alike.
+   load from other processes slows them all alike; each run's first step (one-off work) is
+   left out of its mean.
 
 Tuning (the same budget for every baseline): on the first seed, every baseline runs the
 grid ``--lrs`` x ``--momenta`` (lr in sqrt(2) steps) at 1x. Where a baseline's best point
@@ -328,7 +329,9 @@ def _loss(run: dict) -> float:
 
 
 def _mean_step(runs: Sequence[dict]) -> float:
-    seconds = [s for r in runs for s in r["step_seconds"]]
+    """Mean step time of ``runs``, each without its first step: that one carries one-off work
+    (allocations, lazy initialisation, a GPU's first launches) that no later step pays."""
+    seconds = [s for r in runs for s in (r["step_seconds"][1:] or r["step_seconds"])]
     return sum(seconds) / len(seconds)
 
 
