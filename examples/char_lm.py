@@ -593,6 +593,8 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                    help="WhitenedMuon (wmuon): statistics_every, steps between statistics steps and refreshes")
     p.add_argument("--wmuon-factor-decay", type=float, default=PrecondConfig.wmuon_factor_decay,
                    help="WhitenedMuon: factor_decay per refresh (horizon: every / (1 - decay) steps)")
+    p.add_argument("--wmuon-damping", type=float, default=PrecondConfig.wmuon_damping,
+                   help="WhitenedMuon: damping, relative to each factor's mean eigenvalue")
     p.add_argument("--wmuon-output-side", action="store_true", help="WhitenedMuon: output_side=True")
     p.add_argument("--wmuon-center-inputs", choices=("auto", "all", "none"), default="auto",
                    help="WhitenedMuon: center_inputs None (the layers without a bias) / True / False")
@@ -645,6 +647,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
         ikfac_statistics_rows=args.ikfac_rows, moment_decay=args.moment_decay,
         muon_momentum=args.muon_momentum, wmuon_every=args.wmuon_every,
         wmuon_factor_decay=args.wmuon_factor_decay, wmuon_both_sides=args.wmuon_output_side,
+        wmuon_damping=args.wmuon_damping,
         wmuon_center_inputs={"auto": None, "all": True, "none": False}[args.wmuon_center_inputs],
     )
     return model, train, precond

@@ -312,8 +312,9 @@ def triangular_inverse(lower: torch.Tensor, leaf: int = TRIANGULAR_LEAF) -> torc
 
     A triangular solve against the identity costs ``n³ / 2`` multiply-adds in a kernel that
     batches poorly; this costs about ``n³ / 3``, most of them in batched matmuls: 2x to 4x
-    faster at 512 and 1,024 wide on one CPU thread, and equal to the solve to rounding. A singular ``L`` gives non-finite entries,
-    as the solve does (the caller replaces such blocks)."""
+    faster at 512 and 1,024 wide on one CPU thread, and equal to the solve to rounding. A
+    singular ``L`` gives non-finite entries, as the solve does (the caller replaces such
+    blocks)."""
     n = lower.shape[-1]
     if n <= leaf:
         eye = torch.eye(n, dtype=lower.dtype, device=lower.device)

@@ -1,0 +1,35 @@
+"""The examples' WhitenedMuon flags reach the optimizer they build, and their defaults are the
+library's (what the benchmarks measure is what a user gets)."""
+from __future__ import annotations
+
+import inspect
+
+import torch.nn as nn
+
+from example_modules import load
+from kron_precond import WhitenedMuon
+
+common = load("examples/kron_examples_common.py")
+char_lm = load("examples/char_lm.py")
+
+
+def _built(argv: list[str]) -> WhitenedMuon:
+    _, _, precond = char_lm.configs_from_args(char_lm.parse_args(argv))
+    model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3))
+    return common.build_whitened_muon(model, 1e-2, 0.0, [], precond, post=True)
+
+
+def test_the_flags_reach_the_optimizer():
+    opt = _built(["--wmuon-damping", "0.03", "--wmuon-every", "10", "--wmuon-factor-decay", "0.6",
+                  "--wmuon-output-side", "--wmuon-center-inputs", "all"])
+    assert opt.damping == 0.03
+    assert opt.statistics_every == 10 and opt.factor_decay == 0.6
+    assert opt.output_side and opt.center_inputs is True
+
+
+def test_without_flags_the_examples_build_the_library_defaults():
+    opt = _built([])
+    defaults = inspect.signature(WhitenedMuon.__init__).parameters
+    for name in ("damping", "statistics_every", "factor_decay", "statistics_rows", "output_side", "center_inputs",
+                 "root", "block_size", "ns_coefficients"):
+        assert getattr(opt, name) == defaults[name].default, name
