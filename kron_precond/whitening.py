@@ -311,8 +311,8 @@ def triangular_inverse(lower: torch.Tensor, leaf: int = TRIANGULAR_LEAF) -> torc
     ``[[A, 0], [B, C]]⁻¹ = [[A⁻¹, 0], [−C⁻¹ B A⁻¹, C⁻¹]]``, recursively down to ``leaf`` wide.
 
     A triangular solve against the identity costs ``n³ / 2`` multiply-adds in a kernel that
-    batches poorly; this costs about ``n³ / 3``, most of them in batched matmuls: 2x to 4x
-    faster at 512 and 1,024 wide on one CPU thread, and equal to the solve to rounding. A
+    batches poorly; this costs about ``n³ / 3``, most of them in batched matmuls: 2.1x to
+    2.7x faster at 256 to 1,024 wide on one idle CPU thread, and equal to the solve to rounding. A
     singular ``L`` gives non-finite entries, as the solve does (the caller replaces such
     blocks)."""
     n = lower.shape[-1]
