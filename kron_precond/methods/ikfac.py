@@ -27,7 +27,7 @@ import torch
 from kron_precond import validation as check
 from kron_precond.methods import state_checks as checks
 from kron_precond.methods.base import GradientMatrix, LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
-from kron_precond.methods.second_moment import adopt_moments, check_moment_decay, scale_by_moment
+from kron_precond.methods.second_moment import adopt_moments, check_moment_decay, count_skipped, scale_by_moment
 from kron_precond.modules import find_kfac_modules
 from kron_precond.schedules import IntervalSchedule, StepContext
 
@@ -212,6 +212,7 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
         out = torch.matmul(matrix.to(first.inv_dtype), inverses)
         use = valid.bool() & keep
         if moments is not None:
+            count_skipped(layers, valid.bool() & ~keep, cache)
             for layer in layers:
                 layer.updates += 1
             assert first.moment_decay is not None  # a layer holds moments only with a moment_decay

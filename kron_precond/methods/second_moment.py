@@ -90,6 +90,7 @@ class SecondMomentLayer(GradientMatrix, LayerMethod):
         matrix = self.grads_to_matrix(grads)
         self.updates += 1
         keep = torch.isfinite(matrix).all()
+        self.nonfinite.add_((~keep).to(self.nonfinite.dtype))
         return self.matrix_to_grads(scale_by_moment(matrix, self.moment, self.decay, self.eps, self.updates, keep))
 
     def batch_key(self) -> Hashable:
@@ -106,6 +107,7 @@ class SecondMomentLayer(GradientMatrix, LayerMethod):
         for layer in layers:
             layer.updates += 1
         matrices = cls.stack_matrices(layers, grads)
+        count_skipped(layers, ~keep, cache)
         first = layers[0]
         out = scale_by_moment(matrices, stack, first.decay, first.eps, [layer.updates for layer in layers], keep)
         return cls.unstack_matrices(layers, torch.where(keep.reshape(-1, 1, 1), out, matrices))
@@ -142,6 +144,18 @@ def adopt_moments(layers: Sequence) -> torch.Tensor:
     return stack
 
 
+def count_skipped(layers: Sequence, skipped: torch.Tensor, cache: dict) -> None:
+    """Count a skipped moment update (``skipped[i]`` True: a non-finite gradient) in each layer's
+    ``nonfinite`` counter, which the health report reads: one op on a stack whose slices the
+    layers' counters become (the report zeroes them in place)."""
+    counters = cache.get("nonfinite")
+    if counters is None:
+        counters = cache["nonfinite"] = torch.stack([layer.nonfinite for layer in layers])
+        for layer, view in zip(layers, counters.unbind(0)):
+            layer.nonfinite = view
+    counters.add_(skipped.reshape(-1).to(counters.dtype))
+
+
 class _NoSchedule(IntervalSchedule):
     """Neither statistics nor refreshes: the moment is updated in ``apply``. (Stateless, like
     its base, whose no-op counters it keeps.)"""
@@ -165,6 +179,8 @@ class SecondMomentSpec(MethodSpec):
     front of another optimizer (``second_moment`` + Muon = "Muon²")."""
 
     name = "second_moment"
+    # no refreshes to ride on: read the health counters (one host sync) every 100 steps
+    health_check_every = 100
     options = {
         "moment_decay": Option(0.95, _check_decay),
         "moment_eps": Option(1e-8, check.check_positive),
