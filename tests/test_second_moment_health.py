@@ -40,7 +40,7 @@ def test_a_nan_gradient_skips_the_moment_and_is_reported(method, options):
         net.zero_grad()
         ((net(x) - y) ** 2).mean().backward()
         if step == 3:
-            before = moments(precond) if precond.state_dict()["layers"]["b"].get("moment") is not None else None
+            before = moments(precond)
             net.b.weight.grad[0, 0] = float("nan")
         with warnings.catch_warnings(record=True) as now:
             warnings.simplefilter("always")
@@ -49,10 +49,8 @@ def test_a_nan_gradient_skips_the_moment_and_is_reported(method, options):
         if step == 3:
             assert torch.isnan(net.b.weight.grad[0, 0])  # passed through, as every method does
             after = moments(precond)
-            if before is not None:
-                assert torch.equal(after["b"], before["b"]), "a non-finite gradient entered the moment"
-                assert not torch.equal(after["a"], before["a"])  # the stack's other layer moved on
-            assert torch.isfinite(after["b"]).all()
+            assert torch.equal(after["b"], before["b"]), "a non-finite gradient entered the moment"
+            assert not torch.equal(after["a"], before["a"])  # the stack's other layer moved on
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     skipped = [m for m in messages if "non-finite update" in m]
     assert skipped == ["kron_precond: skipped 1 non-finite update(s) of b; its state was left unchanged"], messages

@@ -27,7 +27,7 @@ import torch
 from kron_precond import validation as check
 from kron_precond.methods import state_checks as checks
 from kron_precond.methods.base import GradientMatrix, LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
-from kron_precond.methods.second_moment import adopt_moments, check_moment_decay, count_skipped, scale_by_moment
+from kron_precond.methods.second_moment import adopt_stack, check_moment_decay, count_skipped, scale_by_moment
 from kron_precond.modules import find_kfac_modules
 from kron_precond.schedules import IntervalSchedule, StepContext
 
@@ -317,7 +317,7 @@ def _adopt(layers: Sequence[InputKFACLayer]) -> tuple[torch.Tensor, torch.Tensor
     flags = torch.stack([layer._refreshed_state()[1] for layer in layers])
     for layer, inverse, flag in zip(layers, inverses.unbind(0), flags.unbind(0)):
         layer._refreshed = [inverse, flag]
-    moments = adopt_moments(layers) if layers[0].moment is not None else None
+    moments = adopt_stack(layers, "moment") if layers[0].moment is not None else None
     return inverses, flags.reshape(len(layers)), moments
 
 

@@ -103,7 +103,7 @@ class SecondMomentLayer(GradientMatrix, LayerMethod):
         each layer's moment becomes a view into the stack."""
         stack = cache.get("moments")
         if stack is None:
-            stack = cache["moments"] = adopt_moments(layers)
+            stack = cache["moments"] = adopt_stack(layers, "moment")
         for layer in layers:
             layer.updates += 1
         matrices = cls.stack_matrices(layers, grads)
@@ -136,23 +136,22 @@ class SecondMomentLayer(GradientMatrix, LayerMethod):
         self.updates = int(state["updates"])
 
 
-def adopt_moments(layers: Sequence) -> torch.Tensor:
-    """Stack the layers' ``moment`` tensors and re-point each layer at its slice."""
-    stack = torch.stack([layer.moment for layer in layers])
+def adopt_stack(layers: Sequence, attr: str) -> torch.Tensor:
+    """Stack the layers' ``attr`` tensors and re-point each layer at its slice, so an in-place
+    update of either (the batched step, a load, the health report's reset) reaches both."""
+    stack = torch.stack([getattr(layer, attr) for layer in layers])
     for layer, view in zip(layers, stack.unbind(0)):
-        layer.moment = view
+        setattr(layer, attr, view)
     return stack
 
 
 def count_skipped(layers: Sequence, skipped: torch.Tensor, cache: dict) -> None:
     """Count a skipped moment update (``skipped[i]`` True: a non-finite gradient) in each layer's
     ``nonfinite`` counter, which the health report reads: one op on a stack whose slices the
-    layers' counters become (the report zeroes them in place)."""
+    layers' counters become."""
     counters = cache.get("nonfinite")
     if counters is None:
-        counters = cache["nonfinite"] = torch.stack([layer.nonfinite for layer in layers])
-        for layer, view in zip(layers, counters.unbind(0)):
-            layer.nonfinite = view
+        counters = cache["nonfinite"] = adopt_stack(layers, "nonfinite")
     counters.add_(skipped.reshape(-1).to(counters.dtype))
 
 
