@@ -14,8 +14,9 @@ of ``torch.optim.Muon`` (rewrite ``.grad``, then Muon steps) can only do the fir
 the second half is why this is an optimizer of its own.
 
 Scale: the result is rescaled to the Frobenius norm of ``msign(...)`` and the learning rate
-is adjusted like ``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")`` (``0.2·sqrt(max(m, n))``),
-so ``lr`` means what it means for Muon (and AdamW) and only the direction changes.
+is adjusted as ``torch.optim.Muon`` adjusts it (``adjust_lr_fn``: ``0.2·sqrt(max(m, n))`` by
+default, or ``sqrt(max(1, m/n))``), so ``lr`` means what it means for Muon and only the
+direction changes.
 
 One optimizer for a whole model: ``WhitenedMuon(model, ...)`` whitens every Linear-like unit
 the engine's module adapters know (:mod:`kron_precond.modules`) and steps every other
@@ -66,6 +67,19 @@ POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
 NS_SCHEDULES = {"muon": ((NS_COEFFICIENTS,), 1.0), "polar_express": (POLAR_EXPRESS, 1.02)}
 WHITENED, ADAMW = "whitened_muon", "adamw"
 ALGORITHMS = (WHITENED, ADAMW)
+# torch.optim.Muon's lr adjustments by name (None: its default, "original")
+ADJUST_LR_FNS = ("match_rms_adamw", "original", None)
+
+
+def lr_ratio(adjust_lr_fn: str | None, shape: tuple[int, int]) -> float:
+    """The factor ``torch.optim.Muon`` multiplies ``lr`` by for a weight ``[out, in]``:
+    ``"match_rms_adamw"``: ``0.2·sqrt(max(out, in))`` (an update of AdamW's RMS, so one lr
+    serves both halves); ``"original"`` or ``None``: ``sqrt(max(1, out / in))`` (Keller
+    Jordan's Muon, whose lr is on the spectral scale, about 0.02)."""
+    out_dim, in_dim = shape
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * max(out_dim, in_dim) ** 0.5
+    return max(1.0, out_dim / in_dim) ** 0.5
 
 
 def msign(matrix: torch.Tensor, steps: int = 5, eps: float = 1e-7,
@@ -159,8 +173,9 @@ class WhitenedMuon(torch.optim.Optimizer):
 
     Args:
         params: the model, or a list of modules.
-        lr: learning rate, on AdamW's scale (``match_rms_adamw``); an LR scheduler scales it
-            (and ``adamw_lr``) like any torch optimizer's.
+        lr: learning rate, on AdamW's scale with the default ``adjust_lr_fn``; an LR scheduler
+            scales it (and ``adamw_lr``) like any torch optimizer's. Coming from Muon, keep its
+            lr and momentum (and its ``adjust_lr_fn``).
         weight_decay: decoupled weight decay of the whitened weights.
         momentum, nesterov: ``torch.optim.Muon``'s momentum (``buf.lerp_(g, 1 - momentum)``).
         skip_layers: regex or list of regexes (model form only); a module whose qualified name
@@ -204,6 +219,12 @@ class WhitenedMuon(torch.optim.Optimizer):
         ns_coefficients: ``"muon"`` (``torch.optim.Muon``'s fixed quintic) or ``"polar_express"``
             (Polar Express's per-iteration quintics, as the NanoGPT speedrun uses: the same cost,
             a more exact ``msign``).
+        adjust_lr_fn: ``torch.optim.Muon``'s lr adjustment per weight ``[out, in]``:
+            ``"match_rms_adamw"`` (default) multiplies ``lr`` by ``0.2·sqrt(max(out, in))``, so
+            one lr suits the AdamW groups too; ``"original"`` (``None`` means the same, as in
+            ``torch.optim.Muon``, whose default it is) by ``sqrt(max(1, out / in))``, with ``lr``
+            on Muon's spectral scale (about 0.02): then set ``adamw_lr`` (about 3e-4), or the AdamW
+            groups take that lr too. A param-group setting, kept by ``state_dict``.
         grad_scaler: the ``torch.amp.GradScaler`` of an fp16 run (or a callable returning the
             loss scale): its scale is divided out of the output-side statistics.
         process_group: where the statistics are all-reduced; ``None``: the default group when
@@ -225,11 +246,14 @@ class WhitenedMuon(torch.optim.Optimizer):
                  output_side: bool = False, center_inputs: bool | None = None, root: str = "cholesky",
                  block_size: int | None = None,
                  ns_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16, ns_coefficients: str = "muon",
-                 grad_scaler: Any = None, process_group: Any = None):
+                 adjust_lr_fn: str | None = "match_rms_adamw", grad_scaler: Any = None, process_group: Any = None):
         defaults = dict(lr=validation.check_positive("lr", lr),
                         weight_decay=validation.check_non_negative("weight_decay", weight_decay),
                         momentum=validation.check_unit_interval("momentum", momentum, low_open=False, high_open=True),
-                        nesterov=validation.check_bool("nesterov", nesterov), algorithm=WHITENED)
+                        nesterov=validation.check_bool("nesterov", nesterov), adjust_lr_fn=adjust_lr_fn,
+                        algorithm=WHITENED)
+        if adjust_lr_fn not in ADJUST_LR_FNS:
+            raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
         self._adamw_defaults = self._check_adamw(lr, weight_decay, adamw_lr, adamw_betas, adamw_eps,
                                                  adamw_weight_decay)
         self.statistics_every = validation.check_int("statistics_every", statistics_every)
@@ -375,7 +399,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         for key, value in self._adamw_defaults.items():
             param_group.setdefault(key, value)
         super().add_param_group(param_group)
-        for key in ("momentum", "nesterov"):  # Muon's settings, filled in by torch.optim from defaults
+        for key in ("momentum", "nesterov", "adjust_lr_fn"):  # Muon's settings, filled in by torch.optim
             self.param_groups[-1].pop(key, None)
 
     # -- the step ----------------------------------------------------------------------
@@ -502,7 +526,7 @@ class WhitenedMuon(torch.optim.Optimizer):
             direction = direction[:, start:stop]
         decay = torch.full(finite.shape, 1 - lr * group["weight_decay"], dtype=params[0].dtype, device=finite.device)
         decay = torch.where(finite, decay, 1.0)
-        adjusted = lr * 0.2 * max(view.shape) ** 0.5  # torch.optim.Muon's match_rms_adamw
+        adjusted = lr * lr_ratio(group["adjust_lr_fn"], view.shape)
         for i, p in enumerate(params):
             weight = self._local(p)
             weight.mul_(decay[i])
@@ -609,6 +633,9 @@ class WhitenedMuon(torch.optim.Optimizer):
             raise ValueError(f"WhitenedMuon.load_state_dict: the saved param groups' algorithms {saved} "
                              f"differ from this optimizer's {ours}")
         super().load_state_dict(state_dict)
+        for group in self.param_groups:  # a checkpoint from before the setting was stepped by the default
+            if group["algorithm"] == WHITENED:
+                group.setdefault("adjust_lr_fn", "match_rms_adamw")
         self._statistics.state = self.state  # torch.optim's load puts a new state dict in place
         self._casts.clear()
         for state in self.state.values():

@@ -77,10 +77,15 @@ def inverse_root(factor: np.ndarray, block: int | None = None) -> np.ndarray:
     return out
 
 
+def match_rms_adamw(shape) -> float:
+    return 0.2 * max(shape) ** 0.5
+
+
 def reference_run(output_side: bool, steps: int, dims=DIMS, block: int | None = None,
-                  center=(True, True), bias=(False, False)):
+                  center=(True, True), bias=(False, False), lr_ratio=match_rms_adamw):
     """The steps written out in float64 with numpy/scipy, statistics on every step; the input
-    factor of layer i is the rows' covariance about their mean where ``center[i]``."""
+    factor of layer i is the rows' covariance about their mean where ``center[i]``; each
+    weight ``[out, in]`` steps by ``LR · lr_ratio((out, in))``."""
     net = make_net(dims=dims, bias=bias)
     weights = [net.a.weight, net.b.weight]
     factors = {}
@@ -111,7 +116,7 @@ def reference_run(output_side: bool, steps: int, dims=DIMS, block: int | None = 
             direction = left @ ortho @ right
             direction *= np.linalg.norm(ortho) / np.linalg.norm(direction)
             with torch.no_grad():
-                w.mul_(1 - LR * WD).sub_(torch.from_numpy(direction), alpha=LR * 0.2 * max(w.shape) ** 0.5)
+                w.mul_(1 - LR * WD).sub_(torch.from_numpy(direction), alpha=LR * lr_ratio(tuple(w.shape)))
         history.append([w.detach().clone() for w in weights])
     return history
 
@@ -144,6 +149,66 @@ def test_steps_match_the_whitened_steepest_descent_written_out(monkeypatch, outp
         for got, want in zip([net.a.weight, net.b.weight], expected[step]):
             torch.testing.assert_close(got.detach(), want, rtol=1e-9, atol=1e-11)
     assert not torch.allclose(net.a.weight.detach(), other[-1][0], rtol=1e-4)  # centring mattered
+
+
+@pytest.mark.parametrize("adjust_lr_fn", ["original", None])
+def test_original_lr_adjustment_matches_the_steps_written_out(monkeypatch, adjust_lr_fn):
+    """``adjust_lr_fn="original"`` (or ``None``, as ``torch.optim.Muon`` reads it) scales a
+    weight ``[out, in]``'s step by ``sqrt(max(1, out / in))``, Keller Jordan's Muon, instead of
+    ``0.2 · sqrt(max(out, in))``; the whitened direction is the same."""
+    monkeypatch.setattr(wm, "msign", exact_polar)
+    steps = 3
+    expected = reference_run(False, steps, lr_ratio=lambda shape: max(1.0, shape[0] / shape[1]) ** 0.5)
+    rms_matched = reference_run(False, steps)
+    net = make_net()
+    opt = WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, momentum=MOMENTUM, statistics_every=1,
+                       damping=DAMPING, factor_decay=DECAY, ns_dtype=torch.float64, adjust_lr_fn=adjust_lr_fn)
+    for step, (x, y) in enumerate(batches(steps)):
+        opt.zero_grad()
+        loss_of(net, x, y).backward()
+        opt.step()
+        for got, want in zip([net.a.weight, net.b.weight], expected[step]):
+            torch.testing.assert_close(got.detach(), want, rtol=1e-9, atol=1e-11)
+    assert not torch.allclose(net.a.weight.detach(), rms_matched[-1][0], rtol=1e-4)  # the scale mattered
+
+
+@pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw", None])
+def test_an_unwhitened_weight_steps_as_torch_muon_with_the_same_lr_adjustment(adjust_lr_fn):
+    """A weight whose module never runs its forward (applied functionally) keeps the identity
+    whitener: its steps are ``torch.optim.Muon``'s, bit for bit, under each ``adjust_lr_fn``."""
+    torch.manual_seed(0)
+    ours, theirs = nn.Linear(5, 9, bias=False), nn.Linear(5, 9, bias=False)
+    theirs.load_state_dict(ours.state_dict())
+    opt = WhitenedMuon([ours], lr=LR, weight_decay=WD, momentum=MOMENTUM, adjust_lr_fn=adjust_lr_fn)
+    muon = torch.optim.Muon(theirs.parameters(), lr=LR, weight_decay=WD, momentum=MOMENTUM,
+                            adjust_lr_fn=adjust_lr_fn)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(6, 5, generator=g)
+        for layer, optimizer in ((ours, opt), (theirs, muon)):
+            optimizer.zero_grad()
+            nn.functional.linear(x, layer.weight).square().sum().backward()
+            optimizer.step()
+        assert torch.equal(ours.weight, theirs.weight)
+
+
+def test_the_lr_adjustment_is_a_param_group_setting_kept_by_checkpoints():
+    net = make_net()
+    opt = WhitenedMuon([net.a, net.b], lr=LR, adjust_lr_fn="original")
+    assert opt.param_groups[0]["adjust_lr_fn"] == "original"
+    model_form = WhitenedMuon(nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2)), lr=LR)
+    whitened, adamw = model_form.param_groups
+    assert whitened["adjust_lr_fn"] == "match_rms_adamw"  # the default: lr on AdamW's scale
+    assert adamw["algorithm"] == "adamw" and "adjust_lr_fn" not in adamw  # a Muon setting only
+    saved = opt.state_dict()
+    fresh = WhitenedMuon([net.a, net.b], lr=LR)
+    fresh.load_state_dict(saved)
+    assert fresh.param_groups[0]["adjust_lr_fn"] == "original"
+    older = copy.deepcopy(saved)  # a checkpoint from before the setting: it was stepped by the default
+    del older["param_groups"][0]["adjust_lr_fn"]
+    original = WhitenedMuon([net.a, net.b], lr=LR, adjust_lr_fn="original")
+    original.load_state_dict(older)
+    assert original.param_groups[0]["adjust_lr_fn"] == "match_rms_adamw"
 
 
 def test_by_default_only_the_layers_without_a_bias_are_centred(monkeypatch):
@@ -403,6 +468,7 @@ def test_lr_scheduler_changes_the_step():
     (dict(output_side=1), TypeError, "output_side"), (dict(ns_dtype=torch.int32), ValueError, "ns_dtype"),
     (dict(root="qr"), ValueError, "root"), (dict(block_size=0), ValueError, "block_size"),
     (dict(center_inputs="auto"), TypeError, "center_inputs"),
+    (dict(adjust_lr_fn="spectral"), ValueError, "adjust_lr_fn"),
 ])
 def test_bad_arguments_fail_at_construction_naming_them(kwargs, error, name):
     net = make_net()
