@@ -121,6 +121,16 @@ def reference_run(output_side: bool, steps: int, dims=DIMS, block: int | None = 
     return history
 
 
+def train_against(net, opt, expected):
+    """Train ``net`` with ``opt`` on ``batches`` and check each step's weights against ``expected``."""
+    for step, (x, y) in enumerate(batches(len(expected))):
+        opt.zero_grad()
+        loss_of(net, x, y).backward()
+        opt.step()
+        for got, want in zip([net.a.weight, net.b.weight], expected[step]):
+            torch.testing.assert_close(got.detach(), want, rtol=1e-9, atol=1e-11)
+
+
 @pytest.mark.parametrize("root", ["cholesky", "symmetric"])
 @pytest.mark.parametrize("output_side", [False, True])
 @pytest.mark.parametrize("center_inputs", [None, False])
@@ -163,12 +173,7 @@ def test_original_lr_adjustment_matches_the_steps_written_out(monkeypatch, adjus
     net = make_net()
     opt = WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, momentum=MOMENTUM, statistics_every=1,
                        damping=DAMPING, factor_decay=DECAY, ns_dtype=torch.float64, adjust_lr_fn=adjust_lr_fn)
-    for step, (x, y) in enumerate(batches(steps)):
-        opt.zero_grad()
-        loss_of(net, x, y).backward()
-        opt.step()
-        for got, want in zip([net.a.weight, net.b.weight], expected[step]):
-            torch.testing.assert_close(got.detach(), want, rtol=1e-9, atol=1e-11)
+    train_against(net, opt, expected)
     assert not torch.allclose(net.a.weight.detach(), rms_matched[-1][0], rtol=1e-4)  # the scale mattered
 
 
@@ -222,12 +227,7 @@ def test_by_default_only_the_layers_without_a_bias_are_centred(monkeypatch):
         opt = WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, momentum=MOMENTUM, statistics_every=1,
                            damping=DAMPING, factor_decay=DECAY, ns_dtype=torch.float64, center_inputs=center_inputs)
         assert opt.center_inputs is center_inputs
-        for step, (x, y) in enumerate(batches(steps)):
-            opt.zero_grad()
-            loss_of(net, x, y).backward()
-            opt.step()
-            for got, want in zip([net.a.weight, net.b.weight], expected[step]):
-                torch.testing.assert_close(got.detach(), want, rtol=1e-9, atol=1e-11)
+        train_against(net, opt, expected)
 
 
 def test_a_centred_factor_is_the_rows_covariance_and_a_mean_shift_does_not_move_it():
