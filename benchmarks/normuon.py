@@ -26,10 +26,11 @@ scales every row alike and the norm-preserving rescale removes it (as in the pap
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Iterable
 
 import torch
+
+from kron_precond.whitened_muon import lr_ratio  # torch.optim.Muon's match_rms_adamw factor
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's quintic Newton-Schulz
 NS_STEPS = 5
@@ -56,11 +57,6 @@ def newton_schulz(update: torch.Tensor) -> torch.Tensor:
             x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
         return (x.T if tall else x).float()
     return _zeropower_via_newtonschulz(update, NS_COEFFICIENTS, NS_STEPS, NS_EPS).float()
-
-
-def match_rms_adamw_scale(shape: torch.Size) -> float:
-    """torch.optim.Muon's ``adjust_lr_fn="match_rms_adamw"`` factor: ``0.2·sqrt(max(m, n))``."""
-    return 0.2 * math.sqrt(max(shape[0], shape[1]))
 
 
 def normalize_rows(ortho: torch.Tensor, second_moment: torch.Tensor, beta2: float,
@@ -115,5 +111,5 @@ class NorMuon(torch.optim.Optimizer):
                 ortho = self.orthogonalize(update).to(p.dtype)
                 direction = normalize_rows(ortho, state["second_moment"], group["beta2"], group["eps"])
                 p.mul_(1 - lr * group["weight_decay"])
-                p.add_(direction, alpha=-lr * match_rms_adamw_scale(p.shape))
+                p.add_(direction, alpha=-lr * lr_ratio("match_rms_adamw", (p.shape[0], p.shape[1])))
         return loss

@@ -36,6 +36,7 @@ whole matrix); every rank computes the same direction and keeps its rows.
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -78,8 +79,8 @@ def lr_ratio(adjust_lr_fn: str | None, shape: tuple[int, int]) -> float:
     Jordan's Muon, whose lr is on the spectral scale, about 0.02)."""
     out_dim, in_dim = shape
     if adjust_lr_fn == "match_rms_adamw":
-        return 0.2 * max(out_dim, in_dim) ** 0.5
-    return max(1.0, out_dim / in_dim) ** 0.5
+        return 0.2 * math.sqrt(max(out_dim, in_dim))
+    return math.sqrt(max(1.0, out_dim / in_dim))
 
 
 def msign(matrix: torch.Tensor, steps: int = 5, eps: float = 1e-7,
@@ -247,13 +248,13 @@ class WhitenedMuon(torch.optim.Optimizer):
                  block_size: int | None = None,
                  ns_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16, ns_coefficients: str = "muon",
                  adjust_lr_fn: str | None = "match_rms_adamw", grad_scaler: Any = None, process_group: Any = None):
+        if adjust_lr_fn not in ADJUST_LR_FNS:
+            raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
         defaults = dict(lr=validation.check_positive("lr", lr),
                         weight_decay=validation.check_non_negative("weight_decay", weight_decay),
                         momentum=validation.check_unit_interval("momentum", momentum, low_open=False, high_open=True),
                         nesterov=validation.check_bool("nesterov", nesterov), adjust_lr_fn=adjust_lr_fn,
                         algorithm=WHITENED)
-        if adjust_lr_fn not in ADJUST_LR_FNS:
-            raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
         self._adamw_defaults = self._check_adamw(lr, weight_decay, adamw_lr, adamw_betas, adamw_eps,
                                                  adamw_weight_decay)
         self.statistics_every = validation.check_int("statistics_every", statistics_every)
