@@ -1,4 +1,4 @@
-"""Distributed K-FAC on gloo: communication and time per rank per step (issue #4).
+"""Distributed K-FAC on gloo: communication and time per rank per step.
 
 For each world size (spawned gloo ranks on this machine) and each grid strategy
 (COMM_OPT / HYBRID_OPT / MEM_OPT), trains a transformer-like stack (``--blocks`` blocks

@@ -1,4 +1,4 @@
-"""Budget-equivalent speed-up of WhitenedMuon over the best-tuned Muon and NorMuon (issue 37).
+"""Budget-equivalent speed-up of WhitenedMuon over the best-tuned Muon and NorMuon.
 
 "Time to a target loss" on one fixed schedule only sees the last few per cent of a run,
 where every Muon-family curve has nearly converged. What a user gains is how many more

@@ -183,7 +183,7 @@ def _rank(run: RunResult, target: float | None) -> tuple[float, float]:
 
 
 def best_of(results: Sequence[RunResult], family: str, target: float | None = None) -> RunResult | None:
-    """The best point of ``family``: the first to reach ``target`` (the issue's measure),
+    """The best point of ``family``: the first to reach ``target`` (the time-to-target measure),
     or the lowest final loss when ``target`` is None."""
     runs = [r for r in results if family_of(r) == family]
     return min(runs, key=lambda r: _rank(r, target)) if runs else None

@@ -5,7 +5,7 @@ step issues a fixed number of ops per layer costs launch latency in proportion t
 This counts the ops dispatched by one *plain* step -- K-FAC between its statistics and
 refresh steps, PSGD on a step without a Q update -- for models of 2, 8 and 32 identical
 transformer-ish blocks of ``nn.Linear`` layers, and prints the growth from the smallest
-to the largest model (target of issue 8: at most 1.2x, i.e. a step whose op count does not
+to the largest model (the target: at most 1.2x, i.e. a step whose op count does not
 grow with the number of layers).
 
     python benchmarks/op_count.py                      # K-FAC and PSGD, 2 / 8 / 32 blocks

@@ -474,7 +474,7 @@ def _muon_settings(muon: dict) -> str:
     return f" ({settings_of(muon['time_by'])}/{settings_of(muon['final_by'])})"
 
 
-TARGET_RATIO = 0.8  # issue 17: <= 0.8x Muon's wall-clock to each target
+TARGET_RATIO = 0.8  # the target: <= 0.8x Muon's wall-clock to each target
 
 
 def _over(value: float, reference: float) -> float:

@@ -1,4 +1,4 @@
-"""Per-rank traffic, memory and refresh work of kron_precond at 8 to 1024 GPUs (issue #12).
+"""Per-rank traffic, memory and refresh work of kron_precond at 8 to 1024 GPUs.
 
 Nothing here is measured and nothing is typed in: the models are built on the ``meta``
 device (no memory is allocated), their layers are selected and built by the library's own

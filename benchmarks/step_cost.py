@@ -49,7 +49,7 @@ CONFIGS = {
                                                    "kfac_max_size": 512}),
     "kfac_muon eig 1024r diag>512": ("kfac_muon", {"statistics_rows": 1024, "kfac_max_size": 512}),
     "psgd_muon p=0.05 diag>512": ("psgd_muon", {"update_probability": 0.05, "psgd_max_size_triangular": 512}),
-    # issue 17: input-side K-FAC (statistics + Cholesky refresh every ikfac_every steps) and the
+    # input-side K-FAC (statistics + Cholesky refresh every ikfac_every steps) and the
     # elementwise second moment
     "ikfac_muon every 32": ("ikfac_muon", {}),
     "ikfac_muon every 10": ("ikfac_muon", {"ikfac_every": 10}),

@@ -115,7 +115,7 @@ METHODS: dict[str, MethodSpec] = {
     "ekfac": MethodSpec("EK-FAC + AdamW", base="adamw", precond="ekfac"),
     "ekfac_muon": MethodSpec("EK-FAC + Muon", base="muon", precond="ekfac"),
     "shampoo": MethodSpec("Shampoo (grafted) + AdamW", base="adamw", precond="shampoo"),
-    # Issue 17: cheap curvature in front of Muon.
+    # Cheap curvature in front of Muon.
     "ikfac_muon": MethodSpec("input-side K-FAC (A only) + Muon", base="muon", precond="ikfac"),
     "muon2": MethodSpec("elementwise second moment + Muon (Muon²)", base="muon", precond="second_moment"),
     "ikfac_muon2": MethodSpec("input-side K-FAC, then second moment + Muon", base="muon", precond="ikfac2"),

@@ -1,8 +1,8 @@
 """benchmarks/budget_speedup.py: the budget-equivalent speed-up against hand-computed curves.
 
 The interpolation is exact on a curve that is linear in log(steps), so such curves give
-closed-form budgets; the issue's own Muon figures (0.6397 / 0.5937 / 0.5724 at 600 / 750 /
-900 steps, 0.6174 to match) give its "about 670 steps". The report is checked on fake run
+closed-form budgets; a worked example's Muon figures (0.6397 / 0.5937 / 0.5724 at 600 / 750 /
+900 steps, 0.6174 to match) give its expected "about 670 steps". The report is checked on fake run
 records whose speed-ups are worked out by hand below, and the tuning's edge rule on a grid
 whose best point is known."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 17's example wiring: the ``ikfac_muon`` / ``muon2`` / ``ikfac_muon2`` methods of the
+"""The examples' cheap-curvature wiring: the ``ikfac_muon`` / ``muon2`` / ``ikfac_muon2`` methods of the
 examples and the interpolated crossing of a target (``RunResult.first_reaching``)."""
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_first_reaching_interpolates_between_evaluations(examples):
     assert bumpy.first_reaching(1.0) == pytest.approx((0 + 5 * (1.0 / 1.1), 1.0 / 1.1))
 
 
-def test_issue17_methods_build_what_they_name(examples):
+def test_cheap_curvature_methods_build_what_they_name(examples):
     char_lm, common = examples
     model_config = char_lm.ModelConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8)
     config = common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS, ikfac_every=7, ikfac_damping=0.3,

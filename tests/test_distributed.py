@@ -1,4 +1,4 @@
-"""KronPreconditioner on 1-4 gloo ranks versus one process (issue #4).
+"""KronPreconditioner on 1-4 gloo ranks versus one process.
 
 Oracle: one process on the full batch (no process group). R ranks each hold 1/R of the
 same batch and average their gradients (real ``DistributedDataParallel`` in the

@@ -1,4 +1,4 @@
-"""The method-agnostic engine (issue 9): batched apply against the dense reference, the
+"""The method-agnostic engine: batched apply against the dense reference, the
 checkpoint format's versions, a method plugged in from outside the engine, the non-finite
 layer under kl_clip, and the collectives on strided tensors the batched path produces."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The same parameters at any world size: a generated suite (issue 18).
+"""The same parameters at any world size: a generated suite.
 
 The promise (DESIGN.md §4): every registered method, with any schedule, accumulation,
 gradient-worker fraction and wrapper, gives on R gloo ranks -- each holding 1/R of every

@@ -133,7 +133,7 @@ def test_scripts_ignore_an_installed_top_level_examples_package(foreign_examples
 
 
 # Tests of this file that load examples/ and benchmarks/ modules (char_lm, kron_examples_common,
-# convergence): the main job's (the one the issue saw fail; it runs a tiny main job, ~10-40 s)
+# convergence): the main job's (it runs a tiny main job, ~10-40 s)
 # and three that spawn nothing.
 LOADING_TESTS = ["test_main_job_runs_and_reports_every_method",
                  "test_muon_split_and_chain_follow_one_schedule",

@@ -1,4 +1,4 @@
-"""``KronPreconditioner(method="ikfac")``: input-side K-FAC, ``∇ (A + λI)⁻¹`` (issue 17).
+"""``KronPreconditioner(method="ikfac")``: input-side K-FAC, ``∇ (A + λI)⁻¹``.
 
 Checked against a dense float64 reference built from the activation rows the test itself
 records (its own forward hooks), not from the method's state: the running A, the

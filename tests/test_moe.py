@@ -1,4 +1,4 @@
-"""Fused MoE experts (issue 19): per-expert K-FAC / EK-FAC units against dense float64 references.
+"""Fused MoE experts: per-expert K-FAC / EK-FAC units against dense float64 references.
 
 The reference is the same experts written as separate layers applied to the routed rows:
 per expert, a first-stage Linear (or two), the expert's activation, a second-stage Linear,

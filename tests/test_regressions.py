@@ -1,6 +1,6 @@
 """Regression tests for the review findings fixed in the library (single process).
 
-Each test fails on the behaviour the reviewer reproduced (/tmp/review/rNN_*.py) and
+Each test fails on the behaviour the reviewer reproduced and
 passes on the fix. Expected values come from the test itself: dense float64 K-FAC
 (:mod:`kfac_reference`), PSGD's formulas written out with dense matrices, or facts
 about the model (which modules' forwards run) -- never from the library's output.

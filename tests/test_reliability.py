@@ -1,9 +1,9 @@
-"""Issue 10 (reliability), single process: no silent NaN, no silently unpreconditioned
+"""Reliability, single process: no silent NaN, no silently unpreconditioned
 layer, damping that means the same at any batch size and sequence length, atomic and
 strict checkpoints, argument checks at construction.
 
-Every item's tests failed on the code before the fix (d5d680c); the few parametrizations
-that already passed there are kept as guards of the same contract (boundary values, the
+Every item's tests fail on the code without its fix; the few parametrizations
+that pass without it are kept as guards of the same contract (boundary values, the
 conv half of the damping invariance, loading files from before the version field). Expected values come from dense
 float64 formulas written in the test (``kfac_reference``), from facts about the data
 (tiled batches have the same per-token mean loss), or from the state before a failing

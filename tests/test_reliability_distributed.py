@@ -1,4 +1,4 @@
-"""Issue 10 (reliability), multi-process: no hang.
+"""Reliability, multi-process: no hang.
 
 * ``state_dict()`` called on rank 0 only (the usual save pattern) with
   ``grad_worker_fraction < 1`` was a hidden collective: both ranks blocked until the

@@ -1,4 +1,4 @@
-"""``KronPreconditioner(method="shampoo")`` (issue 9's proof, second method).
+"""``KronPreconditioner(method="shampoo")``: a second method on the method-agnostic engine.
 
 * Dense reference, built here in float64 from the gradients the test itself records:
   ``L = Σ_t β^{T−t} M_t M_tᵀ / Σ_t β^{T−t}`` (likewise ``R``), roots from ``eigh`` with the

@@ -1,4 +1,4 @@
-"""``KronPreconditioner(method="soap")``: second moments in Shampoo's eigenbasis (issue 17).
+"""``KronPreconditioner(method="soap")``: second moments in Shampoo's eigenbasis.
 
 References, none read from the method's state:
 

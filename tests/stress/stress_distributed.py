@@ -8,15 +8,15 @@ run's interest: it takes many minutes). Run it from the repository root::
 Each repeat spawns one gloo group per world size (``tests/dist_utils.run_workers``, hard
 timeout) whose ranks run the core scenarios of ``tests/test_distributed.py`` --
 single-process equivalence of every configuration and checkpoint save/resume across world
-sizes -- plus a bare PSGD/COMM_OPT/DDP loop (the configuration of the rare SIGABRT of
-issue 10). Every result is compared with a single-process reference computed once here;
+sizes -- plus a bare PSGD/COMM_OPT/DDP loop (the configuration of a rare
+SIGABRT). Every result is compared with a single-process reference computed once here;
 a rank that raises, dies (e.g. SIGABRT) or hangs is a failure (a hang also prints every
 thread's stack, dumped shortly before the harness kills the group). Failures are printed
 with their tracebacks as they happen, and a summary ``N of M repeats failed`` ends the run
 (exit status 1 if any failed).
 
-Issue 10 (2026-11-22, 2 shared cores at load average 15-18, 56 min): ``0 of 50 repeats
-failed`` with::
+A longer check of the PSGD/DDP and equivalence scenarios on selected configurations; it
+passes when it ends with ``0 of 50 repeats failed``::
 
     nice -n 10 python tests/stress/stress_distributed.py --repeats 50 --worlds 2 3 \
         --scenarios psgd-ddp equivalence --timeout 300 --configs kfac-eigen-comm-ddp \
