@@ -247,8 +247,9 @@ def budget_steps(args, budget: float) -> int:
 
 
 def train_part(args, seed: int, budget: float, part: str,
-               points: Sequence[tuple[str, float | None, float]]) -> list[dict]:
-    """Train ``points`` (method, momentum, lr) interleaved at ``budget`` and save them."""
+               points: Sequence[tuple[str, float | None, float]], extra: Sequence[Contender] = ()) -> list[dict]:
+    """Train ``points`` (method, momentum, lr), then the ``extra`` contenders, interleaved at
+    ``budget`` and save them."""
     path = record_path(args.out, seed, budget, part)
     if path.exists():
         return json.loads(path.read_text())["runs"]
@@ -256,7 +257,7 @@ def train_part(args, seed: int, budget: float, part: str,
     steps = budget_steps(args, budget)
     train = replace(base_train, steps=steps, seed=seed, warmup_steps=max(1, round(WARMUP_FRACTION * steps)),
                     eval_every=max(1, steps // EVALS_PER_RUN), stop_after=0)
-    contenders = [contender(m, mom, lr, train.weight_decay, precond) for m, mom, lr in points]
+    contenders = [contender(m, mom, lr, train.weight_decay, precond) for m, mom, lr in points] + list(extra)
     corpus = corpus_for(int(train.corpus_mb * 2**20), model.seq_len)
     ctx = DistContext(0, 1, resolve_device(args.device))
     results = train_round_robin(contenders, model, train, ctx, corpus=corpus, progress=False)

@@ -148,14 +148,12 @@ LABELS = {
 
 def build_whitened_normuon(model: nn.Module, lr: float, weight_decay: float, config) -> WhitenedNorMuon:
     """As examples/kron_examples_common.build_whitened_muon, with the row normalisation."""
-    from kron_examples_common import unwrap
+    from kron_examples_common import build_whitened_muon, unwrap
     exclude = config.skip_layers if config.muon_exclude is None else config.muon_exclude
-    return WhitenedNorMuon(unwrap(model), lr, weight_decay, momentum=config.muon_momentum,
-                           statistics_every=config.wmuon_every, damping=config.wmuon_damping,
-                           statistics_rows=config.wmuon_statistics_rows, output_side=config.wmuon_both_sides,
-                           root=config.wmuon_root, block_size=config.wmuon_block_size,
-                           factor_decay=config.wmuon_factor_decay, skip_layers=list(exclude),
-                           adamw_lr=config.muon_rest_lr, ns_coefficients=config.wmuon_ns_coefficients)
+    optimizer = build_whitened_muon(unwrap(model), lr, weight_decay, exclude, config, post=True,
+                                    optimizer_class=WhitenedNorMuon)
+    assert isinstance(optimizer, WhitenedNorMuon)
+    return optimizer
 
 
 def _with_ema_nesterov(built: tuple, beta: float) -> tuple:

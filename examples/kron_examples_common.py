@@ -293,10 +293,11 @@ def build_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequen
 
 
 def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequence[str],
-                        config: PrecondConfig, post: bool) -> WhitenedMuon:
+                        config: PrecondConfig, post: bool, optimizer_class: Callable | None = None) -> WhitenedMuon:
     """``kron_precond.WhitenedMuon(model)``: one optimizer, the Linear units ``exclude`` leaves
     (``skip_layers``) whitened, AdamW on the rest. ``post=False`` is the whitening-before-only
-    control (``examples/whitened_muon_pre.py``)."""
+    control (``examples/whitened_muon_pre.py``); ``optimizer_class`` builds a variant (a
+    benchmark's subclass) with the same settings."""
     settings = dict(momentum=config.muon_momentum, statistics_every=config.wmuon_every,
                     damping=config.wmuon_damping, statistics_rows=config.wmuon_statistics_rows,
                     output_side=config.wmuon_both_sides, center_inputs=config.wmuon_center_inputs,
@@ -304,6 +305,8 @@ def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, exclud
                     block_size=config.wmuon_block_size, factor_decay=config.wmuon_factor_decay,
                     skip_layers=list(exclude), adamw_lr=config.muon_rest_lr,
                     ns_coefficients=config.wmuon_ns_coefficients)
+    if optimizer_class is not None:
+        return optimizer_class(model, lr, weight_decay, **settings)
     if post:
         return WhitenedMuon(model, lr, weight_decay, **settings)
     from whitened_muon_pre import PreWhitenedMuon

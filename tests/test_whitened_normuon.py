@@ -83,3 +83,17 @@ def test_one_step_is_whitened_muon_step_with_rows_normalised():
         v = ours.state[po]["row_second_moment"]
         torch.testing.assert_close(v.reshape(-1).double(), (1 - beta2) * direction.square().mean(dim=1),
                                    rtol=1e-3, atol=1e-9)
+
+
+def test_the_lever_runner_builds_it_with_the_examples_settings():
+    sys.path.insert(0, str(ROOT / "examples"))
+    from benchmarks.whitened_normuon import build_whitened_normuon
+    from char_lm import SKIP_LAYERS, CharTransformer, ModelConfig
+    from kron_examples_common import PrecondConfig
+    model = CharTransformer(ModelConfig(16, 1, 2, 8, False, "gpt"))
+    config = PrecondConfig(skip_layers=SKIP_LAYERS, muon_momentum=0.8, wmuon_every=3, wmuon_factor_decay=0.7)
+    built = build_whitened_normuon(model, 0.01, 0.0, config)
+    assert isinstance(built, WhitenedNorMuon)
+    assert built.statistics_every == 3 and built.factor_decay == 0.7 and built.param_groups[0]["momentum"] == 0.8
+    whitened = [built._names[id(p)] for p in built.param_groups[0]["params"]]
+    assert whitened and not any("lm_head" in name for name in whitened)  # skip_layers reached it

@@ -1,0 +1,264 @@
+"""The output side of ``WhitenedMuon`` at lower cost, and an output factor made from the gradient.
+
+``output_side=True`` whitens a weight on both sides, ``-G^{-1/2} msign(G^{-1/2} M A^{-1/2}) A^{-1/2}``,
+with ``G`` K-FAC's output-gradient factor: on statistics steps a tensor hook on each layer's
+output takes ``statistics_rows`` of the output gradient and adds their products to ``G``.
+It saves the most steps of any setting measured, and its step costs the most. Each variant
+here changes one thing of the output side and nothing else (the input side stays as the
+library has it):
+
+- ``output_rows=N``: the output side takes ``N`` rows per call instead of ``statistics_rows``,
+  the first ``N`` (``output_spread=False``: the library's rule) or every ``ceil(n / N)``-th
+  (``output_spread=True``: rows from every sequence of the batch).
+- ``output_block=B``: only the diagonal ``B``-blocks of ``G`` (the library's ``block_size``, on
+  the output side alone).
+- ``output_every=K``: the output side's statistics (and its hook) on every ``K``-th step only, a
+  multiple of ``statistics_every`` (``None``: every statistics step); the refreshes in between
+  keep the last factor. ``factor_decay`` applies per output refresh, so the output factor
+  averages over ``K / statistics_every`` times the input side's horizon.
+- ``output_layers="narrow"`` (``"wide"``): the output side only on the weights whose output is
+  no wider (wider) than their input. The others keep an identity output whitener, which still
+  costs its matmuls: this variant measures steps, not the cost it would save.
+- ``output_source="gradient"`` (or ``"momentum"``): no hook; ``G`` is made on statistics steps
+  from the weight's gradient (or its momentum buffer as the last step left it), whitened on
+  the input side first, ``Ĝ = ∇W Tᵀ`` (``T`` the last refresh's input whitener, ``Tᵀ T =
+  (A + λI)⁻¹``; none before the first refresh), scaled to ``||Ĝ||_F² = out·in`` and averaged
+  over its ``in`` columns, ``G += Ĝ Ĝᵀ / in`` (trace ``out``). This is the left factor of FISMO
+  (arXiv 2601.21750), which makes its right factor from the gradient the same way; here the
+  input side stays K-FAC's ``A``.
+
+Run as a script, it trains the best Muon of a cell (read from a ``budget_speedup.py`` folder,
+to time the step and to check that it reproduces that folder's Muon curve) and the variants
+interleaved, per seed at the 1x budget, and reports each variant's budget-equivalent speed-up
+over that Muon curve (``benchmarks/budget_speedup.py``'s measure) and its step time::
+
+    OMP_NUM_THREADS=1 python benchmarks/output_side_levers.py --threads 1 --seeds 0,1,2 \\
+        --base benchmarks/results/budget_speedup_d64 --lr 0.0452548 --momentum 0.8 \\
+        --variants both,first256,spread256 --out benchmarks/results/output_side_levers_d64
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+for path in (REPO_ROOT, REPO_ROOT / "examples"):
+    if str(path) not in sys.path:
+        sys.path.append(str(path))
+
+from kron_precond.whitened_muon import WhitenedMuon  # noqa: E402
+from kron_precond.whitening import WhiteningStatistics  # noqa: E402
+
+SOURCES = ("activations", "gradient", "momentum")
+
+
+class _OutputSideStatistics(WhiteningStatistics):
+    """``WhiteningStatistics`` with the output side's rows, blocks and interval of a variant."""
+
+    output_rows: int | None = None
+    output_spread = False
+    output_block: int | None = None
+    output_every = 1
+    output_layers = "all"
+    from_hook = True  # output rows from the capture hook (False: only those the optimizer adds)
+
+    def observe(self, unit, side, rows, scale, *, added: bool = False) -> None:
+        if side == "output" and not self.whitens_output(unit.param):
+            return  # its factor stays zero: an identity whitener
+        if side == "output" and added:  # the columns of a whitened gradient: all of them, uncapped
+            saved, self.statistics_rows = self.statistics_rows, None
+            try:
+                return super().observe(unit, side, rows, scale)
+            finally:
+                self.statistics_rows = saved
+        if side == "output":
+            if not self.from_hook or self.state[unit.param].get("step", 0) % self.output_every:
+                return
+            if self.output_rows is not None:
+                flat = rows.reshape(-1, rows.shape[-1])
+                rows = (flat[:: -(-flat.shape[0] // self.output_rows)] if self.output_spread
+                        else flat[: self.output_rows])
+        super().observe(unit, side, rows, scale)
+
+    def whitens_output(self, param: torch.Tensor) -> bool:
+        out_dim, in_dim = self.views[id(param)].shape
+        return {"all": True, "narrow": out_dim <= in_dim, "wide": out_dim > in_dim}[self.output_layers]
+
+    def _zeros(self, param, side, dtype, device):
+        if side != "output" or self.output_block is None:
+            return super()._zeros(param, side, dtype, device)
+        saved, self.block_size = self.block_size, self.output_block
+        try:
+            return super()._zeros(param, side, dtype, device)
+        finally:
+            self.block_size = saved
+
+
+class _Unit:
+    """The observer fields ``WhiteningStatistics.observe`` reads, for rows the optimizer adds."""
+
+    def __init__(self, param: torch.Tensor, index: int) -> None:
+        self.param, self.index, self.name = param, index, "gradient"
+
+
+class OutputSideVariant(WhitenedMuon):
+    """``WhitenedMuon(output_side=True)`` with one change of its output side (module docstring)."""
+
+    def __init__(self, params: Any, lr: float, weight_decay: float = 0.0, *, output_rows: int | None = None,
+                 output_spread: bool = False, output_block: int | None = None, output_every: int | None = None,
+                 output_source: str = "activations", output_layers: str = "all", **kwargs: Any) -> None:
+        if output_layers not in ("all", "narrow", "wide"):
+            raise ValueError(f"output_layers must be 'all', 'narrow' or 'wide', got {output_layers!r}")
+        if output_source not in SOURCES:
+            raise ValueError(f"output_source must be one of {SOURCES}, got {output_source!r}")
+        every = kwargs.get("statistics_every", 5)  # WhitenedMuon's default
+        output_every = every if output_every is None else output_every
+        if output_every % every:  # checked before the hooks are placed
+            raise ValueError(f"output_every ({output_every}) must be a multiple of statistics_every ({every})")
+        kwargs["output_side"] = True
+        super().__init__(params, lr, weight_decay, **kwargs)
+        # WhitenedMuon builds its statistics in __init__; the variant swaps in the subclass
+        # that holds its one change, so the library's constructor stays as it is
+        statistics_ = self._statistics
+        statistics_.__class__ = _OutputSideStatistics
+        assert isinstance(statistics_, _OutputSideStatistics)
+        statistics_.output_rows, statistics_.output_spread = output_rows, output_spread
+        statistics_.output_block, statistics_.output_every = output_block, output_every
+        statistics_.from_hook = output_source == "activations"
+        statistics_.output_layers = output_layers
+        self.output_source = output_source
+        self._capture.output_grads = statistics_.from_hook
+
+    @torch.no_grad()
+    def _step(self) -> None:
+        if self.output_source != "activations":
+            self._observe_gradients()
+        super()._step()
+        stats = self._statistics
+        assert isinstance(stats, _OutputSideStatistics)
+        # the hook only where the next step gathers the output side (the weights' own step
+        # counts, which a checkpoint keeps)
+        self._capture.output_grads = stats.from_hook and any(
+            self.state[p].get("step", 0) % stats.output_every == 0 for p in self._whitened_params())
+
+    def _observe_gradients(self) -> None:
+        stats = self._statistics
+        assert isinstance(stats, _OutputSideStatistics)
+        for p in self._whitened_params():
+            if p.grad is None or not self._due(p) or self.state[p].get("step", 0) % stats.output_every:
+                continue
+            view = self._views[id(p)]
+            # "momentum": the buffer as the last step left it (this step's gradient not yet in it)
+            source = p.grad if self.output_source == "gradient" else self.state[p].get("momentum_buffer", p.grad)
+            matrices = view.matrices(source.unsqueeze(0)).float()  # [k, out, in]
+            whitener = self.state[p].get("input_whitener")
+            if whitener is not None:
+                matrices = self._whiten(matrices, None, whitener.reshape(-1, *whitener.shape[-3:]).float(),
+                                        transpose=True)
+            norms = matrices.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-30)
+            matrices = matrices * (math.sqrt(view.shape[0] * view.shape[1]) / norms)
+            for index, matrix in enumerate(matrices):
+                stats.observe(_Unit(p, index), "output", matrix.mT, 1.0, added=True)
+
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "input": dict(output_side=False),  # the library's defaults: the input side alone
+    "both": {},  # output_side=True as the library has it
+    "first256": dict(output_rows=256),
+    "spread256": dict(output_rows=256, output_spread=True),
+    "block64": dict(output_block=64),
+    "block32": dict(output_block=32),
+    "block128": dict(output_block=128),
+    "every10": dict(output_every=10),
+    "every20": dict(output_every=20),
+    "narrow": dict(output_layers="narrow"),
+    "wide": dict(output_layers="wide"),
+    "gradient": dict(output_source="gradient"),
+    "momentum": dict(output_source="momentum"),
+}
+
+
+def _build(model: nn.Module, scaler, *, lr: float, weight_decay: float, config, variant: dict[str, Any]):
+    from kron_examples_common import build_whitened_muon, unwrap
+    exclude = config.skip_layers if config.muon_exclude is None else config.muon_exclude
+    if variant.get("output_side") is False:  # the input side alone, whatever the cell's flags say
+        config = dataclasses.replace(config, wmuon_both_sides=False)
+        return build_whitened_muon(unwrap(model), lr, weight_decay, exclude, config, post=True), None
+    cls = functools.partial(OutputSideVariant, **variant)
+    return build_whitened_muon(unwrap(model), lr, weight_decay, exclude, config, post=True,
+                               optimizer_class=cls), None
+
+
+def main(argv: list[str] | None = None) -> None:
+    from benchmarks import budget_speedup as bs
+    from char_lm import Contender
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--base", type=Path, required=True, help="a budget_speedup.py folder (its measures.json)")
+    p.add_argument("--lr", type=float, required=True, help="WhitenedMuon's lr")
+    p.add_argument("--momentum", type=float, required=True, help="WhitenedMuon's momentum")
+    p.add_argument("--variants", default="both", help=f"comma-separated, from {list(VARIANTS)}")
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--out", type=Path, required=True)
+    args, rest = p.parse_known_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    cell = bs.parse_args([*rest, "--out", str(args.out)])
+    if cell.threads:
+        torch.set_num_threads(cell.threads)
+    measures = {m["seed"]: m for m in json.loads((args.base / "measures.json").read_text())}
+    _, train, precond = bs.configs_from_args(cell)
+    config = dataclasses.replace(precond, muon_momentum=args.momentum)
+    weight_decay = train.weight_decay
+    rows = []
+    for seed in (int(s) for s in args.seeds.split(",")):
+        measure = measures[seed]
+        muon_run = measure["rows"]["muon (tuned)"]["run"]  # e.g. "muon{mom=0.8} lr=0.016"
+        muon_momentum = float(muon_run.split("mom=")[1].split("}")[0])
+        muon_lr = float(muon_run.split("lr=")[1])
+        extra = [Contender(name, args.lr, build=functools.partial(_build, lr=args.lr, weight_decay=weight_decay,
+                                                                    config=config, variant=VARIANTS[name]))
+                 for name in variants]
+        runs = bs.train_part(cell, seed, 1.0, "levers_" + "_".join(variants), [("muon", muon_momentum, muon_lr)],
+                             extra=extra)
+        stale = [r["name"] for r in runs[1:] if not math.isclose(r["lr"], args.lr)]
+        if stale:  # a record of the same variants at another point
+            raise SystemExit(f"seed {seed}: the record of {stale} in {args.out} ran at another lr; "
+                             f"give this point an --out of its own")
+        muon = runs[0]
+        curve = measure["curves"]["muon"]
+        if not math.isclose(muon["eval_losses"][-1], curve[0]["loss"], rel_tol=1e-6):
+            raise SystemExit(f"seed {seed}: Muon ends at {muon['eval_losses'][-1]:.6f} here and at "
+                             f"{curve[0]['loss']:.6f} in {args.base}: not the same cell")
+        muon_step = statistics.mean(muon["step_seconds"])
+        for run in runs[1:]:
+            s = bs.speedup([c["steps"] for c in curve], [c["loss"] for c in curve], cell.steps,
+                           run["eval_losses"][-1], statistics.mean(run["step_seconds"]), muon_step)
+            rows.append((run["name"], seed, run["eval_losses"][-1], s))
+    print("| variant | seed | final loss | × best Muon, steps | step × Muon | × best Muon, wall-clock |")
+    print("|---|---|---|---|---|---|")
+    for name, seed, loss, s in rows:
+        print(f"| {name} | {seed} | {loss:.4f} | {s['steps']:.3f} | {s['step_ratio']:.3f} | {s['wallclock']:.3f} |")
+    for name in variants:
+        mine = [s for n, _, _, s in rows if n == name]
+        if len(mine) > 1:
+            steps = bs.mean_spread([s["steps"] for s in mine])
+            wall = bs.mean_spread([s["wallclock"] for s in mine])
+            ratio = statistics.mean(s["step_ratio"] for s in mine)
+            print(f"{name}: steps {steps['mean']:.3f} ± {steps['sd']:.3f}, step {ratio:.3f}, "
+                  f"wall-clock {wall['mean']:.3f} ± {wall['sd']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""benchmarks/output_side_levers.py's output-side variants against float64 references.
+
+A Linear layer with the loss ``Σ (y ⊙ C)`` has the output gradient ``C`` row for row, so the
+output factor each variant should build is written out from ``C`` (or, for the gradient-made
+factor, from ``∇W = Cᵀ X``) in float64, sharing no code with the optimizer."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.output_side_levers import OutputSideVariant  # noqa: E402
+
+ROWS, IN, OUT = 40, 8, 8
+
+
+def _layer_and_batch(seed: int = 0):
+    torch.manual_seed(seed)
+    layer = nn.Linear(IN, OUT, bias=False)
+    x = torch.randn(ROWS, IN)
+    c = torch.randn(ROWS, OUT)
+    return layer, x, c
+
+
+def _step(layer, optimizer, x, c):
+    (layer(x) * c).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _first_factor(**variant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The output factor after one statistics step, with the batch it saw."""
+    layer, x, c = _layer_and_batch()
+    optimizer = OutputSideVariant([layer], lr=1e-2, statistics_rows=None, **variant)
+    _step(layer, optimizer, x, c)
+    return optimizer.state[layer.weight]["output_factor"].double(), x.double(), c.double()
+
+
+def _mean_product(rows: torch.Tensor) -> torch.Tensor:
+    return rows.T @ rows / rows.shape[0]
+
+
+def _shape_of(factor: torch.Tensor) -> torch.Tensor:
+    """A factor at unit trace: the capture scales output gradients by the batch's rows (a
+    mean loss's convention), and the whitener is invariant to a factor's scale."""
+    return factor / factor.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None]
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_output_rows_first_or_spread(spread):
+    factor, _, c = _first_factor(output_rows=12, output_spread=spread)
+    chosen = c[::4] if spread else c[:12]  # 40 rows: every ceil(40 / 12) = 4th (10 rows), or the first 12
+    torch.testing.assert_close(_shape_of(factor[0]), _shape_of(_mean_product(chosen)), rtol=1e-5, atol=1e-7)
+
+
+def test_all_output_rows_without_a_cap():
+    factor, _, c = _first_factor()
+    torch.testing.assert_close(_shape_of(factor[0]), _shape_of(_mean_product(c)), rtol=1e-5, atol=1e-7)
+
+
+def test_output_block_keeps_the_diagonal_blocks():
+    layer, x, c = _layer_and_batch()
+    optimizer = OutputSideVariant([layer], lr=1e-2, statistics_rows=None, output_block=4)
+    _step(layer, optimizer, x, c)
+    factor = optimizer.state[layer.weight]["output_factor"].double()
+    assert optimizer.state[layer.weight]["input_factor"].shape == (1, IN, IN)  # the input side stays whole
+    full = _mean_product(c.double())
+    assert factor.shape == (2, 4, 4)
+    scale = factor[0].trace() / full[:4, :4].trace()  # the capture's scale (see _shape_of)
+    torch.testing.assert_close(factor[0], scale * full[:4, :4], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(factor[1], scale * full[4:, 4:], rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_factor_is_the_trace_normalised_gradient_product():
+    factor, x, c = _first_factor(output_source="gradient")
+    grad = c.T @ x  # ∇W of Σ (x Wᵀ ⊙ c); no input whitener yet on the first step
+    scaled = grad * (OUT * IN) ** 0.5 / grad.norm()
+    expected = scaled @ scaled.T / IN
+    torch.testing.assert_close(factor[0], expected, rtol=1e-5, atol=1e-6)
+    assert abs(factor[0].trace().item() - OUT) < 1e-4
+
+
+def test_gradient_factor_uses_the_input_whitener_on_later_statistics_steps():
+    layer, x, c = _layer_and_batch()
+    optimizer = OutputSideVariant([layer], lr=1e-2, statistics_rows=None, statistics_every=1, factor_decay=0.5,
+                                  output_source="gradient")
+    _step(layer, optimizer, x, c)
+    before = optimizer.state[layer.weight]["output_factor"].double().clone()
+    # (A + λI)⁻¹ from the input factor and the damping rule, not from the optimizer's whitener
+    a = optimizer.state[layer.weight]["input_factor"].double()[0]
+    inverse = torch.linalg.inv(a + 0.1 * a.trace() / IN * torch.eye(IN, dtype=torch.float64))
+    x2, c2 = torch.randn(ROWS, IN), torch.randn(ROWS, OUT)
+    grad = c2.double().T @ x2.double()
+    _step(layer, optimizer, x2, c2)
+    product = grad @ inverse @ grad.T  # = Ĝ Ĝᵀ, with ||Ĝ||_F² = its trace
+    expected = 0.5 * before[0] + 0.5 * product * OUT / product.trace()
+    torch.testing.assert_close(optimizer.state[layer.weight]["output_factor"].double()[0], expected,
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_output_every_skips_statistics_steps():
+    layer, x, c = _layer_and_batch()
+    optimizer = OutputSideVariant([layer], lr=1e-2, statistics_rows=None, statistics_every=1, factor_decay=0.5,
+                                  output_every=2)
+    _step(layer, optimizer, x, c)  # step 0: input and output sides
+    assert not optimizer._capture.output_grads  # no hook on step 1
+    first = optimizer.state[layer.weight]["output_factor"].clone()
+    inputs = optimizer.state[layer.weight]["input_factor"].clone()
+    x2, c2 = torch.randn(ROWS, IN), torch.randn(ROWS, OUT)
+    _step(layer, optimizer, x2, c2)  # step 1: the input side only
+    assert optimizer._capture.output_grads  # the hook again on step 2
+    assert torch.equal(optimizer.state[layer.weight]["output_factor"], first)
+    assert not torch.equal(optimizer.state[layer.weight]["input_factor"], inputs)
+    _step(layer, optimizer, x2, c2)  # step 2: both again
+    scale = first.double()[0].trace() / _mean_product(c.double()).trace()  # the capture's (see _shape_of)
+    expected = 0.5 * first.double()[0] + 0.5 * scale * _mean_product(c2.double())
+    torch.testing.assert_close(optimizer.state[layer.weight]["output_factor"].double()[0], expected,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_momentum_factor_reads_the_buffer_the_last_step_left():
+    layer, x, c = _layer_and_batch()
+    optimizer = OutputSideVariant([layer], lr=1e-2, statistics_rows=None, statistics_every=1, factor_decay=0.5,
+                                  momentum=0.9, output_source="momentum")
+    grad0 = c.double().T @ x.double()
+    _step(layer, optimizer, x, c)  # no buffer yet: the gradient itself
+    before = optimizer.state[layer.weight]["output_factor"].double().clone()
+    a = optimizer.state[layer.weight]["input_factor"].double()[0]
+    inverse = torch.linalg.inv(a + 0.1 * a.trace() / IN * torch.eye(IN, dtype=torch.float64))
+    _step(layer, optimizer, torch.randn(ROWS, IN), torch.randn(ROWS, OUT))
+    buffer = 0.1 * grad0  # torch.optim.Muon's buffer after one step: 0.lerp(g, 1 - 0.9)
+    product = buffer @ inverse @ buffer.T
+    expected = 0.5 * before[0] + 0.5 * product * OUT / product.trace()
+    torch.testing.assert_close(optimizer.state[layer.weight]["output_factor"].double()[0], expected,
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [dict(output_every=7), dict(output_source="hessian")])
+def test_bad_settings_raise(bad):
+    layer, _, _ = _layer_and_batch()
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        OutputSideVariant([layer], lr=1e-2, **bad)
+
+
+def test_the_runner_builds_each_variant_with_the_cells_settings():
+    sys.path.insert(0, str(ROOT / "examples"))
+    from benchmarks.output_side_levers import VARIANTS, _build
+    from char_lm import SKIP_LAYERS, CharTransformer, ModelConfig
+    from kron_examples_common import PrecondConfig
+    from kron_precond import WhitenedMuon
+    model = CharTransformer(ModelConfig(16, 1, 2, 8, False, "gpt"))
+    # the cell's output-side flag on: the "input" variant must still be the input side alone
+    config = PrecondConfig(skip_layers=SKIP_LAYERS, muon_momentum=0.8, wmuon_factor_decay=0.7, wmuon_both_sides=True)
+    built, precond = _build(model, None, lr=0.01, weight_decay=0.0, config=config, variant=VARIANTS["spread256"])
+    assert precond is None and isinstance(built, OutputSideVariant) and built.output_side
+    assert built.factor_decay == 0.7 and built.param_groups[0]["momentum"] == 0.8
+    assert built._statistics.output_rows == 256 and built._statistics.output_spread
+    plain, _ = _build(model, None, lr=0.01, weight_decay=0.0, config=config, variant=VARIANTS["input"])
+    assert type(plain) is WhitenedMuon and not plain.output_side
+
+
+@pytest.mark.parametrize("layers", ["narrow", "wide"])
+def test_output_layers_whitens_the_output_of_the_chosen_weights_only(layers):
+    torch.manual_seed(0)
+    wide, narrow = nn.Linear(4, 8, bias=False), nn.Linear(8, 4, bias=False)  # out > in, out < in
+    optimizer = OutputSideVariant([wide, narrow], lr=1e-2, statistics_rows=None, output_layers=layers)
+    narrow(wide(torch.randn(16, 4))).square().sum().backward()
+    optimizer.step()
+    chosen, other = (narrow, wide) if layers == "narrow" else (wide, narrow)
+    eye = torch.eye(other.weight.shape[0])
+    assert torch.equal(optimizer.state[other.weight]["output_whitener"][0], eye)
+    assert not torch.allclose(optimizer.state[chosen.weight]["output_whitener"][0],
+                              torch.eye(chosen.weight.shape[0]))
