@@ -1,4 +1,4 @@
-"""benchmarks/output_side_levers.py's output-side variants against float64 references.
+"""benchmarks/whitening_levers.py's variants against float64 references.
 
 A Linear layer with the loss ``Σ (y ⊙ C)`` has the output gradient ``C`` row for row, so the
 output factor each variant should build is written out from ``C`` (or, for the gradient-made
@@ -15,7 +15,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.output_side_levers import OutputSideVariant  # noqa: E402
+from benchmarks.whitening_levers import WhiteningVariant  # noqa: E402
 
 ROWS, IN, OUT = 40, 8, 8
 
@@ -37,7 +37,7 @@ def _step(layer, optimizer, x, c):
 def _first_factor(**variant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The output factor after one statistics step, with the batch it saw."""
     layer, x, c = _layer_and_batch()
-    optimizer = OutputSideVariant([layer], lr=1e-2, statistics_rows=None, **variant)
+    optimizer = WhiteningVariant([layer], lr=1e-2, output_side=True, statistics_rows=None, **variant)
     _step(layer, optimizer, x, c)
     return optimizer.state[layer.weight]["output_factor"].double(), x.double(), c.double()
 
@@ -66,7 +66,7 @@ def test_all_output_rows_without_a_cap():
 
 def test_output_block_keeps_the_diagonal_blocks():
     layer, x, c = _layer_and_batch()
-    optimizer = OutputSideVariant([layer], lr=1e-2, statistics_rows=None, output_block=4)
+    optimizer = WhiteningVariant([layer], lr=1e-2, output_side=True, statistics_rows=None, output_block=4)
     _step(layer, optimizer, x, c)
     factor = optimizer.state[layer.weight]["output_factor"].double()
     assert optimizer.state[layer.weight]["input_factor"].shape == (1, IN, IN)  # the input side stays whole
@@ -88,8 +88,8 @@ def test_gradient_factor_is_the_trace_normalised_gradient_product():
 
 def test_gradient_factor_uses_the_input_whitener_on_later_statistics_steps():
     layer, x, c = _layer_and_batch()
-    optimizer = OutputSideVariant([layer], lr=1e-2, statistics_rows=None, statistics_every=1, factor_decay=0.5,
-                                  output_source="gradient")
+    optimizer = WhiteningVariant([layer], lr=1e-2, output_side=True, statistics_rows=None, statistics_every=1,
+                                 factor_decay=0.5, output_source="gradient")
     _step(layer, optimizer, x, c)
     before = optimizer.state[layer.weight]["output_factor"].double().clone()
     # (A + λI)⁻¹ from the input factor and the damping rule, not from the optimizer's whitener
@@ -106,8 +106,8 @@ def test_gradient_factor_uses_the_input_whitener_on_later_statistics_steps():
 
 def test_output_every_skips_statistics_steps():
     layer, x, c = _layer_and_batch()
-    optimizer = OutputSideVariant([layer], lr=1e-2, statistics_rows=None, statistics_every=1, factor_decay=0.5,
-                                  output_every=2)
+    optimizer = WhiteningVariant([layer], lr=1e-2, output_side=True, statistics_rows=None, statistics_every=1,
+                                 factor_decay=0.5, output_every=2)
     _step(layer, optimizer, x, c)  # step 0: input and output sides
     assert not optimizer._capture.output_grads  # no hook on step 1
     first = optimizer.state[layer.weight]["output_factor"].clone()
@@ -126,8 +126,8 @@ def test_output_every_skips_statistics_steps():
 
 def test_momentum_factor_reads_the_buffer_the_last_step_left():
     layer, x, c = _layer_and_batch()
-    optimizer = OutputSideVariant([layer], lr=1e-2, statistics_rows=None, statistics_every=1, factor_decay=0.5,
-                                  momentum=0.9, output_source="momentum")
+    optimizer = WhiteningVariant([layer], lr=1e-2, output_side=True, statistics_rows=None, statistics_every=1,
+                                 factor_decay=0.5, momentum=0.9, output_source="momentum")
     grad0 = c.double().T @ x.double()
     _step(layer, optimizer, x, c)  # no buffer yet: the gradient itself
     before = optimizer.state[layer.weight]["output_factor"].double().clone()
@@ -141,16 +141,39 @@ def test_momentum_factor_reads_the_buffer_the_last_step_left():
                                rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("bad", [dict(output_every=7), dict(output_source="hessian")])
+@pytest.mark.parametrize("bad", [dict(output_every=7), dict(output_source="hessian"), dict(input_skip="tall")])
 def test_bad_settings_raise(bad):
     layer, _, _ = _layer_and_batch()
     with pytest.raises(ValueError, match=next(iter(bad))):
-        OutputSideVariant([layer], lr=1e-2, **bad)
+        WhiteningVariant([layer], lr=1e-2, output_side=True, **bad)
+
+
+def test_an_output_change_needs_the_output_side():
+    layer, _, _ = _layer_and_batch()
+    with pytest.raises(ValueError, match="output_side=True"):
+        WhiteningVariant([layer], lr=1e-2, output_rows=10)
+
+
+@pytest.mark.parametrize("skip", ["wide", "narrow", "square"])
+def test_input_skip_leaves_one_shape_unwhitened(skip):
+    torch.manual_seed(0)
+    layers = {"narrow": nn.Linear(4, 8, bias=False), "square": nn.Linear(8, 8, bias=False),
+              "wide": nn.Linear(8, 4, bias=False)}  # named by how the input compares with the output
+    optimizer = WhiteningVariant(list(layers.values()), lr=1e-2, statistics_rows=None, input_skip=skip)
+    x = torch.randn(16, 4)
+    layers["wide"](layers["square"](layers["narrow"](x))).square().sum().backward()
+    optimizer.step()
+    assert not optimizer._capture.output_grads  # no output side, no hook
+    for name, layer in layers.items():
+        whitener = optimizer.state[layer.weight]["input_whitener"][0]
+        identity = torch.equal(whitener, torch.eye(layer.weight.shape[1]))
+        assert identity == (name == skip), name
+        assert "output_whitener" not in optimizer.state[layer.weight]
 
 
 def test_the_runner_builds_each_variant_with_the_cells_settings():
     sys.path.insert(0, str(ROOT / "examples"))
-    from benchmarks.output_side_levers import VARIANTS, _build
+    from benchmarks.whitening_levers import VARIANTS, _build
     from char_lm import SKIP_LAYERS, CharTransformer, ModelConfig
     from kron_examples_common import PrecondConfig
     from kron_precond import WhitenedMuon
@@ -158,18 +181,21 @@ def test_the_runner_builds_each_variant_with_the_cells_settings():
     # the cell's output-side flag on: the "input" variant must still be the input side alone
     config = PrecondConfig(skip_layers=SKIP_LAYERS, muon_momentum=0.8, wmuon_factor_decay=0.7, wmuon_both_sides=True)
     built, precond = _build(model, None, lr=0.01, weight_decay=0.0, config=config, variant=VARIANTS["spread256"])
-    assert precond is None and isinstance(built, OutputSideVariant) and built.output_side
+    assert precond is None and isinstance(built, WhiteningVariant) and built.output_side
     assert built.factor_decay == 0.7 and built.param_groups[0]["momentum"] == 0.8
     assert built._statistics.output_rows == 256 and built._statistics.output_spread
     plain, _ = _build(model, None, lr=0.01, weight_decay=0.0, config=config, variant=VARIANTS["input"])
     assert type(plain) is WhitenedMuon and not plain.output_side
+    skipping, _ = _build(model, None, lr=0.01, weight_decay=0.0, config=config, variant=VARIANTS["input_no_wide"])
+    assert isinstance(skipping, WhiteningVariant) and not skipping.output_side
+    assert skipping._statistics.input_skip == "wide"
 
 
 @pytest.mark.parametrize("layers", ["narrow", "wide"])
 def test_output_layers_whitens_the_output_of_the_chosen_weights_only(layers):
     torch.manual_seed(0)
     wide, narrow = nn.Linear(4, 8, bias=False), nn.Linear(8, 4, bias=False)  # out > in, out < in
-    optimizer = OutputSideVariant([wide, narrow], lr=1e-2, statistics_rows=None, output_layers=layers)
+    optimizer = WhiteningVariant([wide, narrow], lr=1e-2, output_side=True, statistics_rows=None, output_layers=layers)
     narrow(wide(torch.randn(16, 4))).square().sum().backward()
     optimizer.step()
     chosen, other = (narrow, wide) if layers == "narrow" else (wide, narrow)

@@ -1,11 +1,19 @@
-"""The output side of ``WhitenedMuon`` at lower cost, and an output factor made from the gradient.
+"""Which of ``WhitenedMuon``'s whitening pays: the output side at lower cost, an output factor
+made from the gradient, and the input side of one shape of weight left out.
 
 ``output_side=True`` whitens a weight on both sides, ``-G^{-1/2} msign(G^{-1/2} M A^{-1/2}) A^{-1/2}``,
 with ``G`` K-FAC's output-gradient factor: on statistics steps a tensor hook on each layer's
 output takes ``statistics_rows`` of the output gradient and adds their products to ``G``.
 It saves the most steps of any setting measured, and its step costs the most. Each variant
-here changes one thing of the output side and nothing else (the input side stays as the
-library has it):
+here changes one thing and nothing else:
+
+- ``input_skip="wide"`` (``"narrow"``, ``"square"``): the weights whose input is wider than
+  (narrower than, as wide as) their output keep an identity input whitener; in the GPT the
+  MLP's second layer (its first; the attention projections). The identity still costs its
+  matmuls: this variant measures steps, not the cost it would save.
+
+The others change the output side (they need ``output_side=True``; the input side stays as
+the library has it):
 
 - ``output_rows=N``: the output side takes ``N`` rows per call instead of ``statistics_rows``,
   the first ``N`` (``output_spread=False``: the library's rule) or every ``ceil(n / N)``-th
@@ -32,9 +40,9 @@ to time the step and to check that it reproduces that folder's Muon curve) and t
 interleaved, per seed at the 1x budget, and reports each variant's budget-equivalent speed-up
 over that Muon curve (``benchmarks/budget_speedup.py``'s measure) and its step time::
 
-    OMP_NUM_THREADS=1 python benchmarks/output_side_levers.py --threads 1 --seeds 0,1,2 \\
+    OMP_NUM_THREADS=1 python benchmarks/whitening_levers.py --threads 1 --seeds 0,1,2 \\
         --base benchmarks/results/budget_speedup_d64 --lr 0.0452548 --momentum 0.8 \\
-        --variants both,first256,spread256 --out benchmarks/results/output_side_levers_d64
+        --variants both,first256,spread256 --out benchmarks/results/whitening_levers_d64
 """
 from __future__ import annotations
 
@@ -62,19 +70,33 @@ from kron_precond.whitening import WhiteningStatistics  # noqa: E402
 SOURCES = ("activations", "gradient", "momentum")
 
 
-class _OutputSideStatistics(WhiteningStatistics):
-    """``WhiteningStatistics`` with the output side's rows, blocks and interval of a variant."""
+def _shape_kind(shape: tuple[int, int], side: str) -> str:
+    """``"wide"``, ``"narrow"`` or ``"square"``: how ``side`` of an ``[out, in]`` weight compares
+    with its other side."""
+    out_dim, in_dim = shape
+    this, other = (in_dim, out_dim) if side == "input" else (out_dim, in_dim)
+    return "wide" if this > other else "narrow" if this < other else "square"
+
+
+class _VariantStatistics(WhiteningStatistics):
+    """``WhiteningStatistics`` with a variant's choice of weights and its output side's rows,
+    blocks and interval."""
 
     output_rows: int | None = None
     output_spread = False
     output_block: int | None = None
     output_every = 1
     output_layers = "all"
+    input_skip: str | None = None
     from_hook = True  # output rows from the capture hook (False: only those the optimizer adds)
 
     def observe(self, unit, side, rows, scale, *, added: bool = False) -> None:
-        if side == "output" and not self.whitens_output(unit.param):
+        if side == "input" and self.input_skip is not None and _shape_kind(self.views[id(unit.param)].shape,
+                                                                            "input") == self.input_skip:
+            self.observed.add(id(unit.param))  # seen, and left unwhitened on purpose
             return  # its factor stays zero: an identity whitener
+        if side == "output" and not self.whitens_output(unit.param):
+            return
         if side == "output" and added:  # the columns of a whitened gradient: all of them, uncapped
             saved, self.statistics_rows = self.statistics_rows, None
             try:
@@ -94,6 +116,7 @@ class _OutputSideStatistics(WhiteningStatistics):
         out_dim, in_dim = self.views[id(param)].shape
         return {"all": True, "narrow": out_dim <= in_dim, "wide": out_dim > in_dim}[self.output_layers]
 
+
     def _zeros(self, param, side, dtype, device):
         if side != "output" or self.output_block is None:
             return super()._zeros(param, side, dtype, device)
@@ -111,33 +134,40 @@ class _Unit:
         self.param, self.index, self.name = param, index, "gradient"
 
 
-class OutputSideVariant(WhitenedMuon):
-    """``WhitenedMuon(output_side=True)`` with one change of its output side (module docstring)."""
+class WhiteningVariant(WhitenedMuon):
+    """``WhitenedMuon`` with one change of its input or output side (module docstring)."""
 
     def __init__(self, params: Any, lr: float, weight_decay: float = 0.0, *, output_rows: int | None = None,
                  output_spread: bool = False, output_block: int | None = None, output_every: int | None = None,
-                 output_source: str = "activations", output_layers: str = "all", **kwargs: Any) -> None:
+                 output_source: str = "activations", output_layers: str = "all", input_skip: str | None = None,
+                 **kwargs: Any) -> None:
         if output_layers not in ("all", "narrow", "wide"):
             raise ValueError(f"output_layers must be 'all', 'narrow' or 'wide', got {output_layers!r}")
+        if input_skip not in (None, "wide", "narrow", "square"):
+            raise ValueError(f"input_skip must be None, 'wide', 'narrow' or 'square', got {input_skip!r}")
+        changed = (output_rows is not None or output_spread or output_block is not None or output_every is not None
+                   or output_source != "activations" or output_layers != "all")
+        if changed and not kwargs.get("output_side", False):
+            raise ValueError("an output-side change needs output_side=True")
         if output_source not in SOURCES:
             raise ValueError(f"output_source must be one of {SOURCES}, got {output_source!r}")
         every = kwargs.get("statistics_every", 5)  # WhitenedMuon's default
         output_every = every if output_every is None else output_every
         if output_every % every:  # checked before the hooks are placed
             raise ValueError(f"output_every ({output_every}) must be a multiple of statistics_every ({every})")
-        kwargs["output_side"] = True
         super().__init__(params, lr, weight_decay, **kwargs)
         # WhitenedMuon builds its statistics in __init__; the variant swaps in the subclass
         # that holds its one change, so the library's constructor stays as it is
         statistics_ = self._statistics
-        statistics_.__class__ = _OutputSideStatistics
-        assert isinstance(statistics_, _OutputSideStatistics)
+        statistics_.__class__ = _VariantStatistics
+        assert isinstance(statistics_, _VariantStatistics)
         statistics_.output_rows, statistics_.output_spread = output_rows, output_spread
         statistics_.output_block, statistics_.output_every = output_block, output_every
         statistics_.from_hook = output_source == "activations"
         statistics_.output_layers = output_layers
+        statistics_.input_skip = input_skip
         self.output_source = output_source
-        self._capture.output_grads = statistics_.from_hook
+        self._capture.output_grads = self.output_side and statistics_.from_hook
 
     @torch.no_grad()
     def _step(self) -> None:
@@ -145,15 +175,15 @@ class OutputSideVariant(WhitenedMuon):
             self._observe_gradients()
         super()._step()
         stats = self._statistics
-        assert isinstance(stats, _OutputSideStatistics)
+        assert isinstance(stats, _VariantStatistics)
         # the hook only where the next step gathers the output side (the weights' own step
         # counts, which a checkpoint keeps)
-        self._capture.output_grads = stats.from_hook and any(
+        self._capture.output_grads = self.output_side and stats.from_hook and any(
             self.state[p].get("step", 0) % stats.output_every == 0 for p in self._whitened_params())
 
     def _observe_gradients(self) -> None:
         stats = self._statistics
-        assert isinstance(stats, _OutputSideStatistics)
+        assert isinstance(stats, _VariantStatistics)
         for p in self._whitened_params():
             if p.grad is None or not self._due(p) or self.state[p].get("step", 0) % stats.output_every:
                 continue
@@ -173,28 +203,34 @@ class OutputSideVariant(WhitenedMuon):
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "input": dict(output_side=False),  # the library's defaults: the input side alone
-    "both": {},  # output_side=True as the library has it
-    "first256": dict(output_rows=256),
-    "spread256": dict(output_rows=256, output_spread=True),
-    "block64": dict(output_block=64),
-    "block32": dict(output_block=32),
-    "block128": dict(output_block=128),
-    "every10": dict(output_every=10),
-    "every20": dict(output_every=20),
-    "narrow": dict(output_layers="narrow"),
-    "wide": dict(output_layers="wide"),
-    "gradient": dict(output_source="gradient"),
-    "momentum": dict(output_source="momentum"),
+    "both": dict(output_side=True),  # output_side=True as the library has it
+    "first256": dict(output_side=True, output_rows=256),
+    "spread256": dict(output_side=True, output_rows=256, output_spread=True),
+    "block64": dict(output_side=True, output_block=64),
+    "block32": dict(output_side=True, output_block=32),
+    "block128": dict(output_side=True, output_block=128),
+    "every10": dict(output_side=True, output_every=10),
+    "every20": dict(output_side=True, output_every=20),
+    "narrow": dict(output_side=True, output_layers="narrow"),
+    "wide": dict(output_side=True, output_layers="wide"),
+    "gradient": dict(output_side=True, output_source="gradient"),
+    "momentum": dict(output_side=True, output_source="momentum"),
+    # the input side alone, with the weights of one input shape left unwhitened (GPT: wide = the
+    # MLP's second layer, narrow = its first, square = the attention projections)
+    "input_no_wide": dict(output_side=False, input_skip="wide"),
+    "input_no_narrow": dict(output_side=False, input_skip="narrow"),
+    "input_no_square": dict(output_side=False, input_skip="square"),
 }
 
 
 def _build(model: nn.Module, scaler, *, lr: float, weight_decay: float, config, variant: dict[str, Any]):
     from kron_examples_common import build_whitened_muon, unwrap
     exclude = config.skip_layers if config.muon_exclude is None else config.muon_exclude
-    if variant.get("output_side") is False:  # the input side alone, whatever the cell's flags say
-        config = dataclasses.replace(config, wmuon_both_sides=False)
+    # the variant's side(s), whatever the cell's flags say
+    config = dataclasses.replace(config, wmuon_both_sides=variant["output_side"])
+    if set(variant) == {"output_side"}:  # the library's optimizer itself
         return build_whitened_muon(unwrap(model), lr, weight_decay, exclude, config, post=True), None
-    cls = functools.partial(OutputSideVariant, **variant)
+    cls = functools.partial(WhiteningVariant, **{k: v for k, v in variant.items() if k != "output_side"})
     return build_whitened_muon(unwrap(model), lr, weight_decay, exclude, config, post=True,
                                optimizer_class=cls), None
 
