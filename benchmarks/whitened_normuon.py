@@ -149,7 +149,7 @@ LABELS = {
 def build_whitened_normuon(model: nn.Module, lr: float, weight_decay: float, config) -> WhitenedNorMuon:
     """As examples/kron_examples_common.build_whitened_muon, with the row normalisation."""
     from kron_examples_common import build_whitened_muon, unwrap
-    exclude = config.skip_layers if config.muon_exclude is None else config.muon_exclude
+    exclude = config.muon_excluded
     optimizer = build_whitened_muon(unwrap(model), lr, weight_decay, exclude, config, post=True,
                                     optimizer_class=WhitenedNorMuon)
     assert isinstance(optimizer, WhitenedNorMuon)

@@ -47,6 +47,7 @@ over that Muon curve (``benchmarks/budget_speedup.py``'s measure) and its step t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -98,11 +99,8 @@ class _VariantStatistics(WhiteningStatistics):
         if side == "output" and not self.whitens_output(unit.param):
             return
         if side == "output" and added:  # the columns of a whitened gradient: all of them, uncapped
-            saved, self.statistics_rows = self.statistics_rows, None
-            try:
+            with _set(self, "statistics_rows", None):
                 return super().observe(unit, side, rows, scale)
-            finally:
-                self.statistics_rows = saved
         if side == "output":
             if not self.from_hook or self.state[unit.param].get("step", 0) % self.output_every:
                 return
@@ -113,18 +111,26 @@ class _VariantStatistics(WhiteningStatistics):
         super().observe(unit, side, rows, scale)
 
     def whitens_output(self, param: torch.Tensor) -> bool:
-        out_dim, in_dim = self.views[id(param)].shape
-        return {"all": True, "narrow": out_dim <= in_dim, "wide": out_dim > in_dim}[self.output_layers]
-
+        """``output_layers``: every weight, those whose output is wider than their input, or the others."""
+        wide = _shape_kind(self.views[id(param)].shape, "output") == "wide"
+        return self.output_layers == "all" or wide == (self.output_layers == "wide")
 
     def _zeros(self, param, side, dtype, device):
         if side != "output" or self.output_block is None:
             return super()._zeros(param, side, dtype, device)
-        saved, self.block_size = self.block_size, self.output_block
-        try:
+        with _set(self, "block_size", self.output_block):
             return super()._zeros(param, side, dtype, device)
-        finally:
-            self.block_size = saved
+
+
+@contextlib.contextmanager
+def _set(obj: Any, name: str, value: Any):
+    """``obj.name = value`` for the duration of the block (the base class reads the attribute)."""
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
 
 
 class _Unit:
@@ -225,7 +231,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 def _build(model: nn.Module, scaler, *, lr: float, weight_decay: float, config, variant: dict[str, Any]):
     from kron_examples_common import build_whitened_muon, unwrap
-    exclude = config.skip_layers if config.muon_exclude is None else config.muon_exclude
+    exclude = config.muon_excluded
     # the variant's side(s), whatever the cell's flags say
     config = dataclasses.replace(config, wmuon_both_sides=variant["output_side"])
     if set(variant) == {"output_side"}:  # the library's optimizer itself

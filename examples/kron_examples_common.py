@@ -200,6 +200,11 @@ class PrecondConfig:
     wmuon_factor_decay: float = 0.8  # per refresh: the factors' exponential-average decay
     wmuon_ns_coefficients: str = "muon"  # or "polar_express"
 
+    @property
+    def muon_excluded(self) -> Sequence[str]:
+        """The modules Muon (and WhitenedMuon) leave to AdamW: ``muon_exclude``, else ``skip_layers``."""
+        return self.skip_layers if self.muon_exclude is None else self.muon_exclude
+
 
 class OptimizerChain(torch.optim.Optimizer):
     """Several optimizers over disjoint parameters, stepped as one.
@@ -447,7 +452,7 @@ def build_method(
     """Optimizer and preconditioner for ``method`` (a key of ``METHODS``)."""
     spec = METHODS[method]
     bare = unwrap(model)
-    exclude = config.skip_layers if config.muon_exclude is None else config.muon_exclude  # Muon's split
+    exclude = config.muon_excluded  # Muon's split
     if spec.base in ("wmuon", "wmuon_pre"):
         optimizer = build_whitened_muon(bare, lr, weight_decay, exclude, config, post=spec.base == "wmuon")
     elif spec.base in ("muon", "muon_kron"):

@@ -80,7 +80,9 @@ def lr_ratio(adjust_lr_fn: str | None, shape: tuple[int, int]) -> float:
     out_dim, in_dim = shape
     if adjust_lr_fn == "match_rms_adamw":
         return 0.2 * math.sqrt(max(out_dim, in_dim))
-    return math.sqrt(max(1.0, out_dim / in_dim))
+    if adjust_lr_fn in ("original", None):
+        return math.sqrt(max(1.0, out_dim / in_dim))
+    raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
 
 
 def msign(matrix: torch.Tensor, steps: int = 5, eps: float = 1e-7,
@@ -248,8 +250,7 @@ class WhitenedMuon(torch.optim.Optimizer):
                  block_size: int | None = None,
                  ns_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16, ns_coefficients: str = "muon",
                  adjust_lr_fn: str | None = "match_rms_adamw", grad_scaler: Any = None, process_group: Any = None):
-        if adjust_lr_fn not in ADJUST_LR_FNS:
-            raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+        lr_ratio(adjust_lr_fn, (1, 1))  # ValueError for an unknown name, before anything is built
         defaults = dict(lr=validation.check_positive("lr", lr),
                         weight_decay=validation.check_non_negative("weight_decay", weight_decay),
                         momentum=validation.check_unit_interval("momentum", momentum, low_open=False, high_open=True),
@@ -423,6 +424,9 @@ class WhitenedMuon(torch.optim.Optimizer):
         return [p for g in self.param_groups if g["algorithm"] == WHITENED for p in g["params"]]
 
     def _step(self) -> None:
+        for group in self.param_groups:  # a value set on a group since: checked before anything moves
+            if group["algorithm"] == WHITENED:
+                lr_ratio(group["adjust_lr_fn"], (1, 1))
         due = [p for p in self._whitened_params() if p.grad is not None and self._due(p)]
         if due:
             self._warn_unobserved(due)
@@ -633,6 +637,9 @@ class WhitenedMuon(torch.optim.Optimizer):
         if saved != ours:
             raise ValueError(f"WhitenedMuon.load_state_dict: the saved param groups' algorithms {saved} "
                              f"differ from this optimizer's {ours}")
+        for group in state_dict["param_groups"]:  # checked before anything changes
+            if group.get("algorithm", WHITENED) == WHITENED:
+                lr_ratio(group.get("adjust_lr_fn", "match_rms_adamw"), (1, 1))
         super().load_state_dict(state_dict)
         for group in self.param_groups:  # a checkpoint from before the setting was stepped by the default
             if group["algorithm"] == WHITENED:

@@ -216,6 +216,25 @@ def test_the_lr_adjustment_is_a_param_group_setting_kept_by_checkpoints():
     assert original.param_groups[0]["adjust_lr_fn"] == "match_rms_adamw"
 
 
+def test_an_unknown_lr_adjustment_in_a_param_group_raises():
+    """A value set on a group, or loaded from a checkpoint, is checked as the constructor's
+    argument is: an unknown name would otherwise be stepped as ``"original"``. A failed load
+    changes nothing."""
+    net = make_net()
+    opt = WhitenedMuon([net.a], lr=LR, adjust_lr_fn="original")
+    bad = copy.deepcopy(opt.state_dict())
+    bad["param_groups"][0]["adjust_lr_fn"] = "spectral"
+    with pytest.raises(ValueError, match="adjust_lr_fn"):
+        opt.load_state_dict(bad)
+    assert opt.param_groups[0]["adjust_lr_fn"] == "original"
+    opt.param_groups[0]["adjust_lr_fn"] = "spectral"
+    net.a(torch.randn(4, net.a.in_features, dtype=torch.float64)).sum().backward()
+    before = net.a.weight.detach().clone()
+    with pytest.raises(ValueError, match="adjust_lr_fn"):
+        opt.step()
+    assert torch.equal(net.a.weight, before) and not opt.state[net.a.weight]  # no momentum, no factor
+
+
 def test_by_default_only_the_layers_without_a_bias_are_centred(monkeypatch):
     """``center_inputs=None``: the biased layer ``a`` is whitened by its inputs' second moment,
     the bias-free ``b`` by their covariance; ``True`` centres both."""
