@@ -35,6 +35,11 @@ the library has it):
   (arXiv 2601.21750), which makes its right factor from the gradient the same way; here the
   input side stays K-FAC's ``A``.
 
+A variant may also set a library argument away from its default (``statistics_every``,
+``factor_decay``, ``ns_steps``): ``input_every10`` reads statistics on every 10th step with
+``factor_decay=0.6`` (the default 25-step horizon from half the statistics steps);
+``input_ns4`` and ``both_ns4`` run four Newton-Schulz iterations instead of Muon's five.
+
 Run as a script, it trains the best Muon of a cell (read from a ``budget_speedup.py`` folder,
 to time the step and to check that it reproduces that folder's Muon curve) and the variants
 interleaved, per seed at the 1x budget, and reports each variant's budget-equivalent speed-up
@@ -226,17 +231,30 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "input_no_wide": dict(output_side=False, input_skip="wide"),
     "input_no_narrow": dict(output_side=False, input_skip="narrow"),
     "input_no_square": dict(output_side=False, input_skip="square"),
+    # library settings away from their defaults: half the statistics steps over the same
+    # 25-step horizon; one Newton-Schulz iteration fewer than Muon's five
+    "input_every10": dict(output_side=False, statistics_every=10, factor_decay=0.6),
+    "input_ns4": dict(output_side=False, ns_steps=4),
+    "both_ns4": dict(output_side=True, ns_steps=4),
 }
+# variant keys that are the library's own arguments: the cell's PrecondConfig field each
+# replaces (None: passed to WhitenedMuon as is)
+LIBRARY_SETTINGS = {"statistics_every": "wmuon_every", "factor_decay": "wmuon_factor_decay", "ns_steps": None}
 
 
 def _build(model: nn.Module, scaler, *, lr: float, weight_decay: float, config, variant: dict[str, Any]):
     from kron_examples_common import build_whitened_muon, unwrap
     exclude = config.muon_excluded
-    # the variant's side(s), whatever the cell's flags say
-    config = dataclasses.replace(config, wmuon_both_sides=variant["output_side"])
-    if set(variant) == {"output_side"}:  # the library's optimizer itself
-        return build_whitened_muon(unwrap(model), lr, weight_decay, exclude, config, post=True), None
-    cls = functools.partial(WhiteningVariant, **{k: v for k, v in variant.items() if k != "output_side"})
+    # the variant's side(s) and library settings, whatever the cell's flags say
+    fields = {LIBRARY_SETTINGS[k]: v for k, v in variant.items() if LIBRARY_SETTINGS.get(k)}
+    config = dataclasses.replace(config, wmuon_both_sides=variant["output_side"], **fields)
+    passed = {k: v for k, v in variant.items() if k in LIBRARY_SETTINGS and LIBRARY_SETTINGS[k] is None}
+    changes = {k: v for k, v in variant.items() if k != "output_side" and k not in LIBRARY_SETTINGS}
+    if not changes:  # the library's optimizer itself
+        cls = functools.partial(WhitenedMuon, **passed) if passed else None
+        return build_whitened_muon(unwrap(model), lr, weight_decay, exclude, config, post=True,
+                                   optimizer_class=cls), None
+    cls = functools.partial(WhiteningVariant, **changes, **passed)
     return build_whitened_muon(unwrap(model), lr, weight_decay, exclude, config, post=True,
                                optimizer_class=cls), None
 

@@ -203,3 +203,23 @@ def test_output_layers_whitens_the_output_of_the_chosen_weights_only(layers):
     assert torch.equal(optimizer.state[other.weight]["output_whitener"][0], eye)
     assert not torch.allclose(optimizer.state[chosen.weight]["output_whitener"][0],
                               torch.eye(chosen.weight.shape[0]))
+
+
+@pytest.mark.parametrize("name, every, decay, ns_steps, output_side", [
+    ("input_every10", 10, 0.6, 5, False), ("input_ns4", 5, 0.8, 4, False), ("both_ns4", 5, 0.8, 4, True)])
+def test_library_setting_variants_override_the_cell_and_stay_the_library_optimizer(name, every, decay, ns_steps,
+                                                                                   output_side):
+    sys.path.insert(0, str(ROOT / "examples"))
+    from benchmarks.whitening_levers import VARIANTS, _build
+    from char_lm import SKIP_LAYERS, CharTransformer, ModelConfig
+    from kron_examples_common import PrecondConfig
+    from kron_precond import WhitenedMuon
+    model = CharTransformer(ModelConfig(16, 1, 2, 8, False, "gpt"))
+    # the cell says every 5 steps, decay 0.8 and the output side on: the variant's own settings win
+    config = PrecondConfig(skip_layers=SKIP_LAYERS, muon_momentum=0.8, wmuon_every=5, wmuon_factor_decay=0.8,
+                           wmuon_both_sides=True, wmuon_damping=0.2)
+    built, precond = _build(model, None, lr=0.01, weight_decay=0.0, config=config, variant=VARIANTS[name])
+    assert precond is None and type(built) is WhitenedMuon  # not the variant class: nothing else changed
+    assert (built.statistics_every, built.factor_decay, built.ns_steps, built.output_side) == (
+        every, decay, ns_steps, output_side)
+    assert built.damping == 0.2 and built.param_groups[0]["momentum"] == 0.8  # the cell's other settings
