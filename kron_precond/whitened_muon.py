@@ -189,10 +189,11 @@ class WhitenedMuon(torch.optim.Optimizer):
             ``match_rms_adamw`` intends), ``adamw_weight_decay`` to ``weight_decay``.
         statistics_every: steps between statistics steps (which also refresh the whiteners).
             A statistics step adds up to ``statistics_rows`` rows' products per layer and a
-            decomposition per factor. With few tokens per step (a few thousand) that is a
-            share of the step worth halving: ``statistics_every=10, factor_decay=0.6`` keeps
-            the 25-step horizon from half the statistics steps. With many (16k and more) the
-            statistics cost about 1 % and fewer of them lose steps: keep 5.
+            decomposition per factor. Where that is a large share of the step (a few thousand
+            tokens per step on a small model), halve it with ``statistics_every=10,
+            factor_decay=0.6``, the same 25-step horizon. Where the forward and backward
+            dominate (16k tokens per step), the statistics cost about 1 % and fewer of them
+            lose steps: keep 5.
         damping: ``λ = damping · tr(F) / dim F`` for each factor ``F``.
         factor_decay: exponential-average decay of the factors, per refresh: they average over
             about ``statistics_every / (1 - factor_decay)`` steps, the statistics horizon (25 by
@@ -222,9 +223,8 @@ class WhitenedMuon(torch.optim.Optimizer):
         block_size: a side wider than this (and divisible by it) keeps only the diagonal
             ``block_size``-blocks of its factor: its statistics, refresh and whitening cost fall
             by ``width / block_size``. ``None``: every side whole.
-        ns_steps: Newton-Schulz iterations. Four lost no steps against five on the whitened
-            update but saved little of a CPU step: keep 5 (as Muon) unless Newton-Schulz is a
-            large share of your step.
+        ns_steps: Newton-Schulz iterations. Lower it to 4 where Newton-Schulz is a large
+            share of the step: on the whitened update four saved as many steps as five.
         ns_dtype: dtype of the Newton-Schulz iteration (bfloat16, as ``torch.optim.Muon``).
         ns_coefficients: ``"muon"`` (``torch.optim.Muon``'s fixed quintic) or ``"polar_express"``
             (Polar Express's per-iteration quintics, as the NanoGPT speedrun uses: the same cost,
