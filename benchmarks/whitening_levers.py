@@ -55,6 +55,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import inspect
 import json
 import math
 import statistics
@@ -162,7 +163,7 @@ class WhiteningVariant(WhitenedMuon):
             raise ValueError("an output-side change needs output_side=True")
         if output_source not in SOURCES:
             raise ValueError(f"output_source must be one of {SOURCES}, got {output_source!r}")
-        every = kwargs.get("statistics_every", 5)  # WhitenedMuon's default
+        every = kwargs.get("statistics_every", inspect.signature(WhitenedMuon).parameters["statistics_every"].default)
         output_every = every if output_every is None else output_every
         if output_every % every:  # checked before the hooks are placed
             raise ValueError(f"output_every ({output_every}) must be a multiple of statistics_every ({every})")
@@ -250,11 +251,8 @@ def _build(model: nn.Module, scaler, *, lr: float, weight_decay: float, config, 
     config = dataclasses.replace(config, wmuon_both_sides=variant["output_side"], **fields)
     passed = {k: v for k, v in variant.items() if k in LIBRARY_SETTINGS and LIBRARY_SETTINGS[k] is None}
     changes = {k: v for k, v in variant.items() if k != "output_side" and k not in LIBRARY_SETTINGS}
-    if not changes:  # the library's optimizer itself
-        cls = functools.partial(WhitenedMuon, **passed) if passed else None
-        return build_whitened_muon(unwrap(model), lr, weight_decay, exclude, config, post=True,
-                                   optimizer_class=cls), None
-    cls = functools.partial(WhiteningVariant, **changes, **passed)
+    # no change of a side: the library's optimizer itself
+    cls = functools.partial(WhiteningVariant if changes else WhitenedMuon, **changes, **passed)
     return build_whitened_muon(unwrap(model), lr, weight_decay, exclude, config, post=True,
                                optimizer_class=cls), None
 
