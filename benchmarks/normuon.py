@@ -71,14 +71,17 @@ def normalize_rows(ortho: torch.Tensor, second_moment: torch.Tensor, beta2: floa
 
 
 class NorMuon(torch.optim.Optimizer):
-    """NorMuon for 2-D weights (the hidden ``nn.Linear`` weights of a Muon split).
+    """NorMuon for 2-D weights (the hidden Linear-like weights of a Muon split).
 
+    A weight in ``transposed`` is stored ``[in, out]`` (GPT-2's ``Conv1D``): its neurons are
+    its columns, and it is stepped as the ``[out, in]`` matrix it holds.
     ``orthogonalize`` replaces the Newton-Schulz iteration (the unit test passes an exact
     polar factor, so it can compare against a float64 reference step by step)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 0.02, weight_decay: float = 0.0,
                  momentum: float = 0.95, beta2: float = 0.95, nesterov: bool = True, eps: float = EPS,
-                 orthogonalize: Callable[[torch.Tensor], torch.Tensor] = newton_schulz):
+                 orthogonalize: Callable[[torch.Tensor], torch.Tensor] = newton_schulz,
+                 transposed: Iterable[torch.nn.Parameter] = ()):
         if not 0.0 <= beta2 < 1.0:
             raise ValueError(f"beta2 must be in [0, 1), got {beta2}")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2,
@@ -89,6 +92,7 @@ class NorMuon(torch.optim.Optimizer):
                 if p.dim() != 2:
                     raise ValueError(f"NorMuon takes 2-D weights only, got shape {tuple(p.shape)}")
         self.orthogonalize = orthogonalize
+        self._transposed = {id(p) for p in transposed}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -101,15 +105,17 @@ class NorMuon(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                # [out, in] views: the rows are the neurons
+                weight, grad = (p.T, p.grad.T) if id(p) in self._transposed else (p, p.grad)
                 state = self.state[p]
                 if not state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                    state["second_moment"] = torch.zeros(p.shape[0], 1, dtype=p.dtype, device=p.device)
+                    state["momentum_buffer"] = torch.zeros_like(weight)
+                    state["second_moment"] = torch.zeros(weight.shape[0], 1, dtype=p.dtype, device=p.device)
                 buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - mu)
-                update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
+                buf.lerp_(grad, 1 - mu)
+                update = grad.lerp(buf, mu) if group["nesterov"] else buf
                 ortho = self.orthogonalize(update).to(p.dtype)
                 direction = normalize_rows(ortho, state["second_moment"], group["beta2"], group["eps"])
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(direction, alpha=-lr * lr_ratio("match_rms_adamw", (p.shape[0], p.shape[1])))
+                weight.mul_(1 - lr * group["weight_decay"])
+                weight.add_(direction, alpha=-lr * lr_ratio("match_rms_adamw", tuple(weight.shape)))
         return loss

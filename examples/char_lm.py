@@ -171,7 +171,7 @@ class ModelConfig:
     n_heads: int = 4
     seq_len: int = 64
     tie_embeddings: bool = False
-    arch: str = "gpt"  # "gpt": CharTransformer; "llama": examples/byte_llama.py's ByteLlama
+    arch: str = "gpt"  # "gpt": CharTransformer; "llama" / "gpt2": examples/byte_llama.py / byte_gpt2.py
 
 
 class CharTransformer(nn.Module):
@@ -204,14 +204,19 @@ class CharTransformer(nn.Module):
 
 
 def build_model(config: ModelConfig) -> nn.Module:
-    """The model ``config.arch`` names, on bytes: CharTransformer or the Llama-style ByteLlama."""
+    """The model ``config.arch`` names, on bytes: CharTransformer, the Llama-style ByteLlama or
+    Hugging Face's GPT-2 (ByteGPT2)."""
     if config.arch == "gpt":
         return CharTransformer(config)
     if config.arch == "llama":
         from byte_llama import ByteLlama
         return ByteLlama(config.d_model, config.n_layers, config.n_heads, config.seq_len, VOCAB_SIZE,
                          config.tie_embeddings)
-    raise ValueError(f"arch must be 'gpt' or 'llama', got {config.arch!r}")
+    if config.arch == "gpt2":
+        from byte_gpt2 import ByteGPT2
+        return ByteGPT2(config.d_model, config.n_layers, config.n_heads, config.seq_len, VOCAB_SIZE,
+                        config.tie_embeddings)
+    raise ValueError(f"arch must be 'gpt', 'llama' or 'gpt2', got {config.arch!r}")
 
 
 def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -547,9 +552,10 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-layers", type=int, default=ModelConfig.n_layers, help="transformer blocks")
     p.add_argument("--n-heads", type=int, default=ModelConfig.n_heads, help="attention heads")
     p.add_argument("--tie-embeddings", action="store_true", help="share token embedding and lm_head weights")
-    p.add_argument("--arch", choices=("gpt", "llama"), default=ModelConfig.arch,
+    p.add_argument("--arch", choices=("gpt", "llama", "gpt2"), default=ModelConfig.arch,
                    help="gpt: the byte-level GPT (LayerNorm, learned positions, GELU); llama: a Llama-style "
-                        "model from a transformers config (RMSNorm, rotary, SwiGLU, grouped-query attention)")
+                        "model from a transformers config (RMSNorm, rotary, SwiGLU, grouped-query attention); "
+                        "gpt2: Hugging Face's GPT2LMHeadModel from a config (Conv1D, fused q/k/v)")
     p.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay, help="decoupled weight decay")
     p.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps, help="linear LR warm-up steps")
     p.add_argument("--damping", type=float, default=PrecondConfig.damping, help="K-FAC damping")

@@ -261,10 +261,18 @@ def _matches(name: str, module: nn.Module, patterns: Sequence[str]) -> bool:
     return any(type(module).__name__ == p or p in name for p in patterns)
 
 
-def muon_modules(model: nn.Module, exclude: Sequence[str]) -> list[nn.Linear]:
-    """The ``nn.Linear`` modules whose weights Muon takes: those not matched by ``exclude``
-    (e.g. ``("Embedding", "lm_head")``, like ``skip_layers``)."""
-    return [m for name, m in model.named_modules() if isinstance(m, nn.Linear) and not _matches(name, m, exclude)]
+def _linear_like(module: nn.Module) -> bool:
+    """``nn.Linear``, or GPT-2's ``Conv1D`` (a 2-D weight stored ``[in, out]``, which Muon's
+    ``msign`` and ``match_rms_adamw`` treat as its transpose's)."""
+    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D"
+                                             and getattr(module, "weight", None) is not None
+                                             and module.weight.dim() == 2)
+
+
+def muon_modules(model: nn.Module, exclude: Sequence[str]) -> list[nn.Module]:
+    """The Linear-like modules (``nn.Linear``, GPT-2's ``Conv1D``) whose weights Muon takes:
+    those not matched by ``exclude`` (e.g. ``("Embedding", "lm_head")``, like ``skip_layers``)."""
+    return [m for name, m in model.named_modules() if _linear_like(m) and not _matches(name, m, exclude)]
 
 
 def muon_param_split(model: nn.Module, exclude: Sequence[str]) -> tuple[list, list]:

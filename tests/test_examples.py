@@ -443,28 +443,40 @@ def test_the_examples_wmuon_is_the_librarys_defaults():
     default.remove()
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama"])
+PROJECTIONS_PER_BLOCK = {"gpt": 6, "llama": 7, "gpt2": 4}  # gpt2: c_attn (q, k, v fused), c_proj, c_fc, c_proj
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama", "gpt2"])
 def test_char_lm_builds_each_architecture_and_whitens_its_hidden_weights(arch):
     """``--arch llama``: Llama's RMSNorm / rotary / SwiGLU / grouped-query model from a
-    transformers config, on bytes; the examples' skip_layers leave its embeddings and head to
-    AdamW and WhitenedMuon whitens every projection (7 per block)."""
+    transformers config, on bytes; ``--arch gpt2``: Hugging Face's GPT-2 (``Conv1D``). The
+    examples' skip_layers leave embeddings and head to AdamW; WhitenedMuon whitens every
+    projection, and the Muon baseline takes the same weights (``Conv1D``'s too)."""
     import torch
 
-    if arch == "llama":
+    if arch != "gpt":
         pytest.importorskip("transformers", reason="transformers is an optional extra ([trainers])")
     from kron_precond import WhitenedMuon
 
     char_lm = load("examples/char_lm.py")
+    common = load("examples/kron_examples_common.py")
     model = char_lm.build_model(char_lm.ModelConfig(d_model=16, n_layers=2, n_heads=4, seq_len=8, arch=arch))
     logits = model(torch.randint(0, 256, (3, 8)))
     assert logits.shape == (3, 8, 256)
     optimizer = WhitenedMuon(model, lr=1e-2, skip_layers=char_lm.SKIP_LAYERS)
     names = optimizer.param_groups[0]["param_names"]
-    assert len(names) == (7 if arch == "llama" else 6) * 2, names
+    assert len(names) == PROJECTIONS_PER_BLOCK[arch] * 2, names
     if arch == "llama":
         k_proj = model.get_submodule("inner.model.layers.0.self_attn.k_proj")
         assert k_proj.weight.shape == (8, 16)  # 2 key/value heads of 4 for 4 query heads: grouped
-    assert not any("embed" in n or "lm_head" in n for n in names)
+    if arch == "gpt2":
+        c_attn = model.get_submodule("inner.transformer.h.0.attn.c_attn")
+        assert type(c_attn).__name__ == "Conv1D" and c_attn.weight.shape == (16, 48)  # [in, out]
+        assert c_attn.bias is not None and model.inner.config.resid_pdrop == 0.0
+    assert not any("embed" in n or "wte" in n or "wpe" in n or "lm_head" in n for n in names)
+    hidden, rest = common.muon_param_split(model, char_lm.SKIP_LAYERS)
+    assert {id(p) for p in hidden} == {id(p) for p in optimizer.param_groups[0]["params"]}
+    assert len(hidden) + len(rest) == len(list(model.parameters()))
     optimizer.remove()
     with pytest.raises(ValueError, match="arch"):
         char_lm.build_model(char_lm.ModelConfig(arch="rnn"))

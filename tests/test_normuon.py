@@ -111,3 +111,27 @@ def test_update_rms_is_torch_muons():
 def test_rejects_non_matrix_parameters():
     with pytest.raises(ValueError, match="2-D"):
         NorMuon([torch.nn.Parameter(torch.zeros(3))])
+
+
+def test_transposed_weight_steps_as_the_matrix_it_holds():
+    """A weight stored ``[in, out]`` (GPT-2's ``Conv1D``) and passed in ``transposed`` takes
+    the transpose of the step its ``[out, in]`` twin takes: its neurons are its columns."""
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(6, 10, generator=generator, dtype=torch.float64)  # [out, in]
+    grads = [torch.randn(6, 10, generator=generator, dtype=torch.float64) * torch.logspace(-1, 1, 6)[:, None]
+             for _ in range(4)]
+    settings = dict(lr=0.03, weight_decay=0.1, momentum=0.9, beta2=0.95, eps=1e-10)
+    expected = reference_steps(weight, grads, **settings)
+    stored = torch.nn.Parameter(weight.T.clone())  # [in, out]
+    optimizer = NorMuon([stored], orthogonalize=polar, transposed=[stored], **settings)
+    for grad, want in zip(grads, expected):
+        stored.grad = grad.T.clone()
+        optimizer.step()
+        torch.testing.assert_close(stored.detach().T, want, rtol=1e-10, atol=1e-12)
+    # not passed as transposed, the same tensor is normalised per input dimension instead
+    plain = torch.nn.Parameter(weight.T.clone())
+    other = NorMuon([plain], orthogonalize=polar, **settings)
+    for grad in grads:
+        plain.grad = grad.T.clone()
+        other.step()
+    assert not torch.allclose(plain.detach().T, expected[-1], rtol=1e-6, atol=1e-8)
