@@ -391,6 +391,22 @@ def _per_seed(values: Sequence[float], digits: int = 2) -> str:
     return ", ".join(f"{v:.{digits}f}" for v in values)
 
 
+# WhitenedMuon settings that leave its step's cost as it is (the others change what a step does)
+COST_NEUTRAL = ("wmuon_damping", "wmuon_factor_decay", "wmuon_ns_coefficients")
+
+
+def unmeasured_step(args) -> list[str]:
+    """With ``--only-ours``, the tuned row's step time is the records' default run's, trained by
+    the command that wrote them at the examples' settings: the WhitenedMuon settings this
+    command changes that alter a step's cost, for which that step time is not this run's."""
+    if not getattr(args, "only_ours", False):
+        return []
+    _, _, precond = configs_from_args(args)
+    default = PrecondConfig()
+    return [f"{f}={getattr(precond, f)!r}" for f in vars(default) if f.startswith("wmuon_")
+            and f not in COST_NEUTRAL and getattr(precond, f) != getattr(default, f)]
+
+
 def report(args) -> str:
     seeds = sorted(int(p.name.split("_")[0][1:]) for p in args.out.glob("s*_b1_*.json") if "_ext" not in p.name)
     seeds = [s for s in dict.fromkeys(seeds) if all(load_runs(args.out, s, b) for b in args.budgets)]
@@ -403,6 +419,7 @@ def report(args) -> str:
              "| × best NorMuon: steps | step time × NorMuon | × best NorMuon: wall-clock |",
              "|---|---|---|---|---|---|---|---|"]
     names = list(per_seed[0]["rows"])
+    changed = unmeasured_step(args)
     for name in names:
         rows = [m["rows"][name] for m in per_seed]
         cells = [name, f"{_fmt(mean_spread([r['loss'] for r in rows]), 4)} ({_per_seed([r['loss'] for r in rows], 4)})"]
@@ -411,11 +428,18 @@ def report(args) -> str:
                 cells += ["-", "-", "-"]
                 continue
             for key in ("steps", "step_ratio", "wallclock"):
+                if changed and name == f"{OURS} (tuned)" and key != "steps":
+                    cells.append("not measured")
+                    continue
                 values = [r["vs"][base][key] for r in rows]
                 flags = "".join("*" for r in rows if r["vs"][base]["how"] != "interpolated")
                 flags = flags if key != "step_ratio" else ""  # the step time is measured, never extrapolated
                 cells.append(f"**{_fmt(mean_spread(values))}** ({_per_seed(values)}){flags}")
         lines.append("| " + " | ".join(cells) + " |")
+    if changed:
+        lines += ["", f"{OURS} (tuned): its step time is not measured by --only-ours with "
+                  f"{', '.join(changed)} (the records' default run has the examples' settings); "
+                  "benchmarks/whitening_levers.py measures it beside Muon"]
     lines += ["", "\\* one asterisk per seed whose matching budget lies outside 1x-1.5x (extrapolated "
               "along the end segment: rough)", "",
               "baselines' final loss per budget (the point chosen on the tuning seed at that budget):", "",

@@ -257,6 +257,16 @@ def _build(model: nn.Module, scaler, *, lr: float, weight_decay: float, config, 
                                optimizer_class=cls), None
 
 
+def best_muon(base: Path, seed: int, measure: dict) -> tuple[float, float]:
+    """(momentum, lr) of the best-tuned Muon at 1x in ``base`` for ``seed``: the lr as its record
+    holds it, not the run name's 6 digits (a relative change of 2e-8 in a high lr has moved a
+    run's final loss by 0.017, more than the levers measured here)."""
+    from benchmarks import budget_speedup as bs
+    name = measure["rows"]["muon (tuned)"]["run"]  # e.g. "muon{mom=0.8} lr=0.016"
+    momentum = float(name.split("mom=")[1].split("}")[0])
+    return momentum, next(r["lr"] for r in bs.load_runs(base, seed, 1.0) if r["name"] == name)
+
+
 def main(argv: list[str] | None = None) -> None:
     from benchmarks import budget_speedup as bs
     from char_lm import Contender
@@ -282,9 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for seed in (int(s) for s in args.seeds.split(",")):
         measure = measures[seed]
-        muon_run = measure["rows"]["muon (tuned)"]["run"]  # e.g. "muon{mom=0.8} lr=0.016"
-        muon_momentum = float(muon_run.split("mom=")[1].split("}")[0])
-        muon_lr = float(muon_run.split("lr=")[1])
+        muon_momentum, muon_lr = best_muon(args.base, seed, measure)
         extra = [Contender(name, args.lr, build=functools.partial(_build, lr=args.lr, weight_decay=weight_decay,
                                                                     config=config, variant=VARIANTS[name]))
                  for name in variants]

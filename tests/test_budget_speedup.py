@@ -208,3 +208,24 @@ def test_train_part_trains_on_the_device_the_flags_name(monkeypatch, tmp_path):
     args = bs.parse_args(["--device", "cuda", "--out", str(tmp_path)])
     bs.train_part(args, 0, 1.0, "grid", [])
     assert seen["device"] == torch.device("meta")  # what resolve_device made of --device, not a fixed CPU
+
+
+def test_only_ours_with_a_costlier_setting_leaves_its_step_time_unmeasured(tmp_path):
+    """``--only-ours`` charges the tuned row the records' default run's step time: with a
+    setting that changes a step's cost (the output side) the report must not print that as
+    the setting's, while a cost-neutral one (damping) and a full run keep it."""
+    out = tmp_path / "records"
+    _write(out, 0, 1.0, "grid", [_run("muon{mom=0.8} lr=0.01", 0.01, 1.90, 1.0),
+                                 _run("wmuon lr=0.016", 0.016, 1.85, 1.1)])
+    _write(out, 0, 1.0, "ours_grid", [_run("wmuon{mom=0.8} lr=0.02", 0.02, 1.80, 1.1)])
+    _write(out, 0, 1.25, "grid", [_run("muon{mom=0.8} lr=0.01", 0.01, 1.80, 1.0)])
+    _write(out, 0, 1.5, "grid", [_run("muon{mom=0.8} lr=0.01", 0.01, 1.70, 1.0)])
+    common = ["--out", str(out), "--steps", "100", "--baselines", "muon", "--sweep-ours"]
+    for flags, unmeasured in ([["--only-ours", "--wmuon-output-side"], True],
+                              [["--only-ours", "--wmuon-damping", "0.03"], False],
+                              [["--wmuon-output-side"], False], [["--only-ours"], False]):
+        table = bs.report(bs.parse_args(common + flags))
+        tuned = next(line for line in table.splitlines() if line.startswith("| wmuon (tuned)"))
+        assert ("not measured" in tuned) == unmeasured, (flags, tuned)
+        assert tuned.startswith("| wmuon (tuned) | 1.8000 ± 0.0000 (1.8000) | **1.25 ± 0.00** (1.25) |")
+        assert ("wmuon_both_sides=True" in table) == unmeasured

@@ -223,3 +223,17 @@ def test_library_setting_variants_override_the_cell_and_stay_the_library_optimiz
     assert (built.statistics_every, built.factor_decay, built.ns_steps, built.output_side) == (
         every, decay, ns_steps, output_side)
     assert built.damping == 0.2 and built.param_groups[0]["momentum"] == 0.8  # the cell's other settings
+
+
+def test_best_muon_takes_the_lr_its_record_holds_not_the_rounded_name(tmp_path):
+    """The lever runs retrain the best Muon to time it and to check it reproduces the folder's
+    curve: its lr must be the record's (the name rounds it to 6 digits)."""
+    import json
+
+    from benchmarks.whitening_levers import best_muon
+    lr = 0.032 * 2 ** 0.5  # 0.045254833995939...: "lr=0.0452548" in the name
+    name = f"muon{{mom=0.8}} lr={lr:g}"
+    runs = [{"name": "muon{mom=0.9} lr=0.032", "lr": 0.032}, {"name": name, "lr": lr}]
+    (tmp_path / "s0_b1_grid.json").write_text(json.dumps({"runs": runs}))
+    momentum, found = best_muon(tmp_path, 0, {"rows": {"muon (tuned)": {"run": name}}})
+    assert momentum == 0.8 and found == lr and found != float(name.split("lr=")[1])
