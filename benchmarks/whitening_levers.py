@@ -38,7 +38,9 @@ the library has it):
 A variant may also set a library argument away from its default (``statistics_every``,
 ``factor_decay``, ``ns_steps``): ``input_every10`` reads statistics on every 10th step with
 ``factor_decay=0.6`` (the default 25-step horizon from half the statistics steps);
-``input_ns4`` and ``both_ns4`` run four Newton-Schulz iterations instead of Muon's five.
+``input_ns4`` and ``both_ns4`` run four Newton-Schulz iterations instead of Muon's five;
+``both_every10`` is the output side with ``input_every10``'s statistics (both sides' factors
+read on every 10th step).
 
 Run as a script, it trains the best Muon of a cell (read from a ``budget_speedup.py`` folder,
 to time the step and to check that it reproduces that folder's Muon curve) and the variants
@@ -237,6 +239,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "input_every10": dict(output_side=False, statistics_every=10, factor_decay=0.6),
     "input_ns4": dict(output_side=False, ns_steps=4),
     "both_ns4": dict(output_side=True, ns_steps=4),
+    "both_every10": dict(output_side=True, statistics_every=10, factor_decay=0.6),
 }
 # variant keys that are the library's own arguments: the cell's PrecondConfig field each
 # replaces (None: passed to WhitenedMuon as is)

@@ -206,7 +206,8 @@ def test_output_layers_whitens_the_output_of_the_chosen_weights_only(layers):
 
 
 @pytest.mark.parametrize("name, every, decay, ns_steps, output_side", [
-    ("input_every10", 10, 0.6, 5, False), ("input_ns4", 5, 0.8, 4, False), ("both_ns4", 5, 0.8, 4, True)])
+    ("input_every10", 10, 0.6, 5, False), ("input_ns4", 5, 0.8, 4, False), ("both_ns4", 5, 0.8, 4, True),
+    ("both_every10", 10, 0.6, 5, True)])
 def test_library_setting_variants_override_the_cell_and_stay_the_library_optimizer(name, every, decay, ns_steps,
                                                                                    output_side):
     sys.path.insert(0, str(ROOT / "examples"))
