@@ -595,6 +595,12 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                    help="second moment (muon2, ikfac_muon2): decay beta of the running mean of squares")
     p.add_argument("--muon-momentum", type=float, default=PrecondConfig.muon_momentum,
                    help="torch.optim.Muon's momentum, for Muon and every method in front of it")
+    p.add_argument("--muon-adjust-lr-fn", choices=("match_rms_adamw", "original"),
+                   default=PrecondConfig.muon_adjust_lr_fn,
+                   help="torch.optim.Muon's adjust_lr_fn, for Muon and WhitenedMuon; with 'original' (torch's "
+                        "default) the lr is on Muon's spectral scale: set --muon-rest-lr for the AdamW half")
+    p.add_argument("--muon-rest-lr", type=float, default=None,
+                   help="peak lr of the AdamW half of Muon's and WhitenedMuon's split (default: the same lr)")
     p.add_argument("--wmuon-every", type=int, default=PrecondConfig.wmuon_every,
                    help="WhitenedMuon (wmuon): statistics_every, steps between statistics steps and refreshes")
     p.add_argument("--wmuon-factor-decay", type=float, default=PrecondConfig.wmuon_factor_decay,
@@ -651,7 +657,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
         accumulation_steps=args.grad_accum,
         ikfac_every=args.ikfac_every, ikfac_damping=args.ikfac_damping, ikfac_factor_decay=args.ikfac_decay,
         ikfac_statistics_rows=args.ikfac_rows, moment_decay=args.moment_decay,
-        muon_momentum=args.muon_momentum, wmuon_every=args.wmuon_every,
+        muon_momentum=args.muon_momentum, muon_adjust_lr_fn=args.muon_adjust_lr_fn, muon_rest_lr=args.muon_rest_lr,
+        wmuon_every=args.wmuon_every,
         wmuon_factor_decay=args.wmuon_factor_decay, wmuon_both_sides=args.wmuon_output_side,
         wmuon_damping=args.wmuon_damping,
         wmuon_center_inputs={"auto": None, "all": True, "none": False}[args.wmuon_center_inputs],

@@ -144,6 +144,10 @@ class PrecondConfig:
     # The peak lr of the other half of a Muon split (AdamW on embeddings, head, norms, biases);
     # None: the same lr as the hidden weights (torch.optim.Muon's match_rms_adamw convention).
     muon_rest_lr: float | None = None
+    # torch.optim.Muon's adjust_lr_fn, for Muon and WhitenedMuon alike: "match_rms_adamw" (one lr
+    # on AdamW's scale for both halves) or "original" (torch's default: lr on Muon's spectral
+    # scale; then set muon_rest_lr for the AdamW half)
+    muon_adjust_lr_fn: str = "match_rms_adamw"
     # Precondition Muon's (Nesterov) momentum instead of the raw gradient: the momentum is
     # kept outside Muon (run at momentum 0) and rewritten by the preconditioner before
     # Newton-Schulz, the order of modded-nanogpt's SOAP + Muon record and of kron_torch.
@@ -292,13 +296,14 @@ def build_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequen
     ``Kron``) on the rest, one peak ``lr``. ``psgd`` also carries Muon's momentum
     (``muon_momentum``) and its warm-up.
 
-    ``adjust_lr_fn="match_rms_adamw"`` scales Muon's orthogonalised update to AdamW's
-    typical RMS, so one learning rate (and one schedule) serves both halves; ``Kron``'s
-    update has AdamW's scale too (its best lr alone equals AdamW's)."""
+    ``adjust_lr_fn="match_rms_adamw"`` (``psgd.muon_adjust_lr_fn``'s default) scales Muon's
+    orthogonalised update to AdamW's typical RMS, so one learning rate (and one schedule)
+    serves both halves; ``Kron``'s update has AdamW's scale too (its best lr alone equals
+    AdamW's)."""
     hidden, rest = muon_param_split(model, exclude)
     momentum = (psgd or PrecondConfig()).muon_momentum
     muon = torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, momentum=momentum,
-                            adjust_lr_fn="match_rms_adamw")
+                            adjust_lr_fn=(psgd or PrecondConfig()).muon_adjust_lr_fn)
     if psgd is not None and psgd.muon_momentum_warmup is not None:
         warm_muon_momentum(muon, *psgd.muon_momentum_warmup, end=momentum)
     rest_lr = lr if psgd is None or psgd.muon_rest_lr is None else psgd.muon_rest_lr
@@ -316,7 +321,7 @@ def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, exclud
                     output_side=config.wmuon_both_sides, center_inputs=config.wmuon_center_inputs,
                     root=config.wmuon_root,
                     block_size=config.wmuon_block_size, factor_decay=config.wmuon_factor_decay,
-                    skip_layers=list(exclude), adamw_lr=config.muon_rest_lr,
+                    skip_layers=list(exclude), adamw_lr=config.muon_rest_lr, adjust_lr_fn=config.muon_adjust_lr_fn,
                     ns_coefficients=config.wmuon_ns_coefficients)
     if optimizer_class is not None:
         return optimizer_class(model, lr, weight_decay, **settings)

@@ -509,3 +509,28 @@ def test_sweep_best_point_is_the_first_to_reach_the_target():
     assert best_of(results, "muon").lr == 8e-3
     assert [r.lr for r in _best_per_family(results, 1.0)] == [2e-3, 4e-3]
     assert grid_edges(results, 1.0) == {"adamw": "high edge", "muon": "low edge"}
+
+
+def test_muon_adjust_lr_fn_and_rest_lr_reach_muon_and_whitened_muon():
+    """``--muon-adjust-lr-fn original --muon-rest-lr``: torch's default scaling (lr on Muon's
+    spectral scale) for Muon and WhitenedMuon alike, and the AdamW half at its own lr."""
+    char_lm = load("examples/char_lm.py")
+    common = load("examples/kron_examples_common.py")
+    parser = char_lm.argparse.ArgumentParser()
+    char_lm.add_training_args(parser)
+    _, _, precond = char_lm.configs_from_args(parser.parse_args(
+        ["--d-model", "16", "--n-heads", "2", "--muon-adjust-lr-fn", "original", "--muon-rest-lr", "3e-3"]))
+    assert (precond.muon_adjust_lr_fn, precond.muon_rest_lr) == ("original", 3e-3)
+    model = char_lm.build_model(char_lm.ModelConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8))
+    for method in ("muon", "wmuon"):
+        optimizer, _ = common.build_method(method, model, 0.05, 0.0, precond)
+        groups = [g for o in getattr(optimizer, "optimizers", [optimizer]) for g in o.param_groups]
+        muon = [g for g in groups if "adjust_lr_fn" in g]
+        adamw = [g for g in groups if "adjust_lr_fn" not in g or g.get("algorithm") == "adamw"]
+        assert muon and all(g["adjust_lr_fn"] == "original" and g["lr"] == 0.05 for g in muon
+                            if g.get("algorithm") != "adamw"), (method, muon)
+        assert adamw and all(g["lr"] == 3e-3 for g in adamw), (method, adamw)
+        if hasattr(optimizer, "remove"):
+            optimizer.remove()
+    default = common.PrecondConfig()
+    assert (default.muon_adjust_lr_fn, default.muon_rest_lr) == ("match_rms_adamw", None)
