@@ -194,7 +194,7 @@ def _point(run: dict) -> tuple[str, float, float]:
 
 
 def _as_result(run: dict) -> RunResult:
-    return RunResult(**run)
+    return RunResult(**{k: v for k, v in run.items() if k != "wmuon"})
 
 
 def best_point(runs: Sequence[dict], method: str) -> dict | None:
@@ -241,10 +241,29 @@ def record_path(out: Path, seed: int, budget: float, part: str) -> Path:
 
 
 def load_runs(out: Path, seed: int, budget: float) -> list[dict]:
+    """Every run of ``seed`` at ``budget``, each with its record's WhitenedMuon settings under
+    ``"wmuon"`` (``None`` in records written before they were kept)."""
     runs = []
     for path in sorted(out.glob(f"s{seed}_b{budget:g}_*.json")):
-        runs.extend(json.loads(path.read_text())["runs"])
+        record = json.loads(path.read_text())
+        runs.extend({**run, "wmuon": record.get("wmuon")} for run in record["runs"])
     return runs
+
+
+# WhitenedMuon settings that leave its step's cost as it is (the others change what a step does)
+COST_NEUTRAL = ("wmuon_damping", "wmuon_factor_decay", "wmuon_ns_coefficients")
+
+
+def wmuon_settings(precond: PrecondConfig) -> dict:
+    return {f: v for f, v in asdict(precond).items() if f.startswith("wmuon_")}
+
+
+def same_step_cost(a: dict | None, b: dict | None) -> bool:
+    """Whether two records' WhitenedMuon settings give a step of the same cost (a record
+    without them is taken to hold the examples' defaults)."""
+    base = wmuon_settings(PrecondConfig())
+    a, b = {**base, **(a or {})}, {**base, **(b or {})}
+    return all(a[f] == b[f] for f in base if f not in COST_NEUTRAL)
 
 
 def budget_steps(args, budget: float) -> int:
@@ -272,7 +291,8 @@ def train_part(args, seed: int, budget: float, part: str,
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(_json_safe({"seed": seed, "budget": budget, "part": part, "steps": steps,
-                                          "model": asdict(model), "train": asdict(train), "runs": runs})))
+                                          "model": asdict(model), "train": asdict(train),
+                                          "wmuon": wmuon_settings(precond), "runs": runs})))
     tmp.replace(path)
     summary = ", ".join(f"{r['name']} {r['eval_losses'][-1]:.4f}" for r in runs)
     print(f"{path.stem}: {steps} steps: {summary}", flush=True)
@@ -362,10 +382,15 @@ def seed_measures(out: Path, seed: int, budgets: Sequence[float], base_steps: in
     default = next(r for r in by_budget[1.0] if r["name"] == f"{OURS} lr={DEFAULT_LRS[OURS]:g}")
     step_seconds["wmuon (defaults)"] = _mean_step([default])
     rows = {"wmuon (defaults)": {"loss": _loss(default), "run": default["name"]}}
+    unmeasured = set()
     for m in methods:
         best = best_point([r for r in by_budget[1.0] if _point(r)[1] is not None], m)
         rows[f"{m} (tuned)"] = {"loss": _loss(best), "run": best["name"]}
         step_seconds[f"{m} (tuned)"] = step_seconds[m]
+        if m == OURS and not same_step_cost(best["wmuon"], default["wmuon"]):
+            # swept with settings that change the step (--only-ours on another command's
+            # records): the default run's step time is not this run's
+            unmeasured.add(f"{m} (tuned)")
     for name, row in rows.items():
         row["vs"] = {}
         for base in baselines:
@@ -374,6 +399,8 @@ def seed_measures(out: Path, seed: int, budgets: Sequence[float], base_steps: in
             c = curves[base]
             row["vs"][base] = speedup([p["steps"] for p in c], [p["loss"] for p in c], base_steps, row["loss"],
                                       step_seconds[name], step_seconds[base])
+            if name in unmeasured:
+                row["vs"][base].update(step_ratio=None, wallclock=None)
     return {"seed": seed, "curves": curves, "step_seconds": step_seconds, "rows": rows}
 
 
@@ -391,22 +418,6 @@ def _per_seed(values: Sequence[float], digits: int = 2) -> str:
     return ", ".join(f"{v:.{digits}f}" for v in values)
 
 
-# WhitenedMuon settings that leave its step's cost as it is (the others change what a step does)
-COST_NEUTRAL = ("wmuon_damping", "wmuon_factor_decay", "wmuon_ns_coefficients")
-
-
-def unmeasured_step(args) -> list[str]:
-    """With ``--only-ours``, the tuned row's step time is the records' default run's, trained by
-    the command that wrote them at the examples' settings: the WhitenedMuon settings this
-    command changes that alter a step's cost, for which that step time is not this run's."""
-    if not getattr(args, "only_ours", False):
-        return []
-    _, _, precond = configs_from_args(args)
-    default = PrecondConfig()
-    return [f"{f}={getattr(precond, f)!r}" for f in vars(default) if f.startswith("wmuon_")
-            and f not in COST_NEUTRAL and getattr(precond, f) != getattr(default, f)]
-
-
 def report(args) -> str:
     seeds = sorted(int(p.name.split("_")[0][1:]) for p in args.out.glob("s*_b1_*.json") if "_ext" not in p.name)
     seeds = [s for s in dict.fromkeys(seeds) if all(load_runs(args.out, s, b) for b in args.budgets)]
@@ -419,7 +430,7 @@ def report(args) -> str:
              "| × best NorMuon: steps | step time × NorMuon | × best NorMuon: wall-clock |",
              "|---|---|---|---|---|---|---|---|"]
     names = list(per_seed[0]["rows"])
-    changed = unmeasured_step(args)
+    unmeasured = False
     for name in names:
         rows = [m["rows"][name] for m in per_seed]
         cells = [name, f"{_fmt(mean_spread([r['loss'] for r in rows]), 4)} ({_per_seed([r['loss'] for r in rows], 4)})"]
@@ -428,18 +439,19 @@ def report(args) -> str:
                 cells += ["-", "-", "-"]
                 continue
             for key in ("steps", "step_ratio", "wallclock"):
-                if changed and name == f"{OURS} (tuned)" and key != "steps":
+                values = [r["vs"][base][key] for r in rows]
+                if any(v is None for v in values):
+                    unmeasured = True
                     cells.append("not measured")
                     continue
-                values = [r["vs"][base][key] for r in rows]
                 flags = "".join("*" for r in rows if r["vs"][base]["how"] != "interpolated")
                 flags = flags if key != "step_ratio" else ""  # the step time is measured, never extrapolated
                 cells.append(f"**{_fmt(mean_spread(values))}** ({_per_seed(values)}){flags}")
         lines.append("| " + " | ".join(cells) + " |")
-    if changed:
-        lines += ["", f"{OURS} (tuned): its step time is not measured by --only-ours with "
-                  f"{', '.join(changed)} (the records' default run has the examples' settings); "
-                  "benchmarks/whitening_levers.py measures it beside Muon"]
+    if unmeasured:
+        lines += ["", "not measured: the tuned point ran with WhitenedMuon settings that change the step's cost, "
+                  "and the records' interleaved default run (whose step time it would take) had others; "
+                  "benchmarks/whitening_levers.py measures its step beside Muon"]
     lines += ["", "\\* one asterisk per seed whose matching budget lies outside 1x-1.5x (extrapolated "
               "along the end segment: rough)", "",
               "baselines' final loss per budget (the point chosen on the tuning seed at that budget):", "",

@@ -93,6 +93,8 @@ class NorMuon(torch.optim.Optimizer):
                     raise ValueError(f"NorMuon takes 2-D weights only, got shape {tuple(p.shape)}")
         self.orthogonalize = orthogonalize
         self._transposed = {id(p) for p in transposed}
+        if not self._transposed <= {id(p) for g in self.param_groups for p in g["params"]}:
+            raise ValueError("transposed holds tensors that are not among params")
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -3,8 +3,8 @@
 A third architecture for examples/char_lm.py's runs (``--arch gpt2``), on the same bytes: the
 model users take from ``transformers``, with what sets it apart from the examples' GPT kept as
 it is there: ``Conv1D`` projections (weights stored ``[in, out]``), the query, key and value
-fused into one ``c_attn``, a bias on every projection, ``gelu_new`` and GPT-2's initialisation
-(the residual projections scaled by ``1/sqrt(2 n_layer)``). Dropout is off, as in the other two
+fused into one ``c_attn``, ``gelu_new`` and GPT-2's initialisation (the residual projections
+scaled by ``1/sqrt(2 n_layer)``). Dropout is off, as in the other two
 architectures, so that runs are deterministic per seed. The module names are GPT-2's
 (``transformer.wte``, ``...attn.c_attn``, ``...mlp.c_proj``, ``lm_head``), so the examples'
 ``skip_layers`` (``Embedding``, ``lm_head``) apply unchanged.

@@ -267,7 +267,8 @@ def _matches(name: str, module: nn.Module, patterns: Sequence[str]) -> bool:
 
 def _linear_like(module: nn.Module) -> bool:
     """``nn.Linear``, or GPT-2's ``Conv1D`` (a 2-D weight stored ``[in, out]``, which Muon's
-    ``msign`` and ``match_rms_adamw`` treat as its transpose's)."""
+    ``msign`` and ``match_rms_adamw`` treat as its transpose's; ``"original"`` does not, and
+    :func:`build_muon` refuses it there)."""
     return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D"
                                              and getattr(module, "weight", None) is not None
                                              and module.weight.dim() == 2)
@@ -301,11 +302,17 @@ def build_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequen
     serves both halves; ``Kron``'s update has AdamW's scale too (its best lr alone equals
     AdamW's)."""
     hidden, rest = muon_param_split(model, exclude)
-    momentum = (psgd or PrecondConfig()).muon_momentum
-    muon = torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, momentum=momentum,
-                            adjust_lr_fn=(psgd or PrecondConfig()).muon_adjust_lr_fn)
+    config = psgd or PrecondConfig()
+    if config.muon_adjust_lr_fn == "original" and not all(isinstance(m, nn.Linear)
+                                                          for m in muon_modules(model, exclude)):
+        # torch's "original" factor sqrt(max(1, rows / cols)) reads the stored shape, which a
+        # Conv1D holds transposed ([in, out]): its weights would be scaled as their transposes
+        raise ValueError("muon_adjust_lr_fn='original' scales a Conv1D weight by its stored [in, out] shape; "
+                         "use 'match_rms_adamw' (symmetric in the two) for models with Conv1D layers")
+    muon = torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, momentum=config.muon_momentum,
+                            adjust_lr_fn=config.muon_adjust_lr_fn)
     if psgd is not None and psgd.muon_momentum_warmup is not None:
-        warm_muon_momentum(muon, *psgd.muon_momentum_warmup, end=momentum)
+        warm_muon_momentum(muon, *psgd.muon_momentum_warmup, end=config.muon_momentum)
     rest_lr = lr if psgd is None or psgd.muon_rest_lr is None else psgd.muon_rest_lr
     return OptimizerChain([muon, build_optimizer(rest_optimizer, rest, rest_lr, weight_decay, psgd)])
 

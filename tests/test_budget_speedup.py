@@ -82,9 +82,9 @@ def _run(name: str, lr: float, loss: float, seconds: float, steps: int = 4) -> d
             "eval_train_seconds": [0.0, seconds * steps], "step_seconds": [seconds] * steps, "state_bytes": {}}
 
 
-def _write(out: Path, seed: int, budget: float, part: str, runs: list[dict]) -> None:
+def _write(out: Path, seed: int, budget: float, part: str, runs: list[dict], **record) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    bs.record_path(out, seed, budget, part).write_text(json.dumps({"runs": runs}))
+    bs.record_path(out, seed, budget, part).write_text(json.dumps({"runs": runs, **record}))
 
 
 def test_step_time_leaves_out_each_runs_first_step():
@@ -210,22 +210,29 @@ def test_train_part_trains_on_the_device_the_flags_name(monkeypatch, tmp_path):
     assert seen["device"] == torch.device("meta")  # what resolve_device made of --device, not a fixed CPU
 
 
-def test_only_ours_with_a_costlier_setting_leaves_its_step_time_unmeasured(tmp_path):
-    """``--only-ours`` charges the tuned row the records' default run's step time: with a
-    setting that changes a step's cost (the output side) the report must not print that as
-    the setting's, while a cost-neutral one (damping) and a full run keep it."""
-    out = tmp_path / "records"
-    _write(out, 0, 1.0, "grid", [_run("muon{mom=0.8} lr=0.01", 0.01, 1.90, 1.0),
-                                 _run("wmuon lr=0.016", 0.016, 1.85, 1.1)])
-    _write(out, 0, 1.0, "ours_grid", [_run("wmuon{mom=0.8} lr=0.02", 0.02, 1.80, 1.1)])
-    _write(out, 0, 1.25, "grid", [_run("muon{mom=0.8} lr=0.01", 0.01, 1.80, 1.0)])
-    _write(out, 0, 1.5, "grid", [_run("muon{mom=0.8} lr=0.01", 0.01, 1.70, 1.0)])
-    common = ["--out", str(out), "--steps", "100", "--baselines", "muon", "--sweep-ours"]
-    for flags, unmeasured in ([["--only-ours", "--wmuon-output-side"], True],
-                              [["--only-ours", "--wmuon-damping", "0.03"], False],
-                              [["--wmuon-output-side"], False], [["--only-ours"], False]):
-        table = bs.report(bs.parse_args(common + flags))
+def test_a_tuned_point_with_a_costlier_setting_leaves_its_step_time_unmeasured(tmp_path):
+    """The tuned WhitenedMuon is charged the interleaved default run's step time. Where its
+    record holds settings that change a step's cost (the output side, centring), from the
+    default run's, the report must not print that time as its own; a cost-neutral change
+    (damping) and records written before the settings were kept leave it measured."""
+    defaults = bs.wmuon_settings(bs.PrecondConfig())
+    cases = [(dict(wmuon_both_sides=True), True), (dict(wmuon_center_inputs=True), True),
+             (dict(wmuon_damping=0.03), False), (None, False)]
+    for i, (change, unmeasured) in enumerate(cases):
+        out = tmp_path / f"records{i}"
+        base = {} if change is None else {"wmuon": defaults}
+        ours = {} if change is None else {"wmuon": {**defaults, **change}}
+        _write(out, 0, 1.0, "grid", [_run("muon{mom=0.8} lr=0.01", 0.01, 1.90, 1.0),
+                                     _run("wmuon lr=0.016", 0.016, 1.85, 1.1)], **base)
+        _write(out, 0, 1.0, "ours_grid", [_run("wmuon{mom=0.8} lr=0.02", 0.02, 1.80, 1.1)], **ours)
+        _write(out, 0, 1.25, "grid", [_run("muon{mom=0.8} lr=0.01", 0.01, 1.80, 1.0)], **base)
+        _write(out, 0, 1.5, "grid", [_run("muon{mom=0.8} lr=0.01", 0.01, 1.70, 1.0)], **base)
+        args = bs.parse_args(["--out", str(out), "--steps", "100", "--baselines", "muon", "--sweep-ours"])
+        table = bs.report(args)
         tuned = next(line for line in table.splitlines() if line.startswith("| wmuon (tuned)"))
-        assert ("not measured" in tuned) == unmeasured, (flags, tuned)
         assert tuned.startswith("| wmuon (tuned) | 1.8000 ± 0.0000 (1.8000) | **1.25 ± 0.00** (1.25) |")
-        assert ("wmuon_both_sides=True" in table) == unmeasured
+        assert ("not measured" in tuned) == unmeasured, (change, tuned)
+        vs = json.loads((out / "measures.json").read_text())[0]["rows"]["wmuon (tuned)"]["vs"]["muon"]
+        assert (vs["wallclock"] is None) == unmeasured and vs["steps"] == pytest.approx(1.25)
+        defaults_row = next(line for line in table.splitlines() if line.startswith("| wmuon (defaults)"))
+        assert "not measured" not in defaults_row

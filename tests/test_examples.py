@@ -534,3 +534,16 @@ def test_muon_adjust_lr_fn_and_rest_lr_reach_muon_and_whitened_muon():
             optimizer.remove()
     default = common.PrecondConfig()
     assert (default.muon_adjust_lr_fn, default.muon_rest_lr) == ("match_rms_adamw", None)
+
+
+def test_muon_with_torchs_original_scaling_refuses_conv1d_weights():
+    """``"original"`` scales by the stored shape, which GPT-2's ``Conv1D`` holds transposed:
+    the Muon baseline refuses it there instead of scaling ``c_fc`` as its transpose."""
+    pytest.importorskip("transformers", reason="transformers is an optional extra ([trainers])")
+    char_lm = load("examples/char_lm.py")
+    common = load("examples/kron_examples_common.py")
+    model = char_lm.build_model(char_lm.ModelConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8, arch="gpt2"))
+    config = common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS, muon_adjust_lr_fn="original")
+    with pytest.raises(ValueError, match="Conv1D"):
+        common.build_method("muon", model, 0.05, 0.0, config)
+    common.build_method("muon", model, 0.05, 0.0, common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS))

@@ -135,3 +135,25 @@ def test_transposed_weight_steps_as_the_matrix_it_holds():
         plain.grad = grad.T.clone()
         other.step()
     assert not torch.allclose(plain.detach().T, expected[-1], rtol=1e-6, atol=1e-8)
+
+
+def test_transposed_must_be_among_params():
+    inside, outside = torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(4, 3))
+    with pytest.raises(ValueError, match="transposed"):
+        NorMuon([inside], transposed=[outside])
+
+
+def test_the_normuon_baseline_marks_gpt2s_conv1d_weights_transposed():
+    """``build_normuon`` on Hugging Face's GPT-2: every ``Conv1D`` weight is stepped as the
+    ``[out, in]`` matrix it holds (its neurons normalised), nothing else."""
+    pytest.importorskip("transformers", reason="transformers is an optional extra ([trainers])")
+    sys.path.insert(0, str(ROOT / "examples"))
+    from benchmarks.budget_speedup import build_normuon
+    from char_lm import SKIP_LAYERS, ModelConfig, build_model
+    from kron_examples_common import PrecondConfig
+    model = build_model(ModelConfig(d_model=16, n_layers=2, n_heads=2, seq_len=8, arch="gpt2"))
+    chain = build_normuon(model, 0.02, 0.0, 0.9, PrecondConfig(skip_layers=SKIP_LAYERS))
+    normuon = next(o for o in chain.optimizers if isinstance(o, NorMuon))
+    conv1d = {id(m.weight) for m in model.modules() if type(m).__name__ == "Conv1D"}
+    assert len(conv1d) == 8 and normuon._transposed == conv1d
+    assert {id(p) for g in normuon.param_groups for p in g["params"]} == conv1d

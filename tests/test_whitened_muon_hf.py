@@ -24,8 +24,8 @@ SKIP = ["lm_head", "embed", "wte", "wpe"]
 # WhitenedMuon's final loss at most this much above Muon's. Measured (library defaults, 16 steps):
 # Llama 0.0099 vs 0.0106 and Mixtral below Muon; GPT-2 0.287 vs 0.246 at lr 2e-2 (0.918 vs 0.837
 # at 1e-2, 0.057 vs 0.043 at 4e-2): on this 16-step task GPT-2 does not gain, and the bound says
-# how far. (Trained on bytes for 350 steps, `char_lm.py --arch gpt2`, it gains as the other models
-# do: docs/results.md.)
+# how far. (Trained on bytes for 350 steps, `benchmarks/budget_speedup.py --arch gpt2`, it gains
+# as the other models do: docs/results.md.)
 MARGIN = {"gpt2": 1.25, "llama": 1.05, "mixtral": 1.05}
 
 
