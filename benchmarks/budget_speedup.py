@@ -82,8 +82,8 @@ from kron_examples_common import (  # noqa: E402
     OptimizerChain,
     PrecondConfig,
     build_optimizer,
-    muon_modules,
     muon_param_split,
+    muon_transposed,
     resolve_device,
     unwrap,
 )
@@ -166,11 +166,8 @@ def build_normuon(model: torch.nn.Module, lr: float, weight_decay: float, moment
     """NorMuon on Muon's usual hidden weights + AdamW on the rest (embeddings, head, norms,
     biases) at the same peak lr, as kron_examples_common.build_muon splits Muon."""
     hidden, rest = muon_param_split(unwrap(model), config.skip_layers)
-    # the Linear-like modules that are not nn.Linear are GPT-2's Conv1D: weights stored [in, out]
-    transposed = [m.weight for m in muon_modules(unwrap(model), config.skip_layers)
-                  if not isinstance(m, torch.nn.Linear)]
     return OptimizerChain([NorMuon(hidden, lr=lr, weight_decay=weight_decay, momentum=momentum,
-                                   transposed=transposed),
+                                   transposed=muon_transposed(unwrap(model), config.skip_layers)),
                            build_optimizer("adamw", rest, lr, weight_decay, config)])
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kron_precond import Kron, KronPreconditioner, WhitenedMuon
+from kron_precond.modules import KFACAdapter, TransposedLinearAdapter, kfac_adapter
 
 
 # --------------------------------------------------------------------------- distributed
@@ -266,18 +267,21 @@ def _matches(name: str, module: nn.Module, patterns: Sequence[str]) -> bool:
 
 
 def _linear_like(module: nn.Module) -> bool:
-    """``nn.Linear``, or GPT-2's ``Conv1D`` (a 2-D weight stored ``[in, out]``, which Muon's
-    ``msign`` and ``match_rms_adamw`` treat as its transpose's; ``"original"`` does not, and
-    :func:`build_muon` refuses it there)."""
-    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D"
-                                             and getattr(module, "weight", None) is not None
-                                             and module.weight.dim() == 2)
+    """``nn.Linear`` or GPT-2's ``Conv1D``, as the library's module adapters read them."""
+    return type(kfac_adapter(module)[0]) in (KFACAdapter, TransposedLinearAdapter)
 
 
 def muon_modules(model: nn.Module, exclude: Sequence[str]) -> list[nn.Module]:
     """The Linear-like modules (``nn.Linear``, GPT-2's ``Conv1D``) whose weights Muon takes:
     those not matched by ``exclude`` (e.g. ``("Embedding", "lm_head")``, like ``skip_layers``)."""
     return [m for name, m in model.named_modules() if _linear_like(m) and not _matches(name, m, exclude)]
+
+
+def muon_transposed(model: nn.Module, exclude: Sequence[str]) -> list[nn.Parameter]:
+    """The weights of :func:`muon_modules` stored ``[in, out]`` (GPT-2's ``Conv1D``). Muon's
+    ``msign`` and ``match_rms_adamw`` treat them as their transposes; torch's ``"original"``
+    factor and NorMuon's per-neuron rows do not."""
+    return [m.weight for m in muon_modules(model, exclude) if kfac_adapter(m)[0].weight_transposed]
 
 
 def muon_param_split(model: nn.Module, exclude: Sequence[str]) -> tuple[list, list]:
@@ -303,8 +307,7 @@ def build_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequen
     AdamW's)."""
     hidden, rest = muon_param_split(model, exclude)
     config = psgd or PrecondConfig()
-    if config.muon_adjust_lr_fn == "original" and not all(isinstance(m, nn.Linear)
-                                                          for m in muon_modules(model, exclude)):
+    if config.muon_adjust_lr_fn == "original" and muon_transposed(model, exclude):
         # torch's "original" factor sqrt(max(1, rows / cols)) reads the stored shape, which a
         # Conv1D holds transposed ([in, out]): its weights would be scaled as their transposes
         raise ValueError("muon_adjust_lr_fn='original' scales a Conv1D weight by its stored [in, out] shape; "
