@@ -11,6 +11,8 @@ settings::
                                                  None ("auto": the layers without a bias)
     qk=lr:0.0453,center_only:q_proj|k_proj       centre the input factors of the weights whose
                                                  name matches, and no other
+    head=lr:0.0453,skip:Embedding                the skip_layers regexes, '|'-separated, in place
+                                                 of the examples' ("Embedding", "lm_head")
 
 and the model can be changed the way the diagnosis needs: ``--arch llama`` with ``--mha``
 (as many key/value heads as query heads), ``--rope-theta 1e12`` (rotary angles ~0: no
@@ -70,16 +72,17 @@ class PartlyWhitenedMuon(WhitenedMuon):
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     """``name=key:value,...`` -> (name, settings): lr (required), mom (0.8), plain, center,
-    center_only."""
+    center_only, skip."""
     name, _, spec = text.partition("=")
     items = dict(item.split(":", 1) for item in spec.split(",") if item)
     if "lr" not in items:
         raise ValueError(f"variant {text!r}: lr is required")
-    unknown = set(items) - {"lr", "mom", "plain", "center", "center_only"}
+    unknown = set(items) - {"lr", "mom", "plain", "center", "center_only", "skip"}
     if unknown:
         raise ValueError(f"variant {text!r}: unknown settings {sorted(unknown)}")
     return name, dict(lr=float(items["lr"]), momentum=float(items.get("mom", 0.8)), plain=items.get("plain"),
-                      center_inputs=CENTER[items.get("center", "auto")], center_only=items.get("center_only"))
+                      center_inputs=CENTER[items.get("center", "auto")], center_only=items.get("center_only"),
+                      skip=items["skip"].split("|") if "skip" in items else None)
 
 
 def variant_contender(name: str, settings: dict[str, Any], weight_decay: float, skip: list[str]) -> Contender:
@@ -87,7 +90,8 @@ def variant_contender(name: str, settings: dict[str, Any], weight_decay: float, 
 
     def build(model, scaler):
         return PartlyWhitenedMuon(unwrap(model), lr, weight_decay, momentum=settings["momentum"],
-                                  skip_layers=skip, plain=settings["plain"], center_only=settings["center_only"],
+                                  skip_layers=skip if settings["skip"] is None else settings["skip"],
+                                  plain=settings["plain"], center_only=settings["center_only"],
                                   center_inputs=settings["center_inputs"]), None
     return Contender(name, lr, build=build)
 

@@ -13,7 +13,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.layer_levers import PartlyWhitenedMuon, parse_variant  # noqa: E402
+from benchmarks.layer_levers import PartlyWhitenedMuon, parse_variant, variant_contender  # noqa: E402
 
 
 class Attention(nn.Module):
@@ -47,13 +47,32 @@ def test_plain_weights_take_torch_muons_step_and_the_others_are_whitened():
 def test_variants_parse_and_bad_ones_name_the_fault():
     name, settings = parse_variant("plain_qk=lr:0.0453,plain:q_proj|k_proj,center:none")
     assert name == "plain_qk" and settings == dict(lr=0.0453, momentum=0.8, plain="q_proj|k_proj",
-                                                   center_inputs=False, center_only=None)
+                                                   center_inputs=False, center_only=None, skip=None)
     assert parse_variant("c=lr:0.1,mom:0.9,center:all")[1]["center_inputs"] is True
     assert parse_variant("c=lr:0.1")[1]["center_inputs"] is None
     with pytest.raises(ValueError, match="lr is required"):
         parse_variant("x=mom:0.9")
     with pytest.raises(ValueError, match="unknown settings"):
         parse_variant("x=lr:0.1,damp:0.2")
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.hidden, self.lm_head = nn.Embedding(10, 6), nn.Linear(6, 6), nn.Linear(6, 10, bias=False)
+
+    def forward(self, tokens):
+        return self.lm_head(torch.relu(self.hidden(self.embed(tokens))))
+
+
+def test_skip_replaces_the_examples_skip_layers():
+    def whitened(variant):
+        name, settings = parse_variant(variant)
+        optimizer, _ = variant_contender(name, settings, 0.0, ["Embedding", "lm_head"]).build(TinyLM(), None)
+        return [n for g in optimizer.param_groups if g["algorithm"] == "whitened_muon" for n in g["param_names"]]
+    assert parse_variant("h=lr:0.1,skip:Embedding|norm")[1]["skip"] == ["Embedding", "norm"]
+    assert whitened("base=lr:0.1") == ["hidden.weight"]
+    assert whitened("head=lr:0.1,skip:Embedding") == ["hidden.weight", "lm_head.weight"]
 
 
 def test_center_only_centres_the_named_weights_alone():

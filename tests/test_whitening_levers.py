@@ -15,7 +15,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.whitening_levers import WhiteningVariant  # noqa: E402
+from benchmarks.whitening_levers import VARIANTS, WhiteningVariant  # noqa: E402
 
 ROWS, IN, OUT = 40, 8, 8
 
@@ -75,6 +75,17 @@ def test_output_block_keeps_the_diagonal_blocks():
     scale = factor[0].trace() / full[:4, :4].trace()  # the capture's scale (see _shape_of)
     torch.testing.assert_close(factor[0], scale * full[:4, :4], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(factor[1], scale * full[4:, 4:], rtol=1e-5, atol=1e-6)
+
+
+def test_diag_variant_keeps_the_diagonal_of_the_output_factor():
+    layer, x, c = _layer_and_batch()
+    optimizer = WhiteningVariant([layer], lr=1e-2, statistics_rows=None, **VARIANTS["diag"])
+    _step(layer, optimizer, x, c)
+    factor = optimizer.state[layer.weight]["output_factor"].double()
+    assert factor.shape == (OUT, 1, 1)
+    full = _mean_product(c.double())
+    scale = factor.sum() / full.trace()  # the capture's scale (see _shape_of)
+    torch.testing.assert_close(factor.flatten(), scale * full.diagonal(), rtol=1e-5, atol=1e-7)
 
 
 def test_gradient_factor_is_the_trace_normalised_gradient_product():
