@@ -19,8 +19,8 @@ the library has it):
   the first ``N`` (``output_spread=False``: the library's rule) or every ``ceil(n / N)``-th
   (``output_spread=True``: rows from every sequence of the batch).
 - ``output_block=B``: only the diagonal ``B``-blocks of ``G`` (the library's ``block_size``, on
-  the output side alone); ``diag`` is ``B = 1``, each output row scaled by its gradient's
-  second moment.
+  the output side alone); ``diag`` is ``B = 1``, each output row scaled by the inverse
+  square root of its gradient's (damped) second moment.
 - ``output_every=K``: the output side's statistics (and its hook) on every ``K``-th step only, a
   multiple of ``statistics_every`` (``None``: every statistics step); the refreshes in between
   keep the last factor. ``factor_decay`` applies per output refresh, so the output factor

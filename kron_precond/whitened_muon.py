@@ -223,9 +223,9 @@ class WhitenedMuon(torch.optim.Optimizer):
         block_size: a side wider than this (and divisible by it) keeps only the diagonal
             ``block_size``-blocks of its factor: its statistics, refresh and whitening cost fall
             by ``width / block_size``. ``None``: every side whole.
-        ns_steps: Newton-Schulz iterations. Keep Muon's 5: four take at most 2 % off the
-            step but lost steps on GPT-2 and at 16k tokens per step; lower it only where
-            Newton-Schulz dominates the step and a run shows the loss unchanged.
+        ns_steps: Newton-Schulz iterations. Keep Muon's 5; lower it only where Newton-Schulz
+            dominates the step and a run of your own shows the loss unchanged (four lost
+            steps on GPT-2 and at 16k tokens per step).
         ns_dtype: dtype of the Newton-Schulz iteration (bfloat16, as ``torch.optim.Muon``).
         ns_coefficients: ``"muon"`` (``torch.optim.Muon``'s fixed quintic) or ``"polar_express"``
             (Polar Express's per-iteration quintics, as the NanoGPT speedrun uses: the same cost,

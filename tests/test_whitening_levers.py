@@ -86,6 +86,9 @@ def test_diag_variant_keeps_the_diagonal_of_the_output_factor():
     full = _mean_product(c.double())
     scale = factor.sum() / full.trace()  # the capture's scale (see _shape_of)
     torch.testing.assert_close(factor.flatten(), scale * full.diagonal(), rtol=1e-5, atol=1e-7)
+    # each 1-block damped by its own trace (λ = damping · tr / dim), so the whitener is (1.1 g)^(-1/2)
+    whitener = optimizer.state[layer.weight]["output_whitener"].double()
+    torch.testing.assert_close(whitener.flatten(), (1.1 * factor.flatten()).rsqrt(), rtol=1e-4, atol=1e-7)
 
 
 def test_gradient_factor_is_the_trace_normalised_gradient_product():
