@@ -82,6 +82,7 @@ from kron_examples_common import (  # noqa: E402
     OptimizerChain,
     PrecondConfig,
     build_optimizer,
+    expert_weights,
     muon_param_split,
     muon_transposed,
     resolve_device,
@@ -165,6 +166,8 @@ def build_normuon(model: torch.nn.Module, lr: float, weight_decay: float, moment
                   config: PrecondConfig) -> OptimizerChain:
     """NorMuon on Muon's usual hidden weights + AdamW on the rest (embeddings, head, norms,
     biases) at the same peak lr, as kron_examples_common.build_muon splits Muon."""
+    if expert_weights(unwrap(model)):  # NorMuon here takes 2-D weights only: the experts would go to AdamW
+        raise ValueError("NorMuon is not built for models with fused experts")
     hidden, rest = muon_param_split(unwrap(model), config.skip_layers)
     return OptimizerChain([NorMuon(hidden, lr=lr, weight_decay=weight_decay, momentum=momentum,
                                    transposed=muon_transposed(unwrap(model), config.skip_layers)),

@@ -171,7 +171,7 @@ class ModelConfig:
     n_heads: int = 4
     seq_len: int = 64
     tie_embeddings: bool = False
-    arch: str = "gpt"  # "gpt": CharTransformer; "llama" / "gpt2": examples/byte_llama.py / byte_gpt2.py
+    arch: str = "gpt"  # "gpt": CharTransformer; "llama" / "gpt2" / "mixtral": examples/byte_<arch>.py
 
 
 class CharTransformer(nn.Module):
@@ -204,8 +204,8 @@ class CharTransformer(nn.Module):
 
 
 def build_model(config: ModelConfig) -> nn.Module:
-    """The model ``config.arch`` names, on bytes: CharTransformer, the Llama-style ByteLlama or
-    Hugging Face's GPT-2 (ByteGPT2)."""
+    """The model ``config.arch`` names, on bytes: CharTransformer, the Llama-style ByteLlama,
+    Hugging Face's GPT-2 (ByteGPT2) or the mixture-of-experts ByteMixtral."""
     if config.arch == "gpt":
         return CharTransformer(config)
     if config.arch == "llama":
@@ -216,7 +216,11 @@ def build_model(config: ModelConfig) -> nn.Module:
         from byte_gpt2 import ByteGPT2
         return ByteGPT2(config.d_model, config.n_layers, config.n_heads, config.seq_len, VOCAB_SIZE,
                         config.tie_embeddings)
-    raise ValueError(f"arch must be 'gpt', 'llama' or 'gpt2', got {config.arch!r}")
+    if config.arch == "mixtral":
+        from byte_mixtral import ByteMixtral
+        return ByteMixtral(config.d_model, config.n_layers, config.n_heads, config.seq_len, VOCAB_SIZE,
+                           config.tie_embeddings)
+    raise ValueError(f"arch must be 'gpt', 'llama', 'gpt2' or 'mixtral', got {config.arch!r}")
 
 
 def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -552,10 +556,11 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-layers", type=int, default=ModelConfig.n_layers, help="transformer blocks")
     p.add_argument("--n-heads", type=int, default=ModelConfig.n_heads, help="attention heads")
     p.add_argument("--tie-embeddings", action="store_true", help="share token embedding and lm_head weights")
-    p.add_argument("--arch", choices=("gpt", "llama", "gpt2"), default=ModelConfig.arch,
+    p.add_argument("--arch", choices=("gpt", "llama", "gpt2", "mixtral"), default=ModelConfig.arch,
                    help="gpt: the byte-level GPT (LayerNorm, learned positions, GELU); llama: a Llama-style "
                         "model from a transformers config (RMSNorm, rotary, SwiGLU, grouped-query attention); "
-                        "gpt2: Hugging Face's GPT2LMHeadModel from a config (Conv1D, fused q/k/v)")
+                        "gpt2: Hugging Face's GPT2LMHeadModel from a config (Conv1D, fused q/k/v); "
+                        "mixtral: Mixtral from a config (the Llama-style attention, 4 fused SwiGLU experts, top-2)")
     p.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay, help="decoupled weight decay")
     p.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps, help="linear LR warm-up steps")
     p.add_argument("--damping", type=float, default=PrecondConfig.damping, help="K-FAC damping")

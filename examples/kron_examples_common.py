@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from expert_muon import ExpertMuon, expert_weights
 from kron_precond import Kron, KronPreconditioner, WhitenedMuon
 from kron_precond.modules import KFACAdapter, TransposedLinearAdapter, kfac_adapter
 
@@ -306,6 +307,9 @@ def build_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequen
     serves both halves; ``Kron``'s update has AdamW's scale too (its best lr alone equals
     AdamW's)."""
     hidden, rest = muon_param_split(model, exclude)
+    experts = expert_weights(model)  # fused [experts, out, in] weights: Muon's step expert by expert
+    expert_ids = {id(p) for p in experts}
+    rest = [p for p in rest if id(p) not in expert_ids]
     config = psgd or PrecondConfig()
     if config.muon_adjust_lr_fn == "original" and muon_transposed(model, exclude):
         # torch's "original" factor sqrt(max(1, rows / cols)) reads the stored shape, which a
@@ -317,7 +321,13 @@ def build_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequen
     if psgd is not None and psgd.muon_momentum_warmup is not None:
         warm_muon_momentum(muon, *psgd.muon_momentum_warmup, end=config.muon_momentum)
     rest_lr = lr if psgd is None or psgd.muon_rest_lr is None else psgd.muon_rest_lr
-    return OptimizerChain([muon, build_optimizer(rest_optimizer, rest, rest_lr, weight_decay, psgd)])
+    chain = [muon, build_optimizer(rest_optimizer, rest, rest_lr, weight_decay, psgd)]
+    if experts:
+        if psgd is not None and psgd.muon_momentum_warmup is not None:
+            raise ValueError("muon_momentum_warmup is not supported on models with fused experts")
+        chain.append(ExpertMuon(experts, lr=lr, weight_decay=weight_decay, momentum=config.muon_momentum,
+                                adjust_lr_fn=config.muon_adjust_lr_fn))
+    return OptimizerChain(chain)
 
 
 def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequence[str],

@@ -443,15 +443,17 @@ def test_the_examples_wmuon_is_the_librarys_defaults():
     default.remove()
 
 
-PROJECTIONS_PER_BLOCK = {"gpt": 6, "llama": 7, "gpt2": 4}  # gpt2: c_attn (q, k, v fused), c_proj, c_fc, c_proj
+# gpt2: c_attn (q, k, v fused), c_proj, c_fc, c_proj; mixtral: q, k, v, o and the two fused expert weights
+PROJECTIONS_PER_BLOCK = {"gpt": 6, "llama": 7, "gpt2": 4, "mixtral": 6}
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["gpt", "llama", "gpt2", "mixtral"])
 def test_char_lm_builds_each_architecture_and_whitens_its_hidden_weights(arch):
     """``--arch llama``: Llama's RMSNorm / rotary / SwiGLU / grouped-query model from a
-    transformers config, on bytes; ``--arch gpt2``: Hugging Face's GPT-2 (``Conv1D``). The
-    examples' skip_layers leave embeddings and head to AdamW; WhitenedMuon whitens every
-    projection, and the Muon baseline takes the same weights (``Conv1D``'s too)."""
+    transformers config, on bytes; ``--arch gpt2``: Hugging Face's GPT-2 (``Conv1D``);
+    ``--arch mixtral``: fused experts. The examples' skip_layers leave embeddings and head to
+    AdamW; WhitenedMuon whitens every projection, and the Muon baseline takes the same weights
+    (``Conv1D``'s too; the fused experts through ExpertMuon)."""
     import torch
 
     if arch != "gpt":
@@ -473,10 +475,17 @@ def test_char_lm_builds_each_architecture_and_whitens_its_hidden_weights(arch):
         c_attn = model.get_submodule("inner.transformer.h.0.attn.c_attn")
         assert type(c_attn).__name__ == "Conv1D" and c_attn.weight.shape == (16, 48)  # [in, out]
         assert c_attn.bias is not None and model.inner.config.resid_pdrop == 0.0
+    if arch == "mixtral":
+        experts = model.get_submodule("inner.model.layers.0.mlp.experts")
+        assert experts.gate_up_proj.shape == (4, 64, 16) and experts.down_proj.shape == (4, 16, 32)
     assert not any("embed" in n or "wte" in n or "wpe" in n or "lm_head" in n for n in names)
-    hidden, rest = common.muon_param_split(model, char_lm.SKIP_LAYERS)
-    assert {id(p) for p in hidden} == {id(p) for p in optimizer.param_groups[0]["params"]}
-    assert len(hidden) + len(rest) == len(list(model.parameters()))
+    chain = common.build_muon(model, 1e-2, 0.0, char_lm.SKIP_LAYERS)
+    muon = [p for o in chain.optimizers if not isinstance(o, torch.optim.AdamW)
+            for g in o.param_groups for p in g["params"]]
+    assert {id(p) for p in muon} == {id(p) for p in optimizer.param_groups[0]["params"]}
+    assert len(muon) == len(names)
+    assert sum(len(g["params"]) for g in chain.param_groups) == len(list(model.parameters()))
+    assert any(type(o).__name__ == "ExpertMuon" for o in chain.optimizers) == (arch == "mixtral")
     optimizer.remove()
     with pytest.raises(ValueError, match="arch"):
         char_lm.build_model(char_lm.ModelConfig(arch="rnn"))
