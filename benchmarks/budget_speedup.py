@@ -166,9 +166,10 @@ def build_normuon(model: torch.nn.Module, lr: float, weight_decay: float, moment
                   config: PrecondConfig) -> OptimizerChain:
     """NorMuon on Muon's usual hidden weights + AdamW on the rest (embeddings, head, norms,
     biases) at the same peak lr, as kron_examples_common.build_muon splits Muon."""
-    if expert_weights(unwrap(model)):  # NorMuon here takes 2-D weights only: the experts would go to AdamW
-        raise ValueError("NorMuon is not built for models with fused experts")
     hidden, rest = muon_param_split(unwrap(model), config.skip_layers)
+    experts = expert_weights(unwrap(model))  # fused experts: NorMuon expert by expert, as the Muon baseline
+    expert_ids = {id(p) for p in experts}
+    hidden, rest = hidden + experts, [p for p in rest if id(p) not in expert_ids]
     return OptimizerChain([NorMuon(hidden, lr=lr, weight_decay=weight_decay, momentum=momentum,
                                    transposed=muon_transposed(unwrap(model), config.skip_layers)),
                            build_optimizer("adamw", rest, lr, weight_decay, config)])

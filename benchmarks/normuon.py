@@ -71,7 +71,8 @@ def normalize_rows(ortho: torch.Tensor, second_moment: torch.Tensor, beta2: floa
 
 
 class NorMuon(torch.optim.Optimizer):
-    """NorMuon for 2-D weights (the hidden Linear-like weights of a Muon split).
+    """NorMuon for 2-D weights (the hidden Linear-like weights of a Muon split) and fused
+    experts ``[experts, out, in]``, stepped expert by expert as 2-D weights of their own.
 
     A weight in ``transposed`` is stored ``[in, out]`` (GPT-2's ``Conv1D``): its neurons are
     its columns, and it is stepped as the ``[out, in]`` matrix it holds.
@@ -89,12 +90,13 @@ class NorMuon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
-                if p.dim() != 2:
-                    raise ValueError(f"NorMuon takes 2-D weights only, got shape {tuple(p.shape)}")
+                if p.dim() not in (2, 3):
+                    raise ValueError(f"NorMuon takes 2-D weights or [experts, out, in] experts, "
+                                     f"got shape {tuple(p.shape)}")
         self.orthogonalize = orthogonalize
         self._transposed = {id(p) for p in transposed}
-        if not self._transposed <= {id(p) for g in self.param_groups for p in g["params"]}:
-            raise ValueError("transposed holds tensors that are not among params")
+        if not self._transposed <= {id(p) for g in self.param_groups for p in g["params"] if p.dim() == 2}:
+            raise ValueError("transposed holds tensors that are not among params' 2-D weights")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -112,12 +114,20 @@ class NorMuon(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["momentum_buffer"] = torch.zeros_like(weight)
-                    state["second_moment"] = torch.zeros(weight.shape[0], 1, dtype=p.dtype, device=p.device)
+                    state["second_moment"] = torch.zeros(*weight.shape[:-1], 1, dtype=p.dtype, device=p.device)
                 buf = state["momentum_buffer"]
                 buf.lerp_(grad, 1 - mu)
                 update = grad.lerp(buf, mu) if group["nesterov"] else buf
-                ortho = self.orthogonalize(update).to(p.dtype)
-                direction = normalize_rows(ortho, state["second_moment"], group["beta2"], group["eps"])
                 weight.mul_(1 - lr * group["weight_decay"])
-                weight.add_(direction, alpha=-lr * lr_ratio("match_rms_adamw", tuple(weight.shape)))
+                if weight.dim() == 2:
+                    self._step_matrix(weight, update, state["second_moment"], group)
+                else:  # fused experts: each expert a weight of its own
+                    for e in range(weight.shape[0]):
+                        self._step_matrix(weight[e], update[e], state["second_moment"][e], group)
         return loss
+
+    def _step_matrix(self, weight: torch.Tensor, update: torch.Tensor, second_moment: torch.Tensor,
+                     group: dict) -> None:
+        ortho = self.orthogonalize(update).to(weight.dtype)
+        direction = normalize_rows(ortho, second_moment, group["beta2"], group["eps"])
+        weight.add_(direction, alpha=-group["lr"] * lr_ratio("match_rms_adamw", tuple(weight.shape)))

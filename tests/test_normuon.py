@@ -108,6 +108,39 @@ def test_update_rms_is_torch_muons():
     assert cosine < 0.999
 
 
+def test_fused_experts_step_expert_by_expert_as_the_row_loop_reference():
+    """A fused-experts weight ``[experts, out, in]``: each expert takes the reference's step of
+    a 2-D weight of its own (its own momentum and per-row second moments)."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(3, 6, 10, generator=generator, dtype=torch.float64)
+    scales = torch.logspace(-1, 1, 6, dtype=torch.float64)[:, None]
+    grads = [torch.randn(3, 6, 10, generator=generator, dtype=torch.float64) * scales * torch.tensor(
+        [0.1, 1.0, 10.0], dtype=torch.float64)[:, None, None] for _ in range(4)]
+    settings = dict(lr=0.03, weight_decay=0.1, momentum=0.9, beta2=0.95, eps=1e-10)
+    expected = [reference_steps(weight[e], [g[e] for g in grads], **settings) for e in range(3)]
+    param = torch.nn.Parameter(weight.clone())
+    optimizer = NorMuon([param], orthogonalize=polar, **settings)
+    for step, grad in enumerate(grads):
+        param.grad = grad.clone()
+        optimizer.step()
+        for e in range(3):
+            torch.testing.assert_close(param.detach()[e], expected[e][step], rtol=1e-10, atol=1e-12)
+
+
+def test_the_normuon_baseline_steps_mixtrals_fused_experts():
+    pytest.importorskip("transformers", reason="transformers is an optional extra ([trainers])")
+    sys.path.insert(0, str(ROOT / "examples"))
+    from benchmarks.budget_speedup import build_normuon
+    from char_lm import SKIP_LAYERS, ModelConfig, build_model
+    from kron_examples_common import PrecondConfig
+    model = build_model(ModelConfig(d_model=16, n_layers=2, n_heads=4, seq_len=8, arch="mixtral"))
+    chain = build_normuon(model, 0.02, 0.0, 0.9, PrecondConfig(skip_layers=SKIP_LAYERS))
+    normuon = next(o for o in chain.optimizers if isinstance(o, NorMuon))
+    stepped = {id(p) for g in normuon.param_groups for p in g["params"]}
+    experts = {id(p) for n, p in model.named_parameters() if "experts" in n}
+    assert len(experts) == 4 and experts <= stepped and len(stepped) == 4 + 2 * 4  # and q, k, v, o
+
+
 def test_rejects_non_matrix_parameters():
     with pytest.raises(ValueError, match="2-D"):
         NorMuon([torch.nn.Parameter(torch.zeros(3))])
