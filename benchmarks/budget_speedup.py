@@ -4,7 +4,8 @@
 where every Muon-family curve has nearly converged. What a user gains is how many more
 steps the baseline needs to end where we end, with its own full schedule. So:
 
-1. each baseline (``muon``: torch.optim.Muon; ``normuon``: benchmarks/normuon.py) runs
+1. each baseline (``muon``: torch.optim.Muon, fused experts through examples/expert_muon.py;
+   ``normuon``: benchmarks/normuon.py) runs
    at 1x, 1.25x and 1.5x the step budget ``N``, each with its own warm-up + cosine
    schedule spanning that budget (warm-up 5 % of it, the main job's 30 of 600);
 2. its final held-out loss is interpolated between those budgets, linearly in log(steps)
@@ -164,10 +165,12 @@ def parse_family(family: str) -> tuple[str, float | None]:
 
 def build_normuon(model: torch.nn.Module, lr: float, weight_decay: float, momentum: float,
                   config: PrecondConfig) -> OptimizerChain:
-    """NorMuon on Muon's usual hidden weights + AdamW on the rest (embeddings, head, norms,
-    biases) at the same peak lr, as kron_examples_common.build_muon splits Muon."""
+    """NorMuon on Muon's usual hidden weights and fused experts (expert by expert) + AdamW on
+    the rest (embeddings, head, norms, biases) at the same peak lr, as
+    kron_examples_common.build_muon splits Muon."""
     hidden, rest = muon_param_split(unwrap(model), config.skip_layers)
-    experts = expert_weights(unwrap(model))  # fused experts: NorMuon expert by expert, as the Muon baseline
+    # fused experts: NorMuon expert by expert, as the Muon baseline steps them
+    experts = expert_weights(unwrap(model), config.skip_layers)
     expert_ids = {id(p) for p in experts}
     hidden, rest = hidden + experts, [p for p in rest if id(p) not in expert_ids]
     return OptimizerChain([NorMuon(hidden, lr=lr, weight_decay=weight_decay, momentum=momentum,

@@ -2,8 +2,9 @@
 
 Mixtral's block (``transformers.MixtralConfig``): the Llama-style attention of
 examples/byte_llama.py (RMSNorm, rotary embeddings, half as many key/value heads as query
-heads) and, in place of the dense SwiGLU MLP, 4 SwiGLU experts of half its width with top-2
-routing, so each token's MLP does about the dense model's work. The experts are transformers'
+heads) and, in place of the dense SwiGLU MLP, 4 SwiGLU experts of about half its width (the
+Llama width of ``d_model / 2``) with top-2 routing, so each token's MLP does about the dense
+model's work. The experts are transformers'
 fused ``MixtralExperts``: one ``[experts, 2·width, d_model]`` and one ``[experts, d_model,
 width]`` parameter per layer, which ``WhitenedMuon`` whitens expert by expert and the Muon
 baseline orthogonalises expert by expert (examples/expert_muon.py). The router is a bare

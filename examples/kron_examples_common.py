@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from expert_muon import ExpertMuon, expert_weights
+from expert_muon import ExpertMuon
 from kron_precond import Kron, KronPreconditioner, WhitenedMuon
+from kron_precond.experts import is_transformers_experts
 from kron_precond.modules import KFACAdapter, TransposedLinearAdapter, kfac_adapter
 
 
@@ -285,6 +286,19 @@ def muon_transposed(model: nn.Module, exclude: Sequence[str]) -> list[nn.Paramet
     return [m.weight for m in muon_modules(model, exclude) if kfac_adapter(m)[0].weight_transposed]
 
 
+def expert_weights(model: nn.Module, exclude: Sequence[str] = ()) -> list[nn.Parameter]:
+    """The 3-D weights of transformers' fused experts modules not matched by ``exclude``,
+    held ``[experts, out, in]`` (as ``MixtralExperts`` holds them; a transposed layout is
+    refused: Muon's lr factor reads the shape)."""
+    weights = []
+    for name, module in model.named_modules():
+        if is_transformers_experts(module) and not _matches(name, module, exclude):
+            if module.is_transposed:
+                raise ValueError(f"{name}: experts stored [experts, in, out] are not supported by ExpertMuon")
+            weights += [p for p in module.parameters(recurse=False) if p.dim() == 3]
+    return weights
+
+
 def muon_param_split(model: nn.Module, exclude: Sequence[str]) -> tuple[list, list]:
     """(hidden 2-D weights, everything else): the usual Muon split.
 
@@ -307,7 +321,7 @@ def build_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequen
     serves both halves; ``Kron``'s update has AdamW's scale too (its best lr alone equals
     AdamW's)."""
     hidden, rest = muon_param_split(model, exclude)
-    experts = expert_weights(model)  # fused [experts, out, in] weights: Muon's step expert by expert
+    experts = expert_weights(model, exclude)  # fused [experts, out, in] weights: Muon's step expert by expert
     expert_ids = {id(p) for p in experts}
     rest = [p for p in rest if id(p) not in expert_ids]
     config = psgd or PrecondConfig()
@@ -323,10 +337,11 @@ def build_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequen
     rest_lr = lr if psgd is None or psgd.muon_rest_lr is None else psgd.muon_rest_lr
     chain = [muon, build_optimizer(rest_optimizer, rest, rest_lr, weight_decay, psgd)]
     if experts:
+        expert_muon = ExpertMuon(experts, lr=lr, weight_decay=weight_decay, momentum=config.muon_momentum,
+                                 adjust_lr_fn=config.muon_adjust_lr_fn)
         if psgd is not None and psgd.muon_momentum_warmup is not None:
-            raise ValueError("muon_momentum_warmup is not supported on models with fused experts")
-        chain.append(ExpertMuon(experts, lr=lr, weight_decay=weight_decay, momentum=config.muon_momentum,
-                                adjust_lr_fn=config.muon_adjust_lr_fn))
+            warm_muon_momentum(expert_muon, *psgd.muon_momentum_warmup, end=config.muon_momentum)
+        chain.append(expert_muon)
     return OptimizerChain(chain)
 
 
@@ -541,6 +556,8 @@ def _momentum_first(spec: MethodSpec, optimizer: torch.optim.Optimizer,
         raise ValueError(f"precond_momentum needs a preconditioner in front of Muon, not {spec.label!r}")
     if config.muon_momentum_warmup is not None or config.precond_until < 1.0:
         raise ValueError("precond_momentum does not combine with muon_momentum_warmup or precond_until")
+    if any(isinstance(o, ExpertMuon) for o in optimizer.optimizers):
+        raise ValueError("precond_momentum is not supported on models with fused experts")
     muon = optimizer.optimizers[0]
     for group in muon.param_groups:
         group["momentum"] = 0.0  # the momentum is MomentumFirst's; Muon orthogonalises

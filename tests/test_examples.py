@@ -486,6 +486,9 @@ def test_char_lm_builds_each_architecture_and_whitens_its_hidden_weights(arch):
     assert len(muon) == len(names)
     assert sum(len(g["params"]) for g in chain.param_groups) == len(list(model.parameters()))
     assert any(type(o).__name__ == "ExpertMuon" for o in chain.optimizers) == (arch == "mixtral")
+    settings = [{k: g[k] for k in ("lr", "momentum", "weight_decay", "nesterov", "adjust_lr_fn", "ns_steps")}
+                for o in chain.optimizers if not isinstance(o, torch.optim.AdamW) for g in o.param_groups]
+    assert all(s == settings[0] for s in settings), settings  # the experts' Muon steps as the 2-D weights' does
     optimizer.remove()
     with pytest.raises(ValueError, match="arch"):
         char_lm.build_model(char_lm.ModelConfig(arch="rnn"))

@@ -11,7 +11,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from expert_muon import ExpertMuon, expert_weights  # noqa: E402
+from expert_muon import ExpertMuon  # noqa: E402
+from kron_examples_common import expert_weights  # noqa: E402
 
 
 @pytest.mark.parametrize("nesterov, adjust_lr_fn, weight_decay", [(True, "match_rms_adamw", 0.1),
@@ -39,6 +40,8 @@ def test_each_expert_steps_as_torch_muon_on_its_own_matrix(nesterov, adjust_lr_f
 def test_refuses_what_it_cannot_step():
     with pytest.raises(ValueError, match=r"\[experts, out, in\]"):
         ExpertMuon([nn.Parameter(torch.randn(4, 4))])
+    with pytest.raises(ValueError, match="adjust_lr_fn"):
+        ExpertMuon([nn.Parameter(torch.randn(2, 4, 4))], adjust_lr_fn="match_rms")
 
     class TransposedExperts(nn.Module):  # transformers' experts interface, stored [experts, in, out]
         has_gate, has_bias, is_transposed, num_experts = True, False, True, 2
@@ -52,3 +55,4 @@ def test_refuses_what_it_cannot_step():
         expert_weights(nn.Sequential(TransposedExperts()))
     TransposedExperts.is_transposed = False
     assert len(expert_weights(nn.Sequential(TransposedExperts()))) == 2
+    assert expert_weights(nn.Sequential(TransposedExperts()), exclude=["TransposedExperts"]) == []

@@ -139,6 +139,7 @@ def test_the_normuon_baseline_steps_mixtrals_fused_experts():
     stepped = {id(p) for g in normuon.param_groups for p in g["params"]}
     experts = {id(p) for n, p in model.named_parameters() if "experts" in n}
     assert len(experts) == 4 and experts <= stepped and len(stepped) == 4 + 2 * 4  # and q, k, v, o
+    assert sum(len(g["params"]) for g in chain.param_groups) == len(list(model.parameters()))  # none twice
 
 
 def test_rejects_non_matrix_parameters():
