@@ -83,7 +83,6 @@ from kron_examples_common import (  # noqa: E402
     OptimizerChain,
     PrecondConfig,
     build_optimizer,
-    expert_weights,
     muon_param_split,
     muon_transposed,
     resolve_device,
@@ -168,12 +167,8 @@ def build_normuon(model: torch.nn.Module, lr: float, weight_decay: float, moment
     """NorMuon on Muon's usual hidden weights and fused experts (expert by expert) + AdamW on
     the rest (embeddings, head, norms, biases) at the same peak lr, as
     kron_examples_common.build_muon splits Muon."""
-    hidden, rest = muon_param_split(unwrap(model), config.skip_layers)
-    # fused experts: NorMuon expert by expert, as the Muon baseline steps them
-    experts = expert_weights(unwrap(model), config.skip_layers)
-    expert_ids = {id(p) for p in experts}
-    hidden, rest = hidden + experts, [p for p in rest if id(p) not in expert_ids]
-    return OptimizerChain([NorMuon(hidden, lr=lr, weight_decay=weight_decay, momentum=momentum,
+    hidden, experts, rest = muon_param_split(unwrap(model), config.skip_layers)
+    return OptimizerChain([NorMuon(hidden + experts, lr=lr, weight_decay=weight_decay, momentum=momentum,
                                    transposed=muon_transposed(unwrap(model), config.skip_layers)),
                            build_optimizer("adamw", rest, lr, weight_decay, config)])
 

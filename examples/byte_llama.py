@@ -18,6 +18,19 @@ def swiglu_width(d_model: int, multiple: int = 16) -> int:
     return -(-8 * d_model // 3 // multiple) * multiple
 
 
+def llama_settings(model: str, d_model: int, n_layers: int, n_heads: int, seq_len: int, vocab_size: int,
+                   tie_embeddings: bool) -> dict:
+    """The ``transformers`` config arguments of the Llama-style attention stack that ByteLlama
+    and examples/byte_mixtral.py's ByteMixtral share: half as many key/value heads as query
+    heads, no dropout, no cache, SDPA attention."""
+    if n_heads % 2 or d_model % n_heads:
+        raise ValueError(f"{model}: n_heads={n_heads} must be even and divide d_model={d_model}")
+    return dict(vocab_size=vocab_size, hidden_size=d_model, num_hidden_layers=n_layers, num_attention_heads=n_heads,
+                num_key_value_heads=n_heads // 2, max_position_embeddings=seq_len,
+                tie_word_embeddings=tie_embeddings, attention_dropout=0.0, initializer_range=0.02, use_cache=False,
+                attn_implementation="sdpa")
+
+
 class ByteLlama(nn.Module):
     """``LlamaForCausalLM`` over 256 byte values; ``forward(tokens) -> logits``."""
 
@@ -25,13 +38,9 @@ class ByteLlama(nn.Module):
                  tie_embeddings: bool = False):
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
-        if n_heads % 2 or d_model % n_heads:
-            raise ValueError(f"ByteLlama: n_heads={n_heads} must be even and divide d_model={d_model}")
-        config = LlamaConfig(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=swiglu_width(d_model),
-                             num_hidden_layers=n_layers, num_attention_heads=n_heads,
-                             num_key_value_heads=n_heads // 2, max_position_embeddings=seq_len,
-                             tie_word_embeddings=tie_embeddings, attention_dropout=0.0,
-                             initializer_range=0.02, use_cache=False, attn_implementation="sdpa")
+        config = LlamaConfig(intermediate_size=swiglu_width(d_model),
+                             **llama_settings("ByteLlama", d_model, n_layers, n_heads, seq_len, vocab_size,
+                                              tie_embeddings))
         self.inner = LlamaForCausalLM(config)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from byte_llama import swiglu_width
+from byte_llama import llama_settings, swiglu_width
 
 NUM_EXPERTS, TOP_K = 4, 2
 
@@ -28,15 +28,10 @@ class ByteMixtral(nn.Module):
                  tie_embeddings: bool = False):
         super().__init__()
         from transformers import MixtralConfig, MixtralForCausalLM
-        if n_heads % 2 or d_model % n_heads:
-            raise ValueError(f"ByteMixtral: n_heads={n_heads} must be even and divide d_model={d_model}")
-        config = MixtralConfig(vocab_size=vocab_size, hidden_size=d_model,
-                               intermediate_size=swiglu_width(d_model // 2), num_hidden_layers=n_layers,
-                               num_attention_heads=n_heads, num_key_value_heads=n_heads // 2,
-                               num_local_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K,
-                               max_position_embeddings=seq_len, tie_word_embeddings=tie_embeddings,
-                               attention_dropout=0.0, router_jitter_noise=0.0, initializer_range=0.02,
-                               use_cache=False, attn_implementation="sdpa")
+        config = MixtralConfig(intermediate_size=swiglu_width(d_model // 2), num_local_experts=NUM_EXPERTS,
+                               num_experts_per_tok=TOP_K, router_jitter_noise=0.0,
+                               **llama_settings("ByteMixtral", d_model, n_layers, n_heads, seq_len, vocab_size,
+                                                tie_embeddings))
         self.inner = MixtralForCausalLM(config)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

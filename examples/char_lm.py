@@ -22,6 +22,7 @@ test suites excluded), sorted by relative path, concatenated and capped at
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import sys
@@ -203,24 +204,23 @@ class CharTransformer(nn.Module):
         return self.lm_head(self.ln_final(x))
 
 
+# --arch: the examples' own GPT, or a model built from a transformers config (module, class)
+TRANSFORMERS_ARCHS = {"llama": ("byte_llama", "ByteLlama"), "gpt2": ("byte_gpt2", "ByteGPT2"),
+                      "mixtral": ("byte_mixtral", "ByteMixtral")}
+ARCHS = ("gpt", *TRANSFORMERS_ARCHS)
+
+
 def build_model(config: ModelConfig) -> nn.Module:
     """The model ``config.arch`` names, on bytes: CharTransformer, the Llama-style ByteLlama,
     Hugging Face's GPT-2 (ByteGPT2) or the mixture-of-experts ByteMixtral."""
     if config.arch == "gpt":
         return CharTransformer(config)
-    if config.arch == "llama":
-        from byte_llama import ByteLlama
-        return ByteLlama(config.d_model, config.n_layers, config.n_heads, config.seq_len, VOCAB_SIZE,
-                         config.tie_embeddings)
-    if config.arch == "gpt2":
-        from byte_gpt2 import ByteGPT2
-        return ByteGPT2(config.d_model, config.n_layers, config.n_heads, config.seq_len, VOCAB_SIZE,
-                        config.tie_embeddings)
-    if config.arch == "mixtral":
-        from byte_mixtral import ByteMixtral
-        return ByteMixtral(config.d_model, config.n_layers, config.n_heads, config.seq_len, VOCAB_SIZE,
-                           config.tie_embeddings)
-    raise ValueError(f"arch must be 'gpt', 'llama', 'gpt2' or 'mixtral', got {config.arch!r}")
+    if config.arch not in TRANSFORMERS_ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {config.arch!r}")
+    module, name = TRANSFORMERS_ARCHS[config.arch]  # imported on use: transformers is an extra
+    model_class = getattr(importlib.import_module(module), name)
+    return model_class(config.d_model, config.n_layers, config.n_heads, config.seq_len, VOCAB_SIZE,
+                       config.tie_embeddings)
 
 
 def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -556,7 +556,7 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-layers", type=int, default=ModelConfig.n_layers, help="transformer blocks")
     p.add_argument("--n-heads", type=int, default=ModelConfig.n_heads, help="attention heads")
     p.add_argument("--tie-embeddings", action="store_true", help="share token embedding and lm_head weights")
-    p.add_argument("--arch", choices=("gpt", "llama", "gpt2", "mixtral"), default=ModelConfig.arch,
+    p.add_argument("--arch", choices=ARCHS, default=ModelConfig.arch,
                    help="gpt: the byte-level GPT (LayerNorm, learned positions, GELU); llama: a Llama-style "
                         "model from a transformers config (RMSNorm, rotary, SwiGLU, grouped-query attention); "
                         "gpt2: Hugging Face's GPT2LMHeadModel from a config (Conv1D, fused q/k/v); "

@@ -299,15 +299,17 @@ def expert_weights(model: nn.Module, exclude: Sequence[str] = ()) -> list[nn.Par
     return weights
 
 
-def muon_param_split(model: nn.Module, exclude: Sequence[str]) -> tuple[list, list]:
-    """(hidden 2-D weights, everything else): the usual Muon split.
+def muon_param_split(model: nn.Module, exclude: Sequence[str]) -> tuple[list, list, list]:
+    """(hidden 2-D weights, fused expert weights, everything else): the usual Muon split.
 
-    Muon takes the weights of :func:`muon_modules`; embeddings, the output layer, norms and
-    biases go to AdamW."""
+    Muon takes the weights of :func:`muon_modules` and, expert by expert, those of
+    :func:`expert_weights`; embeddings, the output layer, norms, biases and routers go to AdamW."""
     hidden_ids = {id(m.weight) for m in muon_modules(model, exclude)}
+    experts = expert_weights(model, exclude)
+    taken = hidden_ids | {id(p) for p in experts}
     hidden = [p for p in model.parameters() if id(p) in hidden_ids]
-    rest = [p for p in model.parameters() if id(p) not in hidden_ids]
-    return hidden, rest
+    rest = [p for p in model.parameters() if id(p) not in taken]
+    return hidden, experts, rest
 
 
 def build_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequence[str],
@@ -320,10 +322,7 @@ def build_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequen
     orthogonalised update to AdamW's typical RMS, so one learning rate (and one schedule)
     serves both halves; ``Kron``'s update has AdamW's scale too (its best lr alone equals
     AdamW's)."""
-    hidden, rest = muon_param_split(model, exclude)
-    experts = expert_weights(model, exclude)  # fused [experts, out, in] weights: Muon's step expert by expert
-    expert_ids = {id(p) for p in experts}
-    rest = [p for p in rest if id(p) not in expert_ids]
+    hidden, experts, rest = muon_param_split(model, exclude)
     config = psgd or PrecondConfig()
     if config.muon_adjust_lr_fn == "original" and muon_transposed(model, exclude):
         # torch's "original" factor sqrt(max(1, rows / cols)) reads the stored shape, which a
