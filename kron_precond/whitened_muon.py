@@ -177,9 +177,9 @@ class WhitenedMuon(torch.optim.Optimizer):
     Args:
         params: the model, or a list of modules.
         lr: learning rate, on AdamW's scale with the default ``adjust_lr_fn``; an LR scheduler
-            scales it (and ``adamw_lr``) like any torch optimizer's. Coming from Muon, keep its
-            lr and momentum (and its ``adjust_lr_fn``); at a new model size try twice Muon's lr
-            too (the best lr measured ranged from 0.7x to 2x the best Muon's).
+            scales it (and ``adamw_lr``) like any torch optimizer's. Coming from a tuned Muon, keep
+            its momentum and ``adjust_lr_fn`` and multiply its lr by 1.4 (at a new model size
+            try 2x too: the best lr measured ranged from 0.7x to 2x the best Muon's).
         weight_decay: decoupled weight decay of the whitened weights.
         momentum, nesterov: ``torch.optim.Muon``'s momentum (``buf.lerp_(g, 1 - momentum)``).
         skip_layers: regex or list of regexes (model form only); a module whose qualified name
