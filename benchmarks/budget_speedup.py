@@ -428,10 +428,17 @@ def report(args) -> str:
              "| method | final loss at N | × best Muon: steps | step time × Muon | × best Muon: wall-clock "
              "| × best NorMuon: steps | step time × NorMuon | × best NorMuon: wall-clock |",
              "|---|---|---|---|---|---|---|---|"]
-    names = list(per_seed[0]["rows"])
+    # a row's seeds: those with its run (a --sweep-ours on fewer seeds than the baselines ran)
+    names = list(dict.fromkeys(name for m in per_seed for name in m["rows"]))
+    partial = []
     unmeasured = False
     for name in names:
-        rows = [m["rows"][name] for m in per_seed]
+        rows = [m["rows"][name] for m in per_seed if name in m["rows"]]
+        if len(rows) < len(per_seed):
+            have = [m["seed"] for m in per_seed if name in m["rows"]]
+            missing = [m["seed"] for m in per_seed if name not in m["rows"]]
+            partial.append(f"{name}: seed{'s' if len(have) > 1 else ''} {', '.join(map(str, have))} only "
+                           f"(no run on seed{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))})")
         cells = [name, f"{_fmt(mean_spread([r['loss'] for r in rows]), 4)} ({_per_seed([r['loss'] for r in rows], 4)})"]
         for base in BASELINES:
             if base not in args.baselines or base not in rows[0]["vs"]:
@@ -447,6 +454,8 @@ def report(args) -> str:
                 flags = flags if key != "step_ratio" else ""  # the step time is measured, never extrapolated
                 cells.append(f"**{_fmt(mean_spread(values))}** ({_per_seed(values)}){flags}")
         lines.append("| " + " | ".join(cells) + " |")
+    if partial:
+        lines += [""] + partial
     if unmeasured:
         lines += ["", "not measured: the tuned point ran with WhitenedMuon settings that change the step's cost, "
                   "and the records' interleaved default run (whose step time it would take) had others; "
@@ -527,7 +536,8 @@ def main(argv: Sequence[str] | None = None) -> str:
         print(f"chosen (momentum, lr) per budget on seed {args.seeds[0]}: {chosen}", flush=True)
     table = report(args)
     print(table)
-    (args.out / "table.md").write_text(table + "\n")
+    if args.out.is_dir():  # --report-only on a folder never written: nothing to keep
+        (args.out / "table.md").write_text(table + "\n")
     return table
 
 

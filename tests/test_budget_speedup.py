@@ -236,3 +236,33 @@ def test_a_tuned_point_with_a_costlier_setting_leaves_its_step_time_unmeasured(t
         assert (vs["wallclock"] is None) == unmeasured and vs["steps"] == pytest.approx(1.25)
         defaults_row = next(line for line in table.splitlines() if line.startswith("| wmuon (defaults)"))
         assert "not measured" not in defaults_row
+
+
+def test_a_sweep_on_fewer_seeds_than_the_baselines_is_reported_over_its_own_seeds(tmp_path):
+    """``--only-ours --sweep-ours --seeds 0`` into a folder whose baselines ran seeds 0 and 1:
+    the report must not fail on seed 1's missing tuned run. Each row is the mean over the
+    seeds that have it, and the table says which seeds a row leaves out."""
+    out = tmp_path / "records"
+    for seed, shift in ((0, 0.0), (1, 0.1)):
+        part = "grid" if seed == 0 else "chosen"
+        muon = [_run("muon{mom=0.8} lr=0.01", 0.01, loss + shift, 1.0) for loss in (1.90, 1.80, 1.70)]
+        _write(out, seed, 1.0, part, [muon[0], _run("wmuon lr=0.016", 0.016, 1.85 + shift, 1.1)])
+        _write(out, seed, 1.25, part, [muon[1]])
+        _write(out, seed, 1.5, part, [muon[2]])
+    _write(out, 0, 1.0, "ours_grid", [_run("wmuon{mom=0.8} lr=0.02", 0.02, 1.80, 1.1)])
+    args = bs.parse_args(["--out", str(out), "--steps", "100", "--baselines", "muon", "--sweep-ours"])
+    table = bs.report(args)
+    lines = table.splitlines()
+    defaults = next(line for line in lines if line.startswith("| wmuon (defaults)"))
+    tuned = next(line for line in lines if line.startswith("| wmuon (tuned)"))
+    # defaults: 1.85 and 1.95 over seeds 0 and 1, each halfway from 1x to 1.25x in log steps
+    assert defaults.startswith("| wmuon (defaults) | 1.9000 ± 0.0707 (1.8500, 1.9500) | **1.12 ± 0.00** (1.12, 1.12) |")
+    # tuned: seed 0 alone, where 1.80 is Muon's 1.25x loss
+    assert tuned.startswith("| wmuon (tuned) | 1.8000 ± 0.0000 (1.8000) | **1.25 ± 0.00** (1.25) |")
+    assert "wmuon (tuned): seed 0 only (no run on seed 1)" in table
+
+
+def test_report_only_on_a_folder_without_records_says_so(tmp_path, capsys):
+    out = tmp_path / "never_written"
+    assert bs.main(["--report-only", "--out", str(out)]) == "no complete seed yet"
+    assert "no complete seed yet" in capsys.readouterr().out
