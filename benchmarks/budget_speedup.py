@@ -45,8 +45,9 @@ skipped on a rerun, so a killed run resumes; ``--report-only`` rebuilds the tabl
         --max-extend 3 --out benchmarks/results/budget_speedup     # ~21 CPU-minutes on one thread
     python benchmarks/budget_speedup.py --report-only --sweep-ours --out benchmarks/results/budget_speedup
     python benchmarks/budget_speedup.py --device cuda --amp --amp-dtype bfloat16 --d-model 768 --n-layers 12 \\
-        --n-heads 12 --seq-len 256 --batch-size 256 --steps 200 --seeds 0 --lrs 0.002828,0.004,0.005657 \\
-        --momenta 0.9 --baselines muon --max-extend 0 --longer-lrs chosen --out runs/gpu   # docs/results.md, "On a GPU"
+        --n-heads 12 --seq-len 256 --batch-size 256 --steps 200 --eval-seqs 256 --corpus-mb 12 --seeds 0 \\
+        --lrs 0.002828,0.004,0.005657 --momenta 0.9 --baselines muon --max-extend 0 --longer-lrs chosen \\
+        --out runs/gpu                                                  # docs/results.md, "On a GPU"
 """
 from __future__ import annotations
 

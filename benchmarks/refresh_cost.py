@@ -4,7 +4,7 @@ A statistics step of ``WhitenedMuon`` folds the pending row products into the fa
 recomputes every whitener: for each width, one batched Cholesky (``cholesky_ex``) and the
 batched inverse of its factors by halves (``triangular_inverse``, mostly matmuls; see
 ``WhiteningStatistics.whitener``). On a GPU
-that step cost 175-180 ms against 121 ms for a plain step of the 85.6 M-parameter GPT of
+that step cost about 180 ms against about 122 ms for a plain step of the 85.6 M-parameter GPT of
 docs/results.md, whose refresh decomposes sixty 768-wide factors and twelve 3,072-wide
 ones. Batched calls of cuSOLVER / cuBLAS are built for many small matrices and a loop of
 single calls for few large ones, so this script times, per ``width:count``:

@@ -16,7 +16,7 @@ the second half is why this is an optimizer of its own.
 Scale: the result is rescaled to the Frobenius norm of ``msign(...)`` and the learning rate
 is adjusted as ``torch.optim.Muon`` adjusts it (``adjust_lr_fn``: ``0.2·sqrt(max(m, n))`` by
 default, or ``sqrt(max(1, m/n))``), so ``lr`` means what it means for Muon and only the
-direction changes.
+direction changes (its best value was 0.7x-2x a tuned Muon's: see ``lr``).
 
 One optimizer for a whole model: ``WhitenedMuon(model, ...)`` whitens every Linear-like unit
 the engine's module adapters know (:mod:`kron_precond.modules`) and steps every other
@@ -178,8 +178,10 @@ class WhitenedMuon(torch.optim.Optimizer):
         params: the model, or a list of modules.
         lr: learning rate, on AdamW's scale with the default ``adjust_lr_fn``; an LR scheduler
             scales it (and ``adamw_lr``) like any torch optimizer's. Coming from a tuned Muon, keep
-            its momentum and ``adjust_lr_fn`` and multiply its lr by 1.4 (at a new model size
-            try 2x too: the best lr measured ranged from 0.7x to 2x the best Muon's).
+            its momentum and ``adjust_lr_fn`` and multiply its lr by 1.4 (measured with the
+            default ``adjust_lr_fn``: level with Muon's own lr on small models, ahead from
+            d_model 128 up); on a model much wider than those measured try 2x too (the best
+            lr measured ranged from 0.7x to 2x the best Muon's).
         weight_decay: decoupled weight decay of the whitened weights.
         momentum, nesterov: ``torch.optim.Muon``'s momentum (``buf.lerp_(g, 1 - momentum)``).
         skip_layers: regex or list of regexes (model form only); a module whose qualified name

@@ -266,3 +266,4 @@ def test_report_only_on_a_folder_without_records_says_so(tmp_path, capsys):
     out = tmp_path / "never_written"
     assert bs.main(["--report-only", "--out", str(out)]) == "no complete seed yet"
     assert "no complete seed yet" in capsys.readouterr().out
+    assert not out.exists()  # nothing written
