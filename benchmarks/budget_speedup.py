@@ -29,7 +29,7 @@ longer run may prefer a smaller lr: a baseline held at its 1x lr would be under-
 the longer budgets and would inflate our speed-up. Later seeds rerun, per budget, the
 point the first seed chose (another initialisation and data order), like
 benchmarks/regimes.py. ``--longer-lrs chosen`` runs only the 1x choice at the longer budgets
-(for a short GPU lease): a baseline held at its 1x lr is at best as good there as a
+(to save device time): a baseline held at its 1x lr is at best as good there as a
 re-tuned one, which can only flatter ours: say so wherever such a figure is quoted.
 
 "Ours" is ``wmuon`` of the examples at the examples' defaults (``--lr-wmuon``, momentum

@@ -180,8 +180,8 @@ class WhitenedMuon(torch.optim.Optimizer):
             scales it (and ``adamw_lr``) like any torch optimizer's. Coming from a tuned Muon, keep
             its momentum and ``adjust_lr_fn`` and multiply its lr by 1.4 (measured with the
             default ``adjust_lr_fn``: level with Muon's own lr on small models, ahead from
-            d_model 128 up); on a model much wider than those measured try 2x too (the best
-            lr measured ranged from 0.7x to 2x the best Muon's).
+            d_model 128 up); from d_model 768 up try 2x too (the best lr measured ranged from
+            0.7x to 2x the best Muon's).
         weight_decay: decoupled weight decay of the whitened weights.
         momentum, nesterov: ``torch.optim.Muon``'s momentum (``buf.lerp_(g, 1 - momentum)``).
         skip_layers: regex or list of regexes (model form only); a module whose qualified name
