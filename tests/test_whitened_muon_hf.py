@@ -2,13 +2,16 @@
 a fused-expert mixture of experts, built from configs (no downloads).
 
 Each trains on a learnable next-token task beside the usual split it replaces, torch's Muon on
-the same hidden 2-D weights + AdamW on everything else (the experts too: ``torch.optim.Muon``
-takes 2-D weights only), at the same lr, momentum and number of steps; it must end at least as
-low, within a margin (GPT-2 does not gain on this task; see ``MARGIN``).
+the same hidden weights (the fused experts' 3-D weights expert by expert, through the
+benchmarks' ``ExpertMuon``: ``torch.optim.Muon`` takes 2-D weights only) + AdamW on everything
+else, at the same lr, momentum and number of steps; it must end at least as low, within a
+margin (GPT-2 does not gain on this task; see ``MARGIN``).
 """
 from __future__ import annotations
 
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +19,9 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is an optional extra ([trainers])")
 
 import hf_zoo  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from expert_muon import ExpertMuon  # noqa: E402
 from kron_precond import WhitenedMuon  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -31,10 +37,14 @@ MARGIN = {"gpt2": 1.25, "llama": 1.05, "mixtral": 1.05}
 
 def _muon_split(model, whitened):
     hidden = [p for p in whitened if p.dim() == 2]
-    taken = {id(p) for p in hidden}
+    experts = [p for p in whitened if p.dim() == 3]
+    taken = {id(p) for p in hidden + experts}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
-    return [torch.optim.Muon(hidden, lr=LR, momentum=MOMENTUM, adjust_lr_fn="match_rms_adamw"),
-            torch.optim.AdamW(rest, lr=LR)]
+    muon = dict(lr=LR, momentum=MOMENTUM, adjust_lr_fn="match_rms_adamw")
+    split = [torch.optim.Muon(hidden, **muon), torch.optim.AdamW(rest, lr=LR)]
+    if experts:  # torch.optim.Muon's step and defaults, expert by expert
+        split.append(ExpertMuon(experts, **muon))
+    return split
 
 
 def _train(model, optimizers, permutation):
