@@ -419,8 +419,10 @@ def _per_seed(values: Sequence[float], digits: int = 2) -> str:
 
 
 def report(args) -> str:
-    seeds = sorted(int(p.name.split("_")[0][1:]) for p in args.out.glob("s*_b1_*.json") if "_ext" not in p.name)
-    seeds = [s for s in dict.fromkeys(seeds) if all(load_runs(args.out, s, b) for b in args.budgets)]
+    started = sorted(int(p.name.split("_")[0][1:]) for p in args.out.glob("s*_b1_*.json") if "_ext" not in p.name)
+    # a seed needs every budget's records for its baselines' curves; one that lacks some is named below
+    lacking = {s: [b for b in args.budgets if not load_runs(args.out, s, b)] for s in dict.fromkeys(started)}
+    seeds = [s for s, missing in lacking.items() if not missing]
     if not seeds:
         return "no complete seed yet"
     per_seed = [seed_measures(args.out, s, args.budgets, args.steps, args.sweep_ours, args.baselines) for s in seeds]
@@ -457,6 +459,10 @@ def report(args) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     if partial:
         lines += [""] + partial
+    left_out = [f"seed {s} left out: no records at {', '.join(f'{b:g}x' for b in missing)}"
+                for s, missing in lacking.items() if missing]
+    if left_out:
+        lines += [""] + left_out
     if unmeasured:
         lines += ["", "not measured: the tuned point ran with WhitenedMuon settings that change the step's cost, "
                   "and the records' interleaved default run (whose step time it would take) had others; "

@@ -267,3 +267,23 @@ def test_report_only_on_a_folder_without_records_says_so(tmp_path, capsys):
     assert bs.main(["--report-only", "--out", str(out)]) == "no complete seed yet"
     assert "no complete seed yet" in capsys.readouterr().out
     assert not out.exists()  # nothing written
+
+
+def test_a_seed_without_every_budget_is_named_as_left_out(tmp_path):
+    """A seed whose 1x records exist but whose baseline lacks a longer budget (a run stopped
+    part-way) has no curve to read a speed-up off: the report leaves it out of every mean and
+    says so under the table, naming the missing budgets, instead of dropping it silently."""
+    out = tmp_path / "records"
+    for seed, shift in ((0, 0.0), (1, 0.1)):
+        part = "grid" if seed == 0 else "chosen"
+        muon = [_run("muon{mom=0.8} lr=0.01", 0.01, loss + shift, 1.0) for loss in (1.90, 1.80, 1.70)]
+        _write(out, seed, 1.0, part, [muon[0], _run("wmuon lr=0.016", 0.016, 1.80 + shift, 1.1)])
+        _write(out, seed, 1.25, part, [muon[1]])
+        if seed == 0:  # seed 1 stopped before its 1.5x run
+            _write(out, seed, 1.5, part, [muon[2]])
+    args = bs.parse_args(["--out", str(out), "--steps", "100", "--baselines", "muon"])
+    table = bs.report(args)
+    assert table.startswith("seeds 0;")
+    defaults = next(line for line in table.splitlines() if line.startswith("| wmuon (defaults)"))
+    assert defaults.startswith("| wmuon (defaults) | 1.8000 ± 0.0000 (1.8000) | **1.25 ± 0.00** (1.25) |")
+    assert "seed 1 left out: no records at 1.5x" in table
