@@ -87,6 +87,19 @@ def _write(out: Path, seed: int, budget: float, part: str, runs: list[dict], **r
     bs.record_path(out, seed, budget, part).write_text(json.dumps({"runs": runs, **record}))
 
 
+def _two_seeds(out: Path, ours_loss: float, budgets_of_seed_1=(1.0, 1.25, 1.5)) -> None:
+    """Seeds 0 and 1 (seed 1 0.1 higher everywhere): Muon at 1.90 / 1.80 / 1.70 over the three
+    budgets, the default wmuon at ``ours_loss`` in the 1x run; seed 1 only at the budgets named."""
+    for seed, shift in ((0, 0.0), (1, 0.1)):
+        part = "grid" if seed == 0 else "chosen"
+        muon = [_run("muon{mom=0.8} lr=0.01", 0.01, loss + shift, 1.0) for loss in (1.90, 1.80, 1.70)]
+        records = {1.0: [muon[0], _run("wmuon lr=0.016", 0.016, ours_loss + shift, 1.1)], 1.25: [muon[1]],
+                   1.5: [muon[2]]}
+        for budget, runs in records.items():
+            if seed == 0 or budget in budgets_of_seed_1:
+                _write(out, seed, budget, part, runs)
+
+
 def test_step_time_leaves_out_each_runs_first_step():
     # The first step carries one-off work (allocations, lazy initialisation, on a GPU the
     # kernels' first launches): seconds that no later step pays, and that differ by method.
@@ -243,12 +256,7 @@ def test_a_sweep_on_fewer_seeds_than_the_baselines_is_reported_over_its_own_seed
     the report must not fail on seed 1's missing tuned run. Each row is the mean over the
     seeds that have it, and the table says which seeds a row leaves out."""
     out = tmp_path / "records"
-    for seed, shift in ((0, 0.0), (1, 0.1)):
-        part = "grid" if seed == 0 else "chosen"
-        muon = [_run("muon{mom=0.8} lr=0.01", 0.01, loss + shift, 1.0) for loss in (1.90, 1.80, 1.70)]
-        _write(out, seed, 1.0, part, [muon[0], _run("wmuon lr=0.016", 0.016, 1.85 + shift, 1.1)])
-        _write(out, seed, 1.25, part, [muon[1]])
-        _write(out, seed, 1.5, part, [muon[2]])
+    _two_seeds(out, 1.85)
     _write(out, 0, 1.0, "ours_grid", [_run("wmuon{mom=0.8} lr=0.02", 0.02, 1.80, 1.1)])
     args = bs.parse_args(["--out", str(out), "--steps", "100", "--baselines", "muon", "--sweep-ours"])
     table = bs.report(args)
@@ -274,13 +282,7 @@ def test_a_seed_without_every_budget_is_named_as_left_out(tmp_path):
     part-way) has no curve to read a speed-up off: the report leaves it out of every mean and
     says so under the table, naming the missing budgets, instead of dropping it silently."""
     out = tmp_path / "records"
-    for seed, shift in ((0, 0.0), (1, 0.1)):
-        part = "grid" if seed == 0 else "chosen"
-        muon = [_run("muon{mom=0.8} lr=0.01", 0.01, loss + shift, 1.0) for loss in (1.90, 1.80, 1.70)]
-        _write(out, seed, 1.0, part, [muon[0], _run("wmuon lr=0.016", 0.016, 1.80 + shift, 1.1)])
-        _write(out, seed, 1.25, part, [muon[1]])
-        if seed == 0:  # seed 1 stopped before its 1.5x run
-            _write(out, seed, 1.5, part, [muon[2]])
+    _two_seeds(out, 1.80, budgets_of_seed_1=(1.0, 1.25))  # seed 1 stopped before its 1.5x run
     args = bs.parse_args(["--out", str(out), "--steps", "100", "--baselines", "muon"])
     table = bs.report(args)
     assert table.startswith("seeds 0;")
