@@ -189,7 +189,8 @@ class WhitenedMuon(torch.optim.Optimizer):
             :class:`~kron_precond.KronPreconditioner`'s ``skip_layers``.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW groups' settings
             (model form); ``adamw_lr`` defaults to ``lr`` (one schedule serves both halves, as
-            ``match_rms_adamw`` intends), ``adamw_weight_decay`` to ``weight_decay``.
+            ``match_rms_adamw`` intends; keep it so with the lr rule above), ``adamw_weight_decay``
+            to ``weight_decay``.
         statistics_every: steps between statistics steps (which also refresh the whiteners).
             A statistics step adds up to ``statistics_rows`` rows' products per layer and a
             decomposition per factor. Where that is a large share of the step (a few thousand
