@@ -2,10 +2,11 @@
 a fused-expert mixture of experts, built from configs (no downloads).
 
 Each trains on a learnable next-token task beside the usual split it replaces, torch's Muon on
-the same hidden weights (the fused experts' 3-D weights expert by expert, through the
-benchmarks' ``ExpertMuon``: ``torch.optim.Muon`` takes 2-D weights only) + AdamW on everything
-else, at the same lr, momentum and number of steps; it must end at least as low, within a
-margin (GPT-2 does not gain on this task; see ``MARGIN``).
+the same hidden weights (the fused experts' 3-D weights expert by expert, through
+examples/expert_muon.py's ``ExpertMuon``, as the benchmarks' Muon baseline does:
+``torch.optim.Muon`` takes 2-D weights only) + AdamW on everything else, at the same lr,
+momentum and number of steps; it must end at least as low, within a margin (GPT-2 does not
+gain on this task; see ``MARGIN``).
 """
 from __future__ import annotations
 
