@@ -2,8 +2,8 @@
 a fused-expert mixture of experts, built from configs (no downloads).
 
 Each trains on a learnable next-token task beside the usual split it replaces, torch's Muon on
-the same hidden weights (the fused experts' 3-D weights expert by expert, through
-examples/expert_muon.py's ``ExpertMuon``, as the benchmarks' Muon baseline does:
+the same hidden weights (the benchmarks' split, ``muon_param_split``: the fused experts' 3-D
+weights expert by expert through examples/expert_muon.py's ``ExpertMuon``, since
 ``torch.optim.Muon`` takes 2-D weights only) + AdamW on everything else, at the same lr,
 momentum and number of steps; it must end at least as low, within a margin (GPT-2 does not
 gain on this task; see ``MARGIN``).
@@ -23,6 +23,7 @@ import hf_zoo  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from expert_muon import ExpertMuon  # noqa: E402
+from kron_examples_common import muon_param_split  # noqa: E402
 from kron_precond import WhitenedMuon  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -37,10 +38,9 @@ MARGIN = {"gpt2": 1.25, "llama": 1.05, "mixtral": 1.05}
 
 
 def _muon_split(model, whitened):
-    hidden = [p for p in whitened if p.dim() == 2]
-    experts = [p for p in whitened if p.dim() == 3]
-    taken = {id(p) for p in hidden + experts}
-    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
+    """The benchmarks' Muon split, on exactly the weights ``WhitenedMuon`` whitens."""
+    hidden, experts, rest = muon_param_split(model, SKIP)
+    assert {id(p) for p in hidden + experts} == {id(p) for p in whitened}
     muon = dict(lr=LR, momentum=MOMENTUM, adjust_lr_fn="match_rms_adamw")
     split = [torch.optim.Muon(hidden, **muon), torch.optim.AdamW(rest, lr=LR)]
     if experts:  # torch.optim.Muon's step and defaults, expert by expert
