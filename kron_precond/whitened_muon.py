@@ -38,8 +38,9 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -150,6 +151,48 @@ def _listed_units(modules: list) -> list[Selected]:
 
 def _weight(unit: Selected) -> nn.Parameter:
     return unit.params[0][1]
+
+
+def _due_of(optimizer: "weakref.ref[WhitenedMuon]", weight: torch.Tensor) -> bool:
+    """``optimizer._due(weight)`` through a weak reference (``False`` once it is freed)."""
+    live = optimizer()
+    return live is not None and live._due(weight)
+
+
+def _refuse_lazy(named_modules: Iterable[tuple[str, nn.Module]]) -> None:
+    """``ValueError`` naming a module whose parameters are not materialised yet (``nn.LazyLinear``
+    before its first forward): its shape, and so its whitener, is unknown."""
+    for name, module in named_modules:
+        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters(recurse=False)):
+            raise ValueError(f"WhitenedMuon: module {name!r} ({type(module).__name__}) has uninitialised (lazy) "
+                             "parameters: run one forward pass before building the optimizer")
+
+
+GROUP_CHECKS = {  # per algorithm: a param group's number settings, checked before every step
+    WHITENED: (("lr", ">= 0", lambda v: v >= 0), ("weight_decay", ">= 0", lambda v: v >= 0),
+               ("momentum", "in [0, 1)", lambda v: 0 <= v < 1)),
+    ADAMW: (("lr", ">= 0", lambda v: v >= 0), ("weight_decay", ">= 0", lambda v: v >= 0),
+            ("eps", "> 0", lambda v: v > 0)),
+}
+
+
+def _check_group(index: int, group: dict[str, Any]) -> None:
+    """``ValueError`` for a number set on a param group that the step cannot use (a scheduler or
+    a user may set any value). Python numbers only: a tensor lr is not read (no host sync)."""
+    algorithm = group["algorithm"]
+    checks: list[tuple[str, str, Callable[[Any], bool]]] = list(GROUP_CHECKS[algorithm])
+    if algorithm == ADAMW:
+        checks.append(("betas", "a pair in [0, 1)", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v)))
+    for key, rule, ok in checks:
+        value = group.get(key)
+        values: tuple = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+        if not all(isinstance(v, (int, float)) for v in values):
+            continue  # absent, or a tensor (not read: no host sync)
+        if not ok(value) or not all(math.isfinite(v) for v in values):
+            raise ValueError(f"WhitenedMuon: param group {index} ({algorithm!r}) has {key}={value!r}; "
+                             f"{key} must be {rule}")
+    if algorithm == WHITENED:
+        lr_ratio(group.get("adjust_lr_fn", "match_rms_adamw"), (1, 1))
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
@@ -268,8 +311,9 @@ class WhitenedMuon(torch.optim.Optimizer):
                         momentum=validation.check_unit_interval("momentum", momentum, low_open=False, high_open=True),
                         nesterov=validation.check_bool("nesterov", nesterov), adjust_lr_fn=adjust_lr_fn,
                         algorithm=WHITENED)
-        self._adamw_defaults = self._check_adamw(lr, weight_decay, adamw_lr, adamw_betas, adamw_eps,
-                                                 adamw_weight_decay)
+        # the normalised numbers (a numpy or 0-dim tensor lr is a float in both halves)
+        self._adamw_defaults = self._check_adamw(defaults["lr"], defaults["weight_decay"], adamw_lr, adamw_betas,
+                                                 adamw_eps, adamw_weight_decay)
         self.statistics_every = validation.check_int("statistics_every", statistics_every)
         damping = validation.check_positive("damping", damping)
         factor_decay = validation.check_unit_interval("factor_decay", factor_decay, low_open=False, high_open=True)
@@ -321,7 +365,11 @@ class WhitenedMuon(torch.optim.Optimizer):
         sides = ("input", "output") if self.output_side else ("input",)
         # None: centre the layers without a bias (see the docstring)
         centered = {id(_weight(u)) for u in units if (not u.has_bias if center_inputs is None else center_inputs)}
-        self._statistics = WhiteningStatistics(self.state, self._views, self._due, sides=sides, damping=damping,
+        # The hooks reach the statistics, which must not keep the optimizer alive: an optimizer the
+        # caller drops (an lr sweep on one model) is freed, and the finaliser removes its hooks.
+        this = weakref.ref(self)
+        self._statistics = WhiteningStatistics(self.state, self._views, lambda w: _due_of(this, w), sides=sides,
+                                               damping=damping,
                                                factor_decay=factor_decay, statistics_rows=statistics_rows,
                                                root=root, block_size=block_size, process_group=process_group,
                                                centered=centered)
@@ -331,6 +379,8 @@ class WhitenedMuon(torch.optim.Optimizer):
         self._capture = ActivationCapture(layers, accumulation_steps=1, loss_scale=loss_scale,
                                           before_write=lambda: None, output_grads=self.output_side)
         self._capture.collecting = True
+        self._finalizer = weakref.finalize(self, self._capture.remove)
+        self._finalizer.atexit = False
         self._reported: dict[int, int] = {}
         self._unobserved_warned: set[int] = set()
         self._steps = 0  # step() calls, for the interval of the non-finite report
@@ -362,6 +412,7 @@ class WhitenedMuon(torch.optim.Optimizer):
     def _select(params, skip_layers) -> tuple[list[Selected], list[nn.Parameter]]:
         """(the units to whiten, the parameters AdamW takes)."""
         if isinstance(params, nn.Module):
+            _refuse_lazy(params.named_modules())
             patterns = compile_skip_patterns(skip_layers)
             units = find_kfac_modules(params, lambda name, module: is_skipped(name, module, patterns), logger.info)
             if not units:
@@ -377,7 +428,9 @@ class WhitenedMuon(torch.optim.Optimizer):
         if skip_layers not in ((), None, []):
             raise ValueError("WhitenedMuon: skip_layers applies to the model form (WhitenedMuon(model, ...)); "
                              "with a list of modules, leave the skipped ones out of the list")
-        units = _listed_units(list(params))
+        modules = list(params)
+        _refuse_lazy((f"modules[{i}]", m) for i, m in enumerate(modules) if isinstance(m, nn.Module))
+        units = _listed_units(modules)
         weights = [_weight(u) for u in units if u.index is None or u.index == 0]
         if len({id(w) for w in weights}) != len(weights):
             raise ValueError("WhitenedMuon: a weight appears twice in modules (tied or repeated module)")
@@ -395,26 +448,41 @@ class WhitenedMuon(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch.optim's ``add_param_group``; ``"algorithm"`` (default ``"whitened_muon"``) says
         which half steps the group. A ``"whitened_muon"`` group may only hold weights this
-        optimizer whitens (their statistics hooks are placed at construction)."""
+        optimizer whitens (their statistics hooks are placed at construction). ``"params"`` may
+        be any iterable (a generator too) of parameters or ``(name, parameter)`` pairs; the group
+        follows the optimizer's naming (the model form keeps parameter names, as checkpoints
+        keyed by names read them; a parameter of the model gets its own name)."""
         algorithm = param_group.get("algorithm", WHITENED)
         if algorithm not in ALGORITHMS:
             raise ValueError(f"param group algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-        param_group["algorithm"] = algorithm
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        params = [p[1] if isinstance(p, tuple) else p for p in params]  # (name, parameter) pairs
+        param_group = dict(param_group, algorithm=algorithm)
+        given = param_group["params"]
+        given = [given] if isinstance(given, torch.Tensor) else list(given)  # a generator is read once, here
+        pairs = [p if isinstance(p, tuple) else (None, p) for p in given]
+        params = [p for _, p in pairs]
         if algorithm == WHITENED:
             unknown = [tuple(p.shape) for p in params if id(p) not in self._views]
             if unknown:
                 raise ValueError(f"WhitenedMuon: a 'whitened_muon' group may only hold the weights found at "
                                  f"construction; got parameters of shapes {unknown}")
-            super().add_param_group(param_group)
-            return
-        for key, value in self._adamw_defaults.items():
-            param_group.setdefault(key, value)
+        # torch.optim wants every group named or none: the first group (at construction) sets it
+        named = ("param_names" in self.param_groups[0] if self.param_groups
+                 else bool(pairs) and all(name is not None for name, _ in pairs))
+        if named:
+            index = len(self.param_groups)
+            param_group["params"] = [(name if name is not None else
+                                      self._names.setdefault(id(p), f"param_groups.{index}.{i}"), p)
+                                     for i, (name, p) in enumerate(pairs)]
+        else:
+            param_group["params"] = params
+        param_group.pop("param_names", None)
+        if algorithm == ADAMW:
+            for key, value in self._adamw_defaults.items():
+                param_group.setdefault(key, value)
         super().add_param_group(param_group)
-        for key in ("momentum", "nesterov", "adjust_lr_fn"):  # Muon's settings, filled in by torch.optim
-            self.param_groups[-1].pop(key, None)
+        if algorithm == ADAMW:
+            for key in ("momentum", "nesterov", "adjust_lr_fn"):  # Muon's settings, filled in by torch.optim
+                self.param_groups[-1].pop(key, None)
 
     # -- the step ----------------------------------------------------------------------
     def _due(self, weight: torch.Tensor) -> bool:
@@ -436,9 +504,8 @@ class WhitenedMuon(torch.optim.Optimizer):
         return [p for g in self.param_groups if g["algorithm"] == WHITENED for p in g["params"]]
 
     def _step(self) -> None:
-        for group in self.param_groups:  # a value set on a group since: checked before anything moves
-            if group["algorithm"] == WHITENED:
-                lr_ratio(group["adjust_lr_fn"], (1, 1))
+        for index, group in enumerate(self.param_groups):  # a value set since: checked before anything moves
+            _check_group(index, group)
         due = [p for p in self._whitened_params() if p.grad is not None and self._due(p)]
         if due:
             self._warn_unobserved(due)
@@ -641,30 +708,86 @@ class WhitenedMuon(torch.optim.Optimizer):
 
     # -- checkpoints -------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch.optim's load (a state of another layout raises and changes nothing), then the
-        factors and whiteners back to float32 or better (torch.optim casts every state tensor
-        to its parameter's dtype, e.g. bfloat16)."""
-        saved = [g.get("algorithm", WHITENED) for g in state_dict["param_groups"]]
+        """torch.optim's load, all or nothing: a checkpoint that does not fit this optimizer (param
+        groups of other algorithms or sizes, a state tensor of another shape -- another model,
+        another ``block_size`` --, a factor, whitener or moment that is not finite, a setting the
+        step cannot use) raises ``ValueError`` naming it and changes nothing. The output side of
+        a checkpoint saved with ``output_side=True`` is not loaded by an optimizer without it.
+        Factors, whiteners and counters keep their saved dtype and values (torch.optim's load
+        would cast them to each parameter's dtype, e.g. bfloat16)."""
+        saved_groups = state_dict["param_groups"]
+        saved = [g.get("algorithm", WHITENED) for g in saved_groups]
         ours = [g["algorithm"] for g in self.param_groups]
         if saved != ours:
             raise ValueError(f"WhitenedMuon.load_state_dict: the saved param groups' algorithms {saved} "
                              f"differ from this optimizer's {ours}")
-        for group in state_dict["param_groups"]:  # checked before anything changes
-            if group.get("algorithm", WHITENED) == WHITENED:
-                lr_ratio(group.get("adjust_lr_fn", "match_rms_adamw"), (1, 1))
-        super().load_state_dict(state_dict)
+        for index, group in enumerate(saved_groups):  # checked before anything changes
+            if len(group["params"]) != len(self.param_groups[index]["params"]):
+                raise ValueError(f"WhitenedMuon.load_state_dict: saved param group {index} holds "
+                                 f"{len(group['params'])} parameters, this optimizer's "
+                                 f"{len(self.param_groups[index]['params'])}")
+            _check_group(index, {**self.param_groups[index], **{k: v for k, v in group.items() if k != "params"}})
+        kept, exact = self._checked_state(state_dict)
+        super().load_state_dict({**state_dict, "state": kept})
         for group in self.param_groups:  # a checkpoint from before the setting was stepped by the default
             if group["algorithm"] == WHITENED:
                 group.setdefault("adjust_lr_fn", "match_rms_adamw")
         self._statistics.state = self.state  # torch.optim's load puts a new state dict in place
         self._casts.clear()
-        for state in self.state.values():
-            for key, value in state.items():
-                if key.endswith(("_factor", "_whitener", "_seen")) and value.dtype not in (torch.float32,
-                                                                                           torch.float64):
-                    state[key] = value.float()
+        for p, values in exact.items():
+            for key, value in values.items():
+                self.state[p][key] = value.to(device=p.device, copy=True)
         self._capture.collecting = any(self._due(p) for p in self._whitened_params())
 
+    def _checked_state(self, state_dict: dict[str, Any]) -> tuple[dict, dict[nn.Parameter, dict]]:
+        """(the saved per-parameter state this optimizer loads, the entries torch.optim's load
+        would cast, by parameter); ``ValueError`` for the first entry that does not fit."""
+        saved_state = state_dict["state"]
+        kept: dict[Any, dict[str, Any]] = {}
+        exact: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
+            for key, p in zip(saved_group["params"], group["params"]):
+                if key not in saved_state:
+                    continue
+                shapes = self._state_shapes(p, group["algorithm"])
+                name = self._names.get(id(p), f"parameter {key}")
+                entry = {}
+                for item, value in saved_state[key].items():
+                    if item.startswith("output_") and not self.output_side:
+                        continue  # a side this optimizer does not whiten
+                    if torch.is_tensor(value) and item in shapes:
+                        if tuple(value.shape) != shapes[item]:
+                            raise ValueError(f"WhitenedMuon.load_state_dict: {name}'s {item} has shape "
+                                             f"{tuple(value.shape)}, this optimizer's {shapes[item]} (a checkpoint "
+                                             "of another model, or of other settings such as block_size)")
+                        if value.is_floating_point() and not is_dtensor(value) and not bool(value.isfinite().all()):
+                            raise ValueError(f"WhitenedMuon.load_state_dict: {name}'s {item} is not finite")
+                        if item.endswith(("_factor", "_whitener", "_seen")) or item == "nonfinite_steps":
+                            exact.setdefault(p, {})[item] = value
+                    entry[item] = value
+                kept[key] = entry
+        return kept, exact
+
+    def _state_shapes(self, p: nn.Parameter, algorithm: str) -> dict[str, tuple[int, ...]]:
+        """The shape of each state tensor of ``p`` that a checkpoint must match."""
+        shape = tuple(p.shape)
+        if algorithm == ADAMW:
+            return {"exp_avg": shape, "exp_avg_sq": shape}
+        view = self._views[id(p)]
+        shapes = {"momentum_buffer": shape, "nonfinite_steps": ()}
+        for side in self._statistics.sides:
+            width = view.width(side)
+            blocks = self._statistics.blocks(width)
+            square = view.state_units + (blocks, width // blocks, width // blocks)
+            shapes.update({f"{side}_factor": square, f"{side}_whitener": square, f"{side}_seen": view.state_units})
+        return shapes
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("WhitenedMuon cannot be copied or pickled: it holds statistics hooks on the model's "
+                        "modules, which a copy would not have. Save optimizer.state_dict() and load it into a "
+                        "WhitenedMuon built on the model (torch.save(optimizer.state_dict(), ...))")
+
     def remove(self) -> None:
-        """Remove the statistics hooks (the optimizer then steps with its last whiteners)."""
-        self._capture.remove()
+        """Remove the statistics hooks (the optimizer then steps with its last whiteners). An
+        optimizer that is no longer referenced removes them when it is freed."""
+        self._finalizer()

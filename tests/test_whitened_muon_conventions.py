@@ -1,0 +1,245 @@
+"""WhitenedMuon under torch.optim's conventions: param groups added later, checkpoints that do
+not fit, copies, and an optimizer the caller drops."""
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import weakref
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from kron_precond import WhitenedMuon
+
+
+def mlp(hidden: int = 16, output_bias: bool = True) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 4, bias=output_bias))
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(32, 8, generator=g)).square().mean().backward()
+        opt.step()
+
+
+def snapshot(opt: torch.optim.Optimizer) -> dict:
+    return copy.deepcopy(opt.state_dict())
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for key in a["state"]:
+        sa, sb = a["state"][key], b["state"][key]
+        assert sa.keys() == sb.keys(), key
+        for name in sa:
+            if torch.is_tensor(sa[name]):
+                assert torch.equal(sa[name], sb[name]), (key, name)
+            else:
+                assert sa[name] == sb[name], (key, name)
+
+
+# -- add_param_group ------------------------------------------------------------------------
+@pytest.mark.parametrize("form", ["generator", "list", "named"])
+def test_an_added_adamw_group_of_the_list_form_steps_its_parameters(form):
+    """A head added later in any form torch.optim accepts (a generator too) is stepped as
+    AdamW bitwise, next to the whitened weights."""
+    body, head = mlp(), nn.Linear(4, 3)
+    opt = WhitenedMuon([body[0], body[2]], lr=1e-2)
+    params = {"generator": head.parameters(), "list": list(head.parameters()),
+              "named": list(head.named_parameters())}[form]
+    opt.add_param_group({"params": params, "algorithm": "adamw"})
+    twin = copy.deepcopy(head)
+    reference = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.0, foreach=False)
+    assert len(opt.param_groups[-1]["params"]) == 2
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(16, 8, generator=g)
+        for module, optimizer in ((head, opt), (twin, reference)):
+            optimizer.zero_grad()
+            module(body(x).detach()).square().mean().backward()
+            optimizer.step()
+    for a, b in zip(head.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("form", ["generator", "list"])
+def test_an_unnamed_group_added_to_the_model_form_gets_names_and_steps(form):
+    """The model form keeps parameter names (for FQN checkpoints); an unnamed group added later
+    is named the same way instead of tripping torch.optim's names-or-none rule."""
+    model = nn.Sequential(mlp(), nn.Linear(4, 3))
+    model[1].requires_grad_(False)  # frozen at construction, unfrozen later
+    opt = WhitenedMuon(model, lr=1e-2)
+    model[1].requires_grad_(True)
+    params = model[1].parameters() if form == "generator" else list(model[1].parameters())
+    opt.add_param_group({"params": params, "algorithm": "adamw"})
+    assert opt.param_groups[-1]["param_names"] == ["1.weight", "1.bias"]
+    before = [p.clone() for p in model[1].parameters()]
+    train(model, opt, 2)
+    assert all(not torch.equal(a, b) for a, b in zip(before, model[1].parameters()))
+    assert "param_names" in opt.state_dict()["param_groups"][-1]
+
+
+def test_a_whitened_group_given_as_a_generator_is_added_whole():
+    body = mlp()
+    opt = WhitenedMuon([body[0], body[2]], lr=1e-2)
+    del opt.param_groups[0]["params"][1]  # body[2].weight, to add it back as a group of its own
+    opt.add_param_group({"params": (p for p in [body[2].weight]), "lr": 5e-3})
+    assert opt.param_groups[-1]["params"] == [body[2].weight]
+    before = body[2].weight.clone()
+    train(body, opt, 1)
+    assert not torch.equal(before, body[2].weight)
+
+
+# -- load_state_dict -------------------------------------------------------------------------
+def test_a_checkpoint_of_another_model_raises_and_changes_nothing():
+    """Same number of parameters per group, other widths: refused before anything moves,
+    naming the parameter (torch.optim's load would take it and fail at the next step)."""
+    a, b = mlp(16), mlp(12)
+    opt_a, opt_b = WhitenedMuon(a, lr=1e-2), WhitenedMuon(b, lr=1e-2)
+    train(a, opt_a, 6)
+    train(b, opt_b, 6)
+    before = snapshot(opt_a)
+    with pytest.raises(ValueError, match=r"0\.weight.*shape"):
+        opt_a.load_state_dict(opt_b.state_dict())
+    assert_same_state(before, opt_a.state_dict())
+    train(a, opt_a, 1)  # still steps
+
+
+@pytest.mark.parametrize("key, bad", [("momentum_buffer", torch.zeros(3, 3)),
+                                      ("input_factor", torch.zeros(1, 1, 5, 5)),
+                                      ("input_whitener", None),  # filled with NaN below
+                                      ("exp_avg", torch.zeros(5))])
+def test_a_corrupted_checkpoint_raises_and_changes_nothing(key, bad):
+    model = mlp()
+    opt = WhitenedMuon(model, lr=1e-2)
+    train(model, opt, 6)
+    saved = snapshot(opt)
+    index = 2 if key == "exp_avg" else 0  # the first bias is AdamW's (state index 2)
+    if bad is None:
+        bad = torch.full_like(saved["state"][index][key], float("nan"))
+    saved["state"][index][key] = bad
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=key):
+        opt.load_state_dict(saved)
+    assert_same_state(before, opt.state_dict())
+
+
+def test_a_checkpoint_of_another_block_size_raises_and_changes_nothing():
+    model = mlp(16)
+    opt = WhitenedMuon(model, lr=1e-2, block_size=8)
+    train(model, opt, 6)
+    other = WhitenedMuon(model, lr=1e-2)
+    other.remove()
+    before = snapshot(other)
+    with pytest.raises(ValueError, match="input_factor"):
+        other.load_state_dict(opt.state_dict())
+    assert_same_state(before, other.state_dict())
+
+
+def test_the_output_side_of_a_checkpoint_is_dropped_by_an_optimizer_without_it():
+    """Saved with output_side=True, resumed without: the output factor and whitener are not
+    loaded, so the run steps as an input-side-only run from the checkpoint's input state
+    (bitwise the same as resuming from a checkpoint without them)."""
+    model = mlp()
+    opt = WhitenedMuon(model, lr=1e-2, output_side=True)
+    train(model, opt, 6)
+    saved = snapshot(opt)
+    stripped = copy.deepcopy(saved)
+    for state in stripped["state"].values():
+        for key in [k for k in state if k.startswith("output_")]:
+            del state[key]
+    runs = []
+    for checkpoint in (saved, stripped):
+        twin = copy.deepcopy(model)
+        resumed = WhitenedMuon(twin, lr=1e-2)
+        resumed.load_state_dict(checkpoint)
+        assert not any(k.startswith("output_") for s in resumed.state.values() for k in s)
+        train(twin, resumed, 7, seed=5)
+        runs.append([p.detach().clone() for p in twin.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_a_reload_on_bfloat16_parameters_keeps_the_factors_values_and_the_counters_dtype():
+    """torch.optim's load casts every state tensor to its parameter's dtype: the float32 factors
+    and whiteners would come back rounded to bfloat16, the int64 counter as a bfloat16."""
+    model = mlp().to(torch.bfloat16)
+    opt = WhitenedMuon(model, lr=1e-2, output_side=True)
+    g = torch.Generator().manual_seed(1)
+    opt.zero_grad()
+    model(torch.randn(4, 8, generator=g).to(torch.bfloat16)).float().square().mean().backward()
+    opt.step()
+    saved = snapshot(opt)
+    opt.load_state_dict(saved)
+    state, before = opt.state[model[0].weight], saved["state"][0]
+    assert state["nonfinite_steps"].dtype == torch.int64
+    for key in ("input_factor", "input_whitener", "output_factor", "output_whitener"):
+        assert state[key].dtype == torch.float32 and torch.equal(state[key], before[key]), key
+
+
+# -- copies and discarded optimizers -----------------------------------------------------------
+@pytest.mark.parametrize("copier", [copy.deepcopy, copy.copy, lambda o: pickle.loads(pickle.dumps(o))])
+def test_copying_or_pickling_raises_pointing_to_the_state_dict(copier):
+    """The optimizer holds hooks on the model's modules: a copy would not see the model's
+    activations. Refused with the way to do it, instead of a copy that fails at its first step."""
+    model = mlp()
+    opt = WhitenedMuon(model, lr=1e-2)
+    with pytest.raises(TypeError, match="state_dict"):
+        copier(opt)
+
+
+def test_a_dropped_optimizer_is_freed_and_its_hooks_removed():
+    """An lr sweep that rebuilds the optimizer on one model: the ones dropped are freed and
+    leave no statistics hooks behind (they would keep computing x xᵀ on every forward)."""
+    model = mlp()
+    hooks = (len(model[0]._forward_hooks), len(model[0]._forward_pre_hooks))
+    refs = []
+    for lr in (1e-3, 3e-3, 1e-2):
+        opt = WhitenedMuon(model, lr=lr)
+        train(model, opt, 2)
+        refs.append(weakref.ref(opt))
+        del opt
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert (len(model[0]._forward_hooks), len(model[0]._forward_pre_hooks)) == hooks
+    kept = WhitenedMuon(model, lr=1e-2)
+    train(model, kept, 6)  # the one kept still gathers its statistics
+    assert kept.state[model[0].weight]["input_seen"].item() == 1
+
+
+# -- values given and set later ---------------------------------------------------------------
+def test_an_lr_given_as_a_numpy_or_tensor_scalar_is_a_float_in_every_group():
+    for lr in (np.float32(0.01), torch.tensor(0.01)):
+        model = nn.Sequential(nn.Linear(8, 4), nn.LayerNorm(4))
+        opt = WhitenedMuon(model, lr=lr)
+        assert all(type(g["lr"]) is float for g in opt.param_groups), [type(g["lr"]) for g in opt.param_groups]
+
+
+@pytest.mark.parametrize("algorithm, key, value", [("whitened_muon", "momentum", 1.5),
+                                                   ("whitened_muon", "lr", -1.0),
+                                                   ("whitened_muon", "weight_decay", -0.1),
+                                                   ("adamw", "lr", -1.0),
+                                                   ("adamw", "betas", (0.9, 1.5))])
+def test_a_bad_value_set_on_a_group_raises_at_the_next_step_before_anything_moves(algorithm, key, value):
+    model = mlp()
+    opt = WhitenedMuon(model, lr=1e-2)
+    train(model, opt, 2)
+    group = next(g for g in opt.param_groups if g["algorithm"] == algorithm)
+    group[key] = value
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=key):
+        train(model, opt, 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_lazy_module_is_refused_at_construction_naming_it():
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"'0'.*forward"):
+        WhitenedMuon(model, lr=1e-2)
