@@ -20,6 +20,7 @@ import functools
 import logging
 import types
 import warnings
+import weakref
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, cast
 
@@ -45,6 +46,20 @@ _KL_CLIP_DEFAULT = object()  # the method's default: 1e-3 for K-FAC; off for PSG
 _LR_FALLBACK = 0.1  # kl_clip's lr when none is given anywhere (with a warning)
 
 
+def _nothing() -> None:
+    pass
+
+
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` called through a weak reference to its object (nothing once it is freed)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+    return call
+
+
 class Layer:
     """A registered module: its parameters and its method state (read-only view).
 
@@ -57,7 +72,7 @@ class Layer:
     """
 
     def __init__(self, owner: "KronPreconditioner", index: int, unit: Selected, method_state: LayerMethod) -> None:
-        self._owner = owner
+        self._owner = weakref.ref(owner)  # the hooks reach layers: they must not keep the owner alive
         self.index = index
         self.name = unit.name
         self.module = unit.module
@@ -80,7 +95,9 @@ class Layer:
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
-        self._owner._wait_for_statistics()
+        owner = self._owner()
+        if owner is not None:
+            owner._wait_for_statistics()
         return getattr(self.method, name)
 
     def __repr__(self) -> str:
@@ -225,12 +242,16 @@ class KronPreconditioner:
         self._apply_cache: dict = {}
         self._health = Health(self._layers, captures=self._spec.captures)
         self._capture = (ActivationCapture(self._layers, accumulation_steps=self.accumulation_steps,
-                                           loss_scale=loss_scale, before_write=self._wait_for_statistics,
-                                           before_observe=self._follow_parameters,
+                                           loss_scale=loss_scale, before_write=_weakly(self._wait_for_statistics),
+                                           before_observe=_weakly(self._follow_parameters),
                                            output_grads=self._spec.captures_output_grads)
                          if self._spec.captures else None)
         self._collecting = False
         self._update_collecting()
+        # The hooks reach this object only weakly: one the caller drops is freed, and this
+        # takes its hooks off the modules (they would keep gathering statistics).
+        self._finalizer = weakref.finalize(self, self._capture.remove if self._capture is not None else _nothing)
+        self._finalizer.atexit = False
 
     def _setup_sharding(self) -> None:
         """Sharded models (docs/design.md, "FSDP2 and HSDP"): statistics are reduced to each
@@ -575,8 +596,7 @@ class KronPreconditioner:
 
     def remove(self) -> None:
         """Remove the hooks; the preconditioner no longer observes the model."""
-        if self._capture is not None:
-            self._capture.remove()
+        self._finalizer()
 
     def __enter__(self) -> "KronPreconditioner":
         return self
