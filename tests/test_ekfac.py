@@ -355,6 +355,46 @@ def test_checkpoint_round_trip_resumes_bitwise(tmp_path):
         assert torch.equal(p.detach(), q)
 
 
+def _same(a, b) -> bool:
+    """Nested checkpoints equal, tensors bitwise."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("corrupt", ["nan_scaling", "integer_scaling", "nan_weight", "no_weight", "none_weight"])
+def test_a_corrupted_scaling_is_refused_and_changes_nothing(corrupt):
+    """The EK-FAC scaling is checked like the factors: a NaN or integer scaling (a diverged
+    run's checkpoint) or a missing or absent weight raises ValueError before any layer loads."""
+    kw = dict(method="ekfac", inv_update_steps=4, factor_update_steps=1, damping=1e-2)
+    model = _small_model()
+    precond = KronPreconditioner(model, **kw)
+    _train(model, precond, torch.optim.SGD(model.parameters(), lr=0.1), 3, seed=1)
+    bad = copy.deepcopy(precond.state_dict())
+    layer = bad["layers"]["2"]  # the last layer: an all-or-nothing load must not have taken the first
+    if corrupt == "nan_scaling":
+        layer["scaling"][0, 0] = float("nan")
+    elif corrupt == "integer_scaling":
+        layer["scaling"] = layer["scaling"].long()
+    elif corrupt == "nan_weight":
+        layer["scaling_weight"] = torch.tensor(float("nan"))
+    elif corrupt == "no_weight":
+        del layer["scaling_weight"]
+    else:
+        layer["scaling_weight"] = None
+    fresh_model = _small_model()
+    fresh = KronPreconditioner(fresh_model, **kw)
+    _train(fresh_model, fresh, torch.optim.SGD(fresh_model.parameters(), lr=0.1), 2, seed=3)
+    before = copy.deepcopy(fresh.state_dict())
+    with pytest.raises(ValueError, match="scaling"):
+        fresh.load_state_dict(bad)
+    assert _same(before, fresh.state_dict())
+
+
 def test_kfac_checkpoint_is_refused():
     model = _small_model()
     kfac = KronPreconditioner(model, method="kfac")

@@ -60,6 +60,7 @@ import torch
 
 from kron_precond import validation as check
 from kron_precond.enums import ComputeMethod
+from kron_precond.methods import state_checks as checks
 from kron_precond.methods.base import Option, Selected, moved, tensor_bytes
 from kron_precond.methods.kfac import FACTORS, KFACLayer, KFACSpec
 from kron_precond.schedules import StepContext
@@ -300,9 +301,13 @@ class EKFACLayer(KFACLayer):
         if "scaling" not in state:
             raise ValueError(f"state of {self.name} has no EK-FAC scaling (saved by another method?)")
         scaling = state["scaling"]
-        if scaling is not None and tuple(scaling.shape) != (self.g_dim, self.a_dim):
-            raise ValueError(f"state of {self.name} has scaling shape {tuple(scaling.shape)}; "
-                             f"expected {(self.g_dim, self.a_dim)}")
+        if scaling is None:  # saved before the first refresh: nothing measured yet
+            return
+        where = f"state of {self.name}"
+        # checked like the factors: a NaN scaling (a diverged run) is applied on every step until
+        # the next refresh, so it is refused here rather than trusted
+        checks.float_tensor(scaling, (self.g_dim, self.a_dim), f"{where}: scaling")
+        checks.float_tensor(checks.entry(state, "scaling_weight", where), (), f"{where}: scaling_weight")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
