@@ -20,6 +20,7 @@ hook sees the output gradient in eager autograd, exactly as without compile.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -61,10 +62,10 @@ class ActivationCapture:
         by_module: dict[int, tuple[nn.Module, object, dict[int, object]]] = {}
         for layer in layers:
             by_module.setdefault(id(layer.module), (layer.module, layer.adapter, {}))[2][layer.slot] = layer
-        self._handles = [module.register_forward_hook(self._forward_hook(adapter, units), with_kwargs=True)
+        self._handles = [module.register_forward_hook(self._forward_hook(module, adapter, units), with_kwargs=True)
                          for module, adapter, units in by_module.values()]
 
-    def _forward_hook(self, adapter, units: dict):
+    def _forward_hook(self, module: nn.Module, adapter, units: dict):
         @torch.compiler.disable  # see the module docstring
         def observe(module: nn.Module, inputs, kwargs, output):
             with torch.no_grad(), autocast_disabled():
@@ -84,8 +85,13 @@ class ActivationCapture:
             if self.output_grads and isinstance(output, torch.Tensor) and output.requires_grad:
                 on_output_grad(output, lambda grad: self._observe_output_grads(adapter, units, grad, context, calls))
 
+        # A deep copy of the model (an EMA or SWA average, a teacher) copies this function
+        # along with the module's hooks: only the module it was placed on may feed the
+        # statistics. A weak reference, so the hook does not keep its own module alive.
+        placed_on = weakref.ref(module)
+
         def hook(module: nn.Module, inputs, kwargs, output):
-            if self.collecting and module.training and torch.is_grad_enabled():
+            if self.collecting and module.training and torch.is_grad_enabled() and module is placed_on():
                 observe(module, inputs, kwargs, output)
 
         return hook

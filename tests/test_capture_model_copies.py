@@ -1,0 +1,48 @@
+"""A copy of the model made after the hooks were placed (an EMA or SWA average, a teacher, a
+lookahead) carries the hook functions with it; its forwards must not enter the original's
+statistics."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from kron_precond import KronPreconditioner, WhitenedMuon
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def batch(seed: int) -> torch.Tensor:
+    return torch.randn(16, 6, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def factor(owner, net) -> torch.Tensor:
+    if isinstance(owner, WhitenedMuon):
+        return owner.state[net[0].weight]["input_factor"].clone()
+    return owner.layers["0"].a_factor.clone()
+
+
+@pytest.mark.parametrize("kind", ["kfac", "ikfac", "whitened_muon"])
+def test_forwards_of_a_deep_copy_of_the_model_stay_out_of_the_statistics(kind):
+    factors = []
+    for with_copy in (False, True):
+        net = model()
+        owner = (WhitenedMuon(net, lr=1e-2, statistics_every=1) if kind == "whitened_muon"
+                 else KronPreconditioner(net, method=kind, factor_update_steps=1, inv_update_steps=1))
+        twin = copy.deepcopy(net)
+        for step in range(3):
+            if with_copy:  # the copy trains in between, on other data
+                twin(batch(100 + step) * 5).square().mean().backward()
+            net(batch(step)).square().mean().backward()
+            if kind == "whitened_muon":
+                owner.step()
+            else:
+                owner.step(lr=0.1)
+            net.zero_grad()
+        factors.append(factor(owner, net))
+    assert torch.equal(factors[0], factors[1])
