@@ -45,16 +45,18 @@ def _check_positive(name: str, value: Any, *, allow_none: bool = False,
     return number
 
 
-def _check_group(group: dict[str, Any], global_clipnorm: float | None) -> dict[str, Any]:
+def _check_group(group: dict[str, Any], global_clipnorm: float | None, *, scheduled: bool = False) -> dict[str, Any]:
     """Validate one parameter group's hyperparameters (``ValueError`` naming the argument);
-    return the numeric ones as plain Python numbers."""
+    return the numeric ones as plain Python numbers. ``scheduled``: a group a scheduler has
+    run (a checkpoint's), whose lr may have reached 0."""
     out: dict[str, Any] = {}
     for name in ("mu_dtype", "precond_dtype"):
         dtype = group[name]
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point) and not (
                 name == "mu_dtype" and dtype is None):
             raise ValueError(f"Invalid {name}: {dtype!r}; expected a floating torch.dtype")
-    out["lr"] = _check_positive("lr", group["lr"])
+    out["lr"] = (validation.check_non_negative("lr", group["lr"]) if scheduled
+                 else _check_positive("lr", group["lr"]))
     out["precond_lr"] = _check_positive("precond_lr", group["precond_lr"])
     # P = s²·I must be representable in the factors' dtype.
     scale_max = math.sqrt(torch.finfo(group["precond_dtype"]).max)
@@ -78,6 +80,12 @@ def _check_group(group: dict[str, Any], global_clipnorm: float | None) -> dict[s
         raise ValueError(f"Only one of clipnorm, clipvalue and global_clipnorm may be set; "
                          f"got {clips}")
     return out
+
+
+# A param group's settings, checked before every step (a scheduler or a user may set any value).
+STEP_RULES: tuple[validation.GroupRule, ...] = (
+    ("lr", ">= 0", lambda v: v >= 0), ("precond_lr", "> 0", lambda v: v > 0),
+    ("weight_decay", ">= 0", lambda v: v >= 0), ("b1", "in [0, 1)", lambda v: 0 <= v < 1))
 
 
 class Kron(torch.optim.Optimizer):
@@ -148,12 +156,25 @@ class Kron(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (validated like the constructor's arguments)."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)  # a generator: read once
+        complex_ = [tuple(p[1].shape if isinstance(p, tuple) else p.shape) for p in params
+                    if (p[1] if isinstance(p, tuple) else p).is_complex()]
+        if complex_:  # its step would train the real part alone
+            raise TypeError(f"Kron does not support complex parameters; got complex parameters of shapes {complex_}")
+        param_group = {**param_group, "params": params}
         numbers = _check_group({**self.defaults, **param_group}, self.global_clipnorm)
         param_group = dict(param_group)
         for name, value in numbers.items():
             if name in param_group:
                 param_group[name] = value
         super().add_param_group(param_group)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.optim keeps only defaults, state and param_groups, so a copy (deepcopy, pickle)
+        # would lack the update schedule and the per-tensor preconditioners and fail at its next
+        # step; the whole object is copied instead (the tensors keep their sharing in the memo).
+        return dict(self.__dict__)
 
     @property
     def steps(self) -> int:
@@ -230,6 +251,8 @@ class Kron(torch.optim.Optimizer):
         return loss
 
     def _step(self) -> None:
+        for index, group in enumerate(self.param_groups):  # before anything moves
+            validation.check_group_numbers("Kron", index, group, STEP_RULES)
         probability = self._decider.current_probability()
         do_update = self._decider()
         if do_update:
@@ -346,7 +369,7 @@ class Kron(torch.optim.Optimizer):
                 raise ValueError(f"Kron.load_state_dict: param group {index} has a different "
                                  "number of parameters than this optimizer's")
             settings = {**group, **{k: v for k, v in saved_group.items() if k != "params"}}
-            _check_group(settings, self.global_clipnorm)
+            _check_group(settings, self.global_clipnorm, scheduled=True)
             for key, p in zip(saved_group["params"], group["params"]):
                 if key in saved_state:
                     new_states[p] = self._load_param_state(saved_state[key], p, settings, f"state[{key!r}]")

@@ -598,6 +598,11 @@ class KronPreconditioner:
         """Remove the hooks; the preconditioner no longer observes the model."""
         self._finalizer()
 
+    def __reduce_ex__(self, protocol):
+        raise TypeError("KronPreconditioner cannot be copied or pickled: it holds hooks on the model's modules, "
+                        "which a copy would not have. Save precond.state_dict() and load it into a "
+                        "KronPreconditioner built on the model")
+
     def __enter__(self) -> "KronPreconditioner":
         return self
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -83,3 +83,19 @@ def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
     return value
+
+
+GroupRule = tuple[str, str, Callable[[Any], bool]]  # (setting, what it must be, the test)
+
+
+def check_group_numbers(owner: str, index: int, group: Mapping[str, Any], rules: Sequence[GroupRule]) -> None:
+    """``ValueError`` for a number a scheduler or a user set on a param group that the step
+    cannot use, before anything moves. Python numbers (or pairs of them) only: a tensor
+    setting is not read, so the check adds no host synchronisation."""
+    for key, rule, ok in rules:
+        value = group.get(key)
+        values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            continue  # absent, or a tensor
+        if not all(math.isfinite(v) for v in values) or not ok(value):
+            raise ValueError(f"{owner}: param group {index} has {key}={value!r}; {key} must be {rule}")

@@ -40,7 +40,7 @@ import math
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -168,29 +168,27 @@ def _refuse_lazy(named_modules: Iterable[tuple[str, nn.Module]]) -> None:
                              "parameters: run one forward pass before building the optimizer")
 
 
-GROUP_CHECKS = {  # per algorithm: a param group's number settings, checked before every step
+def _refuse_complex(named_parameters: Iterable[tuple[str, nn.Parameter]]) -> None:
+    """``TypeError`` naming a trainable complex parameter: neither half's step is written for
+    complex numbers (AdamW's second moment would square instead of taking ``|g|²``)."""
+    names = [name for name, p in named_parameters if p.requires_grad and p.is_complex()]
+    if names:
+        raise TypeError(f"WhitenedMuon does not support complex parameters; got {', '.join(names)}")
+
+
+GROUP_RULES: dict[str, tuple[validation.GroupRule, ...]] = {  # per algorithm, checked before every step
     WHITENED: (("lr", ">= 0", lambda v: v >= 0), ("weight_decay", ">= 0", lambda v: v >= 0),
                ("momentum", "in [0, 1)", lambda v: 0 <= v < 1)),
     ADAMW: (("lr", ">= 0", lambda v: v >= 0), ("weight_decay", ">= 0", lambda v: v >= 0),
-            ("eps", "> 0", lambda v: v > 0)),
+            ("eps", "> 0", lambda v: v > 0),
+            ("betas", "a pair in [0, 1)", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v))),
 }
 
 
 def _check_group(index: int, group: dict[str, Any]) -> None:
-    """``ValueError`` for a number set on a param group that the step cannot use (a scheduler or
-    a user may set any value). Python numbers only: a tensor lr is not read (no host sync)."""
+    """``ValueError`` for a setting on a param group that the step cannot use."""
     algorithm = group["algorithm"]
-    checks: list[tuple[str, str, Callable[[Any], bool]]] = list(GROUP_CHECKS[algorithm])
-    if algorithm == ADAMW:
-        checks.append(("betas", "a pair in [0, 1)", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v)))
-    for key, rule, ok in checks:
-        value = group.get(key)
-        values: tuple = tuple(value) if isinstance(value, (tuple, list)) else (value,)
-        if not all(isinstance(v, (int, float)) for v in values):
-            continue  # absent, or a tensor (not read: no host sync)
-        if not ok(value) or not all(math.isfinite(v) for v in values):
-            raise ValueError(f"WhitenedMuon: param group {index} ({algorithm!r}) has {key}={value!r}; "
-                             f"{key} must be {rule}")
+    validation.check_group_numbers(f"WhitenedMuon ({algorithm!r})", index, group, GROUP_RULES[algorithm])
     if algorithm == WHITENED:
         lr_ratio(group.get("adjust_lr_fn", "match_rms_adamw"), (1, 1))
 
@@ -421,6 +419,7 @@ class WhitenedMuon(torch.optim.Optimizer):
                                  f"skip_layers={skip_layers!r}")
             taken = {id(_weight(u)) for u in units}
             rest = [p for p in params.parameters() if p.requires_grad and id(p) not in taken]
+            _refuse_complex(params.named_parameters())
             return units, rest
         if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
             raise TypeError(f"WhitenedMuon: params must be an nn.Module (the model) or a list of modules, "
@@ -431,6 +430,8 @@ class WhitenedMuon(torch.optim.Optimizer):
         modules = list(params)
         _refuse_lazy((f"modules[{i}]", m) for i, m in enumerate(modules) if isinstance(m, nn.Module))
         units = _listed_units(modules)
+        _refuse_complex((f"modules[{i}].{n}", p) for i, m in enumerate(modules) if isinstance(m, nn.Module)
+                        for n, p in m.named_parameters())
         weights = [_weight(u) for u in units if u.index is None or u.index == 0]
         if len({id(w) for w in weights}) != len(weights):
             raise ValueError("WhitenedMuon: a weight appears twice in modules (tied or repeated module)")

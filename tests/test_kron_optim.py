@@ -344,3 +344,60 @@ def test_ill_conditioned_least_squares():
     adam = fit_least_squares(lambda p: torch.optim.Adam(p, lr=0.03))
     assert kron < 1e-4  # measured 4e-6
     assert kron < adam / 10  # the preconditioner matters here (Adam: 5e-3)
+
+
+# ------------------------------------------------------------------ conventions (probed)
+def test_a_checkpoint_saved_at_a_scheduled_lr_of_zero_loads():
+    """A warm-up from 0 or a decay to 0 puts lr = 0 in the first or last checkpoint."""
+    model = mlp()
+    opt = Kron(model.parameters(), lr=1e-2)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: max(0.0, 1 - step / 3))
+    for s in range(3):
+        train_steps(model, opt, s, 1)
+        schedule.step()
+    assert opt.param_groups[0]["lr"] == 0.0
+    twin = copy.deepcopy(model)
+    resumed = Kron(twin.parameters(), lr=1e-2)
+    resumed.load_state_dict(opt.state_dict())
+    assert resumed.param_groups[0]["lr"] == 0.0
+
+
+def test_a_deep_copy_or_pickle_of_model_and_optimizer_continues_bitwise():
+    """deepcopy((model, opt)) -- an in-memory checkpoint -- gives a working optimizer on the
+    copied parameters that continues exactly as the original (it used to lose its schedule
+    and fail at its next step)."""
+    import pickle
+    model = mlp()
+    opt = Kron(model.parameters(), lr=1e-2, preconditioner_update_probability=0.5)
+    train_steps(model, opt, 0, 3)
+    copies = [copy.deepcopy((model, opt)), pickle.loads(pickle.dumps((model, opt)))]
+    train_steps(model, opt, 3, 4)
+    for twin, twin_opt in copies:
+        train_steps(twin, twin_opt, 3, 4)
+        for a, b in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(a, b)
+
+
+def test_complex_parameters_are_refused():
+    """Only the real part would be trained (the imaginary part silently dropped)."""
+    p = nn.Parameter(torch.randn(3, 4, dtype=torch.complex64))
+    with pytest.raises(TypeError, match="complex"):
+        Kron([p], lr=0.1)
+    opt = Kron(mlp().parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="complex"):
+        opt.add_param_group({"params": [p]})
+
+
+@pytest.mark.parametrize("key,value", [("lr", float("nan")), ("lr", -1.0), ("b1", 1.0),
+                                       ("weight_decay", -1.0), ("precond_lr", -1.0)])
+def test_a_bad_value_set_on_a_group_raises_at_the_next_step_before_anything_moves(key, value):
+    model = mlp()
+    opt = Kron(model.parameters(), lr=1e-2)
+    train_steps(model, opt, 0, 2)
+    opt.param_groups[0][key] = value
+    before = [p.detach().clone() for p in model.parameters()]
+    steps = opt.steps
+    with pytest.raises(ValueError, match=key):
+        train_steps(model, opt, 2, 1)
+    assert opt.steps == steps
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -1,7 +1,9 @@
 """A KronPreconditioner the caller drops is freed, and its hooks go with it."""
 from __future__ import annotations
 
+import copy
 import gc
+import pickle
 import weakref
 
 import pytest
@@ -41,3 +43,11 @@ def test_a_dropped_preconditioner_is_freed_and_its_hooks_removed(method):
     before = model[0].weight.grad.clone()
     kept.step(lr=0.1)
     assert not torch.equal(before, model[0].weight.grad)  # it preconditioned: it saw its statistics
+
+
+@pytest.mark.parametrize("copier", [copy.deepcopy, lambda p: pickle.loads(pickle.dumps(p))])
+def test_copying_or_pickling_raises_pointing_to_the_state_dict(copier):
+    model = nn.Sequential(nn.Linear(8, 4))
+    precond = KronPreconditioner(model, method="kfac")
+    with pytest.raises(TypeError, match="state_dict"):
+        copier(precond)

@@ -243,3 +243,10 @@ def test_a_lazy_module_is_refused_at_construction_naming_it():
     model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2))
     with pytest.raises(ValueError, match=r"'0'.*forward"):
         WhitenedMuon(model, lr=1e-2)
+
+
+def test_a_complex_parameter_is_refused_at_construction_naming_it():
+    model = mlp()
+    model.register_parameter("phase", nn.Parameter(torch.zeros(3, dtype=torch.complex64)))
+    with pytest.raises(TypeError, match="phase"):
+        WhitenedMuon(model, lr=1e-2)
