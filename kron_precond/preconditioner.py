@@ -325,7 +325,7 @@ class KronPreconditioner:
                 self._health.report_state(self._statistics_steps > 0)
             self._schedule.advance(ctx.step)
             self._steps += 1
-            self._update_collecting()
+            self._update_collecting(after_step=True)
 
     def _plan(self, step_lr=None) -> StepContext:
         """This step's decisions and hyperparameters, all checked before anything changes."""
@@ -411,8 +411,16 @@ class KronPreconditioner:
             if self._holds_state(layer):
                 layer.method.finalize_refresh(ctx)
 
-    def _update_collecting(self) -> None:
-        self._collecting = self._schedule.collects(self._steps)
+    def _update_collecting(self, *, after_step: bool = False) -> None:
+        """Whether the next forward gathers statistics. ``after_step``: a scheduled value that
+        is invalid for the next step does not fail the step just completed; that step's own
+        plan raises it, before anything changes."""
+        try:
+            self._collecting = self._schedule.collects(self._steps)
+        except ValueError:
+            if not after_step:
+                raise
+            self._collecting = False
         if self._capture is not None:
             self._capture.collecting = self._collecting
 

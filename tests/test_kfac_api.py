@@ -635,6 +635,27 @@ def test_state_dict_with_callables_is_saveable():
         assert torch.equal(other.layers[n].a_factor, precond.layers[n].a_factor)
 
 
+def test_a_scheduled_value_that_turns_bad_raises_at_that_step_before_anything_changes():
+    """A callable schedule is read for a step when that step runs: the step before it completes
+    (and does not raise), the step it turns bad at raises with nothing changed."""
+    model = mlp(torch.float32)
+    precond = KronPreconditioner(model, factor_update_steps=lambda s: 1 if s < 2 else 0)
+    for _ in range(2):
+        model.zero_grad()
+        loss_fn(model, torch.randn(8, 4), torch.randn(8, 3))
+        precond.step(lr=0.1)
+    assert precond.steps == 2
+    model.zero_grad()
+    loss_fn(model, torch.randn(8, 4), torch.randn(8, 3))
+    grads = [p.grad.clone() for p in model.parameters()]
+    factors = {n: precond.layers[n].a_factor.clone() for n in precond.layers}
+    with pytest.raises(ValueError, match="factor_update_steps"):
+        precond.step(lr=0.1)
+    assert precond.steps == 2
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    assert all(torch.equal(factors[n], precond.layers[n].a_factor) for n in precond.layers)
+
+
 def test_load_state_dict_rejects_mismatched_layers():
     precond = KronPreconditioner(mlp())
     other = KronPreconditioner(nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(DT))
