@@ -119,6 +119,17 @@ class ActivationCapture:
         self._handles.clear()
 
 
+def weakly(method: Callable[..., Any], default: Any = None) -> Callable[..., Any]:
+    """``method`` called through a weak reference to its object (``default`` once it is freed):
+    for callbacks the model's hooks reach, which must not keep their owner alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return default if bound is None else bound(*args)
+    return call
+
+
 def on_output_grad(output: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
     """Call ``hook`` with the gradient of ``output`` -- as it was when the module returned it.
 

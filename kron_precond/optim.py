@@ -158,8 +158,8 @@ class Kron(torch.optim.Optimizer):
         """Add a group (validated like the constructor's arguments)."""
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)  # a generator: read once
-        complex_ = [tuple(p[1].shape if isinstance(p, tuple) else p.shape) for p in params
-                    if (p[1] if isinstance(p, tuple) else p).is_complex()]
+        tensors = [p[1] if isinstance(p, tuple) else p for p in params]  # (name, parameter) pairs too
+        complex_ = [tuple(t.shape) for t in tensors if t.is_complex()]
         if complex_:  # its step would train the real part alone
             raise TypeError(f"Kron does not support complex parameters; got complex parameters of shapes {complex_}")
         param_group = {**param_group, "params": params}

@@ -30,7 +30,7 @@ from torch import nn
 from kron_precond import checkpoint, validation
 from kron_precond.apply import precondition_exchanged, precondition_gradients
 from kron_precond.autocast import autocast_disabled
-from kron_precond.capture import ActivationCapture, grad_scaler_scale
+from kron_precond.capture import ActivationCapture, grad_scaler_scale, weakly
 from kron_precond.distributed.assignment import WorkAssignment, assign_work
 from kron_precond.distributed.runtime import Runtime
 from kron_precond.enums import AssignmentStrategy, DistributedStrategy
@@ -44,20 +44,6 @@ logger = logging.getLogger("kron_precond")
 
 _KL_CLIP_DEFAULT = object()  # the method's default: 1e-3 for K-FAC; off for PSGD (already whitened)
 _LR_FALLBACK = 0.1  # kl_clip's lr when none is given anywhere (with a warning)
-
-
-def _nothing() -> None:
-    pass
-
-
-def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` called through a weak reference to its object (nothing once it is freed)."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: Any) -> Any:
-        bound = ref()
-        return None if bound is None else bound(*args)
-    return call
 
 
 class Layer:
@@ -242,16 +228,18 @@ class KronPreconditioner:
         self._apply_cache: dict = {}
         self._health = Health(self._layers, captures=self._spec.captures)
         self._capture = (ActivationCapture(self._layers, accumulation_steps=self.accumulation_steps,
-                                           loss_scale=loss_scale, before_write=_weakly(self._wait_for_statistics),
-                                           before_observe=_weakly(self._follow_parameters),
+                                           loss_scale=loss_scale, before_write=weakly(self._wait_for_statistics),
+                                           before_observe=weakly(self._follow_parameters),
                                            output_grads=self._spec.captures_output_grads)
                          if self._spec.captures else None)
         self._collecting = False
         self._update_collecting()
         # The hooks reach this object only weakly: one the caller drops is freed, and this
         # takes its hooks off the modules (they would keep gathering statistics).
-        self._finalizer = weakref.finalize(self, self._capture.remove if self._capture is not None else _nothing)
-        self._finalizer.atexit = False
+        self._finalizer = (weakref.finalize(self, self._capture.remove) if self._capture is not None
+                           else None)
+        if self._finalizer is not None:
+            self._finalizer.atexit = False
 
     def _setup_sharding(self) -> None:
         """Sharded models (docs/design.md, "FSDP2 and HSDP"): statistics are reduced to each
@@ -604,7 +592,8 @@ class KronPreconditioner:
 
     def remove(self) -> None:
         """Remove the hooks; the preconditioner no longer observes the model."""
-        self._finalizer()
+        if self._finalizer is not None:
+            self._finalizer()
 
     def __reduce_ex__(self, protocol):
         raise TypeError("KronPreconditioner cannot be copied or pickled: it holds hooks on the model's modules, "

@@ -48,9 +48,10 @@ import torch.nn as nn
 
 from kron_precond import validation
 from kron_precond.autocast import autocast_disabled
-from kron_precond.capture import ActivationCapture, grad_scaler_scale
+from kron_precond.capture import ActivationCapture, grad_scaler_scale, weakly
 from kron_precond.distributed.sharded import ShardedLayout, is_dtensor
 from kron_precond.health import new_nonfinite_steps
+from kron_precond.methods import state_checks as checks
 from kron_precond.modules import Selected, compile_skip_patterns, find_kfac_modules, is_skipped, kfac_adapter
 from kron_precond.whitening import MatrixView, UnitObserver, WhiteningStatistics
 
@@ -151,12 +152,6 @@ def _listed_units(modules: list) -> list[Selected]:
 
 def _weight(unit: Selected) -> nn.Parameter:
     return unit.params[0][1]
-
-
-def _due_of(optimizer: "weakref.ref[WhitenedMuon]", weight: torch.Tensor) -> bool:
-    """``optimizer._due(weight)`` through a weak reference (``False`` once it is freed)."""
-    live = optimizer()
-    return live is not None and live._due(weight)
 
 
 def _refuse_lazy(named_modules: Iterable[tuple[str, nn.Module]]) -> None:
@@ -365,10 +360,9 @@ class WhitenedMuon(torch.optim.Optimizer):
         centered = {id(_weight(u)) for u in units if (not u.has_bias if center_inputs is None else center_inputs)}
         # The hooks reach the statistics, which must not keep the optimizer alive: an optimizer the
         # caller drops (an lr sweep on one model) is freed, and the finaliser removes its hooks.
-        this = weakref.ref(self)
-        self._statistics = WhiteningStatistics(self.state, self._views, lambda w: _due_of(this, w), sides=sides,
-                                               damping=damping,
-                                               factor_decay=factor_decay, statistics_rows=statistics_rows,
+        self._statistics = WhiteningStatistics(self.state, self._views, weakly(self._due, default=False),
+                                               sides=sides, damping=damping, factor_decay=factor_decay,
+                                               statistics_rows=statistics_rows,
                                                root=root, block_size=block_size, process_group=process_group,
                                                centered=centered)
         layers = [_CaptureLayer(unit.module, unit.adapter, unit.slot,
@@ -757,12 +751,12 @@ class WhitenedMuon(torch.optim.Optimizer):
                     if item.startswith("output_") and not self.output_side:
                         continue  # a side this optimizer does not whiten
                     if torch.is_tensor(value) and item in shapes:
-                        if tuple(value.shape) != shapes[item]:
-                            raise ValueError(f"WhitenedMuon.load_state_dict: {name}'s {item} has shape "
-                                             f"{tuple(value.shape)}, this optimizer's {shapes[item]} (a checkpoint "
-                                             "of another model, or of other settings such as block_size)")
-                        if value.is_floating_point() and not is_dtensor(value) and not bool(value.isfinite().all()):
-                            raise ValueError(f"WhitenedMuon.load_state_dict: {name}'s {item} is not finite")
+                        # another model's checkpoint, or one of other settings such as block_size
+                        where = f"WhitenedMuon.load_state_dict: {name}'s {item}"
+                        if value.is_floating_point() and not is_dtensor(value):
+                            checks.float_tensor(value, shapes[item], where)  # shape and finiteness
+                        elif tuple(value.shape) != shapes[item]:
+                            raise ValueError(f"{where}: expected shape {shapes[item]}, got {tuple(value.shape)}")
                         if item.endswith(("_factor", "_whitener", "_seen")) or item == "nonfinite_steps":
                             exact.setdefault(p, {})[item] = value
                     entry[item] = value
