@@ -1,8 +1,8 @@
 """What a WhitenedMuon refresh costs, batched as the library runs it or one factor at a time.
 
 A statistics step of ``WhitenedMuon`` folds the pending row products into the factors and
-recomputes every whitener: for each width, one batched Cholesky (``cholesky_ex``) and the
-batched inverse of its factors by halves (``triangular_inverse``, mostly matmuls; see
+recomputes every whitener: for each width, the batched inverse Cholesky factor of its
+factors, by halves (``inverse_cholesky``: LAPACK only below 96 wide, batched matmuls above; see
 ``WhiteningStatistics.whitener``). On a GPU
 that step cost about 180 ms against about 122 ms for a plain step of the 85.6 M-parameter GPT of
 docs/results.md, whose refresh decomposes sixty 768-wide factors and twelve 3,072-wide
@@ -11,8 +11,9 @@ single calls for few large ones, so this script times, per ``width:count``:
 
 * ``library``: the library's batched ``whitener`` on ``count`` factors of ``width``;
 * ``one by one``: the same function on each factor alone (``count`` calls);
-* the two halves (Cholesky; the triangular inverse, by halves as the library does it and as
-  one triangular solve against the identity, the way it was done before) batched and looped;
+* ``by halves``: ``inverse_cholesky`` alone (the library's whitener without the damping);
+* LAPACK's way, batched and looped: its Cholesky (``cholesky_ex``), then a triangular solve
+  against the identity, and the two together (``cholesky + solve``);
 * ``product``: a statistics step's row product (``count`` products of 1,024 rows).
 
 It checks that both ways give the same whiteners (relative difference printed) and prints
@@ -37,7 +38,7 @@ if str(REPO_ROOT) not in sys.path:
 sys.path.insert(0, str(REPO_ROOT / "examples"))  # the examples' modules, imported by file
 
 from kron_examples_common import StepTimer  # noqa: E402
-from kron_precond.whitening import WhiteningStatistics, triangular_inverse  # noqa: E402
+from kron_precond.whitening import WhiteningStatistics, inverse_cholesky  # noqa: E402
 
 STATISTICS_ROWS = 1024  # WhitenedMuon's default rows per call entering a factor
 
@@ -85,7 +86,9 @@ def measure(width: int, count: int, device: torch.device, repeats: int, root: st
         "one by one": median_ms(one_by_one, device, repeats),
         "cholesky batched": median_ms(lambda: torch.linalg.cholesky_ex(damped), device, repeats),
         "cholesky looped": median_ms(lambda: [torch.linalg.cholesky_ex(m) for m in damped], device, repeats),
-        "inverse by halves": median_ms(lambda: triangular_inverse(lower), device, repeats),
+        "by halves": median_ms(lambda: inverse_cholesky(damped), device, repeats),
+        "cholesky + solve": median_ms(lambda: torch.linalg.solve_triangular(
+            torch.linalg.cholesky_ex(damped)[0], eye.expand_as(damped), upper=False), device, repeats),
         "solve batched": median_ms(
             lambda: torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False), device, repeats),
         "solve looped": median_ms(
@@ -95,8 +98,8 @@ def measure(width: int, count: int, device: torch.device, repeats: int, root: st
     }
 
 
-COLUMNS = ("library", "one by one", "cholesky batched", "cholesky looped", "inverse by halves", "solve batched",
-           "solve looped", "product")
+COLUMNS = ("library", "one by one", "by halves", "cholesky + solve", "cholesky batched", "cholesky looped",
+           "solve batched", "solve looped", "product")
 
 
 def table(rows: Sequence[dict]) -> str:

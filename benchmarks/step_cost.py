@@ -16,6 +16,7 @@ CUDA the blocks are timed with synchronised CUDA events.
 
     python benchmarks/step_cost.py --threads 1
     python benchmarks/step_cost.py --d-model 256 --steps 40 --threads 1
+    python benchmarks/step_cost.py --arch llama --d-model 64 --batch-size 32 --threads 1
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.append(str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "examples"))  # the examples' modules, imported by file
 
-from char_lm import SKIP_LAYERS, ByteCorpus, CharTransformer, ModelConfig, lm_loss, load_corpus  # noqa: E402
+from char_lm import ARCHS, SKIP_LAYERS, ByteCorpus, ModelConfig, build_model, lm_loss, load_corpus  # noqa: E402
 from kron_examples_common import PrecondConfig, build_method, resolve_device  # noqa: E402
 
 # name -> (method of the examples, PrecondConfig overrides)
@@ -106,6 +107,9 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=100, help="timed steps per configuration (after step 1)")
     p.add_argument("--d-model", type=int, default=ModelConfig.d_model)
+    p.add_argument("--arch", choices=ARCHS, default="gpt",
+                   help="the examples' GPT or a model built from a transformers config")
+    p.add_argument("--batch-size", type=int, default=64, help="sequences of 64 bytes per step")
     p.add_argument("--factor-update-steps", type=int, default=10, help="K-FAC statistics interval")
     p.add_argument("--inv-update-steps", type=int, default=100, help="K-FAC refresh interval")
     p.add_argument("--only", default="",
@@ -117,7 +121,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    model_config = ModelConfig(d_model=args.d_model)
+    model_config = ModelConfig(d_model=args.d_model, arch=args.arch)
     corpus = ByteCorpus(load_corpus(4 * 2**20), model_config.seq_len)
     data_order = torch.Generator().manual_seed(0)
     base = PrecondConfig(skip_layers=SKIP_LAYERS, factor_update_steps=args.factor_update_steps,
@@ -130,12 +134,12 @@ def main(argv=None) -> None:
                  for name, (method, overrides) in chosen.items()}
     for name, (method, overrides) in chosen.items():
         torch.manual_seed(0)
-        model = CharTransformer(model_config).to(device)
+        model = build_model(model_config).to(device)
         optimizer, precond = build_method(method, model, 8e-3, 0.0, replace(base, **overrides))
         runs[name] = (model, optimizer, precond, {"statistics": [], "plain": [], "all": []})
     warmup = 1  # step 1 is a statistics and refresh step that allocates everything
     for step in range(1, warmup + args.steps + 1):
-        inputs, targets = (t.to(device) for t in corpus.sample_train(64, data_order))
+        inputs, targets = (t.to(device) for t in corpus.sample_train(args.batch_size, data_order))
         for name, (model, optimizer, precond, times) in runs.items():
             kind = "statistics" if (step - 1) % intervals[name] == 0 else "plain"
             blocks = Blocks(device)
@@ -156,7 +160,8 @@ def main(argv=None) -> None:
         return statistics.median(r[i] for r in rows) if rows else float("nan")
 
     mean = {name: statistics.fmean(times["all"]) for name, (*_, times) in runs.items()}
-    print(f"ms per block (medians), d_model={args.d_model}, 4096 tokens/step, K-FAC statistics every "
+    print(f"ms per block (medians), {args.arch}, d_model={args.d_model}, "
+          f"{args.batch_size * model_config.seq_len} tokens/step, K-FAC statistics every "
           f"{args.factor_update_steps} / refresh every {args.inv_update_steps} steps (input-side K-FAC: "
           f"as named), {args.steps} timed steps, device {device}")
     print(f"{'configuration':30s} {'stat fwd+bwd':>12s} {'stat precond':>12s} {'fwd+bwd':>8s} "

@@ -253,6 +253,16 @@ def test_step_cost_benchmark_reports_every_configuration(tmp_path):
     assert float(rows["muon"][-1]) == 1.0  # the ratio column is against Muon
 
 
+def test_step_cost_benchmark_times_a_model_built_from_a_transformers_config(tmp_path):
+    pytest.importorskip("transformers")
+    out = _run([sys.executable, "benchmarks/step_cost.py", "--arch", "llama", "--d-model", "32", "--batch-size", "4",
+                "--steps", "2", "--only", "wmuon (defaults)", "--threads", "1"], tmp_path)
+    assert "llama, d_model=32, 256 tokens/step" in out
+    rows = {line[:30].strip(): line.split() for line in out.splitlines()[2:]}
+    assert set(rows) == {"muon", "wmuon (defaults)"}
+    assert float(rows["muon"][-1]) == 1.0
+
+
 def test_sweep_variants_keep_the_usual_muon_split_and_reach_the_preconditioner():
     """``skip=`` changes what the preconditioner takes, never Muon's split; ``mom`` sets
     Muon's momentum; ``rows``, ``cm`` and ``p`` reach the layers and the PSGD schedule of a
