@@ -71,6 +71,8 @@ def _check_group(group: dict[str, Any], global_clipnorm: float | None, *, schedu
     out["b1"] = validation.check_unit_interval("b1", group["b1"], low_open=False, high_open=True)
     check_memory_save_mode(group["memory_save_mode"])
     check_update_rule(group.get("precond_update", "eq"))
+    for name in ("momentum_into_precond_update", "merge_dims"):  # bool("no") would be True
+        validation.check_bool(name, group[name])
     for name in ("max_size_triangular", "min_ndim_triangular"):
         out[name] = validation.check_int(name, group[name], minimum=0)
     clips = [n for n in ("clipnorm", "clipvalue") if group[n] is not None]
@@ -410,6 +412,9 @@ class Kron(torch.optim.Optimizer):
         for key in ("step", "nonfinite_steps"):
             if not isinstance(saved[key], torch.Tensor) or saved[key].numel() != 1:
                 raise ValueError(f"{where}: {key} must be a 1-element tensor, got {saved[key]!r}")
+            count = float(saved[key].reshape(()))  # a count: the step's bias correction reads it
+            if not (math.isfinite(count) and count >= 0 and count == int(count)):
+                raise ValueError(f"{where}: {key} must count steps (a whole number >= 0), got {count!r}")
         checks.boolean(saved["q_initialized"], f"{where}: q_initialized")
         lipschitz = saved.get("lipschitz", [])  # Procrustes-style fit only; older files lack it
         if lipschitz:

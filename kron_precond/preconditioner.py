@@ -175,8 +175,8 @@ class KronPreconditioner:
         self.accumulation_steps = validation.check_int("accumulation_steps", accumulation_steps)
         bucket_cap = validation.check_non_negative("allreduce_bucket_cap_mb", allreduce_bucket_cap_mb)
         self.skip_layers = skip_layers
-        self.symmetry_aware = bool(symmetry_aware)
-        self.colocate_factors = bool(colocate_factors)
+        self.symmetry_aware = validation.check_bool("symmetry_aware", symmetry_aware)
+        self.colocate_factors = validation.check_bool("colocate_factors", colocate_factors)
         self._grad_scaler = grad_scaler
         loss_scale = grad_scaler_scale(grad_scaler)  # TypeError for anything else, whatever the method
 

@@ -202,6 +202,8 @@ BAD_ARGUMENTS = [
     (dict(precond_dtype="no_such_dtype"), "precond_dtype"),
     (dict(clipnorm=-1.0), "clipnorm"),
     (dict(global_clipnorm=0.0), "global_clipnorm"),
+    (dict(momentum_into_precond_update="no"), "momentum_into_precond_update"),  # bool("no") is True
+    (dict(merge_dims=1), "merge_dims"),
 ]
 
 

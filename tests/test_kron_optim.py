@@ -401,3 +401,28 @@ def test_a_bad_value_set_on_a_group_raises_at_the_next_step_before_anything_move
         train_steps(model, opt, 2, 1)
     assert opt.steps == steps
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("key, bad", [("step", float("nan")), ("step", -3.0), ("step", 2.5), ("step", float("inf")),
+                                      ("nonfinite_steps", -1)])
+def test_a_checkpoint_with_an_impossible_counter_is_refused_and_changes_nothing(key, bad):
+    """The step counter sets the bias correction of every later step: a NaN there would turn
+    the weights to NaN, a negative or fractional one would skew them; the non-finite counter
+    feeds the warnings. Refused, naming the entry, with the optimizer as it was."""
+    model = mlp()
+    opt = Kron(model.parameters(), lr=1e-2)
+    train_steps(model, opt, 0, 2)
+    before = copy.deepcopy(opt.state_dict())
+    saved = copy.deepcopy(before)  # torch.optim's state_dict holds the live per-parameter dicts
+    saved["state"][0][key] = torch.tensor(bad, dtype=saved["state"][0][key].dtype)
+    with pytest.raises(ValueError, match=key):
+        opt.load_state_dict(saved)
+    after = opt.state_dict()
+    for index, state in before["state"].items():
+        for name, value in state.items():
+            got = after["state"][index][name]
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(got, value), name
+    opt.load_state_dict(before)  # the good checkpoint still loads
+    train_steps(model, opt, 2, 1)
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -190,6 +190,10 @@ class Kron(keras.optimizers.Optimizer):
                 raise ValueError(f"Invalid {int_name}: {value!r}; expected an int >= {low}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"Invalid seed: {seed!r}; expected an int")
+        for bool_name, flag in (("momentum_into_precond_update", momentum_into_precond_update),
+                                ("merge_dims", merge_dims)):
+            if not isinstance(flag, bool):  # bool("no") would be True
+                raise ValueError(f"Invalid {bool_name}: {flag!r}; expected a bool")
         mu_dtype = _check_float_dtype("mu_dtype", mu_dtype, allow_none=True)
         precond_dtype = _check_float_dtype("precond_dtype", precond_dtype)
         probability = _check_probability(preconditioner_update_probability)
@@ -207,13 +211,13 @@ class Kron(keras.optimizers.Optimizer):
         self.max_size_triangular = max_size_triangular
         self.min_ndim_triangular = min_ndim_triangular
         self.memory_save_mode = memory_save_mode
-        self.momentum_into_precond_update = bool(momentum_into_precond_update)
+        self.momentum_into_precond_update = momentum_into_precond_update
         self.precond_lr = float(precond_lr)
         self.precond_init_scale = (None if precond_init_scale is None
                                    else float(precond_init_scale))
         self.mu_dtype = mu_dtype
         self.precond_dtype = precond_dtype
-        self.merge_dims = bool(merge_dims)
+        self.merge_dims = merge_dims
         self.seed = seed
 
     # -- state ----------------------------------------------------------------------

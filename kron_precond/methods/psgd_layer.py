@@ -357,13 +357,13 @@ class PSGDSpec(MethodSpec):
         "max_size_triangular": Option(8192, lambda n, v: check.check_int(n, v, minimum=0), collective=True),
         "min_ndim_triangular": Option(2, lambda n, v: check.check_int(n, v, minimum=0), collective=True),
         "memory_save_mode": Option(None, _check_memory_save_mode, collective=True),
-        "momentum_into_precond_update": Option(False, lambda n, v: bool(v)),
+        "momentum_into_precond_update": Option(False, check.check_bool),
         "precond_b1": Option(0.9, _check_b1),
         # 0 is meaningful (a warm-up from 0: no Q change)
         "precond_lr": Option(0.1, check.check_non_negative, per_step="refresh"),
         "precond_init_scale": Option(1.0, _check_init_scale),
         "precond_dtype": Option(torch.float32, check.check_float_dtype, collective=True),
-        "merge_dims": Option(False, lambda n, v: bool(v), collective=True),
+        "merge_dims": Option(False, check.check_bool, collective=True),
         "precond_update": Option("eq", _check_update_rule, collective=True),
         "seed": Option(0, _check_seed, collective=True),
     }

@@ -1,0 +1,51 @@
+"""A yes/no argument given as anything but a bool is refused at construction, naming it.
+
+``bool("no")`` is ``True``: a string (from a config file or a command line) that was coerced
+would silently turn on what the user meant to turn off. Every public yes/no argument of the
+torch classes is checked here, each against the class built with a real bool (which works)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from kron_precond import Kron, KronPreconditioner, WhitenedMuon
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+PRECONDITIONER = [("kfac", "symmetry_aware"), ("kfac", "colocate_factors"), ("kfac", "grafting"),
+                  ("psgd", "momentum_into_precond_update"), ("psgd", "merge_dims"), ("shampoo", "grafting")]
+
+
+@pytest.mark.parametrize("method, name", PRECONDITIONER)
+@pytest.mark.parametrize("bad", ["no", "False", 1, None])
+def test_preconditioner_refuses_a_non_bool(method, name, bad):
+    KronPreconditioner(_model(), method=method, **{name: False})  # a bool: accepted
+    with pytest.raises(TypeError, match=name):
+        KronPreconditioner(_model(), method=method, **{name: bad})
+
+
+@pytest.mark.parametrize("name", ["momentum_into_precond_update", "merge_dims"])
+@pytest.mark.parametrize("bad", ["no", 0, None])
+def test_kron_refuses_a_non_bool(name, bad):
+    Kron(_model().parameters(), lr=1e-3, **{name: False})
+    with pytest.raises(TypeError, match=name):
+        Kron(_model().parameters(), lr=1e-3, **{name: bad})
+
+
+@pytest.mark.parametrize("name", ["momentum_into_precond_update", "merge_dims"])
+def test_kron_refuses_a_non_bool_in_a_param_group(name):
+    opt = Kron(_model().parameters(), lr=1e-3)
+    with pytest.raises(TypeError, match=name):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2, 2))], name: "no"})
+
+
+@pytest.mark.parametrize("name", ["nesterov", "output_side", "center_inputs"])
+def test_whitened_muon_refuses_a_non_bool(name):
+    WhitenedMuon(_model(), lr=1e-3, **{name: False})
+    with pytest.raises(TypeError, match=name):
+        WhitenedMuon(_model(), lr=1e-3, **{name: "no"})
