@@ -281,11 +281,14 @@ def _candidates(model: nn.Module, is_skipped, log):
         yield name, module, own, label
 
 
-def find_kfac_modules(model: nn.Module, is_skipped, log) -> list[Selected]:
+def find_kfac_modules(model: nn.Module, is_skipped, log, *, weight_only: bool = False) -> list[Selected]:
     """The units of modules an adapter describes (Linear/ConvNd-like, fused experts, ...)
     whose parameters all train and belong to no other module (a tied weight's gradient
     mixes two layers' statistics), in ``model.named_modules()`` order; modules with a child
-    that holds parameters are skipped (its own hooks would see part of the work)."""
+    that holds parameters are skipped (its own hooks would see part of the work).
+
+    ``weight_only``: only the units' weights must train (an optimizer that leaves the bias to
+    another, as ``WhitenedMuon``); K-FAC's ``[W | b]`` units need the bias's gradient too."""
     owners = _owners(model)
     # MultiheadAttention uses its out_proj's weight functionally: out_proj.forward never
     # runs, so K-FAC's hooks would never see it.
@@ -303,14 +306,18 @@ def find_kfac_modules(model: nn.Module, is_skipped, log) -> list[Selected]:
         if name in functional:
             log(f"skipping {label}: nn.MultiheadAttention applies it functionally (no forward hook)")
             continue
-        if not all(p.requires_grad for _, p in own):
+        units = adapter.units(name, own)
+        if weight_only and not all(u.params[0][1].requires_grad for u in units):
+            log(f"skipping {label}: its weight does not require grad")
+            continue
+        if not weight_only and not all(p.requires_grad for _, p in own):
             log(f"skipping {label}: not all of its parameters require grad")
             continue
         shared = sorted({o for _, p in own for o in owners[id(p)] if o != name})
         if shared:
             log(f"skipping {label}: a parameter is shared with {', '.join(shared)} (tied weights)")
             continue
-        found.extend(adapter.units(name, own))
+        found.extend(units)
     return found
 
 

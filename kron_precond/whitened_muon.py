@@ -154,6 +154,11 @@ def _weight(unit: Selected) -> nn.Parameter:
     return unit.params[0][1]
 
 
+def _trains_bias(unit: Selected) -> bool:
+    """The unit has a bias that trains: a free shift of its outputs (one frozen gives none)."""
+    return unit.has_bias and unit.params[-1][1].requires_grad
+
+
 def _refuse_lazy(named_modules: Iterable[tuple[str, nn.Module]]) -> None:
     """``ValueError`` naming a module whose parameters are not materialised yet (``nn.LazyLinear``
     before its first forward): its shape, and so its whitener, is unknown."""
@@ -248,13 +253,13 @@ class WhitenedMuon(torch.optim.Optimizer):
             output on statistics steps; a backward cost then).
         center_inputs: whiten with the covariance of a layer's inputs about their mean (over
             each statistics step's rows) instead of their second moment. ``None`` (default):
-            centre the layers without a bias; ``True`` / ``False``: every layer / none. A layer
-            without a bias shifts all its outputs together only through the inputs' mean,
-            which the second moment makes the stiffest direction of the whitened norm, so such
-            layers barely move it; centring measures the step by the change it makes to the
-            outputs' spread and leaves that shift free. A layer with a bias has the bias
-            (stepped by AdamW) for the shift: centring it changes little, and it is left
-            uncentred. Centring costs, per call on statistics steps, a mean and a rank-1
+            centre the layers without a trainable bias; ``True`` / ``False``: every layer /
+            none. A layer without a bias shifts all its outputs together only through the
+            inputs' mean, which the second moment makes the stiffest direction of the whitened
+            norm, so such layers barely move it; centring measures the step by the change it
+            makes to the outputs' spread and leaves that shift free. A layer with a trainable
+            bias has the bias (stepped by AdamW) for the shift: centring it changes little, and
+            it is left uncentred; a frozen bias counts as none. Centring costs, per call on statistics steps, a mean and a rank-1
             product; until the step's refresh a centred side keeps, besides its product, a
             float64 ``width²`` term (per expert for fused experts) that joins the all-reduce.
         root: how ``F + λI`` is whitened: ``"cholesky"`` (``T = L⁻¹``, cheap) or
@@ -356,8 +361,9 @@ class WhitenedMuon(torch.optim.Optimizer):
         self.process_group = process_group
         self._sharded = self._sharded_layout([(self._names[id(w)], w) for w in whitened], process_group)
         sides = ("input", "output") if self.output_side else ("input",)
-        # None: centre the layers without a bias (see the docstring)
-        centered = {id(_weight(u)) for u in units if (not u.has_bias if center_inputs is None else center_inputs)}
+        # None: centre the layers without a trainable bias (see the docstring)
+        centered = {id(_weight(u)) for u in units
+                    if (not _trains_bias(u) if center_inputs is None else center_inputs)}
         # The hooks reach the statistics, which must not keep the optimizer alive: an optimizer the
         # caller drops (an lr sweep on one model) is freed, and the finaliser removes its hooks.
         self._statistics = WhiteningStatistics(self.state, self._views, weakly(self._due, default=False),
@@ -406,7 +412,8 @@ class WhitenedMuon(torch.optim.Optimizer):
         if isinstance(params, nn.Module):
             _refuse_lazy(params.named_modules())
             patterns = compile_skip_patterns(skip_layers)
-            units = find_kfac_modules(params, lambda name, module: is_skipped(name, module, patterns), logger.info)
+            units = find_kfac_modules(params, lambda name, module: is_skipped(name, module, patterns), logger.info,
+                                      weight_only=True)  # a frozen bias: AdamW's business, not the whitening's
             if not units:
                 raise ValueError(f"WhitenedMuon: no module of {type(params).__name__} can be whitened (nn.Linear, "
                                  f"HF Conv1D, convolutions, fused experts; see register_adapter) with "

@@ -673,3 +673,37 @@ def test_a_weight_applied_outside_its_module_warns_once_naming_it():
 def test_msign_module_constant_is_torch_muons():
     from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C
     assert wm.NS_COEFFICIENTS == (DEFAULT_A, DEFAULT_B, DEFAULT_C)
+
+
+def test_a_frozen_bias_leaves_its_weight_whitened_and_its_inputs_centred():
+    """The bias is not whitened (AdamW steps it when it trains), so a frozen one must not send
+    its weight to AdamW (K-FAC's rule for ``[W | b]`` units). A bias that does not train gives
+    the layer no free shift, so the layer is centred like one without a bias: its factor is the
+    covariance of its inputs about their mean (float64 reference from the inputs)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    model[0].bias.requires_grad_(False)
+    opt = WhitenedMuon(model, lr=0.02, statistics_every=1, factor_decay=0.5)
+    names = {g["algorithm"]: g["param_names"] for g in opt.param_groups}
+    assert names == {"whitened_muon": ["0.weight", "2.weight"], "adamw": ["2.bias"]}
+    seen = {}
+
+    def record(index):
+        def hook(module, inputs, output):
+            seen.setdefault(index, inputs[0].detach().double())
+        return hook
+
+    for index in (0, 2):
+        model[index].register_forward_hook(record(index))
+    x, y = torch.randn(16, 5) + 3.0, torch.randn(16, 3)  # inputs far from the origin
+    frozen = model[0].bias.detach().clone()
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    rows = seen[0] - seen[0].mean(dim=0)
+    factor = opt.state[model[0].weight]["input_factor"][0]
+    torch.testing.assert_close(factor.double(), rows.T @ rows / rows.shape[0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(model[0].bias, frozen)
+    # a trainable bias: that layer stays uncentred (the inputs' second moment)
+    hidden = seen[2]
+    factor2 = opt.state[model[2].weight]["input_factor"][0]
+    torch.testing.assert_close(factor2.double(), hidden.T @ hidden / hidden.shape[0], rtol=1e-5, atol=1e-6)
