@@ -259,8 +259,8 @@ class WhitenedMuon(torch.optim.Optimizer):
             norm, so such layers barely move it; centring measures the step by the change it
             makes to the outputs' spread and leaves that shift free. A layer with a trainable
             bias has the bias (stepped by AdamW) for the shift: centring it changes little, and
-            it is left uncentred; a frozen bias counts as none. Centring costs, per call on statistics steps, a mean and a rank-1
-            product; until the step's refresh a centred side keeps, besides its product, a
+            it is left uncentred; a frozen bias counts as none. Centring costs, per call on
+            statistics steps, a mean and a rank-1 product; until the step's refresh a centred side keeps, besides its product, a
             float64 ``width²`` term (per expert for fused experts) that joins the all-reduce.
         root: how ``F + λI`` is whitened: ``"cholesky"`` (``T = L⁻¹``, cheap) or
             ``"symmetric"`` (``(F + λI)^{-1/2}``, an ``eigh``). Both define the same norm and the
