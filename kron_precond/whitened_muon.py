@@ -260,8 +260,9 @@ class WhitenedMuon(torch.optim.Optimizer):
             makes to the outputs' spread and leaves that shift free. A layer with a trainable
             bias has the bias (stepped by AdamW) for the shift: centring it changes little, and
             it is left uncentred; a frozen bias counts as none. Centring costs, per call on
-            statistics steps, a mean and a rank-1 product; until the step's refresh a centred side keeps, besides its product, a
-            float64 ``width²`` term (per expert for fused experts) that joins the all-reduce.
+            statistics steps, a mean and a rank-1 product; until the step's refresh a centred
+            side keeps, besides its product, a float64 ``width²`` term (per expert for fused
+            experts) that joins the all-reduce.
         root: how ``F + λI`` is whitened: ``"cholesky"`` (``T = L⁻¹``, cheap) or
             ``"symmetric"`` (``(F + λI)^{-1/2}``, an ``eigh``). Both define the same norm and the
             same exact step; they differ only through Newton-Schulz's approximation.
