@@ -150,3 +150,49 @@ def test_resume_continues_bitwise(make_step):
     straight = _procrustes_run(make_step, batches)
     resumed = _procrustes_run(make_step, batches, resume_at=4)
     assert torch.equal(straight, resumed), (straight - resumed).abs().max()
+
+
+def _trained_preconditioner(rule: str, seed: int = 0) -> tuple[torch.nn.Module, KronPreconditioner]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    precond = KronPreconditioner(model, method="psgd", precond_update=rule, preconditioner_update_probability=1.0)
+    for x in _shrinking_batches(3):
+        model.zero_grad()
+        (model(x.float()) ** 2).mean().backward()
+        precond.step()
+    return model, precond
+
+
+def test_an_eq_preconditioner_refuses_a_procrustes_checkpoint_and_changes_nothing():
+    """The eq rule applies its factors by triangular solves: a Procrustes factor (dense) loaded
+    into it would be read by its upper triangle alone, a silently wrong preconditioner."""
+    _, procrustes = _trained_preconditioner("procrustes")
+    saved = procrustes.state_dict()
+    assert any(not torch.equal(q, q.triu()) for layer in saved["layers"].values()
+               for factors in layer["factors"].values() for q in factors["q"] if q.dim() == 2)
+    _, eq = _trained_preconditioner("eq", seed=1)
+    before = eq.state_dict()
+    with pytest.raises(ValueError, match="procrustes"):
+        eq.load_state_dict(saved)
+    after = eq.state_dict()
+    for name, layer in before["layers"].items():
+        for part, factors in layer["factors"].items():
+            for q, q_after in zip(factors["q"], after["layers"][name]["factors"][part]["q"]):
+                assert torch.equal(q, q_after)
+    # without its Lipschitz estimates (a file from before they were saved): still refused
+    for layer in saved["layers"].values():
+        for factors in layer["factors"].values():
+            factors.pop("lipschitz", None)
+    with pytest.raises(ValueError, match="triangular"):
+        eq.load_state_dict(saved)
+
+
+def test_a_procrustes_preconditioner_takes_an_eq_checkpoint():
+    """An upper-triangular factor is a dense one too: the Procrustes fit continues from it."""
+    _, eq = _trained_preconditioner("eq")
+    model, procrustes = _trained_preconditioner("procrustes", seed=1)
+    procrustes.load_state_dict(eq.state_dict())
+    for name, layer in eq.state_dict()["layers"].items():
+        for part, factors in layer["factors"].items():
+            for q, got in zip(factors["q"], procrustes.state_dict()["layers"][name]["factors"][part]["q"]):
+                assert torch.equal(q, got)

@@ -251,6 +251,13 @@ class PSGDLayer(LayerMethod):
             checks.boolean(checks.entry(saved, "initialized", f"{where}.{part}"), f"{where}.{part}: initialized")
             if "lipschitz" in saved and probe.lipschitz:  # Procrustes-style fit (older files lack it)
                 checks.tensor_list(saved["lipschitz"], [()] * len(probe.lipschitz), f"{where}.{part}: lipschitz")
+            if not probe.lipschitz:  # the eq rule: triangular solves read the upper triangle alone
+                if saved.get("lipschitz"):
+                    raise ValueError(f"{where}.{part}: saved with precond_update='procrustes' (dense factors); "
+                                     f"this preconditioner uses precond_update='eq'")
+                if any(q.dim() == 2 and bool(q.tril(-1).any()) for q in saved["q"]):
+                    raise ValueError(f"{where}.{part}: a factor is not upper-triangular (saved with "
+                                     f"precond_update='procrustes'?); precond_update='eq' needs triangular ones")
         momentum = state.get("momentum")
         if self._averages is not None and momentum is not None:
             for part, shape in self.shapes.items():
