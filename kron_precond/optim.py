@@ -388,9 +388,11 @@ class Kron(torch.optim.Optimizer):
         state_dict["state"] = {}
         super().load_state_dict(state_dict)
         self._tensors.clear()
-        self._reported.clear()
         for p, state in new_states.items():
             self.state[p] = state
+        # the loaded counters were reported by the run that saved them: report what comes after
+        self._reported.clear()
+        new_nonfinite_steps(self, self._reported)
         if decider is not None:
             self._decider.load_state_dict(decider.state_dict())
             self._q_updates = q_updates

@@ -741,6 +741,9 @@ class WhitenedMuon(torch.optim.Optimizer):
             for key, value in values.items():
                 self.state[p][key] = value.to(device=p.device, copy=True)
         self._capture.collecting = any(self._due(p) for p in self._whitened_params())
+        # the loaded counters were reported by the run that saved them: report what comes after
+        self._reported.clear()
+        new_nonfinite_steps(self, self._reported)
 
     def _checked_state(self, state_dict: dict[str, Any]) -> tuple[dict, dict[nn.Parameter, dict]]:
         """(the saved per-parameter state this optimizer loads, the entries torch.optim's load

@@ -426,3 +426,32 @@ def test_a_checkpoint_with_an_impossible_counter_is_refused_and_changes_nothing(
     opt.load_state_dict(before)  # the good checkpoint still loads
     train_steps(model, opt, 2, 1)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_resume_reports_only_the_non_finite_steps_after_the_checkpoint():
+    """The saved counters were reported by the run that saved them; after a resume the warning
+    names the new ones (and the total), once."""
+    def nan_step(model, opt):
+        opt.zero_grad()
+        x, y = batch(0)
+        nn.functional.mse_loss(model(x), y).backward()
+        next(model.parameters()).grad[0, 0] = float("nan")
+        opt.step()
+
+    model = mlp()
+    opt = Kron(model.parameters(), lr=1e-2)
+    opt.nonfinite_warn_interval = 1
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        nan_step(model, opt)
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        nan_step(model, opt)
+    saved = copy.deepcopy(opt.state_dict())
+    twin = copy.deepcopy(model)
+    resumed = Kron(twin.parameters(), lr=1e-2)
+    resumed.nonfinite_warn_interval = 1
+    resumed.load_state_dict(saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_steps(twin, resumed, 0, 2)  # no new non-finite step: nothing to report
+    with pytest.warns(RuntimeWarning, match=r"1 step\(s\), 3 in total"):
+        nan_step(twin, resumed)

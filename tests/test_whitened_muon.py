@@ -670,3 +670,31 @@ def test_autocast_inputs_enter_the_factor_in_float32_and_a_scaler_skipped_step_k
     torch.testing.assert_close(factor.double(), expected, rtol=1e-5, atol=1e-6)
     assert all(torch.isfinite(w).all() for w in (net.a.weight, net.b.weight))
     assert not all(torch.equal(w, p) for w, p in zip(weights, (net.a.weight, net.b.weight)))
+
+
+def test_non_finite_steps_after_loading_an_earlier_checkpoint_are_reported():
+    """Rolling back to an earlier checkpoint lowers the counters below what was reported: the
+    non-finite steps after the load must still be reported, not hidden under the old count."""
+    net = make_net(torch.float32)
+    opt = WhitenedMuon([net.a, net.b], lr=LR)
+    opt.nonfinite_warn_interval = 3  # the counters are read on steps 1, 4, 7, ...
+    data = batches(2, torch.float32)
+
+    def step(nan: bool) -> None:
+        opt.zero_grad()
+        loss_of(net, *data[0]).backward()
+        if nan:
+            net.a.weight.grad[0, 0] = float("nan")
+        opt.step()
+
+    step(False)  # step 1
+    early = copy.deepcopy(opt.state_dict())
+    step(True)
+    step(True)
+    with pytest.warns(RuntimeWarning, match=r"\(shape \(7, 5\)\): 3 step"):
+        step(True)  # step 4 reads the counter: 3
+    opt.load_state_dict(early)  # the counter is 0 again
+    step(True)
+    step(True)
+    with pytest.warns(RuntimeWarning, match=r"modules\[0\]\.weight \(shape \(7, 5\)\): [23] step"):
+        step(False)  # step 7 reads it: 2 non-finite steps since the load
