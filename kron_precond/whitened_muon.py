@@ -382,7 +382,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         self._finalizer.atexit = False
         self._reported: dict[int, int] = {}
         self._unobserved_warned: set[int] = set()
-        self._steps = 0  # step() calls, for the interval of the non-finite report
+        self._steps = 0  # step() calls: the statistics schedule and the non-finite report's interval
         self._casts: dict[tuple[int, ...], tuple] = {}  # stacked whiteners in ns_dtype, per stack
 
     # the arguments' values, read back (torch.optim keeps per-group ones in param_groups)
@@ -489,8 +489,15 @@ class WhitenedMuon(torch.optim.Optimizer):
 
     # -- the step ----------------------------------------------------------------------
     def _due(self, weight: torch.Tensor) -> bool:
-        """Whether this step gathers (and refreshes) ``weight``'s statistics."""
-        return self.state[weight].get("step", 0) % self.statistics_every == 0
+        """Whether this step gathers (and refreshes) ``weight``'s statistics: every
+        ``statistics_every``-th step of the optimizer, for every weight that trains. One count
+        for all weights: a weight that misses steps (an expert no token reached) stays in phase
+        with the rest, so the hooks collect on one step in ``statistics_every``; a frozen one
+        costs no products."""
+        return weight.requires_grad and self._statistics_step()
+
+    def _statistics_step(self) -> bool:
+        return self._steps % self.statistics_every == 0
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -536,7 +543,7 @@ class WhitenedMuon(torch.optim.Optimizer):
                 for p in members:
                     self.state[p]["step"] = self.state[p].get("step", 0) + 1
         self._steps += 1
-        self._capture.collecting = any(self._due(p) for p in self._whitened_params())
+        self._capture.collecting = self._statistics_step()
         if (self._steps - 1) % self.nonfinite_warn_interval == 0:
             self._report_nonfinite()
 
@@ -740,7 +747,10 @@ class WhitenedMuon(torch.optim.Optimizer):
         for p, values in exact.items():
             for key, value in values.items():
                 self.state[p][key] = value.to(device=p.device, copy=True)
-        self._capture.collecting = any(self._due(p) for p in self._whitened_params())
+        # the statistics schedule resumes from the count of the weight that stepped most (every
+        # weight with a gradient on every step: the optimizer's count)
+        self._steps = max((int(self.state[p].get("step", 0)) for p in self._whitened_params()), default=0)
+        self._capture.collecting = self._statistics_step()
         # the loaded counters were reported by the run that saved them: report what comes after
         self._reported.clear()
         new_nonfinite_steps(self, self._reported)

@@ -707,3 +707,93 @@ def test_a_frozen_bias_leaves_its_weight_whitened_and_its_inputs_centred():
     hidden = seen[2]
     factor2 = opt.state[model[2].weight]["input_factor"][0]
     torch.testing.assert_close(factor2.double(), hidden.T @ hidden / hidden.shape[0], rtol=1e-5, atol=1e-6)
+
+
+class SparseExperts(nn.Module):
+    """Eight Linear experts of which two (chosen per call) run: the others get no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(8))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x, used):
+        return self.head(sum(self.experts[i](x) for i in used))
+
+
+def _count_statistics(model, opt, steps, used_at, statistics_every=5):
+    """(steps whose forward collected statistics, products computed per expert)."""
+    import kron_precond.whitening as whitening
+    products: dict[int, int] = {}
+    original = whitening.WhiteningStatistics.observe
+
+    def counting(self, unit, side, rows, scale):
+        if self.due(unit.param):
+            products[id(unit.param)] = products.get(id(unit.param), 0) + 1
+        return original(self, unit, side, rows, scale)
+
+    collecting_steps = []
+    whitening.WhiteningStatistics.observe = counting
+    try:
+        g = torch.Generator().manual_seed(1)
+        for step in range(steps):
+            collecting_steps.append(opt._capture.collecting)
+            x = torch.randn(16, 8, generator=g)
+            opt.zero_grad()
+            model(x, used_at(step, g)).square().mean().backward()
+            opt.step()
+    finally:
+        whitening.WhiteningStatistics.observe = original
+    return collecting_steps, products
+
+
+def test_weights_without_a_gradient_on_some_steps_keep_the_statistics_schedule():
+    """Experts that miss steps must not spread the statistics over every step: the hooks
+    collect on every ``statistics_every``-th step, for every weight that runs then."""
+    torch.manual_seed(0)
+    model = SparseExperts()
+    opt = WhitenedMuon(model, lr=1e-2, statistics_every=5)
+    collecting, _ = _count_statistics(model, opt, 100, lambda step, g: torch.randperm(8, generator=g)[:2].tolist())
+    assert [i for i, c in enumerate(collecting) if c] == list(range(0, 100, 5))
+
+
+def test_a_weight_frozen_during_training_stops_costing_statistics():
+    """A layer frozen mid-run (progressive freezing) computes no more products, and the other
+    layers keep their schedule."""
+    torch.manual_seed(0)
+    model = SparseExperts()
+    opt = WhitenedMuon(model, lr=1e-2, statistics_every=5)
+    _count_statistics(model, opt, 7, lambda step, g: [0, 1])
+    model.experts[0].requires_grad_(False)  # frozen at step 7; it still runs in the forward
+    collecting, products = _count_statistics(model, opt, 30, lambda step, g: [0, 1])
+    assert products.get(id(model.experts[0].weight), 0) == 0
+    assert products[id(model.experts[1].weight)] == 6  # steps 10, 15, ..., 35
+    assert [i + 7 for i, c in enumerate(collecting) if c] == list(range(10, 37, 5))
+
+
+def test_the_statistics_schedule_resumes_from_a_checkpoint_bitwise():
+    """Experts that miss steps have lower counts than the optimizer: the resumed schedule is
+    the optimizer's, so a resumed run continues exactly as the uninterrupted one."""
+    def run(resume_at=None):
+        torch.manual_seed(0)
+        model = SparseExperts()
+        opt = WhitenedMuon(model, lr=1e-2, statistics_every=3)
+        g = torch.Generator().manual_seed(1)
+        for step in range(14):
+            if step == resume_at:
+                saved, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+                torch.manual_seed(5)
+                model = SparseExperts()
+                model.load_state_dict(weights)
+                opt = WhitenedMuon(model, lr=1e-2, statistics_every=3)
+                opt.load_state_dict(saved)
+            x = torch.randn(16, 8, generator=g)
+            used = torch.randperm(8, generator=g)[:2].tolist()
+            opt.zero_grad()
+            model(x, used).square().mean().backward()
+            opt.step()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    straight = run()
+    for resume_at in (4, 7):
+        assert torch.equal(run(resume_at), straight)
