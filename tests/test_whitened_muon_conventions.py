@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import pickle
+import warnings
 import weakref
 
 import numpy as np
@@ -250,3 +251,18 @@ def test_a_complex_parameter_is_refused_at_construction_naming_it():
     model.register_parameter("phase", nn.Parameter(torch.zeros(3, dtype=torch.complex64)))
     with pytest.raises(TypeError, match="phase"):
         WhitenedMuon(model, lr=1e-2)
+
+
+@pytest.mark.parametrize("every, decay", [(100, 0.8), (100, 0.0), (10, 0.95), (20, 0.8)])
+def test_a_statistics_horizon_of_a_hundred_steps_or_more_is_warned_about(every, decay):
+    """Settings brought from a library whose root is refreshed every 100 steps keep the whitener
+    stale: said at construction, naming both settings."""
+    with pytest.warns(UserWarning, match=f"statistics_every={every} and factor_decay={decay}"):
+        WhitenedMuon([nn.Linear(4, 3)], lr=1e-3, statistics_every=every, factor_decay=decay)
+
+
+@pytest.mark.parametrize("every, decay", [(5, 0.8), (10, 0.6), (1, 0.8), (1, 0.95), (24, 0.0)])
+def test_the_defaults_and_short_horizons_are_not_warned_about(every, decay):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        WhitenedMuon([nn.Linear(4, 3)], lr=1e-3, statistics_every=every, factor_decay=decay)
