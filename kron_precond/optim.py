@@ -412,11 +412,7 @@ class Kron(torch.optim.Optimizer):
         checks.tensor_list(saved["Q"], expected, f"{where}: Q")
         checks.float_tensor(saved["momentum_buffer"], p.shape, f"{where}: momentum_buffer")
         for key in ("step", "nonfinite_steps"):
-            if not isinstance(saved[key], torch.Tensor) or saved[key].numel() != 1:
-                raise ValueError(f"{where}: {key} must be a 1-element tensor, got {saved[key]!r}")
-            count = float(saved[key].reshape(()))  # a count: the step's bias correction reads it
-            if not (math.isfinite(count) and count >= 0 and count == int(count)):
-                raise ValueError(f"{where}: {key} must count steps (a whole number >= 0), got {count!r}")
+            checks.count(saved[key], f"{where}: {key}")
         checks.boolean(saved["q_initialized"], f"{where}: q_initialized")
         lipschitz = saved.get("lipschitz", [])  # Procrustes-style fit only; older files lack it
         if lipschitz:

@@ -196,3 +196,28 @@ def test_a_procrustes_preconditioner_takes_an_eq_checkpoint():
         for part, factors in layer["factors"].items():
             for q, got in zip(factors["q"], procrustes.state_dict()["layers"][name]["factors"][part]["q"]):
                 assert torch.equal(q, got)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -2.0, 1.5])
+def test_a_momentum_step_count_that_does_not_count_steps_is_refused(bad):
+    """The factors' fit debiases its momentum by this count: a NaN would reach the weights."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    precond = KronPreconditioner(model, method="psgd", momentum_into_precond_update=True,
+                                 preconditioner_update_probability=1.0)
+    for x in _shrinking_batches(2):
+        model.zero_grad()
+        (model(x.float()) ** 2).mean().backward()
+        precond.step()
+    import copy
+    before = copy.deepcopy(precond.state_dict())
+    saved = copy.deepcopy(before)
+    layer = next(iter(saved["layers"].values()))
+    part = next(iter(layer["momentum_steps"]))
+    layer["momentum_steps"][part] = torch.tensor(bad)
+    with pytest.raises(ValueError, match="momentum_steps"):
+        precond.load_state_dict(saved)
+    after = precond.state_dict()
+    for name, layer in before["layers"].items():
+        for key, value in layer["momentum_steps"].items():
+            assert torch.equal(after["layers"][name]["momentum_steps"][key], value)

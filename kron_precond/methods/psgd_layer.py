@@ -266,10 +266,8 @@ class PSGDLayer(LayerMethod):
             steps = state.get("momentum_steps", 0)
             if isinstance(steps, dict):  # per tensor (files before that: one count for the layer)
                 for part in self.parts:
-                    value = checks.entry(steps, part, f"{where}: momentum_steps")
-                    if not isinstance(value, torch.Tensor) or value.numel() != 1:
-                        raise ValueError(f"{where}: momentum_steps[{part!r}] must be a 1-element "
-                                         f"tensor, got {value!r}")
+                    checks.count(checks.entry(steps, part, f"{where}: momentum_steps"),
+                                 f"{where}: momentum_steps[{part!r}]")
             else:
                 checks.integer(steps, f"{where}: momentum_steps")
 

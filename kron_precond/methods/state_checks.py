@@ -6,6 +6,7 @@ first (presence, type, shape, dtype kind, finiteness), so a bad checkpoint raise
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -51,3 +52,13 @@ def boolean(value: Any, where: str) -> None:
 def integer(value: Any, where: str, minimum: int = 0) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{where}: expected an integer >= {minimum}, got {value!r}")
+
+
+def count(value: Any, where: str) -> None:
+    """A step counter kept as a 1-element tensor: a whole number >= 0 (a bias correction reads
+    it, so a NaN or a negative count would reach the weights)."""
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        raise ValueError(f"{where} must be a 1-element tensor, got {value!r}")
+    number = float(value.reshape(()))
+    if not (math.isfinite(number) and number >= 0 and number == int(number)):
+        raise ValueError(f"{where} must count steps (a whole number >= 0), got {number!r}")
