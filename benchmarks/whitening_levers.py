@@ -124,11 +124,11 @@ class _VariantStatistics(WhiteningStatistics):
         wide = _shape_kind(self.views[id(param)].shape, "output") == "wide"
         return self.output_layers == "all" or wide == (self.output_layers == "wide")
 
-    def _zeros(self, param, side, dtype, device):
+    def side_blocks(self, param, side):
         if side != "output" or self.output_block is None:
-            return super()._zeros(param, side, dtype, device)
+            return super().side_blocks(param, side)
         with _set(self, "block_size", self.output_block):
-            return super()._zeros(param, side, dtype, device)
+            return super().side_blocks(param, side)
 
 
 @contextlib.contextmanager

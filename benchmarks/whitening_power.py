@@ -27,13 +27,13 @@ import budget_speedup  # noqa: E402  (the benchmark this one runs)
 
 
 def power_whitener(power: float) -> Callable:
-    """A ``WhiteningStatistics.whitener`` returning ``(F + λI)^{-power}`` per block (``λ`` as the
-    library's: ``damping · tr(F) / b``), the identity for an all-zero block and the previous
-    whitener where the decomposition is not finite, as the library's does."""
+    """A ``WhiteningStatistics.decompose`` returning ``(F + λI)^{-power}`` per block (``λ`` as the
+    library's: ``damping · tr(F) / b``) and whether it is finite (where it is not, the refresh
+    keeps the previous whitener, as the library's does)."""
     if not power > 0:
         raise ValueError(f"power must be > 0, got {power!r}")
 
-    def whitener(self, factor: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+    def decompose(self, factor: torch.Tensor, overwrite: bool) -> tuple[torch.Tensor, torch.Tensor]:
         size = factor.shape[-1]
         eye = torch.eye(size, dtype=factor.dtype, device=factor.device)
         lam = (self.damping * factor.diagonal(dim1=-2, dim2=-1).sum(-1) / size)[:, None, None]
@@ -41,16 +41,15 @@ def power_whitener(power: float) -> Callable:
         values, vectors = torch.linalg.eigh((factor + floor * eye).double())
         scale = values.clamp(min=floor[:, :, 0].double()).pow(-power)
         result = ((vectors * scale[:, None, :]) @ vectors.mT).to(factor.dtype)
-        good = torch.isfinite(result.sum(dim=(1, 2), keepdim=True))
-        return torch.where(good, result, eye.expand_as(result) if previous is None else previous)
-    return whitener
+        return result, torch.isfinite(result.sum(dim=(1, 2), keepdim=True))
+    return decompose
 
 
 def main(argv: Sequence[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--power", type=float, required=True, help="the whitener's power p (the library's: 0.5)")
     args, rest = parser.parse_known_args(argv)
-    whitening.WhiteningStatistics.whitener = power_whitener(args.power)  # this process only
+    whitening.WhiteningStatistics.decompose = power_whitener(args.power)  # this process only
     return budget_speedup.main(rest)
 
 

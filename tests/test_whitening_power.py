@@ -18,7 +18,7 @@ from kron_precond import WhitenedMuon, whitening  # noqa: E402
 
 @pytest.mark.parametrize("power", [0.35, 0.5, 0.65])
 def test_the_whitener_is_the_damped_factor_to_minus_the_power(monkeypatch, power):
-    monkeypatch.setattr(whitening.WhiteningStatistics, "whitener", power_whitener(power))
+    monkeypatch.setattr(whitening.WhiteningStatistics, "decompose", power_whitener(power))
     torch.manual_seed(0)
     layer = nn.Linear(6, 3, bias=True).double()
     x = torch.randn(50, 6, dtype=torch.float64) * torch.logspace(0, -1.5, 6, dtype=torch.float64)
