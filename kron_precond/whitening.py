@@ -150,16 +150,15 @@ class WhiteningStatistics:
             terms = (product, finite.to(wide) * x.shape[0], *centring)
             if side == "input":
                 self._remember(rows, cache, terms)
-        key = (id(param), side)
-        pending = self.pending.get(key)
-        if pending is None and view.units == 1:  # the first call since the refresh: its terms are the sums
-            # (copies of an input's terms, which the layers reading the same input share)
-            self.pending[key] = [t.unsqueeze(0).clone() if side == "input" else t.unsqueeze(0) for t in terms]
-        else:
-            if pending is None:
-                pending = self.pending[key] = self._zeros(param, side, wide, x.device)
-            for total, term in zip(pending, terms):  # product, count (a centred side's: row sum, s sᵀ / n)
-                total[unit.index].add_(term)
+        # Always added to zeros, never taken over by the first call: a forward recomputed under
+        # selective activation checkpointing must run the same ops as the original forward
+        # (torch.utils.checkpoint replays the ops it saved by their order), and the recompute
+        # finds the sums already there.
+        pending = self.pending.get((id(param), side))
+        if pending is None:
+            pending = self.pending[(id(param), side)] = self._zeros(param, side, wide, x.device)
+        for total, term in zip(pending, terms):  # product, count (a centred side's: row sum, s sᵀ / n)
+            total[unit.index].add_(term)
         self.observed.add(id(param))
         self.observed_this_step = True
 
