@@ -15,7 +15,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from kron_precond import WhitenedMuon
 
-WIDE = 300  # wider than two product stripes
+WIDE = 450  # products by stripes
 
 
 class Block(nn.Module):

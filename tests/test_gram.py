@@ -11,7 +11,7 @@ from kron_precond import WhitenedMuon
 from kron_precond.whitening import GRAM_STRIPE, gram
 
 
-@pytest.mark.parametrize("n", [1, 5, GRAM_STRIPE, 2 * GRAM_STRIPE - 1, 2 * GRAM_STRIPE, 2 * GRAM_STRIPE + 1, 300, 512])
+@pytest.mark.parametrize("n", [1, 5, GRAM_STRIPE, 3 * GRAM_STRIPE - 1, 3 * GRAM_STRIPE, 3 * GRAM_STRIPE + 1, 450, 512])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_gram_is_the_dense_product_and_exactly_symmetric(n, batch):
     g = torch.Generator().manual_seed(n)
@@ -37,7 +37,7 @@ def test_gram_of_a_strided_view_as_the_statistics_read_their_rows():
     torch.testing.assert_close(gram(view), view.mT @ view, rtol=1e-12, atol=1e-12)
 
 
-WIDTH = 2 * GRAM_STRIPE + 44  # three stripes, the last one narrower
+WIDTH = 3 * GRAM_STRIPE + 44  # four stripes, the last one narrower
 
 
 def _covariance(*parts: torch.Tensor) -> torch.Tensor:
