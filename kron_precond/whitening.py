@@ -143,10 +143,11 @@ class WhiteningStatistics:
                 xs = xs * scale
             products = self._centred_terms(xs, blocks) if centred else (self._product(xs, blocks),)
             # rows that are not finite (an fp16 overflow that GradScaler will skip) are left out:
-            # the call's terms are zeroed where they are computed (once for the layers that share them)
+            # the call's terms are zeroed where they are computed (once for the layers that share
+            # them), out of place: selective activation checkpointing keeps the matmul's output and
+            # refuses a recompute that finds it changed
             finite = torch.isfinite(products[0].sum())
-            left_out = ~finite
-            product, *centring = (t.masked_fill_(left_out, 0) for t in products)
+            product, *centring = (torch.where(finite, t, 0.0) for t in products)
             terms = (product, finite.to(wide) * x.shape[0], *centring)
             if side == "input":
                 self._remember(rows, cache, terms)
