@@ -804,7 +804,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         shapes = {"momentum_buffer": shape, "nonfinite_steps": ()}
         for side in self._statistics.sides:
             width = view.width(side)
-            blocks = self._statistics.blocks(width)
+            blocks = self._statistics.side_blocks(p, side)
             square = view.state_units + (blocks, width // blocks, width // blocks)
             shapes.update({f"{side}_factor": square, f"{side}_whitener": square, f"{side}_seen": view.state_units})
         return shapes

@@ -151,10 +151,9 @@ class WhiteningStatistics:
             terms = (product, finite.to(wide) * x.shape[0], *centring)
             if side == "input":
                 self._remember(rows, cache, terms)
-        # Always added to zeros, never taken over by the first call: a forward recomputed under
-        # selective activation checkpointing must run the same ops as the original forward
-        # (torch.utils.checkpoint replays the ops it saved by their order), and the recompute
-        # finds the sums already there.
+        # Every call adds to zeroed sums: a forward recomputed under selective activation
+        # checkpointing must run the same ops as the original forward (torch.utils.checkpoint
+        # replays the ops it saved by their order), and the recompute finds the sums already there.
         pending = self.pending.get((id(param), side))
         if pending is None:
             pending = self.pending[(id(param), side)] = self._zeros(param, side, wide, x.device)
