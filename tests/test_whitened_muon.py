@@ -375,6 +375,27 @@ def test_newton_schulz_of_a_stack_is_torch_muons_bitwise_matrix_by_matrix():
         assert torch.equal(wm.msign(stack[1]), got[1])  # a lone matrix: the same
 
 
+@pytest.mark.parametrize("shape", [(128, 512), (512, 128), (96, 200)])
+def test_a_weight_alone_in_its_layout_steps_as_it_would_in_a_stack(shape):
+    """Weights of one shape are stepped as one stack; a weight with no twin is a stack of one.
+    Its whitened direction must not depend on that: bitwise the same as the same matrix's in a
+    stack of three (on CPU, ``@`` on a batch of one with a transposed bfloat16 operand takes
+    another kernel than ``bmm``, with other rounding, 4-5x slower)."""
+    torch.manual_seed(0)
+    out_dim, in_dim = shape
+    opt = WhitenedMuon([nn.Linear(in_dim, out_dim, bias=False)], lr=LR)
+    updates = torch.randn(3, out_dim, in_dim)
+    right = torch.linalg.cholesky(torch.cov(torch.randn(in_dim, 4 * in_dim)) + torch.eye(in_dim))
+    right = torch.linalg.inv(right).expand(3, 1, in_dim, in_dim).to(torch.bfloat16)
+    stacked = opt._direction(updates, None, right)
+    alone = opt._direction(updates[1:2], None, right[1:2])
+    assert torch.equal(alone[0], stacked[1])
+    left = right[..., :out_dim, :out_dim] if out_dim <= in_dim else None
+    if left is not None:
+        assert torch.equal(opt._direction(updates[1:2], left[1:2], right[1:2])[0],
+                           opt._direction(updates, left, right)[1])
+
+
 def test_statistics_only_on_statistics_steps_and_refresh_then():
     net = make_net()
     opt = WhitenedMuon([net.a, net.b], lr=LR, statistics_every=3)
