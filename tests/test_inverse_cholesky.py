@@ -41,6 +41,30 @@ def test_every_leaf_width_gives_the_same_inverse(leaf):
     torch.testing.assert_close(inverse, _reference(factor), rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("triangle", [1, 2, 3, 8, 50])
+@pytest.mark.parametrize("n", [37, 100, 257])
+def test_every_triangle_width_gives_the_same_inverse(n, triangle):
+    """The triangular and lower-only products (from ``2 · triangle`` wide) against float64 LAPACK:
+    odd halvings, down to single-column blocks."""
+    factor = _factors((3,), n, torch.float64, seed=6)
+    inverse, info = inverse_cholesky(factor, leaf=8, triangle=triangle)
+    assert torch.equal(info, torch.zeros_like(info))
+    assert torch.equal(inverse.triu(1), torch.zeros_like(inverse))
+    torch.testing.assert_close(inverse, _reference(factor), rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("triangle", [4, 128])
+def test_only_the_lower_triangle_is_read(triangle):
+    """The Schur complements' upper blocks are left stale; so may the input's be."""
+    factor = _factors((2,), 300, torch.float64, seed=7)
+    scribbled = factor.clone()
+    rows, cols = torch.triu_indices(300, 300, 1)
+    scribbled[:, rows, cols] = float("nan")
+    inverse, info = inverse_cholesky(scribbled, leaf=16, triangle=triangle)
+    assert torch.equal(info, torch.zeros_like(info))
+    torch.testing.assert_close(inverse, _reference(factor), rtol=1e-9, atol=1e-11)
+
+
 @pytest.mark.parametrize("n", [512, 1024])
 def test_float32_agrees_with_lapacks_cholesky_and_solve_to_rounding(n):
     factor = _factors((2,), n, torch.float32, seed=2)
