@@ -107,6 +107,8 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=100, help="timed steps per configuration (after step 1)")
     p.add_argument("--d-model", type=int, default=ModelConfig.d_model)
+    p.add_argument("--n-layers", type=int, default=ModelConfig.n_layers,
+                   help="transformer blocks (1: the MLP's two weights have no twin of their shape)")
     p.add_argument("--arch", choices=ARCHS, default="gpt",
                    help="the examples' GPT or a model built from a transformers config")
     p.add_argument("--batch-size", type=int, default=64, help="sequences of 64 bytes per step")
@@ -121,7 +123,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    model_config = ModelConfig(d_model=args.d_model, arch=args.arch)
+    model_config = ModelConfig(d_model=args.d_model, n_layers=args.n_layers, arch=args.arch)
     corpus = ByteCorpus(load_corpus(4 * 2**20), model_config.seq_len)
     data_order = torch.Generator().manual_seed(0)
     base = PrecondConfig(skip_layers=SKIP_LAYERS, factor_update_steps=args.factor_update_steps,
