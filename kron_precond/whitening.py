@@ -289,22 +289,17 @@ class WhiteningStatistics:
         whiteners, good = self.decompose(stacked.flatten(0, 1), overwrite=True)
         whiteners = whiteners.unflatten(0, stacked.shape[:2]).split(sizes)
         good = good.unflatten(0, stacked.shape[:2]).split(sizes)
-        eye = torch.eye(stacked.shape[-1], dtype=stacked.dtype, device=stacked.device)
         for (state, side, *_), whitener, ok, factor in zip(members, whiteners, good, factors):
-            previous = state.get(f"{side}_whitener")
             # a new tensor per parameter, as torch.optim's per-parameter state (not a view of the batch)
-            state[f"{side}_whitener"] = torch.where(ok.reshape(*factor.shape[:-2], 1, 1),
-                                                    whitener.reshape(factor.shape),
-                                                    eye if previous is None else previous)
+            state[f"{side}_whitener"] = _or_previous(whitener.reshape(factor.shape),
+                                                     ok.reshape(*factor.shape[:-2], 1, 1),
+                                                     state.get(f"{side}_whitener"))
 
     def whitener(self, factor: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
         """``T`` per diagonal block of ``factor`` (``[blocks, b, b]``), with ``Tᵀ T = (F + λI)⁻¹``
         and ``λ = damping · tr(F)/b`` per block: ``L⁻¹`` (Cholesky) or ``(F + λI)^{-1/2}``. The
         identity for an all-zero block; the previous ``T`` where the decomposition fails."""
-        whitener, good = self.decompose(factor, overwrite=False)
-        if previous is None:
-            previous = torch.eye(factor.shape[-1], dtype=factor.dtype, device=factor.device)
-        return torch.where(good, whitener, previous)
+        return _or_previous(*self.decompose(factor, overwrite=False), previous)
 
     def decompose(self, factor: torch.Tensor, overwrite: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(``T`` per block of ``factor`` ``[blocks, b, b]``, whether it is usable ``[blocks, 1, 1]``):
@@ -323,6 +318,14 @@ class WhiteningStatistics:
         floor = torch.where(lam > 0, lam, 1.0)[:, :, 0]
         whitener = (vectors * values.clamp(min=floor).rsqrt()[:, None, :]) @ vectors.transpose(1, 2)
         return whitener, torch.isfinite(whitener.sum(dim=(1, 2), keepdim=True))
+
+
+def _or_previous(whitener: torch.Tensor, good: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+    """``whitener`` where ``good``; elsewhere ``previous``, or the identity before there is one
+    (the refresh's and :meth:`WhiteningStatistics.whitener`'s one fallback rule)."""
+    if previous is None:
+        previous = torch.eye(whitener.shape[-1], dtype=whitener.dtype, device=whitener.device)
+    return torch.where(good, whitener, previous)
 
 
 GRAM_STRIPE = 128  # from 3x this wide, a product is formed by stripes of this many rows, upper part only

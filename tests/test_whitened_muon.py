@@ -623,6 +623,46 @@ def test_a_failed_cholesky_keeps_the_previous_whitener_and_an_unseen_layer_gets_
                        torch.eye(5, dtype=torch.float64)[None])
 
 
+def test_the_refresh_keeps_each_whitener_it_cannot_decompose(monkeypatch):
+    """The same fallback through the optimizer's batched refresh: the weights of a layout whose
+    decomposition fails keep the whitener they had (bitwise), the identity at the first
+    refresh; the other layout refreshes (``Tᵀ T = (F + λI)⁻¹`` in float64)."""
+    net = make_net()
+    opt = WhitenedMuon([net.a, net.b], lr=LR, statistics_every=1, damping=DAMPING, center_inputs=False)
+    failing: set[int] = set()  # the input widths whose decomposition fails
+    original = opt._statistics.decompose
+
+    def decompose(factor, overwrite):
+        width = factor.shape[-1]
+        whitener, good = original(factor, overwrite)
+        return whitener, (torch.zeros_like(good) if width in failing else good)
+
+    monkeypatch.setattr(opt._statistics, "decompose", decompose)
+
+    def whitener_of(layer):
+        return opt.state[layer.weight]["input_whitener"]
+
+    def assert_refreshed(layer):
+        factor, t = opt.state[layer.weight]["input_factor"][0], whitener_of(layer)[0]
+        size = factor.shape[-1]
+        damped = factor + DAMPING * factor.trace() / size * torch.eye(size, dtype=torch.float64)
+        torch.testing.assert_close(t.T @ t, torch.linalg.inv(damped), rtol=1e-9, atol=1e-11)
+
+    for step, ((x, y), fails) in enumerate(zip(batches(2), (net.a, net.b))):
+        failing.clear()
+        failing.add(fails.in_features)
+        before = {layer: None if "input_whitener" not in opt.state[layer.weight] else whitener_of(layer).clone()
+                  for layer in (net.a, net.b)}
+        opt.zero_grad()
+        loss_of(net, x, y).backward()
+        opt.step()
+        kept = before[fails] if step else torch.eye(fails.in_features, dtype=torch.float64)[None]
+        assert torch.equal(whitener_of(fails), kept)
+        refreshed = net.b if fails is net.a else net.a
+        assert_refreshed(refreshed)
+        assert not torch.equal(whitener_of(refreshed)[0], torch.eye(refreshed.in_features, dtype=torch.float64))
+
+
 def test_a_compiled_model_gets_the_eager_steps():
     """The statistics hooks keep working under ``torch.compile`` (they read a step count that
     changes between statistics steps): the compiled run follows the eager one."""
