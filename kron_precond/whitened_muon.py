@@ -614,28 +614,37 @@ class WhitenedMuon(torch.optim.Optimizer):
         else:
             finite = torch.isfinite(torch.linalg.vector_norm(grads.flatten(1), dim=1))
         mask = finite.reshape(-1, *[1] * (grads.dim() - 1))
+        # Every pass below is over the whole stack and bound by memory traffic, so each is in
+        # place where it can be: a non-finite gradient is replaced by its momentum, which the
+        # lerp then leaves exactly as it was, and its step is multiplied by 0 below (its
+        # direction is finite: the momentum's).
         buffers = [self._local(s["momentum_buffer"]) for s in states]
         stacked = torch.stack(buffers)
-        stacked = torch.where(mask, stacked.lerp(grads, 1 - momentum), stacked)
+        torch.where(mask, grads, stacked, out=grads)
+        stacked.lerp_(grads, 1 - momentum)
         torch._foreach_copy_(buffers, list(stacked.unbind()))
-        update = grads.lerp(stacked, momentum) if group["nesterov"] else stacked
+        update = grads.lerp_(stacked, momentum) if group["nesterov"] else stacked
         full_shape = params[0].shape
         if sharded:
             update = self._gather_rows(update, full_shape[0])
         left, right = self._stacked_whiteners(params)
         direction = view.tensors(self._direction(view.matrices(update), left, right), full_shape)
-        direction = torch.where(mask, direction, 0.0)
         if sharded:
             assert self._sharded is not None
             start, stop = self._sharded.rows(full_shape[0])
             direction = direction[:, start:stop]
-        decay = torch.full(finite.shape, 1 - lr * group["weight_decay"], dtype=params[0].dtype, device=finite.device)
-        decay = torch.where(finite, decay, 1.0)
-        adjusted = lr * lr_ratio(group["adjust_lr_fn"], view.shape)
+        # -lr·ratio per weight, 0 where the gradient was not finite (no host read); a 0-dim
+        # tensor factor computes as add_'s alpha does (tested bitwise)
+        coefficient = finite.to(wide) * -(lr * lr_ratio(group["adjust_lr_fn"], view.shape))
+        decay = None
+        if group["weight_decay"]:  # a multiply by 1 is a pass for nothing
+            decay = torch.where(finite, torch.full(finite.shape, 1 - lr * group["weight_decay"], dtype=wide,
+                                                   device=finite.device), 1.0)
         for i, p in enumerate(params):
             weight = self._local(p)
-            weight.mul_(decay[i])
-            weight.add_(direction[i], alpha=-adjusted)
+            if decay is not None:
+                weight.mul_(decay[i])
+            weight.addcmul_(direction[i], coefficient[i])
         torch._foreach_add_([s["nonfinite_steps"] for s in states], list((~finite).long().unbind()))
 
     def _stacked_whiteners(self, params: list[nn.Parameter]) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -569,6 +569,38 @@ def test_a_non_finite_gradient_skips_that_weight_and_is_reported():
             opt.step()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_gradient_in_a_stack_leaves_only_its_own_weight_behind(bad):
+    """Weights of one shape step as one stack. The one whose gradient is not finite keeps its
+    weight (weight decay included) and momentum bitwise; its twins step bitwise as they do
+    in a stack without it."""
+    def run(stepped: list[int], spoil: bool):
+        torch.manual_seed(0)
+        modules = [nn.Linear(6, 6, bias=False) for _ in range(3)]
+        opt = WhitenedMuon([modules[i] for i in stepped], lr=LR, weight_decay=WD, momentum=MOMENTUM,
+                           statistics_every=2)
+        g = torch.Generator().manual_seed(3)
+        for step in range(4):
+            x = torch.randn(16, 6, generator=g)
+            opt.zero_grad()
+            sum(m(x).square().mean() for m in modules).backward()
+            if spoil and step == 3:
+                weight = modules[1].weight.detach().clone()
+                momentum = opt.state[modules[1].weight]["momentum_buffer"].clone()
+                modules[1].weight.grad[2, 4] = bad
+            opt.step()
+        if spoil:
+            assert torch.equal(modules[1].weight, weight)
+            assert torch.equal(opt.state[modules[1].weight]["momentum_buffer"], momentum)
+        return modules
+
+    three = run([0, 1, 2], spoil=True)
+    two = run([0, 2], spoil=False)
+    for i in (0, 2):
+        assert torch.equal(three[i].weight, two[i].weight)
+        assert not torch.equal(three[i].weight, three[1].weight)
+
+
 # ----------------------------------------------------------------------------- distributed
 STEPS = 5
 
