@@ -633,8 +633,8 @@ class WhitenedMuon(torch.optim.Optimizer):
             assert self._sharded is not None
             start, stop = self._sharded.rows(full_shape[0])
             direction = direction[:, start:stop]
-        # -lr·ratio per weight, 0 where the gradient was not finite (no host read); a 0-dim
-        # tensor factor computes as add_'s alpha does (tested bitwise)
+        # -lr·ratio per weight, 0 where the gradient was not finite (no host read); on float32
+        # weights the 0-dim factor rounds as add_'s alpha does (torch.optim.Muon's step, tested bitwise)
         coefficient = finite.to(wide) * -(lr * lr_ratio(group["adjust_lr_fn"], view.shape))
         decay = None
         if group["weight_decay"]:  # a multiply by 1 is a pass for nothing
