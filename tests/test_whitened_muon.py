@@ -197,6 +197,21 @@ def test_an_unwhitened_weight_steps_as_torch_muon_with_the_same_lr_adjustment(ad
         assert torch.equal(ours.weight, theirs.weight)
 
 
+@pytest.mark.parametrize("lr, weight_decay", [(0.03, 0.1), (0.1, 0.07)])
+def test_bfloat16_weights_decay_by_the_factor_asked_for(lr, weight_decay):
+    """A bfloat16 weight decays by ``1 - lr·weight_decay`` as torch.optim.Muon (and AdamW)
+    apply it, a Python number multiplied in float32, not by that factor rounded to bfloat16,
+    whose steps below 1 are 2⁻⁸ apart (0.997 would be 0.99609: 30 % more decay than asked)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 8, bias=False).to(torch.bfloat16)
+    before = layer.weight.detach().clone()
+    opt = WhitenedMuon([layer], lr=lr, weight_decay=weight_decay)
+    layer.weight.grad = torch.zeros_like(layer.weight)  # a zero direction: the step is the decay alone
+    opt.step()
+    assert torch.equal(layer.weight, before.mul(1 - lr * weight_decay))
+    assert not torch.equal(layer.weight, before.mul(torch.tensor(1 - lr * weight_decay).bfloat16()))
+
+
 def test_the_lr_adjustment_is_a_param_group_setting_kept_by_checkpoints():
     net = make_net()
     opt = WhitenedMuon([net.a, net.b], lr=LR, adjust_lr_fn="original")
