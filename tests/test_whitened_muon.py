@@ -212,6 +212,25 @@ def test_bfloat16_weights_decay_by_the_factor_asked_for(lr, weight_decay):
     assert not torch.equal(layer.weight, before.mul(torch.tensor(1 - lr * weight_decay).bfloat16()))
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_momentum_is_the_average_of_the_gradients_whatever_the_orthogonalisation_does(nesterov, dtype):
+    """The momentum buffer after two steps is ``lerp``'s average of the two gradients: the
+    Newton-Schulz iteration normalises a copy. Without Nesterov the update is the buffer
+    itself, and in bfloat16 its cast is no copy (torch.optim.Muon 2.13 divides such a buffer
+    by its norm in place)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 8, bias=False).to(dtype)
+    opt = WhitenedMuon([layer], lr=0.01, momentum=MOMENTUM, nesterov=nesterov)
+    grads = [torch.randn(8, 4).to(dtype) for _ in range(2)]
+    expected = torch.zeros_like(grads[0])
+    for g in grads:
+        layer.weight.grad = g.clone()
+        opt.step()
+        expected.lerp_(g, 1 - MOMENTUM)
+    assert torch.equal(opt.state[layer.weight]["momentum_buffer"], expected)
+
+
 def test_the_lr_adjustment_is_a_param_group_setting_kept_by_checkpoints():
     net = make_net()
     opt = WhitenedMuon([net.a, net.b], lr=LR, adjust_lr_fn="original")
