@@ -37,11 +37,14 @@ the library has it):
   input side stays K-FAC's ``A``.
 
 A variant may also set a library argument away from its default (``statistics_every``, ``block_size``,
-``factor_decay``, ``ns_steps``): ``input_every10`` reads statistics on every 10th step with
+``factor_decay``, ``ns_steps``, ``center_inputs``): ``input_every10`` reads statistics on every 10th step with
 ``factor_decay=0.6`` (the default 25-step horizon from half the statistics steps);
 ``input_ns4`` and ``both_ns4`` run four Newton-Schulz iterations instead of Muon's five;
 ``both_every10`` is the output side with ``input_every10``'s statistics (both sides' factors
-read on every 10th step); ``input_block512`` whitens the input side in diagonal 512-blocks.
+read on every 10th step); ``input_block512`` whitens the input side in diagonal 512-blocks;
+``input_center_all`` (``_none``) centres every input factor (none), and ``input_center_<layers>``
+those of the projections ``CENTRED_LAYERS`` names (``qk``: the query and key, ``qk_mlp``: those and
+the MLP's gate, up and down projections), as regexes on the module names.
 
 Run as a script, it trains the best Muon of a cell (read from a ``budget_speedup.py`` folder,
 to time the step and to check that it reproduces that folder's Muon curve) and the variants
@@ -245,11 +248,19 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "input_block512": dict(output_side=False, block_size=512),
     "both_ns4": dict(output_side=True, ns_steps=4),
     "both_every10": dict(output_side=True, statistics_every=10, factor_decay=0.6),
+    # every input factor centred: on a model without biases (Llama-style, Mixtral), what the
+    # default did before it centred only the attention's query and key projections
+    "input_center_all": dict(output_side=False, center_inputs=True),
+    "input_center_none": dict(output_side=False, center_inputs=False),
 }
+# which layers' input factors are centred, by module name (the default: the bias-free q and k)
+CENTRED_LAYERS = {"q": "q", "k": "k", "qk": "q|k", "qkv": "q|k|v", "qko": "q|k|o", "qk_mlp": "q|k|gate|up|down"}
+VARIANTS.update({f"input_center_{name}": dict(output_side=False, center_inputs=(rf"\.({names})_proj$",))
+                 for name, names in CENTRED_LAYERS.items()})
 # variant keys that are the library's own arguments: the cell's PrecondConfig field each
 # replaces (None: passed to WhitenedMuon as is)
 LIBRARY_SETTINGS = {"statistics_every": "wmuon_every", "factor_decay": "wmuon_factor_decay",
-                    "block_size": "wmuon_block_size", "ns_steps": None}
+                    "block_size": "wmuon_block_size", "center_inputs": "wmuon_center_inputs", "ns_steps": None}
 
 
 def _build(model: nn.Module, scaler, *, lr: float, weight_decay: float, config, variant: dict[str, Any]):

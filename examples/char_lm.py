@@ -614,7 +614,8 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                    help="WhitenedMuon: damping, relative to each factor's mean eigenvalue")
     p.add_argument("--wmuon-output-side", action="store_true", help="WhitenedMuon: output_side=True")
     p.add_argument("--wmuon-center-inputs", choices=("auto", "all", "none"), default="auto",
-                   help="WhitenedMuon: center_inputs None (the layers without a bias) / True / False")
+                   help="WhitenedMuon: center_inputs None (the bias-free query and key projections; every bias-free "
+                        "layer where none is named so) / True / False")
     p.add_argument("--stop-after", type=int, default=0,
                    help="stop after this many steps while the LR schedule still spans --steps "
                         "(time-to-a-fixed---target checks; 'final loss' is then the loss there)")

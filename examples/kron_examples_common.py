@@ -200,7 +200,7 @@ class PrecondConfig:
     wmuon_every: int = 5
     wmuon_damping: float = 0.1
     wmuon_both_sides: bool = False  # also whiten the output side (factor G)
-    wmuon_center_inputs: bool | None = None  # centred input factors (None: the layers without a bias)
+    wmuon_center_inputs: bool | tuple[str, ...] | None = None  # centred input factors (None: the library default)
     wmuon_statistics_rows: int | None = 1024
     wmuon_root: str = "cholesky"
     wmuon_block_size: int | None = None

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -162,6 +163,26 @@ def _trains_bias(unit: Selected) -> bool:
     return unit.has_bias and unit.params[-1][1].requires_grad
 
 
+# The last part of a module's name that marks an attention's query or key projection: Hugging
+# Face's and fairseq's q_proj / k_proj (Llama, Mistral, Mixtral, Qwen, Gemma, OPT), BERT's
+# query / key, Meta's and torchtitan's Llama wq / wk, diffusers' to_q / to_k, T5's q / k.
+QUERY_KEY_NAMES = frozenset({"q_proj", "k_proj", "query", "key", "wq", "wk", "to_q", "to_k", "q", "k"})
+
+
+def _is_query_key(unit: Selected) -> bool:
+    return unit.name.rsplit(".", 1)[-1] in QUERY_KEY_NAMES
+
+
+def _centred_units(units: list[Selected], center_inputs: bool | list[re.Pattern] | None) -> list[Selected]:
+    """The units whose input factor is centred (``center_inputs`` as the constructor documents it)."""
+    if isinstance(center_inputs, bool):
+        return list(units) if center_inputs else []
+    if center_inputs is not None:  # the patterns, matched as skip_layers is
+        return [u for u in units if is_skipped(u.name, u.module, center_inputs)]
+    bias_free = [u for u in units if not _trains_bias(u)]
+    return [u for u in bias_free if _is_query_key(u)] or bias_free
+
+
 def _refuse_lazy(named_modules: Iterable[tuple[str, nn.Module]]) -> None:
     """``ValueError`` naming a module whose parameters are not materialised yet (``nn.LazyLinear``
     before its first forward): its shape, and so its whitener, is unknown."""
@@ -186,6 +207,23 @@ GROUP_RULES: dict[str, tuple[validation.GroupRule, ...]] = {  # per algorithm, c
             ("eps", "> 0", lambda v: v > 0),
             ("betas", "a pair in [0, 1)", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v))),
 }
+
+
+def _check_center_inputs(center_inputs: Any) -> bool | list[re.Pattern] | None:
+    """``center_inputs`` checked: ``None``, a bool, or a list or tuple of regexes (compiled). A
+    bare string is refused: it would read as one regex where "auto" or "all" was meant."""
+    if center_inputs is None or isinstance(center_inputs, bool):
+        return center_inputs
+    if not isinstance(center_inputs, (list, tuple)) or not all(isinstance(p, str) for p in center_inputs):
+        raise TypeError("center_inputs must be None, a bool, or a list or tuple of regexes (matched against "
+                        f"module names and class names, as skip_layers is), got {center_inputs!r}")
+    compiled = []
+    for pattern in center_inputs:
+        try:
+            compiled.append(re.compile(pattern))
+        except re.error as err:
+            raise ValueError(f"center_inputs entry {pattern!r} is not a valid regex: {err}") from None
+    return compiled
 
 
 def _check_group(index: int, group: dict[str, Any]) -> None:
@@ -257,16 +295,23 @@ class WhitenedMuon(torch.optim.Optimizer):
             output on statistics steps; a backward cost then).
         center_inputs: whiten with the covariance of a layer's inputs about their mean (over
             each statistics step's rows) instead of their second moment. ``None`` (default):
-            centre the layers without a trainable bias; ``True`` / ``False``: every layer /
-            none. A layer without a bias shifts all its outputs together only through the
-            inputs' mean, which the second moment makes the stiffest direction of the whitened
-            norm, so such layers barely move it; centring measures the step by the change it
-            makes to the outputs' spread and leaves that shift free. A layer with a trainable
-            bias has the bias (stepped by AdamW) for the shift: centring it changes little, and
-            it is left uncentred; a frozen bias counts as none. Centring costs, per call on
-            statistics steps, a mean and a rank-1 product; until the step's refresh a centred
-            side keeps, besides its product, a float64 ``width²`` term (per expert for fused
-            experts) that joins the all-reduce.
+            centre the query and key projections of an attention that have no trainable bias,
+            recognised by the last part of their module name (``q_proj``, ``k_proj``, ``query``,
+            ``key``, ``wq``, ``wk``, ``to_q``, ``to_k``, ``q``, ``k``); where no layer without a
+            bias has such a name (a fused ``qkv``, the list form), centre every layer without a
+            trainable bias. ``True`` / ``False``: every layer / none. A list or tuple of
+            regexes: exactly the layers whose module name or class name matches one (as
+            ``skip_layers``). A layer without a bias shifts all its outputs together only
+            through the inputs' mean, which the second moment makes the stiffest direction of
+            the whitened norm; centring leaves that shift free. Free query and key shifts set
+            the attention scores' offsets, and centring them saves steps (bias-free Llama-style
+            and Mixtral models); the other bias-free layers write to the residual stream, and
+            there the second moment did as well or better. A layer with a trainable bias has
+            the bias (stepped by AdamW) for the shift: centring it changed nothing or lost steps,
+            and it is left uncentred; a frozen bias counts as none. Centring costs, per call on statistics
+            steps, a mean and a rank-1 product; until the step's refresh a centred side keeps,
+            besides its product, a float64 ``width²`` term (per expert for fused experts) that
+            joins the all-reduce.
         root: how ``F + λI`` is whitened: ``"cholesky"`` (``T = L⁻¹``, cheap) or
             ``"symmetric"`` (``(F + λI)^{-1/2}``, an ``eigh``). Both define the same norm and the
             same exact step; they differ only through Newton-Schulz's approximation.
@@ -304,8 +349,8 @@ class WhitenedMuon(torch.optim.Optimizer):
                  adamw_lr: float | None = None, adamw_betas: tuple[float, float] = (0.9, 0.999),
                  adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None, statistics_every: int = 5,
                  damping: float = 0.1, factor_decay: float = 0.8, statistics_rows: int | None = 1024,
-                 output_side: bool = False, center_inputs: bool | None = None, root: str = "cholesky",
-                 block_size: int | None = None,
+                 output_side: bool = False, center_inputs: bool | list[str] | tuple[str, ...] | None = None,
+                 root: str = "cholesky", block_size: int | None = None,
                  ns_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16, ns_coefficients: str = "muon",
                  adjust_lr_fn: str | None = "match_rms_adamw", grad_scaler: Any = None, process_group: Any = None):
         lr_ratio(adjust_lr_fn, (1, 1))  # ValueError for an unknown name, before anything is built
@@ -330,8 +375,7 @@ class WhitenedMuon(torch.optim.Optimizer):
                           f"{LONG_HORIZON} steps or more lost most of the gain over Muon where measured. Keep it "
                           f"to a few tens of steps (the defaults: 5 and 0.8, 25 steps)", UserWarning, stacklevel=2)
         self.output_side = validation.check_bool("output_side", output_side)
-        if center_inputs is not None:
-            validation.check_bool("center_inputs", center_inputs)
+        centring = _check_center_inputs(center_inputs)
         self._center_inputs = center_inputs
         if root not in ("cholesky", "symmetric"):
             raise ValueError(f"root must be 'cholesky' or 'symmetric', got {root!r}")
@@ -373,9 +417,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         self.process_group = process_group
         self._sharded = self._sharded_layout([(self._names[id(w)], w) for w in whitened], process_group)
         sides = ("input", "output") if self.output_side else ("input",)
-        # None: centre the layers without a trainable bias (see the docstring)
-        centered = {id(_weight(u)) for u in units
-                    if (not _trains_bias(u) if center_inputs is None else center_inputs)}
+        centered = {id(_weight(u)) for u in _centred_units(units, centring)}
         # The hooks reach the statistics, which must not keep the optimizer alive: an optimizer the
         # caller drops (an lr sweep on one model) is freed, and the finaliser removes its hooks.
         self._statistics = WhiteningStatistics(self.state, self._views, weakly(self._due, default=False),

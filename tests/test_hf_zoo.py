@@ -46,3 +46,32 @@ def test_kfac_coverage(name):
     for layer in precond.layers.values():
         for grad in layer.gradients():
             assert grad is None or torch.isfinite(grad).all(), layer.name
+
+
+def _centred_names(opt) -> set[str]:
+    return {opt._names[i] for i in opt._statistics.centered}
+
+
+def test_whitened_muon_centres_llamas_query_and_key_projections_and_nothing_else():
+    """The default on a bias-free attention: exactly the q_proj and k_proj weights are centred."""
+    from kron_precond import WhitenedMuon
+    model = hf_zoo.build("llama", transformers)
+    opt = WhitenedMuon(model, lr=0.01, skip_layers=["Embedding", "lm_head"])
+    want = {f"{n}.weight" for n, m in model.named_modules() if n.endswith(("self_attn.q_proj", "self_attn.k_proj"))}
+    assert len(want) == 2 * model.config.num_hidden_layers
+    assert _centred_names(opt) == want
+
+
+def test_whitened_muon_with_biased_query_and_key_centres_every_bias_free_layer():
+    """Qwen2-MoE's q/k/v projections have biases: no query or key to centre, so every whitened
+    layer without a bias is (o_proj, the experts, the routers)."""
+    from kron_precond import WhitenedMuon
+    model = hf_zoo.build("qwen2_moe", transformers)
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    opt = WhitenedMuon(model, lr=0.01, skip_layers=["Embedding", "lm_head"])
+    whitened = {opt._names[id(p)] for g in opt.param_groups if g["algorithm"] == "whitened_muon"
+                for p in g["params"]}
+    biased = {f"{n}.weight" for n, m in model.named_modules()
+              if isinstance(getattr(m, "bias", None), torch.nn.Parameter)}
+    assert _centred_names(opt) == whitened - biased
+    assert any("o_proj" in n for n in _centred_names(opt)) and not any("q_proj" in n for n in _centred_names(opt))
