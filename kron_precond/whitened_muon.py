@@ -169,8 +169,23 @@ def _trains_bias(unit: Selected) -> bool:
 QUERY_KEY_NAMES = frozenset({"q_proj", "k_proj", "query", "key", "wq", "wk", "to_q", "to_k", "q", "k"})
 
 
-def _is_query_key(unit: Selected) -> bool:
-    return unit.name.rsplit(".", 1)[-1] in QUERY_KEY_NAMES
+QUERY_NAMES = frozenset({"q_proj", "query", "wq", "to_q", "q"})
+
+
+def _query_key_pairs(units: list[Selected]) -> list[Selected]:
+    """The units named as a query or key projection whose parent module holds both a query and a
+    key so named (one of the two alone, e.g. a fused ``kv``, is no pair)."""
+    by_parent: dict[str, list[Selected]] = {}
+    for u in units:
+        parent, _, last = u.name.rpartition(".")
+        if last in QUERY_KEY_NAMES:
+            by_parent.setdefault(parent, []).append(u)
+    pairs = []
+    for members in by_parent.values():
+        queries = sum(u.name.rpartition(".")[2] in QUERY_NAMES for u in members)
+        if 0 < queries < len(members):
+            pairs.extend(members)
+    return pairs
 
 
 def _centred_units(units: list[Selected], center_inputs: bool | list[re.Pattern] | None) -> list[Selected]:
@@ -180,7 +195,7 @@ def _centred_units(units: list[Selected], center_inputs: bool | list[re.Pattern]
     if center_inputs is not None:  # the patterns, matched as skip_layers is
         return [u for u in units if is_skipped(u.name, u.module, center_inputs)]
     bias_free = [u for u in units if not _trains_bias(u)]
-    return [u for u in bias_free if _is_query_key(u)] or bias_free
+    return _query_key_pairs(bias_free) or bias_free
 
 
 def _refuse_lazy(named_modules: Iterable[tuple[str, nn.Module]]) -> None:
@@ -297,14 +312,15 @@ class WhitenedMuon(torch.optim.Optimizer):
             each statistics step's rows) instead of their second moment. ``None`` (default):
             centre the query and key projections of an attention that have no trainable bias,
             recognised by the last part of their module name (``q_proj``, ``k_proj``, ``query``,
-            ``key``, ``wq``, ``wk``, ``to_q``, ``to_k``, ``q``, ``k``); where no layer without a
-            bias has such a name (a fused ``qkv``, the list form), centre every layer without a
-            trainable bias. ``True`` / ``False``: every layer / none. A list or tuple of
-            regexes: exactly the layers whose module name or class name matches one (as
-            ``skip_layers``). A layer without a bias shifts all its outputs together only
+            ``key``, ``wq``, ``wk``, ``to_q``, ``to_k``, ``q``, ``k``), a query and a key under
+            one parent module; where no bias-free pair is so named (a fused ``qkv``, biased
+            projections, the list form), centre every layer without a trainable bias.
+            ``True`` / ``False``: every layer / none. A list or tuple of regexes: exactly the
+            layers whose module name or class name matches one (as ``skip_layers``; a fused
+            expert's name is ``<module>.<weight>.<index>``). A layer without a bias shifts all its outputs together only
             through the inputs' mean, which the second moment makes the stiffest direction of
-            the whitened norm; centring leaves that shift free. Free query and key shifts set
-            the attention scores' offsets, and centring them saves steps (bias-free Llama-style
+            the whitened norm; centring leaves that shift free. A free query shift sets a
+            per-key offset of the attention scores, and centring query and key saves steps (bias-free Llama-style
             and Mixtral models); the other bias-free layers write to the residual stream, and
             there the second moment did as well or better. A layer with a trainable bias has
             the bias (stepped by AdamW) for the shift: centring it changed nothing or lost steps,

@@ -299,11 +299,10 @@ class Renamed(nn.Module):
 
 
 @pytest.mark.parametrize("names, bias, center", [
-    (("k_proj", "v_proj"), (False, False), (True, False)),  # a bias-free key projection alone
-    (("wq", "o_proj"), (False, False), (True, False)),
-    (("q_proj", "k_proj"), (False, False), (True, True)),
+    (("q_proj", "k_proj"), (False, False), (True, True)),  # a bias-free query and key: those alone
+    (("wq", "wk"), (True, False), (False, True)),  # the query has a bias: no pair, every bias-free layer
+    (("k_proj", "v_proj"), (False, False), (True, True)),  # a key alone is no pair
     (("a", "b"), (False, False), (True, True)),  # no query or key by name: every bias-free layer
-    (("k_proj", "v_proj"), (True, False), (False, True)),  # the key has a bias: as if unnamed
     (("k_proj", "v_proj"), (True, True), (False, False)),
 ])
 def test_by_default_the_bias_free_query_and_key_projections_are_centred(monkeypatch, names, bias, center):
@@ -885,3 +884,18 @@ def test_non_finite_steps_after_loading_an_earlier_checkpoint_are_reported():
     step(True)
     with pytest.warns(RuntimeWarning, match=r"modules\[0\]\.weight \(shape \(7, 5\)\): [23] step"):
         step(False)  # step 7 reads it: 2 non-finite steps since the load
+
+
+@pytest.mark.parametrize("names, centred", [
+    (("q_proj", "k_proj", "v_proj"), {"attn.q_proj", "attn.k_proj"}),  # the pair, not the value
+    (("q_proj", "kv_proj", "o_proj"), {"attn.q_proj", "attn.kv_proj", "attn.o_proj"}),  # a query alone: every layer
+    (("wq", "wk", "wo"), {"attn.wq", "attn.wk"}),
+])
+def test_the_default_centres_a_query_and_key_pair_under_one_module(names, centred):
+    attn = nn.Module()
+    for name in names:
+        setattr(attn, name, nn.Linear(4, 4, bias=False))
+    model = nn.Module()
+    model.attn = attn
+    opt = WhitenedMuon(model, lr=LR)
+    assert {opt._names[i].removesuffix(".weight") for i in opt._statistics.centered} == centred
