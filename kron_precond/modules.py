@@ -234,23 +234,24 @@ def kfac_adapter(module: nn.Module) -> tuple[Any | None, str]:
                   "GPT-2 style Conv1D, fused MoE experts; see register_adapter)")
 
 
-def compile_skip_patterns(skip_layers) -> list[re.Pattern]:
-    """Validate ``skip_layers`` (a regex or a sequence of regexes) and compile it."""
+def compile_skip_patterns(skip_layers, argument: str = "skip_layers") -> list[re.Pattern]:
+    """Validate ``skip_layers`` (a regex or a sequence of regexes) and compile it; errors name
+    ``argument``, the constructor argument the patterns came from."""
     if skip_layers is None:
         return []
     patterns: Iterable = [skip_layers] if isinstance(skip_layers, str) else skip_layers
     try:
         patterns = list(patterns)
     except TypeError:
-        raise TypeError(f"skip_layers must be a string or a sequence of strings, got {skip_layers!r}") from None
+        raise TypeError(f"{argument} must be a string or a sequence of strings, got {skip_layers!r}") from None
     compiled = []
     for pattern in patterns:
         if not isinstance(pattern, str):
-            raise TypeError(f"skip_layers entries must be strings (regexes), got {pattern!r}")
+            raise TypeError(f"{argument} entries must be strings (regexes), got {pattern!r}")
         try:
             compiled.append(re.compile(pattern))
         except re.error as err:
-            raise ValueError(f"skip_layers entry {pattern!r} is not a valid regex: {err}") from None
+            raise ValueError(f"{argument} entry {pattern!r} is not a valid regex: {err}") from None
     return compiled
 
 

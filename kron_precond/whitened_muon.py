@@ -166,10 +166,9 @@ def _trains_bias(unit: Selected) -> bool:
 # The last part of a module's name that marks an attention's query or key projection: Hugging
 # Face's and fairseq's q_proj / k_proj (Llama, Mistral, Mixtral, Qwen, Gemma, OPT), BERT's
 # query / key, Meta's and torchtitan's Llama wq / wk, diffusers' to_q / to_k, T5's q / k.
-QUERY_KEY_NAMES = frozenset({"q_proj", "k_proj", "query", "key", "wq", "wk", "to_q", "to_k", "q", "k"})
-
-
 QUERY_NAMES = frozenset({"q_proj", "query", "wq", "to_q", "q"})
+KEY_NAMES = frozenset({"k_proj", "key", "wk", "to_k", "k"})
+QUERY_KEY_NAMES = QUERY_NAMES | KEY_NAMES
 
 
 def _query_key_pairs(units: list[Selected]) -> list[Selected]:
@@ -182,8 +181,8 @@ def _query_key_pairs(units: list[Selected]) -> list[Selected]:
             by_parent.setdefault(parent, []).append(u)
     pairs = []
     for members in by_parent.values():
-        queries = sum(u.name.rpartition(".")[2] in QUERY_NAMES for u in members)
-        if 0 < queries < len(members):
+        names = {u.name.rpartition(".")[2] for u in members}
+        if names & QUERY_NAMES and names & KEY_NAMES:
             pairs.extend(members)
     return pairs
 
@@ -193,6 +192,9 @@ def _centred_units(units: list[Selected], center_inputs: bool | list[re.Pattern]
     if isinstance(center_inputs, bool):
         return list(units) if center_inputs else []
     if center_inputs is not None:  # the patterns, matched as skip_layers is
+        for pattern in center_inputs:  # most likely a typo, or a layer skip_layers sent to AdamW
+            if not any(is_skipped(u.name, u.module, [pattern]) for u in units):
+                raise ValueError(f"center_inputs entry {pattern.pattern!r} matches no whitened layer")
         return [u for u in units if is_skipped(u.name, u.module, center_inputs)]
     bias_free = [u for u in units if not _trains_bias(u)]
     return _query_key_pairs(bias_free) or bias_free
@@ -232,13 +234,7 @@ def _check_center_inputs(center_inputs: Any) -> bool | list[re.Pattern] | None:
     if not isinstance(center_inputs, (list, tuple)) or not all(isinstance(p, str) for p in center_inputs):
         raise TypeError("center_inputs must be None, a bool, or a list or tuple of regexes (matched against "
                         f"module names and class names, as skip_layers is), got {center_inputs!r}")
-    compiled = []
-    for pattern in center_inputs:
-        try:
-            compiled.append(re.compile(pattern))
-        except re.error as err:
-            raise ValueError(f"center_inputs entry {pattern!r} is not a valid regex: {err}") from None
-    return compiled
+    return compile_skip_patterns(center_inputs, "center_inputs")
 
 
 def _check_group(index: int, group: dict[str, Any]) -> None:
@@ -317,17 +313,19 @@ class WhitenedMuon(torch.optim.Optimizer):
             projections, the list form), centre every layer without a trainable bias.
             ``True`` / ``False``: every layer / none. A list or tuple of regexes: exactly the
             layers whose module name or class name matches one (as ``skip_layers``; a fused
-            expert's name is ``<module>.<weight>.<index>``). A layer without a bias shifts all its outputs together only
-            through the inputs' mean, which the second moment makes the stiffest direction of
-            the whitened norm; centring leaves that shift free. A free query shift sets a
-            per-key offset of the attention scores, and centring query and key saves steps (bias-free Llama-style
-            and Mixtral models); the other bias-free layers write to the residual stream, and
-            there the second moment did as well or better. A layer with a trainable bias has
-            the bias (stepped by AdamW) for the shift: centring it changed nothing or lost steps,
-            and it is left uncentred; a frozen bias counts as none. Centring costs, per call on statistics
-            steps, a mean and a rank-1 product; until the step's refresh a centred side keeps,
-            besides its product, a float64 ``width²`` term (per expert for fused experts) that
-            joins the all-reduce.
+            expert's name is ``<module>.<weight>.<index>``); a regex that matches no whitened
+            layer (a typo, or a layer ``skip_layers`` sends to AdamW) raises ``ValueError``.
+            A layer without a bias shifts all its outputs together only through the inputs'
+            mean, which the second moment makes the stiffest direction of the whitened norm;
+            centring leaves that shift free. A free query shift sets a per-key offset of the
+            attention scores, and centring query and key saves steps (bias-free Llama-style and
+            Mixtral models); the other bias-free layers write to the residual stream, and there
+            the second moment did as well or better. A layer with a trainable bias has the bias
+            (stepped by AdamW) for the shift: centring it changed nothing or lost steps, and it
+            is left uncentred; a frozen bias counts as none. Centring costs, per call on
+            statistics steps, a mean and a rank-1 product; until the step's refresh a centred
+            side keeps, besides its product, a float64 ``width²`` term (per expert for fused
+            experts) that joins the all-reduce.
         root: how ``F + λI`` is whitened: ``"cholesky"`` (``T = L⁻¹``, cheap) or
             ``"symmetric"`` (``(F + λI)^{-1/2}``, an ``eigh``). Both define the same norm and the
             same exact step; they differ only through Newton-Schulz's approximation.

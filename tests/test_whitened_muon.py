@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import re
 import warnings
 import weakref
 
@@ -339,6 +340,16 @@ def test_center_inputs_as_regexes_centres_exactly_the_layers_they_match(monkeypa
                        factor_decay=DECAY, ns_dtype=torch.float64, center_inputs=patterns)
     assert opt.center_inputs == patterns
     train_against(model, opt, expected)
+
+
+@pytest.mark.parametrize("patterns, skip", [
+    (["k_proj", "q_prj"], None),  # a typo: matches no layer
+    (["v_proj"], ["v_proj"]),  # matches a skipped layer only (its parameters go to AdamW)
+])
+def test_a_center_inputs_regex_matching_no_whitened_layer_is_refused_naming_it(patterns, skip):
+    model = Renamed(make_net(), "k_proj", "v_proj")
+    with pytest.raises(ValueError, match=re.escape(repr(patterns[-1]))):
+        WhitenedMuon(model, lr=LR, center_inputs=patterns, skip_layers=skip)
 
 
 def test_a_centred_factor_is_the_rows_covariance_and_a_mean_shift_does_not_move_it():
