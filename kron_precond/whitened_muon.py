@@ -200,6 +200,34 @@ def _centred_units(units: list[Selected], center_inputs: bool | list[re.Pattern]
     return _query_key_pairs(bias_free) or bias_free
 
 
+# The module name HF GPT-2 and nanoGPT give their fused query/key/value projection.
+FUSED_QKV_NAMES = frozenset({"c_attn"})
+
+
+def _fused_qkv_units(units: list[Selected], fused_qkv: list[re.Pattern] | None) -> set[int]:
+    """``id`` of the weights stepped as three matrices, a fused projection's query, key and
+    value (``fused_qkv`` as the constructor documents it; ``False`` is ``[]``)."""
+    def shape(u: Selected) -> tuple[int, int]:  # [out, in]
+        return MatrixView(_weight(u), u.index is not None, u.weight_transposed).shape
+
+    if fused_qkv is None:  # by name, and only where the outputs are exactly three inputs wide
+        return {id(_weight(u)) for u in units if u.index is None and u.name.rpartition(".")[2] in FUSED_QKV_NAMES
+                and shape(u)[0] == 3 * shape(u)[1]}
+    for pattern in fused_qkv:
+        if not any(is_skipped(u.name, u.module, [pattern]) for u in units):
+            raise ValueError(f"fused_qkv entry {pattern.pattern!r} matches no whitened layer")
+    chosen = set()
+    for u in units:
+        if not is_skipped(u.name, u.module, fused_qkv):
+            continue
+        out_dim = shape(u)[0]
+        if u.index is not None or out_dim % 3:
+            raise ValueError(f"fused_qkv matches {u.name!r}, which is not a matrix whose outputs split into three "
+                             f"equal parts (output width {out_dim}{', a fused expert' if u.index is not None else ''})")
+        chosen.add(id(_weight(u)))
+    return chosen
+
+
 def _refuse_lazy(named_modules: Iterable[tuple[str, nn.Module]]) -> None:
     """``ValueError`` naming a module whose parameters are not materialised yet (``nn.LazyLinear``
     before its first forward): its shape, and so its whitener, is unknown."""
@@ -235,6 +263,19 @@ def _check_center_inputs(center_inputs: Any) -> bool | list[re.Pattern] | None:
         raise TypeError("center_inputs must be None, a bool, or a list or tuple of regexes (matched against "
                         f"module names and class names, as skip_layers is), got {center_inputs!r}")
     return compile_skip_patterns(center_inputs, "center_inputs")
+
+
+def _check_fused_qkv(fused_qkv: Any) -> list[re.Pattern] | None:
+    """``fused_qkv`` checked: ``None``, ``False`` (returned as ``[]``: no layer), or a list or
+    tuple of regexes (compiled)."""
+    if fused_qkv is None:
+        return None
+    if fused_qkv is False:
+        return []
+    if not isinstance(fused_qkv, (list, tuple)) or not all(isinstance(p, str) for p in fused_qkv):
+        raise TypeError("fused_qkv must be None, False, or a list or tuple of regexes naming the fused query/key/"
+                        f"value projections (matched as skip_layers is), got {fused_qkv!r}")
+    return compile_skip_patterns(fused_qkv, "fused_qkv")
 
 
 def _check_group(index: int, group: dict[str, Any]) -> None:
@@ -326,6 +367,21 @@ class WhitenedMuon(torch.optim.Optimizer):
             statistics steps, a mean and a rank-1 product; until the step's refresh a centred
             side keeps, besides its product, a float64 ``width²`` term (per expert for fused
             experts) that joins the all-reduce.
+        fused_qkv: the fused query/key/value projections, whose ``[3d, d]`` weight is stepped as
+            three ``[d, d]`` matrices: each part orthogonalised on its own and scaled by
+            ``adjust_lr_fn`` for its own shape, the input whitener shared (the parts read one
+            input), the output side, if on, whitened per part. ``None`` (default): layers named
+            ``c_attn`` (GPT-2's ``Conv1D``, nanoGPT's ``nn.Linear``) whose outputs are exactly
+            three times their inputs, split in equal thirds, query, key, value, as those models
+            split them. A list or tuple of regexes: exactly the layers whose module name or
+            class name matches one (as ``skip_layers``); each must be a whitened matrix with an
+            output width divisible by 3, and a regex that matches no whitened layer raises
+            ``ValueError``. ``False``: none. Orthogonalising the fused matrix whole couples the
+            three projections' singular values, and the split saved steps for Muon and
+            ``WhitenedMuon`` alike on GPT-2. Name a model's fused projection only when its
+            outputs are three contiguous equal blocks: a layout that interleaves heads (GPT-NeoX's
+            ``query_key_value``) or gives keys and values fewer heads (grouped-query attention)
+            is not three equal blocks.
         root: how ``F + λI`` is whitened: ``"cholesky"`` (``T = L⁻¹``, cheap) or
             ``"symmetric"`` (``(F + λI)^{-1/2}``, an ``eigh``). Both define the same norm and the
             same exact step; they differ only through Newton-Schulz's approximation.
@@ -364,6 +420,7 @@ class WhitenedMuon(torch.optim.Optimizer):
                  adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None, statistics_every: int = 5,
                  damping: float = 0.1, factor_decay: float = 0.8, statistics_rows: int | None = 1024,
                  output_side: bool = False, center_inputs: bool | list[str] | tuple[str, ...] | None = None,
+                 fused_qkv: bool | list[str] | tuple[str, ...] | None = None,
                  root: str = "cholesky", block_size: int | None = None,
                  ns_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16, ns_coefficients: str = "muon",
                  adjust_lr_fn: str | None = "match_rms_adamw", grad_scaler: Any = None, process_group: Any = None):
@@ -391,6 +448,8 @@ class WhitenedMuon(torch.optim.Optimizer):
         self.output_side = validation.check_bool("output_side", output_side)
         centring = _check_center_inputs(center_inputs)
         self._center_inputs = center_inputs
+        fused = _check_fused_qkv(fused_qkv)
+        self._fused_qkv = fused_qkv
         if root not in ("cholesky", "symmetric"):
             raise ValueError(f"root must be 'cholesky' or 'symmetric', got {root!r}")
         if block_size is not None:
@@ -412,11 +471,13 @@ class WhitenedMuon(torch.optim.Optimizer):
             for name, p in params.named_parameters():
                 self._names.setdefault(id(p), name)
         whitened: list[nn.Parameter] = []
+        split = _fused_qkv_units(units, fused)
         for unit in units:
             weight = _weight(unit)
             if id(weight) not in self._views:
                 self._views[id(weight)] = MatrixView(weight, stacked=unit.index is not None,
-                                                     transposed=unit.weight_transposed)
+                                                     transposed=unit.weight_transposed,
+                                                     parts=3 if id(weight) in split else 1)
                 # an expert unit is named <module>.<weight>.<e>
                 self._names.setdefault(id(weight), f"{unit.name}.{unit.params[0][0]}" if unit.index is None
                                        else unit.name.rsplit(".", 1)[0])
@@ -459,6 +520,7 @@ class WhitenedMuon(torch.optim.Optimizer):
     root = property(lambda self: self._statistics.root)
     block_size = property(lambda self: self._statistics.block_size)
     center_inputs = property(lambda self: self._center_inputs)
+    fused_qkv = property(lambda self: self._fused_qkv)
 
     # -- construction ------------------------------------------------------------------
     @staticmethod
@@ -631,7 +693,8 @@ class WhitenedMuon(torch.optim.Optimizer):
         state, view = self.state[p], self._views[id(p)]
         sides = tuple(None if state.get(f"{side}_whitener") is None else tuple(state[f"{side}_whitener"].shape)
                       for side in ("input", "output"))
-        return (tuple(p.shape), view.units, view.transposed, p.dtype, p.device, sides, self._is_sharded(p))
+        return (tuple(p.shape), view.units, view.transposed, view.parts, p.dtype, p.device, sides,
+                self._is_sharded(p))
 
     def _is_sharded(self, p: nn.Parameter) -> bool:
         return self._sharded is not None and self._sharded.is_sharded(p)
@@ -684,14 +747,17 @@ class WhitenedMuon(torch.optim.Optimizer):
         if sharded:
             update = self._gather_rows(update, full_shape[0])
         left, right = self._stacked_whiteners(params)
-        direction = view.tensors(self._direction(view.matrices(update), left, right), full_shape)
+        matrices = view.matrices(update)
+        if view.parts > 1:  # a fused projection: its parts as matrices of their own
+            matrices = matrices.reshape(-1, *view.part_shape)
+        direction = view.tensors(self._direction(matrices, left, right).reshape(-1, *view.shape), full_shape)
         if sharded:
             assert self._sharded is not None
             start, stop = self._sharded.rows(full_shape[0])
             direction = direction[:, start:stop]
         # -lr·ratio per weight, 0 where the gradient was not finite (no host read); on float32
         # weights the 0-dim factor rounds as add_'s alpha does (torch.optim.Muon's step, tested bitwise)
-        coefficient = finite.to(wide) * -(lr * lr_ratio(group["adjust_lr_fn"], view.shape))
+        coefficient = finite.to(wide) * -(lr * lr_ratio(group["adjust_lr_fn"], view.part_shape))
         decay = None
         if group["weight_decay"]:  # a multiply by 1 is a pass for nothing
             decay = torch.where(finite, torch.full(finite.shape, 1 - lr * group["weight_decay"], dtype=wide,
@@ -705,15 +771,21 @@ class WhitenedMuon(torch.optim.Optimizer):
 
     def _stacked_whiteners(self, params: list[nn.Parameter]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(output, input) whiteners of ``params``' matrices stacked ``[n·k, blocks, b, b]`` in
-        ``ns_dtype``; built once per refresh (the whitening's result is rounded to it anyway)."""
+        ``ns_dtype`` (a fused projection's: per part, ``[n·k·parts, ...]``, the input whitener
+        shared by its parts); built once per refresh (the whitening's result is rounded to it anyway)."""
         key = tuple(id(p) for p in params)
         cached = self._casts.get(key)
         if cached is None:
-            cached = tuple(None if self.state[params[0]].get(f"{side}_whitener") is None else
-                           torch.cat([w.reshape(-1, *w.shape[-3:]) for w in
-                                      (self.state[p][f"{side}_whitener"] for p in params)]).to(self.ns_dtype)
-                           for side in ("output", "input"))
-            self._casts[key] = cached
+            parts = self._views[id(params[0])].parts
+            stacked = [None if self.state[params[0]].get(f"{side}_whitener") is None else
+                       torch.cat([w.reshape(-1, *w.shape[-3:]) for w in
+                                  (self.state[p][f"{side}_whitener"] for p in params)]).to(self.ns_dtype)
+                       for side in ("output", "input")]
+            left, right = stacked
+            if parts > 1:
+                left = None if left is None else left.reshape(-1, left.shape[1] // parts, *left.shape[2:])
+                right = None if right is None else right.repeat_interleave(parts, dim=0)
+            cached = self._casts[key] = (left, right)
         return cached
 
     def _direction(self, update: torch.Tensor, left: torch.Tensor | None, right: torch.Tensor | None) -> torch.Tensor:

@@ -39,15 +39,21 @@ class MatrixView:
     ``stacked``: dim 0 indexes the matrices (fused experts, ``k = E``); otherwise ``k = 1``.
     ``stored``: one matrix as stored (``[in, out]`` when ``transposed``, HF ``Conv1D``); a
     convolution's ``[out, in, *kernel]`` is read as ``[out, in · Π kernel]``, the layout of the
-    rows its adapter unfolds."""
+    rows its adapter unfolds. ``parts``: the matrix's outputs are that many equal matrices
+    fused along ``out`` (a fused query/key/value projection), each orthogonalised on its own;
+    ``part_shape`` is one part's ``[out / parts, in]``."""
 
-    def __init__(self, param: torch.Tensor, stacked: bool, transposed: bool) -> None:
+    def __init__(self, param: torch.Tensor, stacked: bool, transposed: bool, parts: int = 1) -> None:
         shape = param.shape[1:] if stacked else param.shape
         self.units = param.shape[0] if stacked else 1
         self.state_units: tuple[int, ...] = (self.units,) if stacked else ()
         self.transposed = transposed
         self.stored = (shape[0], shape[1:].numel())
         self.shape = (self.stored[1], self.stored[0]) if transposed else self.stored  # [out, in]
+        if parts < 1 or self.shape[0] % parts:
+            raise ValueError(f"{parts} parts do not divide the output width {self.shape[0]}")
+        self.parts = parts
+        self.part_shape = (self.shape[0] // parts, self.shape[1])
 
     def matrices(self, tensor: torch.Tensor) -> torch.Tensor:
         """``[n, *param shape]`` (a stack of ``n`` parameters' tensors) as ``[n·k, out, in]``."""
@@ -116,8 +122,12 @@ class WhiteningStatistics:
         return width // b if b is not None and width > b and width % b == 0 else 1
 
     def side_blocks(self, param: torch.Tensor, side: str) -> int:
-        """Number of diagonal blocks ``param``'s side is whitened in."""
-        return self.blocks(self.views[id(param)].width(side))
+        """Number of diagonal blocks ``param``'s side is whitened in: a fused matrix's output
+        side in at least one block per part (each part is whitened by its own outputs' factor)."""
+        view = self.views[id(param)]
+        if side == "output" and view.parts > 1:
+            return view.parts * self.blocks(view.part_shape[0])
+        return self.blocks(view.width(side))
 
     @torch.no_grad()
     def observe(self, unit: UnitObserver, side: str, rows: torch.Tensor, scale: float) -> None:

@@ -114,6 +114,126 @@ def test_a_conv1d_model_steps_like_its_linear_twin(output_side):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+class SeparateBlock(Block):
+    """``Block`` with its fused ``c_attn`` as three projections of their own (``q_in``,
+    ``k_in``, ``v_in``: names the query/key centring rule does not read)."""
+
+    def __init__(self, make, d=6):
+        super().__init__(make, d)
+        del self.c_attn
+        self.q_in, self.k_in, self.v_in = make(d, d), make(d, d), make(d, d)
+
+    def forward(self, tokens):
+        h = self.norm(self.emb(tokens))
+        q, k, v = self.q_in(h), self.k_in(h), self.v_in(h)
+        h = h + self.c_proj(torch.tanh(q * k + v))
+        h = h + self.c_out(F.gelu(self.c_fc(h)))
+        return self.lm_head(h)
+
+
+def separate_twin(fused: Block, make) -> SeparateBlock:
+    """A ``SeparateBlock`` computing what ``fused`` computes: ``c_attn``'s outputs in thirds."""
+    twin = SeparateBlock(make).to(fused.lm_head.weight.dtype)
+    state = {k: v for k, v in fused.state_dict().items() if not k.startswith("c_attn.")}
+    out_dim = 1 if isinstance(fused.c_attn, Conv1D) else 0  # Conv1D stores [in, out]
+    for part, name in enumerate(("q_in", "k_in", "v_in")):
+        state[f"{name}.weight"] = fused.c_attn.weight.chunk(3, dim=out_dim)[part]
+        state[f"{name}.bias"] = fused.c_attn.bias.chunk(3)[part]
+    twin.load_state_dict(state)
+    return twin
+
+
+def fused_part(model, name: str):
+    """The ``[out, in]`` weight of ``name`` (``q_in`` / ``k_in`` / ``v_in`` read from a fused ``c_attn``)."""
+    if hasattr(model, name):
+        layer = getattr(model, name)
+        return layer.weight.T if isinstance(layer, Conv1D) else layer.weight
+    w = model.c_attn.weight.T if isinstance(model.c_attn, Conv1D) else model.c_attn.weight
+    return w.chunk(3)[("q_in", "k_in", "v_in").index(name)]
+
+
+@pytest.mark.parametrize("kind", ["conv1d", "linear"])
+@pytest.mark.parametrize("output_side", [False, True])
+@pytest.mark.parametrize("adjust_lr_fn", ["match_rms_adamw", "original"])
+def test_a_fused_qkv_projection_steps_like_three_separate_projections(kind, output_side, adjust_lr_fn):
+    """A ``c_attn`` whose outputs are three inputs wide (GPT-2's ``Conv1D``, nanoGPT's Linear)
+    is stepped by default as its query, key and value: each part orthogonalised on its own
+    (and, with the output side, whitened by its own outputs' factor) and scaled for its own
+    ``[d, d]`` shape, as the twin with three separate projections is. ``fused_qkv=False``
+    steps it as one matrix, which the twin does not follow."""
+    make = (lambda i, o: Conv1D(o, i)) if kind == "conv1d" else (lambda i, o: nn.Linear(i, o))
+    settings = dict(lr=0.05, weight_decay=0.1, statistics_every=1, factor_decay=0.8, output_side=output_side,
+                    ns_dtype=torch.float64, skip_layers=["lm_head"], adjust_lr_fn=adjust_lr_fn)
+    data = token_batches(4)
+    runs = {}
+    for fused_qkv in (None, False):
+        torch.manual_seed(0)
+        fused = Block(make).double()
+        twin = separate_twin(fused, make)
+        start = copy.deepcopy(twin)
+        opt = WhitenedMuon(fused, fused_qkv=fused_qkv, **settings)
+        assert opt.fused_qkv is fused_qkv
+        train(fused, opt, data)
+        train(twin, WhitenedMuon(twin, **settings), data)
+        runs[fused_qkv] = fused, twin, start
+    fused, twin, start = runs[None]
+    for name in ("q_in", "k_in", "v_in"):
+        assert (fused_part(twin, name) - fused_part(start, name)).abs().max() > 1e-2
+        torch.testing.assert_close(fused_part(fused, name), fused_part(twin, name), rtol=1e-10, atol=1e-12)
+    for name in ("c_proj", "c_fc", "c_out", "norm", "emb"):
+        for a, b in zip(getattr(fused, name).parameters(), getattr(twin, name).parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    unsplit, twin, _ = runs[False]
+    gap = max((fused_part(unsplit, n) - fused_part(twin, n)).abs().max() for n in ("q_in", "k_in", "v_in"))
+    assert gap > 1e-3
+
+
+class Renamed(nn.Module):
+    """``Block(nn.Linear)`` with ``c_attn`` under another name, ``attn_in``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = Block(lambda i, o: nn.Linear(i, o)).double()
+        self.inner.attn_in = self.inner.c_attn
+        del self.inner.c_attn
+        self.inner.c_attn = lambda h: self.inner.attn_in(h)  # a plain attribute: no module named c_attn
+
+    def forward(self, tokens):
+        return self.inner(tokens)
+
+
+def test_fused_qkv_regexes_name_the_fused_projections_and_nothing_else_is_split():
+    """A fused projection under another name is split only when a regex names it: the same
+    steps as the default on ``c_attn``; by default it is one matrix."""
+    settings = dict(lr=0.05, statistics_every=1, ns_dtype=torch.float64, skip_layers=["lm_head"])
+    data = token_batches(3)
+    torch.manual_seed(0)
+    reference = Block(lambda i, o: nn.Linear(i, o)).double()
+    train(reference, WhitenedMuon(reference, **settings), data)
+    results = {}
+    for fused_qkv in ([r"attn_in$"], None):
+        model = Renamed()
+        train(model, WhitenedMuon(model, fused_qkv=fused_qkv, **settings), data)
+        results[str(fused_qkv)] = model.inner.attn_in.weight
+    torch.testing.assert_close(results[str([r"attn_in$"])], reference.c_attn.weight, rtol=1e-10, atol=1e-12)
+    assert (results["None"] - reference.c_attn.weight).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("fused_qkv, error, match", [
+    (True, TypeError, "fused_qkv"), ("c_attn", TypeError, "fused_qkv"), ([1], TypeError, "fused_qkv"),
+    (["("], ValueError, "fused_qkv"), (["c_atn"], ValueError, "'c_atn'"),  # a typo: matches nothing
+    (["c_fc"], ValueError, "'c_fc'"),  # outputs 2 inputs wide: no three equal parts
+    (["lm_head"], ValueError, "'lm_head'"),  # skipped: not whitened
+])
+def test_bad_fused_qkv_fails_at_construction_naming_it(fused_qkv, error, match):
+    torch.manual_seed(0)
+    model = Block(lambda i, o: nn.Linear(i, o))
+    model.c_fc = nn.Linear(6, 16)  # 16 outputs: not divisible by 3
+    with pytest.raises(error, match=match):
+        WhitenedMuon(model, fused_qkv=fused_qkv, skip_layers=["lm_head"])
+
+
 def test_the_list_form_takes_conv1d_on_its_input_side():
     conv, linear = twins()
     opts = [WhitenedMuon([getattr(m, n) for n in CONV1D_NAMES], lr=0.05, statistics_every=1,
