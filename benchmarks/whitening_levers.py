@@ -44,7 +44,9 @@ A variant may also set a library argument away from its default (``statistics_ev
 read on every 10th step); ``input_block512`` whitens the input side in diagonal 512-blocks;
 ``input_center_all`` (``_none``) centres every input factor (none), and ``input_center_<layers>``
 those of the projections ``CENTRED_LAYERS`` names (``qk``: the query and key, ``qk_mlp``: those and
-the MLP's gate, up and down projections), as regexes on the module names.
+the MLP's gate, up and down projections), as regexes on the module names; ``input_fused_whole``
+orthogonalises a fused query/key/value projection (GPT-2's ``c_attn``) as one matrix
+(``fused_qkv=False``) instead of three.
 
 Run as a script, it trains the best Muon of a cell (read from a ``budget_speedup.py`` folder,
 to time the step and to check that it reproduces that folder's Muon curve) and the variants
@@ -252,6 +254,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # default did before it centred only the attention's query and key projections
     "input_center_all": dict(output_side=False, center_inputs=True),
     "input_center_none": dict(output_side=False, center_inputs=False),
+    # a fused query/key/value projection (GPT-2's c_attn) orthogonalised whole, as the library
+    # did before it stepped the three parts as matrices of their own
+    "input_fused_whole": dict(output_side=False, fused_qkv=False),
 }
 # which layers' input factors are centred, by module name (the default: the bias-free q and k)
 CENTRED_LAYERS = {"q": "q", "k": "k", "qk": "q|k", "qkv": "q|k|v", "qko": "q|k|o", "qk_mlp": "q|k|gate|up|down"}
@@ -260,7 +265,8 @@ VARIANTS.update({f"input_center_{name}": dict(output_side=False, center_inputs=(
 # variant keys that are the library's own arguments: the cell's PrecondConfig field each
 # replaces (None: passed to WhitenedMuon as is)
 LIBRARY_SETTINGS = {"statistics_every": "wmuon_every", "factor_decay": "wmuon_factor_decay",
-                    "block_size": "wmuon_block_size", "center_inputs": "wmuon_center_inputs", "ns_steps": None}
+                    "block_size": "wmuon_block_size", "center_inputs": "wmuon_center_inputs", "ns_steps": None,
+                    "fused_qkv": None}
 
 
 def _build(model: nn.Module, scaler, *, lr: float, weight_decay: float, config, variant: dict[str, Any]):

@@ -75,3 +75,31 @@ def test_whitened_muon_with_biased_query_and_key_centres_every_bias_free_layer()
               if isinstance(getattr(m, "bias", None), torch.nn.Parameter)}
     assert _centred_names(opt) == whitened - biased
     assert any("o_proj" in n for n in _centred_names(opt)) and not any("q_proj" in n for n in _centred_names(opt))
+
+
+def test_whitened_muon_steps_gpt2s_c_attn_as_three_matrices_and_nothing_else():
+    """HF GPT-2: every ``attn.c_attn`` (``Conv1D``, ``[in, 3 in]``) is split in three by default
+    and no other layer is; the default steps as naming ``c_attn`` by regex does, and otherwise
+    than the fused matrix stepped whole."""
+    import copy
+
+    from kron_precond import WhitenedMuon
+    torch.manual_seed(0)
+    start = hf_zoo.build("gpt2", transformers)
+    ids = hf_zoo.next_token_batch(torch.Generator().manual_seed(0), 8, torch.arange(hf_zoo.VOCAB).roll(1))
+    weights = {}
+    for fused_qkv in (None, [r"\.c_attn$"], False):
+        model = copy.deepcopy(start)
+        opt = WhitenedMuon(model, lr=0.02, statistics_every=1, fused_qkv=fused_qkv,
+                           skip_layers=["Embedding", "lm_head"])
+        split = {opt._names[i] for i, view in opt._views.items() if view.parts == 3}
+        want = {f"{n}.weight" for n, _ in model.named_modules() if n.endswith("attn.c_attn")}
+        assert split == (set() if fused_qkv is False else want) and len(want) == model.config.n_layer
+        torch.manual_seed(1)  # GPT-2's dropout
+        for _ in range(3):
+            opt.zero_grad()
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+        weights[str(fused_qkv)] = model.transformer.h[0].attn.c_attn.weight.detach().clone()
+    assert torch.equal(weights["None"], weights[str([r"\.c_attn$"])])
+    assert not torch.allclose(weights["None"], weights["False"], atol=1e-4)
