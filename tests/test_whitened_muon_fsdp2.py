@@ -26,13 +26,15 @@ SAVE_AT = 2  # the world-4 run of SAVED writes a DCP checkpoint after this many 
 SAVED = "input"
 TOL = dict(rtol=1e-10, atol=1e-12)
 SPAWN_TIMEOUT = 300.0
-# name -> (output_side, mesh); "2x2": HSDP, (replicate, shard)
-SCENARIOS = {"input": (False, "1d"), "output": (True, "1d"), "hsdp": (False, "2x2")}
+# name -> (output_side, mesh, fused); "2x2": HSDP, (replicate, shard); fused: the 3-row weight
+# stepped as three 1-row parts (fused_qkv), which at 4 ranks each sit on a rank of their own
+SCENARIOS = {"input": (False, "1d", False), "output": (True, "1d", False), "hsdp": (False, "2x2", False),
+             "fused": (True, "1d", True)}
 
 
-def make_optimizer(net, output_side: bool) -> WhitenedMuon:
+def make_optimizer(net, output_side: bool, fused: bool = False) -> WhitenedMuon:
     return WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, statistics_every=2, output_side=output_side,
-                        ns_dtype=torch.float64)
+                        fused_qkv=[r"^modules\[1\]$"] if fused else None, ns_dtype=torch.float64)
 
 
 def weights(net) -> torch.Tensor:
@@ -40,9 +42,9 @@ def weights(net) -> torch.Tensor:
                       for w in (net.a.weight, net.b.weight)])
 
 
-def one_process(output_side: bool) -> list[torch.Tensor]:
+def one_process(output_side: bool, fused: bool) -> list[torch.Tensor]:
     net = make_net(dims=DIMS)
-    opt = make_optimizer(net, output_side)
+    opt = make_optimizer(net, output_side, fused)
     trajectory = []
     for x, y in batches(STEPS, dims=DIMS):
         opt.zero_grad()
@@ -90,9 +92,9 @@ def world_worker(rank, world, out_dir, scenarios, checkpoint):
 
     results = {}
     for name in scenarios:
-        output_side, mesh_kind = SCENARIOS[name]
+        output_side, mesh_kind, fused = SCENARIOS[name]
         net = _sharded(mesh_kind, world)
-        opt = make_optimizer(net, output_side)
+        opt = make_optimizer(net, output_side, fused)
         sharded = opt._is_sharded(net.a.weight)
         if name == SAVED and world == 4:
             first, same_first = _steps(net, opt, rank, world, 0, SAVE_AT)
@@ -158,18 +160,23 @@ def spawned(tmp_path_factory):
     root = tmp_path_factory.mktemp("wmuon_fsdp2")
     checkpoint = str(root / "ckpt")
     out = {4: run_workers(world_worker, 4, root / "w4", list(SCENARIOS), checkpoint, timeout=SPAWN_TIMEOUT)}
-    out[2] = run_workers(world_worker, 2, root / "w2", ["input", "output"], checkpoint, timeout=SPAWN_TIMEOUT)
+    out[2] = run_workers(world_worker, 2, root / "w2", ["input", "output", "fused"], checkpoint,
+                         timeout=SPAWN_TIMEOUT)
     return out
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return {side: one_process(side) for side in (False, True)}
+    return {(side, fused): one_process(side, fused) for side, _, fused in SCENARIOS.values()}
 
 
-@pytest.mark.parametrize("world,name", [(4, "input"), (4, "output"), (4, "hsdp"), (2, "input"), (2, "output")])
+@pytest.mark.parametrize("world,name", [(4, "input"), (4, "output"), (4, "hsdp"), (4, "fused"), (2, "input"),
+                                        (2, "output"), (2, "fused")])
 def test_every_step_matches_one_process_on_every_rank(spawned, reference, world, name):
-    want = reference[SCENARIOS[name][0]]
+    output_side, _, fused = SCENARIOS[name]
+    want = reference[(output_side, fused)]
+    if fused:  # the parts step otherwise than the whole weight
+        assert (want[-1] - reference[(output_side, False)][-1]).abs().max() > 1e-6
     start = weights(make_net(dims=DIMS))
     assert (want[-1] - start).abs().max() > 1e-3  # the steps did something
     for rank, result in enumerate(spawned[world]):
@@ -182,7 +189,7 @@ def test_every_step_matches_one_process_on_every_rank(spawned, reference, world,
 
 
 def test_a_checkpoint_saved_on_4_ranks_resumes_on_2(spawned, reference):
-    want = reference[SCENARIOS[SAVED][0]][SAVE_AT:]
+    want = reference[(SCENARIOS[SAVED][0], SCENARIOS[SAVED][2])][SAVE_AT:]
     for rank, result in enumerate(spawned[2]):
         trajectory, identical = result["resumed"]
         assert all(identical) and len(trajectory) == len(want), f"rank {rank}"
