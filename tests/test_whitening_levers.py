@@ -257,3 +257,23 @@ def test_best_muon_takes_the_lr_its_record_holds_not_the_rounded_name(tmp_path):
     (tmp_path / "s0_b1_grid.json").write_text(json.dumps({"runs": runs}))
     momentum, found = best_muon(tmp_path, 0, {"rows": {"muon (tuned)": {"run": name}}})
     assert momentum == 0.8 and found == lr and found != float(name.split("lr=")[1])
+
+
+def test_the_fused_whole_variant_steps_gpt2s_c_attn_as_one_matrix():
+    """``input_fused_whole`` is the library's optimizer with ``fused_qkv=False``: GPT-2's
+    ``c_attn`` is one matrix there and three in the ``input`` variant (the default)."""
+    pytest.importorskip("transformers", reason="transformers is an optional extra ([trainers])")
+    sys.path.insert(0, str(ROOT / "examples"))
+    from benchmarks.whitening_levers import VARIANTS, _build
+    from char_lm import SKIP_LAYERS, ModelConfig, build_model
+    from kron_examples_common import PrecondConfig
+    from kron_precond import WhitenedMuon
+    model = build_model(ModelConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8, arch="gpt2"))
+    config = PrecondConfig(skip_layers=SKIP_LAYERS, muon_momentum=0.8)
+    parts = {}
+    for name in ("input", "input_fused_whole"):
+        built, _ = _build(model, None, lr=0.01, weight_decay=0.0, config=config, variant=VARIANTS[name])
+        assert type(built) is WhitenedMuon
+        parts[name] = {built._names[i]: view.parts for i, view in built._views.items() if view.parts > 1}
+        built.remove()
+    assert parts["input"] == {"inner.transformer.h.0.attn.c_attn.weight": 3} and parts["input_fused_whole"] == {}
