@@ -200,8 +200,12 @@ def _centred_units(units: list[Selected], center_inputs: bool | list[re.Pattern]
     return _query_key_pairs(bias_free) or bias_free
 
 
-# The module name HF GPT-2 and nanoGPT give their fused query/key/value projection.
-FUSED_QKV_NAMES = frozenset({"c_attn"})
+# The last part of the module name of a fused query/key/value projection whose outputs are the
+# query, the key and the value in contiguous blocks: HF GPT-2's, nanoGPT's and Qwen's c_attn,
+# Phi-3's qkv_proj, MPT's Wqkv, timm's ViT qkv. Split only where the outputs are exactly three
+# inputs wide, the three blocks then equal: grouped-query attention gives keys and values fewer
+# outputs. Not GPT-NeoX's, BLOOM's or Falcon's query_key_value, which interleave the heads.
+FUSED_QKV_NAMES = frozenset({"c_attn", "qkv_proj", "Wqkv", "qkv"})
 
 
 def _fused_qkv_units(units: list[Selected], fused_qkv: list[re.Pattern] | None) -> set[int]:
@@ -370,10 +374,12 @@ class WhitenedMuon(torch.optim.Optimizer):
         fused_qkv: the fused query/key/value projections, whose ``[3d, d]`` weight is stepped as
             three ``[d, d]`` matrices: each part orthogonalised on its own and scaled by
             ``adjust_lr_fn`` for its own shape, the input whitener shared (the parts read one
-            input), the output side, if on, whitened per part. ``None`` (default): layers named
-            ``c_attn`` (GPT-2's ``Conv1D``, nanoGPT's ``nn.Linear``) whose outputs are exactly
-            three times their inputs, split in equal thirds, query, key, value, as those models
-            split them. A list or tuple of regexes: exactly the layers whose module name or
+            input), the output side, if on, whitened per part. ``None`` (default): layers whose
+            name ends in ``c_attn`` (GPT-2's ``Conv1D``, nanoGPT's and Qwen's ``nn.Linear``),
+            ``qkv_proj`` (Phi-3), ``Wqkv`` (MPT) or ``qkv`` (timm's ViT) and whose outputs are
+            exactly three times their inputs, split in equal thirds, query, key, value, as those
+            models split them (with grouped-query attention the outputs are narrower and the
+            layer is stepped whole). A list or tuple of regexes: exactly the layers whose module name or
             class name matches one (as ``skip_layers``); each must be a whitened matrix with an
             output width divisible by 3, and a regex that matches no whitened layer raises
             ``ValueError``. ``False``: none. Orthogonalising the fused matrix whole couples the

@@ -103,3 +103,19 @@ def test_whitened_muon_steps_gpt2s_c_attn_as_three_matrices_and_nothing_else():
         weights[str(fused_qkv)] = model.transformer.h[0].attn.c_attn.weight.detach().clone()
     assert torch.equal(weights["None"], weights[str([r"\.c_attn$"])])
     assert not torch.allclose(weights["None"], weights["False"], atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_heads, split", [(4, True), (2, False)])
+def test_whitened_muon_splits_phi3s_qkv_proj_only_into_three_equal_blocks(kv_heads, split):
+    """Phi-3's fused ``qkv_proj`` holds the query, key and value in contiguous blocks: three
+    equal ones with as many key/value heads as query heads (split by default), narrower key
+    and value blocks with grouped-query attention (stepped whole)."""
+    from kron_precond import WhitenedMuon
+    config = transformers.Phi3Config(vocab_size=hf_zoo.VOCAB, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=kv_heads, intermediate_size=64,
+                                     max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = transformers.Phi3ForCausalLM(config)
+    opt = WhitenedMuon(model, lr=0.01, skip_layers=["Embedding", "lm_head"])
+    fused = {opt._names[i] for i, view in opt._views.items() if view.parts == 3}
+    want = {f"{n}.weight" for n, _ in model.named_modules() if n.endswith("self_attn.qkv_proj")}
+    assert len(want) == 2 and fused == (want if split else set())
