@@ -5,7 +5,10 @@ saves is the split itself, which a Muon user gets as well. A weight stored ``[d,
 ``[3d, d]``) is orthogonalised as its three ``[d, d]`` blocks, each scaled to keep the RMS that
 ``adjust_lr_fn="match_rms_adamw"`` gives a ``[d, d]`` weight; every other weight is Muon's step.
 In GPT-2 only ``c_attn`` has that shape. It runs another benchmark script with the change in
-place, e.g. ``whitening_levers.py``, whose Muon run then is this one::
+place, e.g. ``whitening_levers.py``, whose Muon run then is this one. The change replaces
+``torch.optim.Muon``'s Newton-Schulz function for the whole process, which the NorMuon baseline
+(``benchmarks/normuon.py``) and the examples' ``ExpertMuon`` call too: run it with
+``--baselines muon`` alone::
 
     OMP_NUM_THREADS=1 python benchmarks/muon_split_qkv.py benchmarks/whitening_levers.py --threads 1 \\
         --seeds 0,1,2 --other-machine --arch gpt2 --base benchmarks/results/budget_speedup_gpt2 \\

@@ -41,7 +41,7 @@ import re
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 
 import torch
 import torch.distributed as dist
@@ -200,23 +200,30 @@ def _centred_units(units: list[Selected], center_inputs: bool | list[re.Pattern]
     return _query_key_pairs(bias_free) or bias_free
 
 
-# The last part of the module name of a fused query/key/value projection whose outputs are the
-# query, the key and the value in contiguous blocks: HF GPT-2's, nanoGPT's and Qwen's c_attn,
-# Phi-3's qkv_proj, MPT's Wqkv, timm's ViT qkv. Split only where the outputs are exactly three
-# inputs wide, the three blocks then equal: grouped-query attention gives keys and values fewer
-# outputs. Not GPT-NeoX's, BLOOM's or Falcon's query_key_value, which interleave the heads.
-FUSED_QKV_NAMES = frozenset({"c_attn", "qkv_proj", "Wqkv", "qkv"})
+# The attention modules known to compute the query, key and value with one fused projection
+# whose outputs hold them in three contiguous blocks (per class, in its MRO: the projection's
+# attribute name): Hugging Face's GPT-2, Phi-3 and MPT, nanoGPT's, and Qwen's (remote code). A
+# name alone is not enough: CodeGen's qkv_proj and GPTBigCode's c_attn interleave the heads.
+FUSED_QKV_LAYOUTS = {"GPT2Attention": "c_attn", "CausalSelfAttention": "c_attn", "QWenAttention": "c_attn",
+                     "Phi3Attention": "qkv_proj", "MptAttention": "Wqkv"}
 
 
-def _fused_qkv_units(units: list[Selected], fused_qkv: list[re.Pattern] | None) -> set[int]:
+def _fused_qkv_units(units: list[Selected], fused_qkv: list[re.Pattern] | None,
+                     modules: dict[str, nn.Module]) -> set[int]:
     """``id`` of the weights stepped as three matrices, a fused projection's query, key and
-    value (``fused_qkv`` as the constructor documents it; ``False`` is ``[]``)."""
+    value (``fused_qkv`` as the constructor documents it; ``False`` is ``[]``). ``modules``:
+    the model's modules by qualified name (empty for the list form)."""
     def shape(u: Selected) -> tuple[int, int]:  # [out, in]
         return MatrixView(_weight(u), u.index is not None, u.weight_transposed).shape
 
-    if fused_qkv is None:  # by name, and only where the outputs are exactly three inputs wide
-        return {id(_weight(u)) for u in units if u.index is None and u.name.rpartition(".")[2] in FUSED_QKV_NAMES
-                and shape(u)[0] == 3 * shape(u)[1]}
+    def known_layout(u: Selected) -> bool:
+        parent, _, last = u.name.rpartition(".")
+        owner = modules.get(parent)
+        return owner is not None and any(FUSED_QKV_LAYOUTS.get(c.__name__) == last for c in type(owner).__mro__)
+
+    if fused_qkv is None:  # a known layout, with outputs exactly three inputs wide (no grouped-query attention)
+        return {id(_weight(u)) for u in units
+                if u.index is None and known_layout(u) and shape(u)[0] == 3 * shape(u)[1]}
     for pattern in fused_qkv:
         if not any(is_skipped(u.name, u.module, [pattern]) for u in units):
             raise ValueError(f"fused_qkv entry {pattern.pattern!r} matches no whitened layer")
@@ -224,10 +231,13 @@ def _fused_qkv_units(units: list[Selected], fused_qkv: list[re.Pattern] | None) 
     for u in units:
         if not is_skipped(u.name, u.module, fused_qkv):
             continue
-        out_dim = shape(u)[0]
-        if u.index is not None or out_dim % 3:
-            raise ValueError(f"fused_qkv matches {u.name!r}, which is not a matrix whose outputs split into three "
-                             f"equal parts (output width {out_dim}{', a fused expert' if u.index is not None else ''})")
+        if u.index is not None:
+            raise ValueError(f"fused_qkv matches {u.name!r}, a fused expert, not a query/key/value projection")
+        out_dim, in_dim = shape(u)
+        if out_dim != 3 * in_dim:
+            raise ValueError(f"fused_qkv matches {u.name!r}, whose [out, in] is [{out_dim}, {in_dim}]: a fused "
+                             "query/key/value projection is stepped as three square parts, its outputs three "
+                             "times its inputs")
         chosen.add(id(_weight(u)))
     return chosen
 
@@ -374,20 +384,22 @@ class WhitenedMuon(torch.optim.Optimizer):
         fused_qkv: the fused query/key/value projections, whose ``[3d, d]`` weight is stepped as
             three ``[d, d]`` matrices: each part orthogonalised on its own and scaled by
             ``adjust_lr_fn`` for its own shape, the input whitener shared (the parts read one
-            input), the output side, if on, whitened per part. ``None`` (default): layers whose
-            name ends in ``c_attn`` (GPT-2's ``Conv1D``, nanoGPT's and Qwen's ``nn.Linear``),
-            ``qkv_proj`` (Phi-3), ``Wqkv`` (MPT) or ``qkv`` (timm's ViT) and whose outputs are
-            exactly three times their inputs, split in equal thirds, query, key, value, as those
-            models split them (with grouped-query attention the outputs are narrower and the
-            layer is stepped whole). A list or tuple of regexes: exactly the layers whose module name or
-            class name matches one (as ``skip_layers``); each must be a whitened matrix with an
-            output width divisible by 3, and a regex that matches no whitened layer raises
-            ``ValueError``. ``False``: none. Orthogonalising the fused matrix whole couples the
-            three projections' singular values, and the split saved steps for Muon and
-            ``WhitenedMuon`` alike on GPT-2. Name a model's fused projection only when its
-            outputs are three contiguous equal blocks: a layout that interleaves heads (GPT-NeoX's
-            ``query_key_value``) or gives keys and values fewer heads (grouped-query attention)
-            is not three equal blocks.
+            input), the output side, if on, whitened per part. ``None`` (default): the fused
+            projections of the attention modules whose layout is known to be three contiguous
+            blocks, query, key, value (Hugging Face's GPT-2 ``c_attn``, Phi-3 ``qkv_proj`` and
+            MPT ``Wqkv``, nanoGPT's and Qwen's ``c_attn``: ``FUSED_QKV_LAYOUTS``, read from the
+            module's class and its bases), where the outputs are exactly three times the inputs
+            (with grouped-query attention they are narrower, and the layer is stepped whole).
+            The list form (``WhitenedMuon([module, ...])``) has no attention modules to read:
+            nothing is split there unless named. A list or tuple of regexes: exactly the layers
+            whose module name or class name matches one (as ``skip_layers``); each must be a
+            whitened matrix whose outputs are three times its inputs, and a regex that matches
+            no whitened layer raises ``ValueError``. ``False``: none. Orthogonalising the fused
+            matrix whole couples the three projections' singular values; the split saved steps
+            for Muon and ``WhitenedMuon`` alike on GPT-2. Name a fused projection only when its
+            outputs are three contiguous blocks: GPT-NeoX's, BLOOM's and Falcon's
+            ``query_key_value``, CodeGen's ``qkv_proj`` and GPTBigCode's ``c_attn`` interleave
+            the heads.
         root: how ``F + λI`` is whitened: ``"cholesky"`` (``T = L⁻¹``, cheap) or
             ``"symmetric"`` (``(F + λI)^{-1/2}``, an ``eigh``). Both define the same norm and the
             same exact step; they differ only through Newton-Schulz's approximation.
@@ -426,7 +438,7 @@ class WhitenedMuon(torch.optim.Optimizer):
                  adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None, statistics_every: int = 5,
                  damping: float = 0.1, factor_decay: float = 0.8, statistics_rows: int | None = 1024,
                  output_side: bool = False, center_inputs: bool | list[str] | tuple[str, ...] | None = None,
-                 fused_qkv: bool | list[str] | tuple[str, ...] | None = None,
+                 fused_qkv: Literal[False] | list[str] | tuple[str, ...] | None = None,
                  root: str = "cholesky", block_size: int | None = None,
                  ns_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16, ns_coefficients: str = "muon",
                  adjust_lr_fn: str | None = "match_rms_adamw", grad_scaler: Any = None, process_group: Any = None):
@@ -477,7 +489,7 @@ class WhitenedMuon(torch.optim.Optimizer):
             for name, p in params.named_parameters():
                 self._names.setdefault(id(p), name)
         whitened: list[nn.Parameter] = []
-        split = _fused_qkv_units(units, fused)
+        split = _fused_qkv_units(units, fused, dict(params.named_modules()) if isinstance(params, nn.Module) else {})
         for unit in units:
             weight = _weight(unit)
             if id(weight) not in self._views:

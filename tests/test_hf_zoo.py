@@ -119,3 +119,41 @@ def test_whitened_muon_splits_phi3s_qkv_proj_only_into_three_equal_blocks(kv_hea
     fused = {opt._names[i] for i, view in opt._views.items() if view.parts == 3}
     want = {f"{n}.weight" for n, _ in model.named_modules() if n.endswith("self_attn.qkv_proj")}
     assert len(want) == 2 and fused == (want if split else set())
+
+
+def _codegen():
+    return transformers.CodeGenForCausalLM(transformers.CodeGenConfig(
+        vocab_size=hf_zoo.VOCAB, n_positions=64, n_ctx=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+        bos_token_id=1, eos_token_id=2))
+
+
+def _gpt_bigcode():
+    return transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(
+        vocab_size=hf_zoo.VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, multi_query=False,
+        bos_token_id=1, eos_token_id=2))
+
+
+def _mpt():
+    return transformers.MptForCausalLM(transformers.MptConfig(vocab_size=hf_zoo.VOCAB, d_model=32, n_heads=4,
+                                                               n_layers=2, max_seq_len=64))
+
+
+@pytest.mark.parametrize("build, fused", [
+    (_mpt, "attn.Wqkv"),  # chunk(3): contiguous thirds
+    (_codegen, None),  # qkv_proj, three inputs wide, but its outputs interleave model-parallel chunks
+    (_gpt_bigcode, None),  # c_attn, three inputs wide, but per head (multi_query=False)
+])
+def test_whitened_muon_splits_only_fused_projections_of_a_known_layout(build, fused):
+    """The default splits a fused projection by its attention module's class, not by its name:
+    MPT's ``Wqkv`` is split; CodeGen's ``qkv_proj`` and GPTBigCode's ``c_attn``, as wide but
+    laid out otherwise, are stepped whole."""
+    from kron_precond import WhitenedMuon
+    model = build()
+    opt = WhitenedMuon(model, lr=0.01, skip_layers=["Embedding", "lm_head"])
+    split = {opt._names[i] for i, view in opt._views.items() if view.parts == 3}
+    wide = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear | transformers.Conv1D)
+            and m.weight.numel() == 3 * model.config.hidden_size ** 2}
+    assert len(wide) == 2  # one per block: the fused projection, three inputs wide
+    assert split == ({w for w in wide if w.endswith(f"{fused}.weight")} if fused else set())
+    if fused:
+        assert len(split) == 2

@@ -21,13 +21,16 @@ from kron_precond import WhitenedMuon
 from test_whitened_muon import LR, WD, batches, loss_of, make_net
 
 DIMS = (5, 7, 3)
+# the fused scenario's: b is [12, 4], three square [4, 4] parts whose rows the shards split
+# otherwise (3/3/3/3 at 4 ranks, 6/6 at 2)
+FUSED_DIMS = (5, 4, 12)
 STEPS = 5
 SAVE_AT = 2  # the world-4 run of SAVED writes a DCP checkpoint after this many steps
 SAVED = "input"
 TOL = dict(rtol=1e-10, atol=1e-12)
 SPAWN_TIMEOUT = 300.0
-# name -> (output_side, mesh, fused); "2x2": HSDP, (replicate, shard); fused: the 3-row weight
-# stepped as three 1-row parts (fused_qkv), which at 4 ranks each sit on a rank of their own
+# name -> (output_side, mesh, fused); "2x2": HSDP, (replicate, shard); fused: b stepped as three
+# parts (fused_qkv), on FUSED_DIMS
 SCENARIOS = {"input": (False, "1d", False), "output": (True, "1d", False), "hsdp": (False, "2x2", False),
              "fused": (True, "1d", True)}
 
@@ -42,11 +45,11 @@ def weights(net) -> torch.Tensor:
                       for w in (net.a.weight, net.b.weight)])
 
 
-def one_process(output_side: bool, fused: bool) -> list[torch.Tensor]:
-    net = make_net(dims=DIMS)
+def one_process(output_side: bool, fused: bool, dims: tuple[int, int, int]) -> list[torch.Tensor]:
+    net = make_net(dims=dims)
     opt = make_optimizer(net, output_side, fused)
     trajectory = []
-    for x, y in batches(STEPS, dims=DIMS):
+    for x, y in batches(STEPS, dims=dims):
         opt.zero_grad()
         loss_of(net, x, y).backward()
         opt.step()
@@ -54,11 +57,11 @@ def one_process(output_side: bool, fused: bool) -> list[torch.Tensor]:
     return trajectory
 
 
-def _sharded(mesh_kind: str, world: int):
+def _sharded(mesh_kind: str, world: int, dims: tuple[int, int, int] = DIMS):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    net = make_net(dims=DIMS)
+    net = make_net(dims=dims)
     if mesh_kind == "2x2":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     else:
@@ -68,13 +71,14 @@ def _sharded(mesh_kind: str, world: int):
     return net
 
 
-def _steps(net, opt, rank: int, world: int, first: int, stop: int = STEPS) -> tuple[list[torch.Tensor], list[bool]]:
+def _steps(net, opt, rank: int, world: int, first: int, stop: int = STEPS,
+           dims: tuple[int, int, int] = DIMS) -> tuple[list[torch.Tensor], list[bool]]:
     """Steps ``first`` to ``stop`` on this rank's share of each batch: the full weights after
     each, and whether every rank holds the same."""
     import torch.distributed as dist
 
     trajectory, identical = [], []
-    for x, y in batches(STEPS, dims=DIMS)[first:stop]:
+    for x, y in batches(STEPS, dims=dims)[first:stop]:
         per = x.shape[0] // world
         opt.zero_grad()
         loss_of(net, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
@@ -93,7 +97,8 @@ def world_worker(rank, world, out_dir, scenarios, checkpoint):
     results = {}
     for name in scenarios:
         output_side, mesh_kind, fused = SCENARIOS[name]
-        net = _sharded(mesh_kind, world)
+        dims = FUSED_DIMS if fused else DIMS
+        net = _sharded(mesh_kind, world, dims)
         opt = make_optimizer(net, output_side, fused)
         sharded = opt._is_sharded(net.a.weight)
         if name == SAVED and world == 4:
@@ -103,7 +108,7 @@ def world_worker(rank, world, out_dir, scenarios, checkpoint):
             rest, same_rest = _steps(net, opt, rank, world, SAVE_AT)
             results[name] = (first + rest, same_first + same_rest, sharded)
         else:
-            trajectory, identical = _steps(net, opt, rank, world, 0)
+            trajectory, identical = _steps(net, opt, rank, world, 0, dims=dims)
             results[name] = (trajectory, identical, sharded)
     if world == 4:
         results["nonfinite"] = _nonfinite_on_one_shard(rank, world)
@@ -167,7 +172,14 @@ def spawned(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
-    return {(side, fused): one_process(side, fused) for side, _, fused in SCENARIOS.values()}
+    return {(side, fused): one_process(side, fused, FUSED_DIMS if fused else DIMS)
+            for side, _, fused in SCENARIOS.values()}
+
+
+def test_the_fused_scenario_steps_otherwise_than_its_weight_whole(reference):
+    """The fused scenario tests the parts: on its net, b stepped whole ends elsewhere."""
+    whole = one_process(True, False, FUSED_DIMS)
+    assert (reference[(True, True)][-1] - whole[-1]).abs().max() > 1e-6
 
 
 @pytest.mark.parametrize("world,name", [(4, "input"), (4, "output"), (4, "hsdp"), (4, "fused"), (2, "input"),
@@ -175,9 +187,7 @@ def reference():
 def test_every_step_matches_one_process_on_every_rank(spawned, reference, world, name):
     output_side, _, fused = SCENARIOS[name]
     want = reference[(output_side, fused)]
-    if fused:  # the parts step otherwise than the whole weight
-        assert (want[-1] - reference[(output_side, False)][-1]).abs().max() > 1e-6
-    start = weights(make_net(dims=DIMS))
+    start = weights(make_net(dims=FUSED_DIMS if fused else DIMS))
     assert (want[-1] - start).abs().max() > 1e-3  # the steps did something
     for rank, result in enumerate(spawned[world]):
         trajectory, identical, sharded = result[name]

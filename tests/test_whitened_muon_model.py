@@ -130,6 +130,11 @@ class SeparateBlock(Block):
         return self.q_in(h), self.k_in(h), self.v_in(h)
 
 
+class CausalSelfAttention(Block):
+    """``Block`` under the class name nanoGPT gives the attention module that holds ``c_attn``:
+    a layout the default knows (its query, key and value in contiguous thirds)."""
+
+
 def separate_twin(fused: Block, make) -> SeparateBlock:
     """A ``SeparateBlock`` computing what ``fused`` computes: ``c_attn``'s outputs in thirds."""
     twin = SeparateBlock(make).to(fused.lm_head.weight.dtype)
@@ -155,8 +160,9 @@ def fused_part(model, name: str):
 @pytest.mark.parametrize("output_side", [False, True])
 @pytest.mark.parametrize("adjust_lr_fn", ["match_rms_adamw", "original"])
 def test_a_fused_qkv_projection_steps_like_three_separate_projections(kind, output_side, adjust_lr_fn):
-    """A ``c_attn`` whose outputs are three inputs wide (GPT-2's ``Conv1D``, nanoGPT's Linear)
-    is stepped by default as its query, key and value: each part orthogonalised on its own
+    """A ``c_attn`` whose outputs are three inputs wide, in a module of a known layout (here
+    nanoGPT's class name; GPT-2's ``Conv1D`` or nanoGPT's Linear), is stepped by default as its
+    query, key and value: each part orthogonalised on its own
     (and, with the output side, whitened by its own outputs' factor) and scaled for its own
     ``[d, d]`` shape, as the twin with three separate projections is. ``fused_qkv=False``
     steps it as one matrix, which the twin does not follow."""
@@ -167,7 +173,7 @@ def test_a_fused_qkv_projection_steps_like_three_separate_projections(kind, outp
     runs = {}
     for fused_qkv in (None, False):
         torch.manual_seed(0)
-        fused = Block(make).double()
+        fused = CausalSelfAttention(make).double()
         twin = separate_twin(fused, make)
         start = copy.deepcopy(twin)
         opt = WhitenedMuon(fused, fused_qkv=fused_qkv, **settings)
@@ -200,13 +206,16 @@ class RenamedBlock(Block):
 
 
 def test_fused_qkv_regexes_name_the_fused_projections_and_nothing_else_is_split():
-    """A fused projection under another name is split only when a regex names it: the same
-    steps as the default on ``c_attn``; by default it is one matrix."""
+    """A fused projection under another name, or in a module whose layout the default does
+    not know, is split only when a regex names it: the same steps as the default on a known
+    layout; by default it is one matrix."""
     settings = dict(lr=0.05, statistics_every=1, ns_dtype=torch.float64, skip_layers=["lm_head"])
     data = token_batches(3)
     torch.manual_seed(0)
-    reference = Block(lambda i, o: nn.Linear(i, o)).double()
+    reference = CausalSelfAttention(lambda i, o: nn.Linear(i, o)).double()
     train(reference, WhitenedMuon(reference, **settings), data)
+    unknown = Block(lambda i, o: nn.Linear(i, o))  # c_attn, but in a class of unknown layout
+    assert all(view.parts == 1 for view in WhitenedMuon(unknown, **settings)._views.values())
     results = {}
     for fused_qkv in ([r"attn_in$"], None):
         torch.manual_seed(0)
@@ -220,7 +229,8 @@ def test_fused_qkv_regexes_name_the_fused_projections_and_nothing_else_is_split(
 @pytest.mark.parametrize("fused_qkv, error, match", [
     (True, TypeError, "fused_qkv"), ("c_attn", TypeError, "fused_qkv"), ([1], TypeError, "fused_qkv"),
     (["("], ValueError, "fused_qkv"), (["c_atn"], ValueError, "'c_atn'"),  # a typo: matches nothing
-    (["c_fc"], ValueError, "'c_fc'"),  # outputs 2 inputs wide: no three equal parts
+    (["c_fc"], ValueError, "'c_fc'"),  # outputs not three inputs wide: no three square parts
+    (["c_proj"], ValueError, "'c_proj'"),  # square: divisible by 3 (6), yet no three square parts
     (["lm_head"], ValueError, "'lm_head'"),  # skipped: not whitened
 ])
 def test_bad_fused_qkv_fails_at_construction_naming_it(fused_qkv, error, match):
