@@ -187,15 +187,22 @@ def _query_key_pairs(units: list[Selected]) -> list[Selected]:
     return pairs
 
 
+def _matched_units(units: list[Selected], patterns: list[re.Pattern], argument: str) -> list[Selected]:
+    """The units whose module name or class name a pattern matches (as ``skip_layers``);
+    ``ValueError`` naming a pattern that matches none: most likely a typo, or a layer
+    ``skip_layers`` sent to AdamW."""
+    for pattern in patterns:
+        if not any(is_skipped(u.name, u.module, [pattern]) for u in units):
+            raise ValueError(f"{argument} entry {pattern.pattern!r} matches no whitened layer")
+    return [u for u in units if is_skipped(u.name, u.module, patterns)]
+
+
 def _centred_units(units: list[Selected], center_inputs: bool | list[re.Pattern] | None) -> list[Selected]:
     """The units whose input factor is centred (``center_inputs`` as the constructor documents it)."""
     if isinstance(center_inputs, bool):
         return list(units) if center_inputs else []
-    if center_inputs is not None:  # the patterns, matched as skip_layers is
-        for pattern in center_inputs:  # most likely a typo, or a layer skip_layers sent to AdamW
-            if not any(is_skipped(u.name, u.module, [pattern]) for u in units):
-                raise ValueError(f"center_inputs entry {pattern.pattern!r} matches no whitened layer")
-        return [u for u in units if is_skipped(u.name, u.module, center_inputs)]
+    if center_inputs is not None:
+        return _matched_units(units, center_inputs, "center_inputs")
     bias_free = [u for u in units if not _trains_bias(u)]
     return _query_key_pairs(bias_free) or bias_free
 
@@ -221,21 +228,18 @@ def _fused_qkv_units(units: list[Selected], fused_qkv: list[re.Pattern] | None,
         owner = modules.get(parent)
         return owner is not None and any(FUSED_QKV_LAYOUTS.get(c.__name__) == last for c in type(owner).__mro__)
 
-    if fused_qkv is None:  # a known layout, with outputs exactly three inputs wide (no grouped-query attention)
-        return {id(_weight(u)) for u in units
-                if u.index is None and known_layout(u) and shape(u)[0] == 3 * shape(u)[1]}
-    for pattern in fused_qkv:
-        if not any(is_skipped(u.name, u.module, [pattern]) for u in units):
-            raise ValueError(f"fused_qkv entry {pattern.pattern!r} matches no whitened layer")
+    def three_wide(u: Selected) -> bool:  # no grouped-query attention: three square parts
+        out_dim, in_dim = shape(u)
+        return out_dim == 3 * in_dim
+
+    if fused_qkv is None:  # a known layout
+        return {id(_weight(u)) for u in units if u.index is None and known_layout(u) and three_wide(u)}
     chosen = set()
-    for u in units:
-        if not is_skipped(u.name, u.module, fused_qkv):
-            continue
+    for u in _matched_units(units, fused_qkv, "fused_qkv"):
         if u.index is not None:
             raise ValueError(f"fused_qkv matches {u.name!r}, a fused expert, not a query/key/value projection")
-        out_dim, in_dim = shape(u)
-        if out_dim != 3 * in_dim:
-            raise ValueError(f"fused_qkv matches {u.name!r}, whose [out, in] is [{out_dim}, {in_dim}]: a fused "
+        if not three_wide(u):
+            raise ValueError(f"fused_qkv matches {u.name!r}, whose [out, in] is {list(shape(u))}: a fused "
                              "query/key/value projection is stepped as three square parts, its outputs three "
                              "times its inputs")
         chosen.add(id(_weight(u)))
@@ -268,15 +272,21 @@ GROUP_RULES: dict[str, tuple[validation.GroupRule, ...]] = {  # per algorithm, c
 }
 
 
+def _layer_patterns(value: Any, argument: str, others: str) -> list[re.Pattern]:
+    """``value``, a list or tuple of regexes naming layers, compiled; ``TypeError`` for anything
+    else (a bare string too: it would read as one regex where a keyword was meant)."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(p, str) for p in value):
+        raise TypeError(f"{argument} must be {others}, or a list or tuple of regexes (matched against module names "
+                        f"and class names, as skip_layers is), got {value!r}")
+    return compile_skip_patterns(value, argument)
+
+
 def _check_center_inputs(center_inputs: Any) -> bool | list[re.Pattern] | None:
     """``center_inputs`` checked: ``None``, a bool, or a list or tuple of regexes (compiled). A
     bare string is refused: it would read as one regex where "auto" or "all" was meant."""
     if center_inputs is None or isinstance(center_inputs, bool):
         return center_inputs
-    if not isinstance(center_inputs, (list, tuple)) or not all(isinstance(p, str) for p in center_inputs):
-        raise TypeError("center_inputs must be None, a bool, or a list or tuple of regexes (matched against "
-                        f"module names and class names, as skip_layers is), got {center_inputs!r}")
-    return compile_skip_patterns(center_inputs, "center_inputs")
+    return _layer_patterns(center_inputs, "center_inputs", "None, a bool")
 
 
 def _check_fused_qkv(fused_qkv: Any) -> list[re.Pattern] | None:
@@ -286,10 +296,7 @@ def _check_fused_qkv(fused_qkv: Any) -> list[re.Pattern] | None:
         return None
     if fused_qkv is False:
         return []
-    if not isinstance(fused_qkv, (list, tuple)) or not all(isinstance(p, str) for p in fused_qkv):
-        raise TypeError("fused_qkv must be None, False, or a list or tuple of regexes naming the fused query/key/"
-                        f"value projections (matched as skip_layers is), got {fused_qkv!r}")
-    return compile_skip_patterns(fused_qkv, "fused_qkv")
+    return _layer_patterns(fused_qkv, "fused_qkv", "None, False")
 
 
 def _check_group(index: int, group: dict[str, Any]) -> None:
@@ -766,8 +773,9 @@ class WhitenedMuon(torch.optim.Optimizer):
             update = self._gather_rows(update, full_shape[0])
         left, right = self._stacked_whiteners(params)
         matrices = view.matrices(update)
-        if view.parts > 1:  # a fused projection: its parts as matrices of their own
-            matrices = matrices.reshape(-1, *view.part_shape)
+        if view.parts > 1:  # a fused projection: its parts as matrices of their own (cast first, as
+            # _direction would: the reshape copies a transposed view, and in ns_dtype copies half the bytes)
+            matrices = matrices.to(self.ns_dtype).reshape(-1, *view.part_shape)
         direction = view.tensors(self._direction(matrices, left, right).reshape(-1, *view.shape), full_shape)
         if sharded:
             assert self._sharded is not None

@@ -53,7 +53,10 @@ class MatrixView:
         if parts < 1 or self.shape[0] % parts:
             raise ValueError(f"{parts} parts do not divide the output width {self.shape[0]}")
         self.parts = parts
-        self.part_shape = (self.shape[0] // parts, self.shape[1])
+
+    @property
+    def part_shape(self) -> tuple[int, int]:
+        return (self.shape[0] // self.parts, self.shape[1])
 
     def matrices(self, tensor: torch.Tensor) -> torch.Tensor:
         """``[n, *param shape]`` (a stack of ``n`` parameters' tensors) as ``[n·k, out, in]``."""
