@@ -299,6 +299,30 @@ def _check_fused_qkv(fused_qkv: Any) -> list[re.Pattern] | None:
     return _layer_patterns(fused_qkv, "fused_qkv", "None, False")
 
 
+def _warn_functional_attention(model: nn.Module, patterns: list[re.Pattern], adamw: list[nn.Parameter]) -> None:
+    """``UserWarning`` naming the ``nn.MultiheadAttention`` modules whose projection weights
+    AdamW steps. The module applies them functionally (no ``nn.Linear`` forward runs), so their
+    inputs cannot be observed nor the weights whitened: an attention that a user expects to
+    take Muon's step would otherwise take AdamW's without a word. A ``skip_layers`` entry
+    covering the module says the user knows, and silences it."""
+    stepped = {id(p) for p in adamw}
+    names = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.MultiheadAttention) or is_skipped(name, module, patterns):
+            continue
+        weights = (module.in_proj_weight, module.q_proj_weight, module.k_proj_weight, module.v_proj_weight,
+                   module.out_proj.weight)
+        if any(w is not None and id(w) in stepped for w in weights):
+            names.append(name or "<root>")
+    if names:
+        warnings.warn(f"WhitenedMuon: AdamW steps the projection weights of the nn.MultiheadAttention "
+                      f"modules {', '.join(names)}: nn.MultiheadAttention applies them functionally, so their "
+                      f"inputs cannot be observed and they are not whitened (nor given Muon's step). Build the "
+                      f"attention from nn.Linear projections (as Hugging Face models do) to whiten them, or add "
+                      f"'MultiheadAttention' to skip_layers to keep AdamW on them without this warning",
+                      UserWarning, stacklevel=4)
+
+
 def _check_group(index: int, group: dict[str, Any]) -> None:
     """``ValueError`` for a setting on a param group that the step cannot use."""
     algorithm = group["algorithm"]
@@ -576,6 +600,7 @@ class WhitenedMuon(torch.optim.Optimizer):
             taken = {id(_weight(u)) for u in units}
             rest = [p for p in params.parameters() if p.requires_grad and id(p) not in taken]
             _refuse_complex(params.named_parameters())
+            _warn_functional_attention(params, patterns, rest)
             return units, rest
         if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
             raise TypeError(f"WhitenedMuon: params must be an nn.Module (the model) or a list of modules, "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -275,8 +276,9 @@ class TiedLM(nn.Module):
 def test_the_model_form_whitens_the_linear_units_and_gives_every_other_trainable_parameter_to_adamw():
     torch.manual_seed(0)
     model = TiedLM()
-    opt = WhitenedMuon(model, lr=0.02, adamw_lr=0.003, adamw_betas=(0.8, 0.99), adamw_eps=1e-6,
-                       adamw_weight_decay=0.01, weight_decay=0.1)
+    with pytest.warns(UserWarning, match="MultiheadAttention modules attn"):
+        opt = WhitenedMuon(model, lr=0.02, adamw_lr=0.003, adamw_betas=(0.8, 0.99), adamw_eps=1e-6,
+                           adamw_weight_decay=0.01, weight_decay=0.1)
     groups = {g["algorithm"]: g for g in opt.param_groups}
     assert [g["algorithm"] for g in opt.param_groups] == ["whitened_muon", "adamw"]
     whitened = {id(p) for p in groups["whitened_muon"]["params"]}
@@ -289,7 +291,7 @@ def test_the_model_form_whitens_the_linear_units_and_gives_every_other_trainable
     assert groups["adamw"]["lr"] == 0.003 and groups["adamw"]["betas"] == (0.8, 0.99)
     assert groups["adamw"]["eps"] == 1e-6 and groups["adamw"]["weight_decay"] == 0.01
     assert "momentum" not in groups["adamw"] and groups["whitened_muon"]["weight_decay"] == 0.1
-    skipping = WhitenedMuon(model, lr=0.02, skip_layers=["down"])
+    skipping = WhitenedMuon(model, lr=0.02, skip_layers=["down", "attn"])
     assert {id(p) for p in skipping.param_groups[0]["params"]} == {id(model.up.weight)}
     assert {id(p) for p in skipping.param_groups[1]["params"]} == trainable - {id(model.up.weight)}
     with pytest.raises(ValueError, match="no module of LayerNorm"):
@@ -313,6 +315,7 @@ def split_by_hand(model, **settings):
             torch.optim.AdamW(rest, lr=0.003, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01, foreach=False)]
 
 
+@pytest.mark.filterwarnings("ignore:WhitenedMuon. AdamW steps the projection weights:UserWarning")  # TiedLM's attention
 def test_one_optimizer_for_the_model_equals_the_split_by_hand_bitwise():
     """The AdamW half is ``torch.optim.AdamW``'s arithmetic, bitwise (a parameter without a
     gradient on a step keeps its own step count, as torch's); one schedule scales both halves."""
@@ -341,6 +344,7 @@ def test_one_optimizer_for_the_model_equals_the_split_by_hand_bitwise():
     assert opt.state[model.norm.weight]["step"] == 4
 
 
+@pytest.mark.filterwarnings("ignore:WhitenedMuon. AdamW steps the projection weights:UserWarning")  # TiedLM's attention
 def test_the_model_form_resumes_bitwise_and_a_mismatched_checkpoint_changes_nothing():
     torch.manual_seed(0)
     models = [TiedLM(), None]
@@ -367,6 +371,7 @@ def test_the_model_form_resumes_bitwise_and_a_mismatched_checkpoint_changes_noth
     assert str(other.state_dict()) == str(before)
 
 
+@pytest.mark.filterwarnings("ignore:WhitenedMuon. AdamW steps the projection weights:UserWarning")  # TiedLM's attention
 def test_a_closure_runs_with_grad_enabled_and_its_loss_is_returned():
     torch.manual_seed(0)
     model = TiedLM()
@@ -924,3 +929,46 @@ def test_the_statistics_schedule_resumes_from_a_checkpoint_bitwise():
     straight = run()
     for resume_at in (4, 7):
         assert torch.equal(run(resume_at), straight)
+
+
+class TwoAttentions(nn.Module):
+    """A packed self-attention (nn.TransformerEncoderLayer's) and one with separate q/k/v
+    weights (kdim / vdim set), beside a Linear the optimizer whitens."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.cross = nn.MultiheadAttention(8, 2, kdim=4, vdim=4, batch_first=True)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x, memory):
+        h = self.layer(x)
+        return self.out(h + self.cross(h, memory, memory, need_weights=False)[0])
+
+
+def test_attention_weights_left_to_adamw_are_named_in_a_warning():
+    """nn.MultiheadAttention applies its projection weights functionally: they cannot be
+    whitened and AdamW steps them. That is said at construction, naming the modules, and a
+    skip_layers entry that covers them (the user's acknowledgement) silences it."""
+    torch.manual_seed(0)
+    model = TwoAttentions()
+    with pytest.warns(UserWarning, match=r"MultiheadAttention") as record:
+        opt = WhitenedMuon(model, lr=0.02)
+    message = str(next(w.message for w in record if "MultiheadAttention" in str(w.message)))
+    assert "layer.self_attn" in message and "cross" in message
+    adamw = {id(p) for p in opt.param_groups[1]["params"]}
+    for mha in (model.layer.self_attn, model.cross):
+        weights = [mha.in_proj_weight, mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight, mha.out_proj.weight]
+        assert all(id(w) in adamw for w in weights if w is not None)
+    assert {id(p) for p in opt.param_groups[0]["params"]} == {
+        id(model.layer.linear1.weight), id(model.layer.linear2.weight), id(model.out.weight)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        WhitenedMuon(model, lr=0.02, skip_layers=["MultiheadAttention"])
+        WhitenedMuon(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), lr=0.02)
+    # frozen attention: nothing of it reaches AdamW, nothing to say
+    model.layer.self_attn.requires_grad_(False)
+    with pytest.warns(UserWarning) as record:
+        WhitenedMuon(model, lr=0.02)
+    message = str(next(w.message for w in record if "MultiheadAttention" in str(w.message)))
+    assert "cross" in message and "self_attn" not in message
