@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 import types
 from pathlib import Path
@@ -49,7 +48,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.append(str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "examples"))  # the examples' modules, imported by file
 
-from kron_examples_common import StepTimer  # noqa: E402
+from benchmarks.refresh_cost import median_ms  # noqa: E402
 from kron_precond.whitened_muon import NS_COEFFICIENTS, WhitenedMuon  # noqa: E402
 
 BF16_RESOLUTION = 2.0 ** -8  # bfloat16's spacing relative to a value's magnitude (8 significant bits)
@@ -95,18 +94,6 @@ def gram_direction(momenta: torch.Tensor, whiteners: torch.Tensor, precision: to
     wide_dtype = torch.promote_types(dtype, torch.float32)
     norm = direction.to(wide_dtype).norm(dim=(-2, -1), keepdim=True).clamp(min=1e-30)
     return direction * (ortho_squared.to(wide_dtype).clamp(min=0).sqrt() / norm).to(dtype)
-
-
-def median_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
-    """Median milliseconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        with StepTimer(device) as timer:
-            fn()
-        times.append(1000 * timer.seconds)
-    return statistics.median(times)
 
 
 def relative_distance(x: torch.Tensor, reference: torch.Tensor) -> float:
