@@ -260,7 +260,8 @@ def is_skipped(name: str, module: nn.Module, patterns: list[re.Pattern]) -> bool
     return any(p.search(name) or p.search(class_name) for p in patterns)
 
 
-def _owners(model: nn.Module) -> dict[int, list[str]]:
+def owners_of(model: nn.Module) -> dict[int, list[str]]:
+    """``id(parameter) -> the qualified names of the modules holding it`` (two or more: tied)."""
     owners: dict[int, list[str]] = {}
     for name, module in model.named_modules():
         for param in module.parameters(recurse=False):
@@ -290,7 +291,7 @@ def find_kfac_modules(model: nn.Module, is_skipped, log, *, weight_only: bool = 
 
     ``weight_only``: only the units' weights must train (an optimizer that leaves the bias to
     another, as ``WhitenedMuon``); K-FAC's ``[W | b]`` units need the bias's gradient too."""
-    owners = _owners(model)
+    owners = owners_of(model)
     # MultiheadAttention uses its out_proj's weight functionally: out_proj.forward never
     # runs, so K-FAC's hooks would never see it.
     functional = {f"{name}.out_proj" if name else "out_proj" for name, module in model.named_modules()

@@ -48,12 +48,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from kron_precond import validation
+from kron_precond.attention import attention_units, model_attention_units
 from kron_precond.autocast import autocast_disabled
 from kron_precond.capture import ActivationCapture, grad_scaler_scale, weakly
 from kron_precond.distributed.sharded import ShardedLayout, is_dtensor
 from kron_precond.health import new_nonfinite_steps
 from kron_precond.methods import state_checks as checks
-from kron_precond.modules import Selected, compile_skip_patterns, find_kfac_modules, is_skipped, kfac_adapter
+from kron_precond.modules import Selected, compile_skip_patterns, find_kfac_modules, is_skipped, kfac_adapter, owners_of
 from kron_precond.whitening import MatrixView, UnitObserver, WhiteningStatistics
 
 logger = logging.getLogger("kron_precond")
@@ -132,16 +133,26 @@ class _CaptureLayer:
     method: UnitObserver
 
 
-def _listed_units(modules: list) -> list[Selected]:
-    """The units of the modules of the list form; ``TypeError`` / ``ValueError`` naming a
-    module that is not one, or whose kind no adapter describes."""
+def _listed_units(modules: list) -> tuple[list[Selected], list[Selected]]:
+    """(the units whitened, the units stepped unwhitened) of the modules of the list form;
+    ``TypeError`` / ``ValueError`` naming a module that is not one, or whose kind no adapter
+    describes."""
     if not modules:
         raise ValueError("WhitenedMuon: modules is empty")
     units: list[Selected] = []
+    plain: list[Selected] = []
     for i, module in enumerate(modules):
         label = f"modules[{i}] ({type(module).__name__})"
         if not isinstance(module, nn.Module):
             raise TypeError(f"WhitenedMuon: modules[{i}] must be an nn.Module, got {type(module).__name__}")
+        if isinstance(module, nn.MultiheadAttention):  # called as self-attention unless kdim / vdim are set
+            found, unwhitened = attention_units(f"modules[{i}]", module, cross_attention=False,
+                                                is_skipped=lambda name, m: False, owners={}, log=logger.info)
+            if not found and not unwhitened:
+                raise ValueError(f"WhitenedMuon: {label} has no trainable projection weight")
+            units.extend(found)
+            plain.extend(unwhitened)
+            continue
         adapter, reason = kfac_adapter(module)
         if adapter is None:
             raise ValueError(f"WhitenedMuon: {label} cannot be whitened: {reason}. Give its parameters to "
@@ -151,7 +162,7 @@ def _listed_units(modules: list) -> list[Selected]:
         if not own:
             raise ValueError(f"WhitenedMuon: {label} has no parameters of its own")
         units.extend(adapter.units(f"modules[{i}]", own))
-    return units
+    return units, plain
 
 
 def _weight(unit: Selected) -> nn.Parameter:
@@ -224,6 +235,8 @@ def _fused_qkv_units(units: list[Selected], fused_qkv: list[re.Pattern] | None,
         return MatrixView(_weight(u), u.index is not None, u.weight_transposed).shape
 
     def known_layout(u: Selected) -> bool:
+        if isinstance(u.module, nn.MultiheadAttention):  # in_proj_weight: query, key, value
+            return u.params[0][0] == "in_proj_weight"
         parent, _, last = u.name.rpartition(".")
         owner = modules.get(parent)
         return owner is not None and any(FUSED_QKV_LAYOUTS.get(c.__name__) == last for c in type(owner).__mro__)
@@ -299,30 +312,6 @@ def _check_fused_qkv(fused_qkv: Any) -> list[re.Pattern] | None:
     return _layer_patterns(fused_qkv, "fused_qkv", "None, False")
 
 
-def _warn_functional_attention(model: nn.Module, patterns: list[re.Pattern], adamw: list[nn.Parameter]) -> None:
-    """``UserWarning`` naming the ``nn.MultiheadAttention`` modules whose projection weights
-    AdamW steps. The module applies them functionally (no ``nn.Linear`` forward runs), so their
-    inputs cannot be observed nor the weights whitened: an attention that a user expects to
-    take Muon's step would otherwise take AdamW's without a word. A ``skip_layers`` entry
-    covering the module says the user knows, and silences it."""
-    stepped = {id(p) for p in adamw}
-    names = []
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.MultiheadAttention) or is_skipped(name, module, patterns):
-            continue
-        weights = (module.in_proj_weight, module.q_proj_weight, module.k_proj_weight, module.v_proj_weight,
-                   module.out_proj.weight)
-        if any(w is not None and id(w) in stepped for w in weights):
-            names.append(name or "<root>")
-    if names:
-        warnings.warn(f"WhitenedMuon: AdamW steps the projection weights of the nn.MultiheadAttention "
-                      f"modules {', '.join(names)}: nn.MultiheadAttention applies them functionally, so their "
-                      f"inputs cannot be observed and they are not whitened (nor given Muon's step). Build the "
-                      f"attention from nn.Linear projections (as Hugging Face models do) to whiten them, or add "
-                      f"'MultiheadAttention' to skip_layers to keep AdamW on them without this warning",
-                      UserWarning, stacklevel=4)
-
-
 def _check_group(index: int, group: dict[str, Any]) -> None:
     """``ValueError`` for a setting on a param group that the step cannot use."""
     algorithm = group["algorithm"]
@@ -345,13 +334,15 @@ class WhitenedMuon(torch.optim.Optimizer):
       the whole model. Every unit the module adapters know (``nn.Linear`` and subclasses, HF
       ``Conv1D`` with its ``[in, out]`` weight, ``nn.Conv1d/2d/3d``, fused MoE experts expert by
       expert, a module taught with :func:`~kron_precond.register_adapter`) and ``skip_layers``
-      does not exclude is whitened; every other trainable parameter (embeddings, norms, biases,
-      skipped layers, a weight tied to another module, modules no adapter knows) is stepped by
-      AdamW in a group of the same optimizer. Param groups carry ``"algorithm"``:
-      ``"whitened_muon"`` or ``"adamw"``.
+      does not exclude is whitened, and so are the projections of ``nn.MultiheadAttention``,
+      read from its arguments (:mod:`kron_precond.attention`: its ``out_proj``, whose input no
+      hook sees, takes Muon's step unwhitened); every other trainable parameter (embeddings,
+      norms, biases, skipped layers, a weight tied to another module, modules no adapter knows)
+      is stepped by AdamW in a group of the same optimizer. Param groups carry
+      ``"algorithm"``: ``"whitened_muon"`` or ``"adamw"``.
     * ``WhitenedMuon([module, ...], lr=...)``: only the weights of these modules (their
       biases, embeddings, norms and the output layer go to another optimizer). A module no
-      adapter describes is refused with a ``ValueError`` naming it.
+      adapter describes (nor ``nn.MultiheadAttention``) is refused with a ``ValueError`` naming it.
 
     Args:
         params: the model, or a list of modules.
@@ -417,12 +408,13 @@ class WhitenedMuon(torch.optim.Optimizer):
             ``adjust_lr_fn`` for its own shape, the input whitener shared (the parts read one
             input), the output side, if on, whitened per part. ``None`` (default): the fused
             projections of the attention modules whose layout is known to be three contiguous
-            blocks, query, key, value (Hugging Face's GPT-2 ``c_attn``, Phi-3 ``qkv_proj`` and
-            MPT ``Wqkv``, nanoGPT's and Qwen's ``c_attn``: ``FUSED_QKV_LAYOUTS``, read from the
-            module's class and its bases), where the outputs are exactly three times the inputs
-            (with grouped-query attention they are narrower, and the layer is stepped whole).
-            The list form (``WhitenedMuon([module, ...])``) has no attention modules to read:
-            nothing is split there unless named. A list or tuple of regexes: exactly the layers
+            blocks, query, key, value (``nn.MultiheadAttention``'s ``in_proj_weight``, Hugging
+            Face's GPT-2 ``c_attn``, Phi-3 ``qkv_proj`` and MPT ``Wqkv``, nanoGPT's and Qwen's
+            ``c_attn``: ``FUSED_QKV_LAYOUTS``, read from the module's class and its bases), where
+            the outputs are exactly three times the inputs (with grouped-query attention they are
+            narrower, and the layer is stepped whole). The list form (``WhitenedMuon([module,
+            ...])``) has no attention modules to read: nothing but an ``nn.MultiheadAttention``
+            is split there unless named. A list or tuple of regexes: exactly the layers
             whose module name or class name matches one (as ``skip_layers``); each must be a
             whitened matrix whose outputs are three times its inputs, and a regex that matches
             no whitened layer raises ``ValueError``. ``False``: none. Orthogonalising the fused
@@ -512,7 +504,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         self.ns_dtype: torch.dtype = checked
         loss_scale = grad_scaler_scale(grad_scaler)  # TypeError for anything else
 
-        units, rest = self._select(params, skip_layers)
+        units, plain, rest = self._select(params, skip_layers)
         self._views: dict[int, MatrixView] = {}
         # qualified parameter names: the model's, or modules[i].<name> in the list form
         self._names: dict[int, str] = {}
@@ -520,8 +512,11 @@ class WhitenedMuon(torch.optim.Optimizer):
             for name, p in params.named_parameters():
                 self._names.setdefault(id(p), name)
         whitened: list[nn.Parameter] = []
-        split = _fused_qkv_units(units, fused, dict(params.named_modules()) if isinstance(params, nn.Module) else {})
-        for unit in units:
+        split = _fused_qkv_units(units + plain, fused,
+                                 dict(params.named_modules()) if isinstance(params, nn.Module) else {})
+        # weights no hook can observe (nn.MultiheadAttention's out_proj): Muon's step, unwhitened
+        self._plain = {id(_weight(u)) for u in plain}
+        for unit in units + plain:
             weight = _weight(unit)
             if id(weight) not in self._views:
                 self._views[id(weight)] = MatrixView(weight, stacked=unit.index is not None,
@@ -586,22 +581,28 @@ class WhitenedMuon(torch.optim.Optimizer):
                     validation.check_non_negative("adamw_weight_decay", adamw_weight_decay))
 
     @staticmethod
-    def _select(params, skip_layers) -> tuple[list[Selected], list[nn.Parameter]]:
-        """(the units to whiten, the parameters AdamW takes)."""
+    def _select(params, skip_layers) -> tuple[list[Selected], list[Selected], list[nn.Parameter]]:
+        """(the units to whiten, the units stepped unwhitened, the parameters AdamW takes)."""
         if isinstance(params, nn.Module):
             _refuse_lazy(params.named_modules())
             patterns = compile_skip_patterns(skip_layers)
-            units = find_kfac_modules(params, lambda name, module: is_skipped(name, module, patterns), logger.info,
+
+            def skipped(name: str, module: nn.Module) -> bool:
+                return is_skipped(name, module, patterns)
+            units = find_kfac_modules(params, skipped, logger.info,
                                       weight_only=True)  # a frozen bias: AdamW's business, not the whitening's
+            attention, plain = model_attention_units(params, skipped, owners_of(params), logger.info)
+            if attention:  # in the model's module order, as the adapters' units
+                order = {id(m): i for i, m in enumerate(params.modules())}
+                units = sorted(units + attention, key=lambda u: order[id(u.module)])
             if not units:
                 raise ValueError(f"WhitenedMuon: no module of {type(params).__name__} can be whitened (nn.Linear, "
-                                 f"HF Conv1D, convolutions, fused experts; see register_adapter) with "
-                                 f"skip_layers={skip_layers!r}")
-            taken = {id(_weight(u)) for u in units}
+                                 f"HF Conv1D, convolutions, fused experts, nn.MultiheadAttention; see "
+                                 f"register_adapter) with skip_layers={skip_layers!r}")
+            taken = {id(_weight(u)) for u in units + plain}
             rest = [p for p in params.parameters() if p.requires_grad and id(p) not in taken]
             _refuse_complex(params.named_parameters())
-            _warn_functional_attention(params, patterns, rest)
-            return units, rest
+            return units, plain, rest
         if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
             raise TypeError(f"WhitenedMuon: params must be an nn.Module (the model) or a list of modules, "
                             f"got {type(params).__name__}")
@@ -610,13 +611,13 @@ class WhitenedMuon(torch.optim.Optimizer):
                              "with a list of modules, leave the skipped ones out of the list")
         modules = list(params)
         _refuse_lazy((f"modules[{i}]", m) for i, m in enumerate(modules) if isinstance(m, nn.Module))
-        units = _listed_units(modules)
+        units, plain = _listed_units(modules)
         _refuse_complex((f"modules[{i}].{n}", p) for i, m in enumerate(modules) if isinstance(m, nn.Module)
                         for n, p in m.named_parameters())
-        weights = [_weight(u) for u in units if u.index is None or u.index == 0]
+        weights = [_weight(u) for u in units + plain if u.index is None or u.index == 0]
         if len({id(w) for w in weights}) != len(weights):
             raise ValueError("WhitenedMuon: a weight appears twice in modules (tied or repeated module)")
-        return units, []
+        return units, plain, []
 
     @staticmethod
     def _sharded_layout(named: list[tuple[str, nn.Parameter]], process_group: Any) -> ShardedLayout | None:
@@ -673,7 +674,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         for all weights: a weight that misses steps (an expert no token reached) stays in phase
         with the rest, so the hooks collect on one step in ``statistics_every``; a frozen one
         costs no products."""
-        return weight.requires_grad and self._statistics_step()
+        return weight.requires_grad and id(weight) not in self._plain and self._statistics_step()
 
     def _statistics_step(self) -> bool:
         return self._steps % self.statistics_every == 0

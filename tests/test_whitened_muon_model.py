@@ -276,18 +276,18 @@ class TiedLM(nn.Module):
 def test_the_model_form_whitens_the_linear_units_and_gives_every_other_trainable_parameter_to_adamw():
     torch.manual_seed(0)
     model = TiedLM()
-    with pytest.warns(UserWarning, match="MultiheadAttention modules attn"):
-        opt = WhitenedMuon(model, lr=0.02, adamw_lr=0.003, adamw_betas=(0.8, 0.99), adamw_eps=1e-6,
-                           adamw_weight_decay=0.01, weight_decay=0.1)
+    opt = WhitenedMuon(model, lr=0.02, adamw_lr=0.003, adamw_betas=(0.8, 0.99), adamw_eps=1e-6,
+                       adamw_weight_decay=0.01, weight_decay=0.1)
     groups = {g["algorithm"]: g for g in opt.param_groups}
     assert [g["algorithm"] for g in opt.param_groups] == ["whitened_muon", "adamw"]
     whitened = {id(p) for p in groups["whitened_muon"]["params"]}
     adamw = {id(p) for p in groups["adamw"]["params"]}
-    # the MultiheadAttention's out_proj is applied functionally (no forward hook): AdamW's
-    assert whitened == {id(model.up.weight), id(model.down.weight)}
+    # the attention's projections take Muon's step (its in_proj whitened, its out_proj not)
+    assert whitened == {id(model.up.weight), id(model.down.weight), id(model.attn.in_proj_weight),
+                        id(model.attn.out_proj.weight)}
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
     assert adamw == trainable - whitened and not (adamw & whitened)
-    assert id(model.emb.weight) in adamw and id(model.attn.out_proj.weight) in adamw
+    assert id(model.emb.weight) in adamw and id(model.attn.in_proj_bias) in adamw
     assert groups["adamw"]["lr"] == 0.003 and groups["adamw"]["betas"] == (0.8, 0.99)
     assert groups["adamw"]["eps"] == 1e-6 and groups["adamw"]["weight_decay"] == 0.01
     assert "momentum" not in groups["adamw"] and groups["whitened_muon"]["weight_decay"] == 0.1
@@ -308,14 +308,14 @@ def test_the_model_form_whitens_the_linear_units_and_gives_every_other_trainable
 
 def split_by_hand(model, **settings):
     """The same training by hand: WhitenedMuon on the list of Linear modules + torch's AdamW."""
-    modules = [model.up, model.down]
-    hidden = {id(m.weight) for m in modules}
+    modules = [model.attn, model.up, model.down]
+    hidden = {id(model.attn.in_proj_weight), id(model.attn.out_proj.weight), id(model.up.weight),
+              id(model.down.weight)}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in hidden]
     return [WhitenedMuon(modules, lr=0.02, weight_decay=0.1, **settings),
             torch.optim.AdamW(rest, lr=0.003, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01, foreach=False)]
 
 
-@pytest.mark.filterwarnings("ignore:WhitenedMuon. AdamW steps the projection weights:UserWarning")  # TiedLM's attention
 def test_one_optimizer_for_the_model_equals_the_split_by_hand_bitwise():
     """The AdamW half is ``torch.optim.AdamW``'s arithmetic, bitwise (a parameter without a
     gradient on a step keeps its own step count, as torch's); one schedule scales both halves."""
@@ -344,7 +344,6 @@ def test_one_optimizer_for_the_model_equals_the_split_by_hand_bitwise():
     assert opt.state[model.norm.weight]["step"] == 4
 
 
-@pytest.mark.filterwarnings("ignore:WhitenedMuon. AdamW steps the projection weights:UserWarning")  # TiedLM's attention
 def test_the_model_form_resumes_bitwise_and_a_mismatched_checkpoint_changes_nothing():
     torch.manual_seed(0)
     models = [TiedLM(), None]
@@ -371,7 +370,6 @@ def test_the_model_form_resumes_bitwise_and_a_mismatched_checkpoint_changes_noth
     assert str(other.state_dict()) == str(before)
 
 
-@pytest.mark.filterwarnings("ignore:WhitenedMuon. AdamW steps the projection weights:UserWarning")  # TiedLM's attention
 def test_a_closure_runs_with_grad_enabled_and_its_loss_is_returned():
     torch.manual_seed(0)
     model = TiedLM()
@@ -796,7 +794,6 @@ def test_a_weight_applied_outside_its_module_warns_once_naming_it():
     opt = WhitenedMuon(model, lr=0.02, statistics_every=1)
     with pytest.warns(RuntimeWarning, match="bypassed"):
         train(model, opt, [(torch.randn(4, 3), None)], loss=lambda m, x, y: m(x).square().mean())
-    import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         train(model, opt, [(torch.randn(4, 3), None)] * 2, loss=lambda m, x, y: m(x).square().mean())
@@ -929,46 +926,3 @@ def test_the_statistics_schedule_resumes_from_a_checkpoint_bitwise():
     straight = run()
     for resume_at in (4, 7):
         assert torch.equal(run(resume_at), straight)
-
-
-class TwoAttentions(nn.Module):
-    """A packed self-attention (nn.TransformerEncoderLayer's) and one with separate q/k/v
-    weights (kdim / vdim set), beside a Linear the optimizer whitens."""
-
-    def __init__(self):
-        super().__init__()
-        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
-        self.cross = nn.MultiheadAttention(8, 2, kdim=4, vdim=4, batch_first=True)
-        self.out = nn.Linear(8, 3)
-
-    def forward(self, x, memory):
-        h = self.layer(x)
-        return self.out(h + self.cross(h, memory, memory, need_weights=False)[0])
-
-
-def test_attention_weights_left_to_adamw_are_named_in_a_warning():
-    """nn.MultiheadAttention applies its projection weights functionally: they cannot be
-    whitened and AdamW steps them. That is said at construction, naming the modules, and a
-    skip_layers entry that covers them (the user's acknowledgement) silences it."""
-    torch.manual_seed(0)
-    model = TwoAttentions()
-    with pytest.warns(UserWarning, match=r"MultiheadAttention") as record:
-        opt = WhitenedMuon(model, lr=0.02)
-    message = str(next(w.message for w in record if "MultiheadAttention" in str(w.message)))
-    assert "layer.self_attn" in message and "cross" in message
-    adamw = {id(p) for p in opt.param_groups[1]["params"]}
-    for mha in (model.layer.self_attn, model.cross):
-        weights = [mha.in_proj_weight, mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight, mha.out_proj.weight]
-        assert all(id(w) in adamw for w in weights if w is not None)
-    assert {id(p) for p in opt.param_groups[0]["params"]} == {
-        id(model.layer.linear1.weight), id(model.layer.linear2.weight), id(model.out.weight)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        WhitenedMuon(model, lr=0.02, skip_layers=["MultiheadAttention"])
-        WhitenedMuon(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), lr=0.02)
-    # frozen attention: nothing of it reaches AdamW, nothing to say
-    model.layer.self_attn.requires_grad_(False)
-    with pytest.warns(UserWarning) as record:
-        WhitenedMuon(model, lr=0.02)
-    message = str(next(w.message for w in record if "MultiheadAttention" in str(w.message)))
-    assert "cross" in message and "self_attn" not in message

@@ -1,0 +1,148 @@
+"""``nn.MultiheadAttention`` for :class:`~kron_precond.WhitenedMuon`: projections applied functionally.
+
+``nn.MultiheadAttention`` computes its query, key and value inside
+``F.multi_head_attention_forward`` from its own weights: no ``nn.Linear`` forward runs, so
+the module adapters of :mod:`kron_precond.modules` see none of its projections. Its forward's
+arguments are the projections' inputs, though, and that is all an input-side whitening needs:
+
+* ``in_proj_weight`` ``[3E, E]`` (key and value as wide as the query): its three row blocks
+  project the query, the key and the value. Called as self-attention (``query is key is
+  value``, as ``nn.TransformerEncoderLayer`` and ``nn.TransformerDecoderLayer.self_attn`` call
+  it) the blocks read one input: one unit whose rows are the query's, stepped as three parts
+  (a fused query/key/value projection). Called with another key or value (cross-attention),
+  one input whitener cannot serve the three blocks: the hook raises ``ValueError`` naming the
+  module rather than whiten two of them by the wrong input. The cross-attention of
+  ``nn.TransformerDecoderLayer`` (``multihead_attn``) is known at construction: its
+  ``in_proj_weight`` is stepped by Muon unwhitened.
+* ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight`` (``kdim`` or ``vdim`` set): three
+  weights of their own, each whitened by its own argument, so cross-attention too.
+* ``out_proj.weight``: its input is the attention's output inside the functional call, which
+  no hook sees; it is stepped by Muon unwhitened, as ``torch.optim.Muon`` steps it.
+
+Output gradients of the projections are not observable either (the module's output is
+``out_proj``'s), so with ``output_side=True`` these weights keep the identity there.
+"""
+from __future__ import annotations
+
+from typing import Callable, cast
+
+import torch
+from torch import nn
+
+from kron_precond.modules import Selected
+
+SEPARATE_PROJECTIONS = ("q_proj_weight", "k_proj_weight", "v_proj_weight")
+
+
+def _arguments(inputs: tuple, kwargs: dict) -> list:
+    """``[query, key, value]`` of one ``nn.MultiheadAttention`` call, positional or keyword."""
+    names = ("query", "key", "value")
+    given = list(inputs[:3])
+    return given + [kwargs.get(name) for name in names[len(given):]]
+
+
+class PackedInputAdapter:
+    """The rows of a packed ``in_proj_weight``: a self-attention call's query (slot 0)."""
+
+    def __init__(self, module: nn.MultiheadAttention, name: str) -> None:
+        self.module, self.name = module, name
+
+    def forward_rows(self, inputs: tuple, kwargs: dict, output: object):
+        query, key, value = _arguments(inputs, kwargs)
+        if not isinstance(query, torch.Tensor):
+            return None
+        if key is not query or value is not query:
+            raise ValueError(
+                f"WhitenedMuon: nn.MultiheadAttention {self.name!r} was called with a key or value other than its "
+                f"query (cross-attention). Its in_proj_weight holds the query, key and value projections in one "
+                f"weight, which WhitenedMuon whitens by one input, the query's: it would whiten the key and value "
+                f"projections by the wrong input. Add {self.name!r} to skip_layers (AdamW steps it), or give the "
+                f"module kdim / vdim (separate projection weights, each whitened by its own input)")
+        return [(0, query.detach().reshape(-1, query.shape[-1]))], 1
+
+    def backward_rows(self, grad: torch.Tensor, context: object) -> list:
+        return []  # the module's output is out_proj's, not the projections'
+
+
+class SeparateInputsAdapter:
+    """The rows of ``q_proj_weight`` / ``k_proj_weight`` / ``v_proj_weight`` (slots 0, 1, 2):
+    the query, the key and the value of each call."""
+
+    def __init__(self, module: nn.MultiheadAttention) -> None:
+        self.module = module
+
+    def forward_rows(self, inputs: tuple, kwargs: dict, output: object):
+        rows = [(slot, x.detach().reshape(-1, x.shape[-1])) for slot, x in enumerate(_arguments(inputs, kwargs))
+                if isinstance(x, torch.Tensor)]
+        return (rows, 1) if rows else None
+
+    def backward_rows(self, grad: torch.Tensor, context: object) -> list:
+        return []
+
+
+def _trainable(param: torch.Tensor | None, owners: dict[int, list[str]], name: str, label: str,
+               log: Callable[[str], None]) -> bool:
+    """``param`` exists, trains and belongs to this module alone (a tied weight: logged)."""
+    if param is None or not param.requires_grad:
+        return False
+    shared = sorted(o for o in owners.get(id(param), []) if o != name)
+    if shared:
+        log(f"skipping {label}: a parameter is shared with {', '.join(shared)} (tied weights)")
+        return False
+    return True
+
+
+def attention_units(name: str, module: nn.MultiheadAttention, *, cross_attention: bool,
+                    is_skipped: Callable[[str, nn.Module], bool], owners: dict[int, list[str]],
+                    log: Callable[[str], None]) -> tuple[list[Selected], list[Selected]]:
+    """(the units whitened from ``module``'s arguments, the units stepped unwhitened) of one
+    ``nn.MultiheadAttention`` named ``name``; ``cross_attention``: the module is known to be
+    called with another key and value (its packed ``in_proj_weight`` is then unwhitened).
+    ``owners``: the names of the modules holding each parameter (``id``), for tied weights."""
+    label = name or "<root>"
+    bias = module.in_proj_bias
+    biased = [("in_proj_bias", bias)] if bias is not None else []
+    observed: list[Selected] = []
+    plain: list[Selected] = []
+    if module._qkv_same_embed_dim:
+        weight = module.in_proj_weight
+        if _trainable(weight, owners, name, label, log):
+            unit = Selected(name, module, [("in_proj_weight", weight), *biased],
+                            None if cross_attention else PackedInputAdapter(module, label), has_bias=bool(biased))
+            (plain if cross_attention else observed).append(unit)
+    else:
+        adapter = SeparateInputsAdapter(module)
+        for slot, attribute in enumerate(SEPARATE_PROJECTIONS):
+            weight = getattr(module, attribute)
+            if _trainable(weight, owners, name, label, log):
+                observed.append(Selected(name, module, [(attribute, weight), *biased], adapter, slot=slot,
+                                         has_bias=bool(biased)))
+    out = module.out_proj
+    out_name = f"{name}.out_proj" if name else "out_proj"
+    if is_skipped(out_name, out):
+        log(f"skipping {out_name} ({type(out).__name__}): matches skip_layers")
+    elif _trainable(out.weight, owners, out_name, out_name, log):
+        own = [(n, cast(nn.Parameter, p)) for n, p in (("weight", out.weight), ("bias", out.bias)) if p is not None]
+        plain.append(Selected(out_name, out, own, None, has_bias=out.bias is not None))
+    return observed, plain
+
+
+def model_attention_units(model: nn.Module, is_skipped: Callable[[str, nn.Module], bool], owners: dict[int, list[str]],
+                          log: Callable[[str], None]) -> tuple[list[Selected], list[Selected]]:
+    """:func:`attention_units` of every ``nn.MultiheadAttention`` of ``model`` that ``skip_layers``
+    does not exclude, in ``model.named_modules()`` order; the ``multihead_attn`` of an
+    ``nn.TransformerDecoderLayer`` is known to be cross-attention."""
+    cross = {id(m.multihead_attn) for m in model.modules() if isinstance(m, nn.TransformerDecoderLayer)}
+    observed: list[Selected] = []
+    plain: list[Selected] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.MultiheadAttention):
+            continue
+        if is_skipped(name, module):
+            log(f"skipping {name or '<root>'} ({type(module).__name__}): matches skip_layers")
+            continue
+        found, unwhitened = attention_units(name, module, cross_attention=id(module) in cross,
+                                            is_skipped=is_skipped, owners=owners, log=log)
+        observed.extend(found)
+        plain.extend(unwhitened)
+    return observed, plain

@@ -1,0 +1,300 @@
+"""WhitenedMuon on ``nn.MultiheadAttention``, whose projections are applied functionally.
+
+References are built another way: the same attention from ``nn.Linear`` projections and
+``F.scaled_dot_product_attention`` (stepped by WhitenedMuon's list form, whose Linear path
+the rest of the suite checks against written-out steps), a fused ``nn.Linear`` query/key/value
+projection for the unsplit in_proj, and ``torch.optim.Muon`` / ``torch.optim.AdamW`` for the
+weights stepped unwhitened and the biases.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kron_precond import WhitenedMuon
+
+E, HEADS, T = 8, 2, 5
+
+
+def causal(t: int = T) -> torch.Tensor:
+    return torch.triu(torch.full((t, t), float("-inf"), dtype=torch.float64), 1)
+
+
+class Packed(nn.Module):
+    """A self-attention through ``nn.MultiheadAttention`` (one packed in_proj)."""
+
+    def __init__(self, bias: bool = True):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(E, HEADS, bias=bias, batch_first=True, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.attn(x, x, x, attn_mask=causal(), need_weights=False)[0]
+
+
+class LinearTwin(nn.Module):
+    """``Packed`` with nn.Linear projections: three (``fused=False``) or one of ``3E`` outputs."""
+
+    def __init__(self, packed: Packed, fused: bool):
+        super().__init__()
+        mha = packed.attn
+        bias = mha.in_proj_bias is not None
+        self.fused = fused
+        if fused:
+            self.qkv = nn.Linear(E, 3 * E, bias=bias, dtype=torch.float64)
+            self.qkv.weight.data.copy_(mha.in_proj_weight.data)
+            if bias:
+                self.qkv.bias.data.copy_(mha.in_proj_bias.data)
+        else:
+            for i, name in enumerate("qkv"):
+                layer = nn.Linear(E, E, bias=bias, dtype=torch.float64)
+                layer.weight.data.copy_(mha.in_proj_weight.data[i * E:(i + 1) * E])
+                if bias:
+                    layer.bias.data.copy_(mha.in_proj_bias.data[i * E:(i + 1) * E])
+                setattr(self, name, layer)
+        self.out = copy.deepcopy(mha.out_proj)
+
+    def projections(self) -> list[nn.Linear]:
+        return [self.qkv] if self.fused else [self.q, self.k, self.v]
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1) if self.fused else (self.q(x), self.k(x), self.v(x))
+        heads = [t.unflatten(-1, (HEADS, E // HEADS)).transpose(1, 2) for t in (q, k, v)]
+        h = F.scaled_dot_product_attention(*heads, attn_mask=causal())
+        return self.out(h.transpose(1, 2).flatten(-2))
+
+
+def batches(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, T, E, generator=g, dtype=torch.float64) + 0.5,
+             torch.randn(4, T, E, generator=g, dtype=torch.float64)) for _ in range(steps)]
+
+
+def train(model: nn.Module, optimizers: list, data) -> None:
+    for x, y in data:
+        for o in optimizers:
+            o.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        for o in optimizers:
+            o.step()
+
+
+SETTINGS = dict(lr=0.05, momentum=0.9, statistics_every=2, ns_dtype=torch.float64)
+
+
+@pytest.mark.parametrize("fused_qkv", [None, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_packed_self_attention_steps_like_its_linear_twin(fused_qkv, bias):
+    """The packed in_proj is whitened by the query's statistics and stepped as three parts (or
+    whole with ``fused_qkv=False``): the steps of three nn.Linear projections (one fused
+    nn.Linear), whitened by the same input. Biases: AdamW's. A bias-free in_proj is centred,
+    as bias-free Linears are."""
+    torch.manual_seed(0)
+    packed = Packed(bias)
+    packed.attn.out_proj.requires_grad_(False)  # out_proj: the next test
+    twin = LinearTwin(packed, fused=fused_qkv is False)
+    twin.out.requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about
+        ours = WhitenedMuon(packed, fused_qkv=fused_qkv, **SETTINGS)
+    names = [ours._names[id(p)] for g in ours.param_groups for p in g["params"]]
+    assert names == ["attn.in_proj_weight"] + (["attn.in_proj_bias"] if bias else [])
+    reference = [WhitenedMuon(twin.projections(), **SETTINGS)]
+    if bias:
+        reference.append(torch.optim.AdamW([p.bias for p in twin.projections()], lr=SETTINGS["lr"],
+                                           weight_decay=0.0))
+    initial = packed.attn.in_proj_weight.detach().clone()
+    data = batches(7)
+    train(packed, [ours], data)
+    train(twin, reference, data)
+    expected = torch.cat([p.weight for p in twin.projections()])
+    assert (expected - initial).abs().max() > 0.1  # it trained
+    torch.testing.assert_close(packed.attn.in_proj_weight, expected, rtol=1e-9, atol=1e-11)
+    if bias:  # the key's bias has no gradient but rounding noise, which AdamW's steps follow to ~1e-10
+        torch.testing.assert_close(packed.attn.in_proj_bias, torch.cat([p.bias for p in twin.projections()]),
+                                   rtol=1e-9, atol=1e-9)
+    assert ours.state[packed.attn.in_proj_weight]["input_whitener"].shape == (1, E, E)
+
+
+def test_a_whole_attention_steps_like_its_linear_twin_with_torch_muon_on_out_proj():
+    """Every projection at once: the in_proj whitened, the out_proj (whose input no hook sees)
+    stepped by ``torch.optim.Muon`` unwhitened."""
+    torch.manual_seed(0)
+    packed = Packed()
+    twin = LinearTwin(packed, fused=False)
+    settings = dict(lr=0.05, momentum=0.9, weight_decay=0.1, statistics_every=2, adjust_lr_fn="match_rms_adamw")
+    ours = WhitenedMuon(packed, **settings)
+    assert {ours._names[id(p)] for p in ours.param_groups[0]["params"]} == {"attn.in_proj_weight",
+                                                                            "attn.out_proj.weight"}
+    biases = [p.bias for p in twin.projections()] + [twin.out.bias]
+    reference = [WhitenedMuon(twin.projections(), **settings),
+                 torch.optim.Muon([twin.out.weight], lr=0.05, momentum=0.9, weight_decay=0.1,
+                                  adjust_lr_fn="match_rms_adamw"),
+                 torch.optim.AdamW(biases, lr=0.05, weight_decay=0.1)]
+    data = batches(6)
+    train(packed, [ours], data)
+    train(twin, reference, data)
+    # bfloat16 Newton-Schulz on inputs equal to float64 rounding: equal up to a rare flip of a bfloat16 rounding
+    torch.testing.assert_close(packed.attn.out_proj.weight, twin.out.weight, rtol=0, atol=2e-3)
+    torch.testing.assert_close(packed.attn.in_proj_weight, torch.cat([p.weight for p in twin.projections()]),
+                               rtol=0, atol=2e-3)
+    assert "input_whitener" not in ours.state[packed.attn.out_proj.weight]  # no statistics for it
+
+
+class Separate(nn.Module):
+    """Cross-attention with key and value of other widths: three projection weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(E, HEADS, kdim=3, vdim=5, batch_first=True, dtype=torch.float64)
+
+    def forward(self, x, memory):
+        key, value = memory[..., :3], memory[..., 3:]
+        return self.attn(x, key=key, value=value, need_weights=False)[0]
+
+
+class SeparateTwin(nn.Module):
+    def __init__(self, separate: Separate):
+        super().__init__()
+        mha = separate.attn
+        for i, (name, width) in enumerate((("q", E), ("k", 3), ("v", 5))):
+            layer = nn.Linear(width, E, dtype=torch.float64)
+            layer.weight.data.copy_(getattr(mha, f"{name}_proj_weight").data)
+            layer.bias.data.copy_(mha.in_proj_bias.data[i * E:(i + 1) * E])
+            setattr(self, name, layer)
+        self.out = copy.deepcopy(mha.out_proj)
+
+    def forward(self, x, memory):
+        q, k, v = self.q(x), self.k(memory[..., :3]), self.v(memory[..., 3:])
+        heads = [t.unflatten(-1, (HEADS, E // HEADS)).transpose(1, 2) for t in (q, k, v)]
+        h = F.scaled_dot_product_attention(*heads)
+        return self.out(h.transpose(1, 2).flatten(-2))
+
+
+def test_separate_projections_are_each_whitened_by_their_own_input():
+    """kdim / vdim set: q, k and v weights of their own, each whitened by the query, the key
+    or the value (cross-attention), as three nn.Linear layers reading them."""
+    torch.manual_seed(0)
+    ours_model = Separate()
+    ours_model.attn.out_proj.requires_grad_(False)
+    twin = SeparateTwin(ours_model)
+    twin.out.requires_grad_(False)
+    ours = WhitenedMuon(ours_model, **SETTINGS)
+    reference = [WhitenedMuon([twin.q, twin.k, twin.v], **SETTINGS),
+                 torch.optim.AdamW([twin.q.bias, twin.k.bias, twin.v.bias], lr=SETTINGS["lr"], weight_decay=0.0)]
+    g = torch.Generator().manual_seed(2)
+    data = [((torch.randn(4, T, E, generator=g, dtype=torch.float64),
+              torch.randn(4, 7, 8, generator=g, dtype=torch.float64) + 1.0),
+             torch.randn(4, T, E, generator=g, dtype=torch.float64)) for _ in range(6)]
+    for model, opts in ((ours_model, [ours]), (twin, reference)):
+        for (x, memory), y in data:
+            for o in opts:
+                o.zero_grad()
+            F.mse_loss(model(x, memory), y).backward()
+            for o in opts:
+                o.step()
+    for name in "qkv":
+        torch.testing.assert_close(getattr(ours_model.attn, f"{name}_proj_weight"), getattr(twin, name).weight,
+                                   rtol=1e-9, atol=1e-11)
+    widths = [ours.state[getattr(ours_model.attn, f"{n}_proj_weight")]["input_whitener"].shape[-1] for n in "qkv"]
+    assert widths == [E, 3, 5]
+
+
+def test_a_packed_attention_called_as_cross_attention_raises_naming_it():
+    """One input whitener cannot serve a packed in_proj whose key and value read another input:
+    the first training forward raises, naming the module and the ways out."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"cross": nn.MultiheadAttention(E, HEADS, batch_first=True)})
+    opt = WhitenedMuon(model, lr=0.02)  # noqa: F841 (its hooks live as long as it does)
+    x, memory = torch.randn(2, T, E), torch.randn(2, 3, E)
+    with pytest.raises(ValueError, match=r"'cross' was called with a key or value other than its query.*skip_layers"):
+        model["cross"](x, memory, memory)
+    with torch.no_grad():  # no statistics outside training: nothing to refuse
+        model["cross"](x, memory, memory)
+    fresh = nn.ModuleDict({"cross": nn.MultiheadAttention(E, HEADS, batch_first=True), "head": nn.Linear(E, 1)})
+    opt = WhitenedMuon(fresh, lr=0.02, skip_layers=["cross"])  # AdamW steps it: no hook, no error
+    fresh["head"](fresh["cross"](x, memory, memory)[0]).sum().backward()
+    opt.step()
+    assert len(opt.param_groups[1]["params"]) == 5 and opt.state[fresh["cross"].in_proj_weight]["step"] == 1
+
+
+class Seq2Seq(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.TransformerEncoderLayer(E, HEADS, 16, dropout=0.0, batch_first=True)
+        self.decoder = nn.TransformerDecoderLayer(E, HEADS, 16, dropout=0.0, batch_first=True)
+
+    def forward(self, src, tgt):
+        return self.decoder(tgt, self.encoder(src), tgt_mask=causal(tgt.shape[1]).float(), tgt_is_causal=True)
+
+
+def test_transformer_layers_whiten_self_attention_and_step_the_decoders_cross_attention_unwhitened():
+    torch.manual_seed(0)
+    model = Seq2Seq()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = WhitenedMuon(model, lr=0.02)
+        src, tgt = torch.randn(3, 6, E), torch.randn(3, T, E)
+        for _ in range(3):
+            opt.zero_grad()
+            model(src, tgt).square().mean().backward()
+            opt.step()
+    whitened = {"encoder.self_attn.in_proj_weight", "decoder.self_attn.in_proj_weight", "encoder.linear1.weight",
+                "encoder.linear2.weight", "decoder.linear1.weight", "decoder.linear2.weight"}
+    unwhitened = {"encoder.self_attn.out_proj.weight", "decoder.self_attn.out_proj.weight",
+                  "decoder.multihead_attn.in_proj_weight", "decoder.multihead_attn.out_proj.weight"}
+    params = dict(model.named_parameters())
+    assert {opt._names[id(p)] for p in opt.param_groups[0]["params"]} == whitened | unwhitened
+    for name in whitened:
+        assert opt.state[params[name]]["input_whitener"] is not None, name
+    for name in unwhitened:
+        assert "input_whitener" not in opt.state[params[name]] and opt.state[params[name]]["step"] == 3, name
+    assert {opt._names[id(p)] for p in opt.param_groups[1]["params"]} == {
+        n for n, p in model.named_parameters() if n not in whitened | unwhitened}
+
+
+def test_the_list_form_takes_an_attention_and_a_checkpoint_resumes_bitwise():
+    torch.manual_seed(0)
+    models = [Packed(), None]
+    models[1] = copy.deepcopy(models[0])
+    opts = [WhitenedMuon([m.attn], lr=0.05, statistics_every=2) for m in models]
+    assert [opts[0]._names[id(p)] for p in opts[0].param_groups[0]["params"]] == [
+        "modules[0].in_proj_weight", "modules[0].out_proj.weight"]
+    for step, (x, y) in enumerate(batches(6)):
+        if step == 3:
+            saved = copy.deepcopy(opts[1].state_dict())
+            opts[1].remove()
+            opts[1] = WhitenedMuon([models[1].attn], lr=0.05, statistics_every=2)
+            opts[1].load_state_dict(saved)
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            F.mse_loss(m(x), y).backward()
+            o.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+    frozen = nn.MultiheadAttention(E, HEADS)
+    frozen.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"modules\[0\] \(MultiheadAttention\) has no trainable projection"):
+        WhitenedMuon([frozen], lr=0.02)
+
+
+def test_with_output_side_the_attention_keeps_the_identity_there():
+    """The projections' output gradients are not observable (the module returns out_proj's
+    output): their output whitener stays the identity, and training goes on."""
+    torch.manual_seed(0)
+    model = Packed()
+    opt = WhitenedMuon(model, lr=0.05, output_side=True, statistics_every=1)
+    losses = []
+    for x, y in batches(4):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    state = opt.state[model.attn.in_proj_weight]
+    assert torch.equal(state["output_whitener"], torch.eye(E, dtype=torch.float64).expand(3, E, E))
+    assert state["input_whitener"].shape == (1, E, E) and all(map(torch.isfinite, map(torch.tensor, losses)))
