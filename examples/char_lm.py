@@ -172,7 +172,7 @@ class ModelConfig:
     n_heads: int = 4
     seq_len: int = 64
     tie_embeddings: bool = False
-    arch: str = "gpt"  # "gpt": CharTransformer; "llama" / "gpt2" / "mixtral": examples/byte_<arch>.py
+    arch: str = "gpt"  # "gpt": CharTransformer; "llama" / "gpt2" / "mixtral" / "torch": examples/byte_<arch>.py
 
 
 class CharTransformer(nn.Module):
@@ -205,14 +205,16 @@ class CharTransformer(nn.Module):
 
 
 # --arch: the examples' own GPT, or a model built from a transformers config (module, class)
+# ("torch": PyTorch's own nn.TransformerEncoderLayer, nn.MultiheadAttention inside)
 TRANSFORMERS_ARCHS = {"llama": ("byte_llama", "ByteLlama"), "gpt2": ("byte_gpt2", "ByteGPT2"),
-                      "mixtral": ("byte_mixtral", "ByteMixtral")}
+                      "mixtral": ("byte_mixtral", "ByteMixtral"), "torch": ("byte_torch", "ByteTorchTransformer")}
 ARCHS = ("gpt", *TRANSFORMERS_ARCHS)
 
 
 def build_model(config: ModelConfig) -> nn.Module:
     """The model ``config.arch`` names, on bytes: CharTransformer, the Llama-style ByteLlama,
-    Hugging Face's GPT-2 (ByteGPT2) or the mixture-of-experts ByteMixtral."""
+    Hugging Face's GPT-2 (ByteGPT2), the mixture-of-experts ByteMixtral, or the GPT built from
+    PyTorch's nn.TransformerEncoderLayer (ByteTorchTransformer)."""
     if config.arch == "gpt":
         return CharTransformer(config)
     if config.arch not in TRANSFORMERS_ARCHS:
@@ -560,7 +562,8 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                    help="gpt: the byte-level GPT (LayerNorm, learned positions, GELU); llama: a Llama-style "
                         "model from a transformers config (RMSNorm, rotary, SwiGLU, grouped-query attention); "
                         "gpt2: Hugging Face's GPT2LMHeadModel from a config (Conv1D, fused q/k/v); "
-                        "mixtral: Mixtral from a config (the Llama-style attention, 4 fused SwiGLU experts, top-2)")
+                        "mixtral: Mixtral from a config (the Llama-style attention, 4 fused SwiGLU experts, top-2); "
+                        "torch: the gpt model from PyTorch's nn.TransformerEncoderLayer (nn.MultiheadAttention)")
     p.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay, help="decoupled weight decay")
     p.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps, help="linear LR warm-up steps")
     p.add_argument("--damping", type=float, default=PrecondConfig.damping, help="K-FAC damping")

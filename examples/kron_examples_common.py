@@ -286,6 +286,15 @@ def muon_transposed(model: nn.Module, exclude: Sequence[str]) -> list[nn.Paramet
     return [m.weight for m in muon_modules(model, exclude) if kfac_adapter(m)[0].weight_transposed]
 
 
+def attention_weights(model: nn.Module, exclude: Sequence[str] = ()) -> list[nn.Parameter]:
+    """The projection weights ``nn.MultiheadAttention`` holds itself (the packed ``in_proj_weight``,
+    or ``q/k/v_proj_weight``) of the modules ``exclude`` does not match: 2-D hidden weights,
+    Muon's as a ``torch.optim.Muon`` user passes them (its ``out_proj`` is an ``nn.Linear``)."""
+    names = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
+    return [w for name, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)
+            and not _matches(name, m, exclude) for w in (getattr(m, n) for n in names) if w is not None]
+
+
 def expert_weights(model: nn.Module, exclude: Sequence[str] = ()) -> list[nn.Parameter]:
     """The 3-D weights of transformers' fused experts modules not matched by ``exclude``,
     held ``[experts, out, in]`` (as ``MixtralExperts`` holds them; a transposed layout is
@@ -302,9 +311,10 @@ def expert_weights(model: nn.Module, exclude: Sequence[str] = ()) -> list[nn.Par
 def muon_param_split(model: nn.Module, exclude: Sequence[str]) -> tuple[list, list, list]:
     """(hidden 2-D weights, fused expert weights, everything else): the usual Muon split.
 
-    Muon takes the weights of :func:`muon_modules` and, expert by expert, those of
-    :func:`expert_weights`; embeddings, the output layer, norms, biases and routers go to AdamW."""
+    Muon takes the weights of :func:`muon_modules` and :func:`attention_weights` and, expert by
+    expert, those of :func:`expert_weights`; embeddings, the output layer, norms, biases and routers go to AdamW."""
     hidden_ids = {id(m.weight) for m in muon_modules(model, exclude)}
+    hidden_ids |= {id(w) for w in attention_weights(model, exclude)}
     experts = expert_weights(model, exclude)
     taken = hidden_ids | {id(p) for p in experts}
     hidden = [p for p in model.parameters() if id(p) in hidden_ids]

@@ -453,20 +453,22 @@ def test_the_examples_wmuon_is_the_librarys_defaults():
     default.remove()
 
 
-# gpt2: c_attn (q, k, v fused), c_proj, c_fc, c_proj; mixtral: q, k, v, o and the two fused expert weights
-PROJECTIONS_PER_BLOCK = {"gpt": 6, "llama": 7, "gpt2": 4, "mixtral": 6}
+# gpt2: c_attn (q, k, v fused), c_proj, c_fc, c_proj; mixtral: q, k, v, o and the two fused expert weights;
+# torch: nn.MultiheadAttention's in_proj_weight and out_proj, linear1, linear2
+PROJECTIONS_PER_BLOCK = {"gpt": 6, "llama": 7, "gpt2": 4, "mixtral": 6, "torch": 4}
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama", "gpt2", "mixtral"])
+@pytest.mark.parametrize("arch", ["gpt", "llama", "gpt2", "mixtral", "torch"])
 def test_char_lm_builds_each_architecture_and_whitens_its_hidden_weights(arch):
     """``--arch llama``: Llama's RMSNorm / rotary / SwiGLU / grouped-query model from a
     transformers config, on bytes; ``--arch gpt2``: Hugging Face's GPT-2 (``Conv1D``);
-    ``--arch mixtral``: fused experts. The examples' skip_layers leave embeddings and head to
+    ``--arch mixtral``: fused experts; ``--arch torch``: nn.TransformerEncoderLayer (its
+    attention's weights held by nn.MultiheadAttention). The examples' skip_layers leave embeddings and head to
     AdamW; WhitenedMuon whitens every projection, and the Muon baseline takes the same weights
     (``Conv1D``'s too; the fused experts through ExpertMuon)."""
     import torch
 
-    if arch != "gpt":
+    if arch not in ("gpt", "torch"):
         pytest.importorskip("transformers", reason="transformers is an optional extra ([trainers])")
     from kron_precond import WhitenedMuon
 
@@ -488,6 +490,10 @@ def test_char_lm_builds_each_architecture_and_whitens_its_hidden_weights(arch):
     if arch == "mixtral":
         experts = model.get_submodule("inner.model.layers.0.mlp.experts")
         assert experts.gate_up_proj.shape == (4, 64, 16) and experts.down_proj.shape == (4, 16, 32)
+    if arch == "torch":  # the packed in_proj whitened as three parts, out_proj (no hook sees its input) unwhitened
+        attn = model.get_submodule("blocks.0.self_attn")
+        assert isinstance(attn, torch.nn.MultiheadAttention) and attn.in_proj_weight.shape == (48, 16)
+        assert optimizer._views[id(attn.in_proj_weight)].parts == 3 and id(attn.out_proj.weight) in optimizer._plain
     assert not any("embed" in n or "wte" in n or "wpe" in n or "lm_head" in n for n in names)
     chain = common.build_muon(model, 1e-2, 0.0, char_lm.SKIP_LAYERS)
     muon = [p for o in chain.optimizers if not isinstance(o, torch.optim.AdamW)

@@ -298,3 +298,66 @@ def test_with_output_side_the_attention_keeps_the_identity_there():
     state = opt.state[model.attn.in_proj_weight]
     assert torch.equal(state["output_whitener"], torch.eye(E, dtype=torch.float64).expand(3, E, E))
     assert state["input_whitener"].shape == (1, E, E) and all(map(torch.isfinite, map(torch.tensor, losses)))
+
+
+class Attentions(nn.Module):
+    """A packed self-attention, then a cross-attention with separate projections, then a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.self_attn = Packed()
+        self.cross = Separate()
+        self.head = nn.Linear(E, 3, dtype=torch.float64)
+
+    def forward(self, x, memory):
+        h = x + self.self_attn(x)
+        return self.head(h + self.cross(h, memory))
+
+
+def _dist_batches(steps: int) -> list:
+    g = torch.Generator().manual_seed(4)
+    return [(torch.randn(8, T, E, generator=g, dtype=torch.float64) + 0.3,
+             torch.randn(8, 7, 8, generator=g, dtype=torch.float64),
+             torch.randn(8, T, 3, generator=g, dtype=torch.float64)) for _ in range(steps)]
+
+
+def _dist_worker(rank: int, world: int, out_dir: str):
+    import torch.distributed as dist
+    from dist_utils import average_gradients_by_hand, ranks_identical
+
+    torch.manual_seed(0)
+    model = Attentions()
+    opt = WhitenedMuon(model, lr=0.05, statistics_every=2, ns_dtype=torch.float64)
+    params = list(model.parameters())
+    identical = []
+    for x, memory, y in _dist_batches(5):
+        per = x.shape[0] // world
+        rows = slice(rank * per, (rank + 1) * per)
+        opt.zero_grad()
+        F.mse_loss(model(x[rows], memory[rows]), y[rows]).backward()
+        if world > 1:
+            average_gradients_by_hand(params, world, dist.all_reduce)
+        opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        identical.append(ranks_identical(flat, world, dist.all_gather) if world > 1 else True)
+    return {"params": [p.detach().clone() for p in params], "identical": identical}
+
+
+def test_any_world_size_gives_the_one_process_result_for_attention(tmp_path):
+    """The attention's statistics (the query's rows, the separate key and value rows) join the
+    all-reduce like any layer's; the unwhitened weights need none: 2 and 4 ranks end where one
+    process on the full batch ends, every rank identical after every step."""
+    from dist_utils import run_workers
+
+    single = run_workers(_dist_worker, 1, tmp_path / "w1", timeout=90)[0]
+    torch.manual_seed(0)
+    start = Attentions()
+    assert sum((p - q).abs().max() for p, q in zip(single["params"], start.parameters())) > 1e-2
+    names = [n for n, _ in start.named_parameters()]
+    for world in (2, 4):
+        for r in run_workers(_dist_worker, world, tmp_path / f"w{world}", timeout=90):
+            assert all(r["identical"])
+            for name, got, want in zip(names, r["params"], single["params"]):
+                # the key's bias has no gradient but rounding noise, which AdamW's steps follow to ~1e-10
+                atol = 1e-9 if name.endswith("in_proj_bias") else 1e-12
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=atol)
