@@ -323,6 +323,7 @@ def _dist_batches(steps: int) -> list:
 
 def _dist_worker(rank: int, world: int, out_dir: str):
     import torch.distributed as dist
+
     from dist_utils import average_gradients_by_hand, ranks_identical
 
     torch.manual_seed(0)
