@@ -24,7 +24,7 @@ setup(
         "keras": ["keras>=3.15", "jax"],
         # Optional: the integration tests and examples for trainer frameworks. Never needed by
         # the core package; install with the torch constraint so none of them swaps torch.
-        "trainers": ["transformers", "accelerate", "lightning"],
+        "trainers": ["transformers", "accelerate", "lightning", "peft"],
         # kron_precond.integrations.torchtitan (pinned: it builds on torchtitan's config and
         # override internals). torchtitan also needs `triton` importable: on CPU-only machines
         # install it with `--no-deps` (see .ci/run).

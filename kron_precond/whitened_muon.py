@@ -182,17 +182,29 @@ KEY_NAMES = frozenset({"k_proj", "key", "wk", "to_k", "k"})
 QUERY_KEY_NAMES = QUERY_NAMES | KEY_NAMES
 
 
+# PEFT's LoRA wraps a projection in a module of the projection's name, its adapters below it:
+# <projection>.lora_A.<adapter name> and <projection>.lora_B.<adapter name>, parts of that projection.
+LORA_ADAPTER = re.compile(r"\.lora_[AB]\.[^.]+$")
+
+
+def projection_name(unit_name: str) -> str:
+    """The name of the projection a unit is part of: its own, or, for a LoRA adapter's matrix,
+    the name of the projection the adapter wraps."""
+    return LORA_ADAPTER.sub("", unit_name)
+
+
 def _query_key_pairs(units: list[Selected]) -> list[Selected]:
     """The units named as a query or key projection whose parent module holds both a query and a
-    key so named (one of the two alone, e.g. a fused ``kv``, is no pair)."""
+    key so named (one of the two alone, e.g. a fused ``kv``, is no pair); a LoRA adapter's
+    matrices count as part of the projection they wrap."""
     by_parent: dict[str, list[Selected]] = {}
     for u in units:
-        parent, _, last = u.name.rpartition(".")
+        parent, _, last = projection_name(u.name).rpartition(".")
         if last in QUERY_KEY_NAMES:
             by_parent.setdefault(parent, []).append(u)
     pairs = []
     for members in by_parent.values():
-        names = {u.name.rpartition(".")[2] for u in members}
+        names = {projection_name(u.name).rpartition(".")[2] for u in members}
         if names & QUERY_NAMES and names & KEY_NAMES:
             pairs.extend(members)
     return pairs
@@ -386,8 +398,10 @@ class WhitenedMuon(torch.optim.Optimizer):
             centre the query and key projections of an attention that have no trainable bias,
             recognised by the last part of their module name (``q_proj``, ``k_proj``, ``query``,
             ``key``, ``wq``, ``wk``, ``to_q``, ``to_k``, ``q``, ``k``), a query and a key under
-            one parent module; where no bias-free pair is so named (a fused ``qkv``, biased
-            projections, the list form), centre every layer without a trainable bias.
+            one parent module (a LoRA adapter's matrices, ``<projection>.lora_A.<adapter>`` and
+            ``lora_B``, as parts of the projection they wrap); where no bias-free pair is so named
+            (a fused ``qkv``, biased projections, the list form), centre every layer without a
+            trainable bias.
             ``True`` / ``False``: every layer / none. A list or tuple of regexes: exactly the
             layers whose module name or class name matches one (as ``skip_layers``; a fused
             expert's name is ``<module>.<weight>.<index>``); a regex that matches no whitened

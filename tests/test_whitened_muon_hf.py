@@ -87,3 +87,47 @@ def test_whitened_muon_trains_hf_models_at_least_as_well_as_muon(name):
     print(f"\n{name}: held-out loss {losses} (uniform {initial:.3f})")
     assert losses["muon"] < 0.2 * initial and losses["wmuon"] < 0.2 * initial, losses
     assert losses["wmuon"] <= MARGIN[name] * losses["muon"], losses
+
+
+def test_lora_adapters_are_whitened_and_centred_as_the_projections_they_wrap():
+    """PEFT's LoRA: the frozen base weights are left alone, the adapters' A and B matrices are
+    whitened, and the default centring sees them as parts of the projection they wrap: those of
+    the query and key are centred, as the unwrapped model's q_proj and k_proj are, and no other."""
+    peft = pytest.importorskip("peft", reason="peft is an optional extra ([trainers])")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    torch.manual_seed(0)
+    plain = hf_zoo.build("llama", transformers)
+    unwrapped = WhitenedMuon(plain, lr=LR, skip_layers=SKIP)
+    names = dict((id(p), n) for n, p in plain.named_parameters())
+    centred_projections = {names[i].rsplit(".", 1)[0] for i in unwrapped._statistics.centered}
+    assert centred_projections == {f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "k_proj")}
+    unwrapped.remove()
+
+    model = peft.get_peft_model(hf_zoo.build("llama", transformers),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    optimizer = WhitenedMuon(model, lr=LR, skip_layers=SKIP)
+    names = dict((id(p), n) for n, p in model.named_parameters())
+    whitened = {names[id(p)] for p in optimizer.param_groups[0]["params"]}
+    assert whitened == {n for n, p in model.named_parameters() if p.requires_grad and ".lora_" in n}
+    assert len(whitened) == 2 * len(targets) * 2  # A and B of every target, in 2 layers
+    centred = {names[i] for i in optimizer._statistics.centered}
+    assert centred == {f"base_model.model.model.layers.{i}.self_attn.{p}.lora_{ab}.default.weight"
+                       for i in range(2) for p in ("q_proj", "k_proj") for ab in "AB"}
+    permutation = torch.randperm(hf_zoo.VOCAB, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # every adapter got statistics
+        for _ in range(8):
+            ids = hf_zoo.next_token_batch(g, BATCH, permutation)
+            optimizer.zero_grad()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    for n, p in model.named_parameters():
+        if n in base:
+            assert torch.equal(p, base[n]), n  # the base model is frozen
+    assert all(optimizer.state[p]["input_whitener"] is not None for p in optimizer.param_groups[0]["params"])
