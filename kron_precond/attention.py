@@ -41,23 +41,39 @@ def _arguments(inputs: tuple, kwargs: dict) -> list:
     return given + [kwargs.get(name) for name in names[len(given):]]
 
 
+def _same_input(a: object, query: torch.Tensor) -> bool:
+    """``a`` is the query: the same tensor, a view of the same elements, or equal values (a
+    forward pre-hook that rebuilds the arguments one by one, such as FSDP2's mixed-precision
+    cast, hands over three equal tensors; compared only when the cheaper tests fail)."""
+    if a is query:
+        return True
+    if not isinstance(a, torch.Tensor) or a.shape != query.shape or a.dtype != query.dtype \
+            or a.device != query.device:
+        return False
+    if a.data_ptr() == query.data_ptr() and a.stride() == query.stride():
+        return True
+    return torch.equal(a, query)
+
+
 class PackedInputAdapter:
     """The rows of a packed ``in_proj_weight``: a self-attention call's query (slot 0)."""
 
-    def __init__(self, module: nn.MultiheadAttention, name: str) -> None:
-        self.module, self.name = module, name
+    def __init__(self, module: nn.MultiheadAttention, name: str, listed: bool = False) -> None:
+        self.module, self.name, self.listed = module, name, listed
 
     def forward_rows(self, inputs: tuple, kwargs: dict, output: object):
         query, key, value = _arguments(inputs, kwargs)
         if not isinstance(query, torch.Tensor):
             return None
-        if key is not query or value is not query:
+        if not (_same_input(key, query) and _same_input(value, query)):
+            leave = ("leave it out of the list (another optimizer steps it)" if self.listed else
+                     f"add {self.name!r} to skip_layers (AdamW steps it)")
             raise ValueError(
                 f"WhitenedMuon: nn.MultiheadAttention {self.name!r} was called with a key or value other than its "
                 f"query (cross-attention). Its in_proj_weight holds the query, key and value projections in one "
                 f"weight, which WhitenedMuon whitens by one input, the query's: it would whiten the key and value "
-                f"projections by the wrong input. Add {self.name!r} to skip_layers (AdamW steps it), or give the "
-                f"module kdim / vdim (separate projection weights, each whitened by its own input)")
+                f"projections by the wrong input. To train it, {leave}, or build it with kdim / vdim other than "
+                f"embed_dim (separate projection weights, each whitened by its own input)")
         return [(0, query.detach().reshape(-1, query.shape[-1]))], 1
 
     def backward_rows(self, grad: torch.Tensor, context: object) -> list:
@@ -94,11 +110,12 @@ def _trainable(param: torch.Tensor | None, owners: dict[int, list[str]], name: s
 
 def attention_units(name: str, module: nn.MultiheadAttention, *, cross_attention: bool,
                     is_skipped: Callable[[str, nn.Module], bool], owners: dict[int, list[str]],
-                    log: Callable[[str], None]) -> tuple[list[Selected], list[Selected]]:
+                    log: Callable[[str], None], listed: bool = False) -> tuple[list[Selected], list[Selected]]:
     """(the units whitened from ``module``'s arguments, the units stepped unwhitened) of one
     ``nn.MultiheadAttention`` named ``name``; ``cross_attention``: the module is known to be
     called with another key and value (its packed ``in_proj_weight`` is then unwhitened).
-    ``owners``: the names of the modules holding each parameter (``id``), for tied weights."""
+    ``owners``: the names of the modules holding each parameter (``id``), for tied weights;
+    ``listed``: the module came in the list form (for the advice of an error)."""
     label = name or "<root>"
     bias = module.in_proj_bias
     biased = [("in_proj_bias", bias)] if bias is not None else []
@@ -108,7 +125,8 @@ def attention_units(name: str, module: nn.MultiheadAttention, *, cross_attention
         weight = module.in_proj_weight
         if _trainable(weight, owners, name, label, log):
             unit = Selected(name, module, [("in_proj_weight", weight), *biased],
-                            None if cross_attention else PackedInputAdapter(module, label), has_bias=bool(biased))
+                            None if cross_attention else PackedInputAdapter(module, label, listed),
+                            has_bias=bool(biased))
             (plain if cross_attention else observed).append(unit)
     else:
         adapter = SeparateInputsAdapter(module)

@@ -145,15 +145,16 @@ def _listed_units(modules: list) -> tuple[list[Selected], list[Selected]]:
         label = f"modules[{i}] ({type(module).__name__})"
         if not isinstance(module, nn.Module):
             raise TypeError(f"WhitenedMuon: modules[{i}] must be an nn.Module, got {type(module).__name__}")
-        if isinstance(module, nn.MultiheadAttention):  # called as self-attention unless kdim / vdim are set
+        adapter, reason = kfac_adapter(module)  # a user's registration takes precedence
+        if adapter is None and isinstance(module, nn.MultiheadAttention):  # self-attention unless kdim / vdim
             found, unwhitened = attention_units(f"modules[{i}]", module, cross_attention=False,
-                                                is_skipped=lambda name, m: False, owners={}, log=logger.info)
+                                                is_skipped=lambda name, m: False, owners={}, log=logger.info,
+                                                listed=True)
             if not found and not unwhitened:
                 raise ValueError(f"WhitenedMuon: {label} has no trainable projection weight")
             units.extend(found)
             plain.extend(unwhitened)
             continue
-        adapter, reason = kfac_adapter(module)
         if adapter is None:
             raise ValueError(f"WhitenedMuon: {label} cannot be whitened: {reason}. Give its parameters to "
                              "another optimizer, or pass the model (WhitenedMuon(model, ...)), which "
@@ -526,7 +527,9 @@ class WhitenedMuon(torch.optim.Optimizer):
             for name, p in params.named_parameters():
                 self._names.setdefault(id(p), name)
         whitened: list[nn.Parameter] = []
-        split = _fused_qkv_units(units + plain, fused,
+        # an nn.MultiheadAttention's name is its in_proj unit's and the prefix of its out_proj's:
+        # a fused_qkv regex naming the attention means the in_proj
+        split = _fused_qkv_units(units + [u for u in plain if isinstance(u.module, nn.MultiheadAttention)], fused,
                                  dict(params.named_modules()) if isinstance(params, nn.Module) else {})
         # weights no hook can observe (nn.MultiheadAttention's out_proj): Muon's step, unwhitened
         self._plain = {id(_weight(u)) for u in plain}
@@ -609,7 +612,7 @@ class WhitenedMuon(torch.optim.Optimizer):
             if attention:  # in the model's module order, as the adapters' units
                 order = {id(m): i for i, m in enumerate(params.modules())}
                 units = sorted(units + attention, key=lambda u: order[id(u.module)])
-            if not units:
+            if not units and not plain:
                 raise ValueError(f"WhitenedMuon: no module of {type(params).__name__} can be whitened (nn.Linear, "
                                  f"HF Conv1D, convolutions, fused experts, nn.MultiheadAttention; see "
                                  f"register_adapter) with skip_layers={skip_layers!r}")

@@ -142,6 +142,9 @@ def test_a_whole_attention_steps_like_its_linear_twin_with_torch_muon_on_out_pro
     torch.testing.assert_close(packed.attn.out_proj.weight, twin.out.weight, rtol=0, atol=2e-3)
     torch.testing.assert_close(packed.attn.in_proj_weight, torch.cat([p.weight for p in twin.projections()]),
                                rtol=0, atol=2e-3)
+    torch.testing.assert_close(packed.attn.in_proj_bias, torch.cat([p.bias for p in twin.projections()]),
+                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(packed.attn.out_proj.bias, twin.out.bias, rtol=0, atol=1e-6)
     assert "input_whitener" not in ours.state[packed.attn.out_proj.weight]  # no statistics for it
 
 
@@ -215,6 +218,10 @@ def test_a_packed_attention_called_as_cross_attention_raises_naming_it():
         model["cross"](x, memory, memory)
     with torch.no_grad():  # no statistics outside training: nothing to refuse
         model["cross"](x, memory, memory)
+    listed = nn.MultiheadAttention(E, HEADS, batch_first=True)
+    opt = WhitenedMuon([listed], lr=0.02)  # noqa: F841
+    with pytest.raises(ValueError, match=r"leave it out of the list.*kdim / vdim other than embed_dim"):
+        listed(x, memory, memory)
     fresh = nn.ModuleDict({"cross": nn.MultiheadAttention(E, HEADS, batch_first=True), "head": nn.Linear(E, 1)})
     opt = WhitenedMuon(fresh, lr=0.02, skip_layers=["cross"])  # AdamW steps it: no hook, no error
     fresh["head"](fresh["cross"](x, memory, memory)[0]).sum().backward()
@@ -362,3 +369,81 @@ def test_any_world_size_gives_the_one_process_result_for_attention(tmp_path):
                 # the key's bias has no gradient but rounding noise, which AdamW's steps follow to ~1e-10
                 atol = 1e-9 if name.endswith("in_proj_bias") else 1e-12
                 torch.testing.assert_close(got, want, rtol=1e-10, atol=atol)
+
+
+def test_self_attention_whose_arguments_a_pre_hook_rebuilt_is_still_self_attention():
+    """A forward pre-hook that remakes the arguments one by one (FSDP2's mixed-precision cast,
+    a device move) hands the attention three equal tensors, not one: still self-attention.
+    Seq-first inputs and keyword arguments, as nn.MultiheadAttention takes them."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, HEADS, dtype=torch.float64)  # batch second
+    twin = copy.deepcopy(mha)
+    mha.register_forward_pre_hook(lambda module, args, kwargs: (tuple(a.clone() for a in args),
+                                                                {k: v.clone() if torch.is_tensor(v) else v
+                                                                 for k, v in kwargs.items()}), with_kwargs=True)
+    opts = [WhitenedMuon([m], lr=0.05, statistics_every=1, ns_dtype=torch.float64) for m in (mha, twin)]
+    for x, y in batches(3):
+        x, y = x.transpose(0, 1), y.transpose(0, 1)  # [T, B, E]
+        for m, o in ((mha, opts[0]), (twin, opts[1])):
+            o.zero_grad()
+            F.mse_loss(m(x, key=x, value=x, need_weights=False)[0], y).backward()
+            o.step()
+    for a, b in zip(mha.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_model_whose_only_muon_weight_is_an_unwhitened_out_proj_is_accepted():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.MultiheadAttention(E, HEADS, batch_first=True))
+    model[0].in_proj_weight.requires_grad_(False)
+    opt = WhitenedMuon(model, lr=0.02)
+    assert [opt._names[id(p)] for p in opt.param_groups[0]["params"]] == ["0.out_proj.weight"]
+
+
+def test_a_fused_qkv_regex_naming_the_attention_splits_its_in_proj_not_its_out_proj():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"self_attn": nn.MultiheadAttention(E, HEADS, batch_first=True)})
+    opt = WhitenedMuon(model, lr=0.02, fused_qkv=["self_attn"])
+    assert opt._views[id(model["self_attn"].in_proj_weight)].parts == 3
+    assert opt._views[id(model["self_attn"].out_proj.weight)].parts == 1
+
+
+def _fsdp_mixed_precision_worker(rank: int, world: int, out_dir: str):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.attn = nn.Linear(E, E), nn.MultiheadAttention(E, HEADS, batch_first=True)
+            self.head = nn.Linear(E, 1)
+
+        def forward(self, x):
+            h = self.embed(x)
+            return self.head(self.attn(h, h, h, need_weights=False)[0].float())
+
+    torch.manual_seed(0)
+    model = Net()
+    # the attention computes in bfloat16: FSDP2 casts each float32 argument on its own (three tensors)
+    fully_shard(model.attn, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    fully_shard(model)
+    opt = WhitenedMuon(model, lr=0.02, statistics_every=1)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        x = torch.randn(4 * world, T, E, generator=g)[rank * 4:(rank + 1) * 4]
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    in_proj = model.attn.in_proj_weight
+    return {"in_proj": in_proj.full_tensor().detach().clone(),
+            "whitened": opt.state[in_proj]["input_whitener"] is not None}
+
+
+def test_fsdp2_mixed_precision_self_attention_is_whitened_as_self_attention(tmp_path):
+    """FSDP2's MixedPrecisionPolicy casts the query, key and value one by one: three equal
+    tensors, which are still self-attention (not refused as cross-attention)."""
+    from dist_utils import run_workers
+
+    results = run_workers(_fsdp_mixed_precision_worker, 2, tmp_path, timeout=90)
+    assert all(r["whitened"] for r in results)
+    assert torch.equal(results[0]["in_proj"], results[1]["in_proj"])
+    assert torch.isfinite(results[0]["in_proj"]).all()
