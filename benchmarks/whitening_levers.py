@@ -10,7 +10,9 @@ here changes one thing and nothing else:
 - ``input_skip="wide"`` (``"narrow"``, ``"square"``): the weights whose input is wider than
   (narrower than, as wide as) their output keep an identity input whitener; in the GPT the
   MLP's second layer (its first; the attention projections). The identity still costs its
-  matmuls: this variant measures steps, not the cost it would save.
+  matmuls: this variant measures steps, not the cost it would save. ``input_skip_names`` (a
+  regex on the layer names) does the same for the layers it matches: ``input_no_out_proj``
+  leaves the attention's output projection unwhitened, as ``nn.MultiheadAttention``'s is.
 
 The others change the output side (they need ``output_side=True``; the input side stays as
 the library has it):
@@ -66,6 +68,7 @@ import functools
 import inspect
 import json
 import math
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -103,11 +106,14 @@ class _VariantStatistics(WhiteningStatistics):
     output_every = 1
     output_layers = "all"
     input_skip: str | None = None
+    input_skip_names: str | None = None
     from_hook = True  # output rows from the capture hook (False: only those the optimizer adds)
 
     def observe(self, unit, side, rows, scale, *, added: bool = False) -> None:
-        if side == "input" and self.input_skip is not None and _shape_kind(self.views[id(unit.param)].shape,
-                                                                            "input") == self.input_skip:
+        skipped = ((self.input_skip is not None
+                    and _shape_kind(self.views[id(unit.param)].shape, "input") == self.input_skip)
+                   or (self.input_skip_names is not None and re.search(self.input_skip_names, unit.name)))
+        if side == "input" and skipped:
             self.observed.add(id(unit.param))  # seen, and left unwhitened on purpose
             return  # its factor stays zero: an identity whitener
         if side == "output" and not self.whitens_output(unit.param):
@@ -160,7 +166,7 @@ class WhiteningVariant(WhitenedMuon):
     def __init__(self, params: Any, lr: float, weight_decay: float = 0.0, *, output_rows: int | None = None,
                  output_spread: bool = False, output_block: int | None = None, output_every: int | None = None,
                  output_source: str = "activations", output_layers: str = "all", input_skip: str | None = None,
-                 **kwargs: Any) -> None:
+                 input_skip_names: str | None = None, **kwargs: Any) -> None:
         if output_layers not in ("all", "narrow", "wide"):
             raise ValueError(f"output_layers must be 'all', 'narrow' or 'wide', got {output_layers!r}")
         if input_skip not in (None, "wide", "narrow", "square"):
@@ -185,7 +191,7 @@ class WhiteningVariant(WhitenedMuon):
         statistics_.output_block, statistics_.output_every = output_block, output_every
         statistics_.from_hook = output_source == "activations"
         statistics_.output_layers = output_layers
-        statistics_.input_skip = input_skip
+        statistics_.input_skip, statistics_.input_skip_names = input_skip, input_skip_names
         self.output_source = output_source
         self._capture.output_grads = self.output_side and statistics_.from_hook
 
@@ -241,6 +247,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "input_no_wide": dict(output_side=False, input_skip="wide"),
     "input_no_narrow": dict(output_side=False, input_skip="narrow"),
     "input_no_square": dict(output_side=False, input_skip="square"),
+    # the attention's output projection unwhitened (Muon's step), as WhitenedMuon steps
+    # nn.MultiheadAttention's, whose input no hook sees
+    "input_no_out_proj": dict(output_side=False, input_skip_names=r"attn\.out_proj$"),
     # library settings away from their defaults: half the statistics steps over the same
     # 25-step horizon; one Newton-Schulz iteration fewer than Muon's five
     "input_every10": dict(output_side=False, statistics_every=10, factor_decay=0.6),

@@ -185,6 +185,23 @@ def test_input_skip_leaves_one_shape_unwhitened(skip):
         assert "output_whitener" not in optimizer.state[layer.weight]
 
 
+def test_input_skip_names_leaves_the_named_layers_unwhitened():
+    sys.path.insert(0, str(ROOT / "examples"))
+    from benchmarks.whitening_levers import VARIANTS
+    from char_lm import CharTransformer, ModelConfig
+    torch.manual_seed(0)
+    model = CharTransformer(ModelConfig(16, 1, 2, 8, False, "gpt"))
+    settings = {k: v for k, v in VARIANTS["input_no_out_proj"].items() if k != "output_side"}
+    optimizer = WhiteningVariant(model, lr=1e-2, skip_layers=["Embedding", "lm_head"], **settings)
+    tokens = torch.randint(0, 256, (2, 8))
+    torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    optimizer.step()
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name != "lm_head":
+            whitener = optimizer.state[module.weight]["input_whitener"][0]
+            assert torch.equal(whitener, torch.eye(module.in_features)) == name.endswith("attn.out_proj"), name
+
+
 def test_the_runner_builds_each_variant_with_the_cells_settings():
     sys.path.insert(0, str(ROOT / "examples"))
     from benchmarks.whitening_levers import VARIANTS, _build
