@@ -302,3 +302,13 @@ def ranks_identical(params: torch.Tensor, world: int, all_gather: Callable) -> b
     all_gather(gathered, params)
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
+
+def step_as_ddp(optimizer: Any, params: list, world: int) -> bool:
+    """Average the gradients over the ranks as DDP would, step, and say whether every rank
+    then holds bitwise the same ``params`` (``True`` on one rank)."""
+    if world == 1:
+        optimizer.step()
+        return True
+    average_gradients_by_hand(params, world, dist.all_reduce)
+    optimizer.step()
+    return ranks_identical(torch.cat([p.detach().reshape(-1) for p in params]), world, dist.all_gather)

@@ -21,12 +21,11 @@ import weakref
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from scipy.linalg import sqrtm
 
 import kron_precond.whitened_muon as wm
-from dist_utils import average_gradients_by_hand, ranks_identical, run_workers
+from dist_utils import run_workers, step_as_ddp
 from kron_precond import WhitenedMuon
 
 LR, WD, MOMENTUM, DAMPING, DECAY = 0.05, 0.1, 0.9, 0.1, 0.95
@@ -720,11 +719,7 @@ def _dist_worker(rank: int, world: int, out_dir: str, output_side: bool, center_
         x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
         opt.zero_grad()
         loss_of(net, x, y).backward()
-        if world > 1:
-            average_gradients_by_hand(params, world, dist.all_reduce)
-        opt.step()
-        flat = torch.cat([p.detach().reshape(-1) for p in params])
-        identical.append(ranks_identical(flat, world, dist.all_gather) if world > 1 else True)
+        identical.append(step_as_ddp(opt, params, world))
     return {"params": [p.detach().clone() for p in params], "identical": identical}
 
 

@@ -329,9 +329,7 @@ def _dist_batches(steps: int) -> list:
 
 
 def _dist_worker(rank: int, world: int, out_dir: str):
-    import torch.distributed as dist
-
-    from dist_utils import average_gradients_by_hand, ranks_identical
+    from dist_utils import step_as_ddp
 
     torch.manual_seed(0)
     model = Attentions()
@@ -343,11 +341,7 @@ def _dist_worker(rank: int, world: int, out_dir: str):
         rows = slice(rank * per, (rank + 1) * per)
         opt.zero_grad()
         F.mse_loss(model(x[rows], memory[rows]), y[rows]).backward()
-        if world > 1:
-            average_gradients_by_hand(params, world, dist.all_reduce)
-        opt.step()
-        flat = torch.cat([p.detach().reshape(-1) for p in params])
-        identical.append(ranks_identical(flat, world, dist.all_gather) if world > 1 else True)
+        identical.append(step_as_ddp(opt, params, world))
     return {"params": [p.detach().clone() for p in params], "identical": identical}
 
 
