@@ -90,7 +90,9 @@ from kron_examples_common import (  # noqa: E402
     unwrap,
 )
 
-BASELINES = ("muon", "normuon")
+BASELINES = ("muon", "normuon", "adamw")
+DEFAULT_BASELINES = ("muon", "normuon")  # AdamW on request (--baselines adamw): its momentum grid is one point
+LABELS = {"muon": "Muon", "normuon": "NorMuon", "adamw": "AdamW"}  # the tables' names of the baselines
 OURS = "wmuon"  # the examples' method, at the examples' defaults
 BUDGETS = (1.0, 1.25, 1.5)
 WARMUP_FRACTION = 0.05
@@ -362,7 +364,7 @@ def _mean_step(runs: Sequence[dict]) -> float:
 
 
 def seed_measures(out: Path, seed: int, budgets: Sequence[float], base_steps: int, sweep_ours: bool,
-                  baselines: Sequence[str] = BASELINES) -> dict:
+                  baselines: Sequence[str] = DEFAULT_BASELINES) -> dict:
     """Per seed: each baseline's final loss per budget (its chosen point there), each
     method's step time in the 1x interleaved run, and every (ours, baseline) speed-up."""
     by_budget = {b: load_runs(out, seed, b) for b in budgets}
@@ -428,9 +430,10 @@ def report(args) -> str:
     per_seed = [seed_measures(args.out, s, args.budgets, args.steps, args.sweep_ours, args.baselines) for s in seeds]
     lines = [f"seeds {', '.join(map(str, seeds))}; mean ± sample sd over seeds (per-seed values in brackets); "
              f"step budget N = {args.steps}", "",
-             "| method | final loss at N | × best Muon: steps | step time × Muon | × best Muon: wall-clock "
-             "| × best NorMuon: steps | step time × NorMuon | × best NorMuon: wall-clock |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| method | final loss at N | " + " | ".join(
+                 f"× best {LABELS[b]}: steps | step time × {LABELS[b]} | × best {LABELS[b]}: wall-clock"
+                 for b in BASELINES if b in args.baselines or b != "adamw") + " |",
+             "|---|---|" + "---|---|---|" * sum(b in args.baselines or b != "adamw" for b in BASELINES)]
     # a row's seeds: those with its run (a --sweep-ours on fewer seeds than the baselines ran)
     names = list(dict.fromkeys(name for m in per_seed for name in m["rows"]))
     partial = []
@@ -444,6 +447,8 @@ def report(args) -> str:
                            f"(no run on seed{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))})")
         cells = [name, f"{_fmt(mean_spread([r['loss'] for r in rows]), 4)} ({_per_seed([r['loss'] for r in rows], 4)})"]
         for base in BASELINES:
+            if base == "adamw" and base not in args.baselines:  # the columns of the tables before it
+                continue
             if base not in args.baselines or base not in rows[0]["vs"]:
                 cells += ["-", "-", "-"]
                 continue
@@ -500,7 +505,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lrs", type=_floats, default=[1.6e-2 / SQRT2, 1.6e-2, 1.6e-2 * SQRT2],
                    help="the baselines' lr grid (sqrt(2) apart)")
     p.add_argument("--momenta", type=_floats, default=[0.95, 0.9, 0.8], help="the baselines' momentum grid")
-    p.add_argument("--baselines", type=lambda t: tuple(x for x in t.split(",") if x), default=BASELINES,
+    p.add_argument("--baselines", type=lambda t: tuple(x for x in t.split(",") if x), default=DEFAULT_BASELINES,
                    help=f"comma-separated, from {BASELINES}")
     p.add_argument("--max-extend", type=int, default=2, help="rounds of grid extension past an edge")
     p.add_argument("--longer-lrs", choices=("around", "chosen"), default="around",

@@ -145,7 +145,7 @@ def test_report_on_hand_made_records(tmp_path):
 
     args = Args()
     args.out, args.budgets, args.steps, args.sweep_ours = out, [1.0, 1.25, 1.5], 100, False
-    args.baselines = bs.BASELINES
+    args.baselines = ("muon", "normuon")
     table = bs.report(args)
     assert "| wmuon (defaults) | 1.8000 ± 0.0000 (1.8000) | **1.25 ± 0.00** (1.25) |" in table
     # Muon alone as the baseline (--baselines muon): the same row, no NorMuon columns filled
@@ -155,6 +155,29 @@ def test_report_on_hand_made_records(tmp_path):
     assert ours.startswith("| wmuon (defaults) | 1.8000 ± 0.0000 (1.8000) | **1.25 ± 0.00** (1.25) |")
     assert ours.endswith("| - | - | - |")
     assert not any(line.startswith("| normuon") for line in table.splitlines())
+
+
+def test_adamw_as_the_baseline_has_columns_of_its_own(tmp_path):
+    out = tmp_path / "records"
+    # AdamW: 1.90 / 1.80 / 1.70 at its best lr; ours 1.80 at 1x = AdamW's 1.25x loss, its step 1.1x AdamW's
+    _write(out, 0, 1.0, "grid", [_run("adamw{mom=0.9} lr=0.002", 0.002, 1.95, 1.0),
+                                 _run("adamw{mom=0.9} lr=0.004", 0.004, 1.90, 1.0),
+                                 _run("wmuon lr=0.016", 0.016, 1.80, 1.1)])
+    _write(out, 0, 1.25, "grid", [_run("adamw{mom=0.9} lr=0.004", 0.004, 1.80, 1.0)])
+    _write(out, 0, 1.5, "grid", [_run("adamw{mom=0.9} lr=0.004", 0.004, 1.70, 1.0)])
+
+    class Args:
+        pass
+
+    args = Args()
+    args.out, args.budgets, args.steps, args.sweep_ours, args.baselines = out, [1.0, 1.25, 1.5], 100, False, ("adamw",)
+    table = bs.report(args).splitlines()
+    header = next(line for line in table if line.startswith("| method"))
+    assert header.endswith("| × best AdamW: steps | step time × AdamW | × best AdamW: wall-clock |")
+    ours = next(line for line in table if line.startswith("| wmuon (defaults)"))
+    assert ours.endswith(f"| **1.25 ± 0.00** (1.25) | **1.10 ± 0.00** (1.10) | **{1.25 / 1.1:.2f} ± 0.00** "
+                         f"({1.25 / 1.1:.2f}) |")
+    assert len(header.split("|")) == len(ours.split("|"))
 
 
 def test_edge_points_extend_past_the_best_point():
