@@ -472,7 +472,8 @@ def report(args) -> str:
         lines += ["", "not measured: the tuned point ran with WhitenedMuon settings that change the step's cost, "
                   "and the records' interleaved default run (whose step time it would take) had others; "
                   "benchmarks/whitening_levers.py measures its step beside Muon"]
-    lines += ["", "\\* one asterisk per seed whose matching budget lies outside 1x-1.5x (extrapolated "
+    lines += ["", f"\\* one asterisk per seed whose matching budget lies outside {args.budgets[0]:g}x-"
+              f"{args.budgets[-1]:g}x (extrapolated "
               "along the end segment: rough)", "",
               "baselines' final loss per budget (the point chosen on the tuning seed at that budget):", "",
               "| baseline | " + " | ".join(f"{b:g}x ({round(args.steps * b)} steps)" for b in args.budgets) + " |",
