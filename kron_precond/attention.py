@@ -10,10 +10,10 @@ arguments are the projections' inputs, though, and that is all an input-side whi
   value``, as ``nn.TransformerEncoderLayer`` and ``nn.TransformerDecoderLayer.self_attn`` call
   it) the blocks read one input: one unit whose rows are the query's, stepped as three parts
   (a fused query/key/value projection). Called with another key or value (cross-attention),
-  one input whitener cannot serve the three blocks: the hook raises ``ValueError`` naming the
-  module rather than whiten two of them by the wrong input. The cross-attention of
-  ``nn.TransformerDecoderLayer`` (``multihead_attn``) is known at construction: its
-  ``in_proj_weight`` is stepped by Muon unwhitened.
+  one input whitener cannot serve the three blocks: rather than whiten two of them by the
+  wrong input, the weight takes Muon's step unwhitened from that call on, and a warning names
+  the module. The cross-attention of ``nn.TransformerDecoderLayer`` (``multihead_attn``) is
+  known at construction: its ``in_proj_weight`` is stepped so from the start, silently.
 * ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight`` (``kdim`` or ``vdim`` set): three
   weights of their own, each whitened by its own argument, so cross-attention too.
 * ``out_proj.weight``: its input is the attention's output inside the functional call, which
@@ -56,24 +56,26 @@ def _same_input(a: object, query: torch.Tensor) -> bool:
 
 
 class PackedInputAdapter:
-    """The rows of a packed ``in_proj_weight``: a self-attention call's query (slot 0)."""
+    """The rows of a packed ``in_proj_weight``: a self-attention call's query (slot 0).
 
-    def __init__(self, module: nn.MultiheadAttention, name: str, listed: bool = False) -> None:
-        self.module, self.name, self.listed = module, name, listed
+    A call with another key or value (cross-attention) delivers none and calls
+    ``on_cross_attention(weight, name)``, which the optimizer sets: the weight then takes Muon's
+    step unwhitened."""
+
+    def __init__(self, module: nn.MultiheadAttention, name: str) -> None:
+        self.module, self.name = module, name
+        self.on_cross_attention: Callable[[torch.Tensor, str], None] | None = None
 
     def forward_rows(self, inputs: tuple, kwargs: dict, output: object):
         query, key, value = _arguments(inputs, kwargs)
         if not isinstance(query, torch.Tensor):
             return None
         if not (_same_input(key, query) and _same_input(value, query)):
-            leave = ("leave it out of the list (another optimizer steps it)" if self.listed else
-                     f"add {self.name!r} to skip_layers (AdamW steps it)")
-            raise ValueError(
-                f"WhitenedMuon: nn.MultiheadAttention {self.name!r} was called with a key or value other than its "
-                f"query (cross-attention). Its in_proj_weight holds the query, key and value projections in one "
-                f"weight, which WhitenedMuon whitens by one input, the query's: it would whiten the key and value "
-                f"projections by the wrong input. To train it, {leave}, or build it with kdim / vdim other than "
-                f"embed_dim (separate projection weights, each whitened by its own input)")
+            if self.on_cross_attention is None:
+                raise RuntimeError(f"nn.MultiheadAttention {self.name!r} called as cross-attention, "
+                                   "and nothing to tell")
+            self.on_cross_attention(self.module.in_proj_weight, self.name)
+            return None
         return [(0, query.detach().reshape(-1, query.shape[-1]))], 1
 
     def backward_rows(self, grad: torch.Tensor, context: object) -> list:
@@ -110,12 +112,11 @@ def _trainable(param: torch.Tensor | None, owners: dict[int, list[str]], name: s
 
 def attention_units(name: str, module: nn.MultiheadAttention, *, cross_attention: bool,
                     is_skipped: Callable[[str, nn.Module], bool], owners: dict[int, list[str]],
-                    log: Callable[[str], None], listed: bool = False) -> tuple[list[Selected], list[Selected]]:
+                    log: Callable[[str], None]) -> tuple[list[Selected], list[Selected]]:
     """(the units whitened from ``module``'s arguments, the units stepped unwhitened) of one
     ``nn.MultiheadAttention`` named ``name``; ``cross_attention``: the module is known to be
     called with another key and value (its packed ``in_proj_weight`` is then unwhitened).
-    ``owners``: the names of the modules holding each parameter (``id``), for tied weights;
-    ``listed``: the module came in the list form (for the advice of an error)."""
+    ``owners``: the names of the modules holding each parameter (``id``), for tied weights."""
     label = name or "<root>"
     bias = module.in_proj_bias
     biased = [("in_proj_bias", bias)] if bias is not None else []
@@ -125,7 +126,7 @@ def attention_units(name: str, module: nn.MultiheadAttention, *, cross_attention
         weight = module.in_proj_weight
         if _trainable(weight, owners, name, label, log):
             unit = Selected(name, module, [("in_proj_weight", weight), *biased],
-                            None if cross_attention else PackedInputAdapter(module, label, listed),
+                            None if cross_attention else PackedInputAdapter(module, label),
                             has_bias=bool(biased))
             (plain if cross_attention else observed).append(unit)
     else:

@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from kron_precond import validation
-from kron_precond.attention import attention_units, model_attention_units
+from kron_precond.attention import PackedInputAdapter, attention_units, model_attention_units
 from kron_precond.autocast import autocast_disabled
 from kron_precond.capture import ActivationCapture, grad_scaler_scale, weakly
 from kron_precond.distributed.sharded import ShardedLayout, is_dtensor
@@ -148,8 +148,7 @@ def _listed_units(modules: list) -> tuple[list[Selected], list[Selected]]:
         adapter, reason = kfac_adapter(module)  # a user's registration takes precedence
         if adapter is None and isinstance(module, nn.MultiheadAttention):  # self-attention unless kdim / vdim
             found, unwhitened = attention_units(f"modules[{i}]", module, cross_attention=False,
-                                                is_skipped=lambda name, m: False, owners={}, log=logger.info,
-                                                listed=True)
+                                                is_skipped=lambda name, m: False, owners={}, log=logger.info)
             if not found and not unwhitened:
                 raise ValueError(f"WhitenedMuon: {label} has no trainable projection weight")
             units.extend(found)
@@ -564,6 +563,9 @@ class WhitenedMuon(torch.optim.Optimizer):
         layers = [_CaptureLayer(unit.module, unit.adapter, unit.slot,
                                 UnitObserver(self._statistics, _weight(unit), unit.index or 0, unit.name))
                   for unit in units]
+        for unit in units:
+            if isinstance(unit.adapter, PackedInputAdapter):
+                unit.adapter.on_cross_attention = weakly(self._unwhiten_cross_attention)
         self._capture = ActivationCapture(layers, accumulation_steps=1, loss_scale=loss_scale,
                                           before_write=lambda: None, output_grads=self.output_side)
         self._capture.collecting = True
@@ -756,6 +758,25 @@ class WhitenedMuon(torch.optim.Optimizer):
             warnings.warn(f"WhitenedMuon: {names} had a gradient but its module's forward never ran in training "
                           "mode with grad enabled; it is stepped as plain Muon (identity whitener)",
                           RuntimeWarning, stacklevel=6)  # the caller of step()
+
+    def _unwhiten_cross_attention(self, weight: torch.Tensor, name: str) -> None:
+        """An ``nn.MultiheadAttention``'s packed ``in_proj_weight`` called as cross-attention:
+        its parts read different inputs, which one whitener cannot serve. From now on it takes
+        Muon's step unwhitened (its statistics and whiteners dropped); said once."""
+        if id(weight) in self._plain:
+            return
+        self._plain.add(id(weight))
+        state = self.state[weight]
+        for key in [k for k in state if k.startswith(("input_", "output_"))]:
+            del state[key]
+        for side in ("input", "output"):
+            self._statistics.pending.pop((id(weight), side), None)
+        self._casts.clear()
+        warnings.warn(f"WhitenedMuon: nn.MultiheadAttention {name!r} is called as cross-attention (a key or value "
+                      f"other than its query). Its in_proj_weight holds the query, key and value projections, which "
+                      f"then read different inputs, and one whitener cannot serve them: it takes Muon's step "
+                      f"unwhitened from here on. Build the module with kdim / vdim other than embed_dim (a weight per "
+                      f"projection, each whitened by its own input) to whiten it", UserWarning, stacklevel=2)
 
     def _layout(self, p: nn.Parameter) -> tuple:
         state, view = self.state[p], self._views[id(p)]

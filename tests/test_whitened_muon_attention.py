@@ -207,26 +207,90 @@ def test_separate_projections_are_each_whitened_by_their_own_input():
     assert widths == [E, 3, 5]
 
 
-def test_a_packed_attention_called_as_cross_attention_raises_naming_it():
-    """One input whitener cannot serve a packed in_proj whose key and value read another input:
-    the first training forward raises, naming the module and the ways out."""
+class Cross(nn.Module):
+    """Cross-attention through a packed in_proj: the query from ``x``, key and value from ``memory``."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(E, HEADS, batch_first=True)
+
+    def forward(self, x, memory):
+        return self.attn(x, memory, memory, need_weights=False)[0]
+
+
+class CrossTwin(nn.Module):
+    def __init__(self, cross: Cross):
+        super().__init__()
+        mha = cross.attn
+        for i, name in enumerate("qkv"):
+            layer = nn.Linear(E, E)
+            layer.weight.data.copy_(mha.in_proj_weight.data[i * E:(i + 1) * E])
+            layer.bias.data.copy_(mha.in_proj_bias.data[i * E:(i + 1) * E])
+            setattr(self, name, layer)
+        self.out = copy.deepcopy(mha.out_proj)
+
+    def forward(self, x, memory):
+        heads = [t.unflatten(-1, (HEADS, E // HEADS)).transpose(1, 2)
+                 for t in (self.q(x), self.k(memory), self.v(memory))]
+        return self.out(F.scaled_dot_product_attention(*heads).transpose(1, 2).flatten(-2))
+
+
+def _cross_batches(steps: int):
+    g = torch.Generator().manual_seed(6)
+    return [(torch.randn(4, T, E, generator=g), torch.randn(4, 3, E, generator=g) + 0.5,
+             torch.randn(4, T, E, generator=g)) for _ in range(steps)]
+
+
+def test_a_packed_attention_called_as_cross_attention_takes_muons_step_unwhitened():
+    """One input whitener cannot serve a packed in_proj whose key and value read another input.
+    Found at the first training forward, the weight takes Muon's step unwhitened from then on (its
+    three parts orthogonalised each, as torch.optim.Muon steps three nn.Linear projections), and a
+    warning names the module, once."""
     torch.manual_seed(0)
-    model = nn.ModuleDict({"cross": nn.MultiheadAttention(E, HEADS, batch_first=True)})
-    opt = WhitenedMuon(model, lr=0.02)  # noqa: F841 (its hooks live as long as it does)
-    x, memory = torch.randn(2, T, E), torch.randn(2, 3, E)
-    with pytest.raises(ValueError, match=r"'cross' was called with a key or value other than its query.*skip_layers"):
-        model["cross"](x, memory, memory)
-    with torch.no_grad():  # no statistics outside training: nothing to refuse
-        model["cross"](x, memory, memory)
+    model = Cross()
+    twin = CrossTwin(model)
+    settings = dict(lr=0.05, momentum=0.9, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    ours = WhitenedMuon(model, statistics_every=1, **settings)
+    biases = [twin.q.bias, twin.k.bias, twin.v.bias, twin.out.bias]
+    reference = [torch.optim.Muon([twin.q.weight, twin.k.weight, twin.v.weight, twin.out.weight], **settings),
+                 torch.optim.AdamW(biases, lr=0.05, weight_decay=0.1)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for m, opts in ((model, [ours]), (twin, reference)):
+            for x, memory, y in _cross_batches(5):
+                for o in opts:
+                    o.zero_grad()
+                F.mse_loss(m(x, memory), y).backward()
+                for o in opts:
+                    o.step()
+    named = [w for w in caught if "called as cross-attention" in str(w.message)]
+    assert len(named) == 1 and "'attn'" in str(named[0].message) and "kdim / vdim" in str(named[0].message)
+    state = ours.state[model.attn.in_proj_weight]
+    assert "input_whitener" not in state and "input_factor" not in state
+    torch.testing.assert_close(model.attn.in_proj_weight, torch.cat([twin.q.weight, twin.k.weight, twin.v.weight]),
+                               rtol=0, atol=2e-3)
+    torch.testing.assert_close(model.attn.out_proj.weight, twin.out.weight, rtol=0, atol=2e-3)
+
+
+def test_an_attention_whitened_as_self_attention_then_called_as_cross_attention_drops_its_whitener():
+    torch.manual_seed(0)
+    model = Cross()
+    opt = WhitenedMuon(model, lr=0.05, statistics_every=1)
+    for step, (x, memory, y) in enumerate(_cross_batches(4)):
+        opt.zero_grad()
+        memory_or_x = x if step < 2 else memory  # self-attention on the first two steps
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            F.mse_loss(model(x, memory_or_x), y).backward()
+        opt.step()
+        whitened = "input_whitener" in opt.state[model.attn.in_proj_weight]
+        assert whitened == (step < 2), step
     listed = nn.MultiheadAttention(E, HEADS, batch_first=True)
-    opt = WhitenedMuon([listed], lr=0.02)  # noqa: F841
-    with pytest.raises(ValueError, match=r"leave it out of the list.*kdim / vdim other than embed_dim"):
-        listed(x, memory, memory)
-    fresh = nn.ModuleDict({"cross": nn.MultiheadAttention(E, HEADS, batch_first=True), "head": nn.Linear(E, 1)})
-    opt = WhitenedMuon(fresh, lr=0.02, skip_layers=["cross"])  # AdamW steps it: no hook, no error
-    fresh["head"](fresh["cross"](x, memory, memory)[0]).sum().backward()
+    opt = WhitenedMuon([listed], lr=0.02)
+    x, memory = torch.randn(2, T, E), torch.randn(2, 3, E)
+    with pytest.warns(UserWarning, match=r"'modules\[0\]' is called as cross-attention"):
+        listed(x, memory, memory)[0].sum().backward()
     opt.step()
-    assert len(opt.param_groups[1]["params"]) == 5 and opt.state[fresh["cross"].in_proj_weight]["step"] == 1
 
 
 class Seq2Seq(nn.Module):
