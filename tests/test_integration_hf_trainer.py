@@ -70,11 +70,17 @@ def _fit(method, steps, out_dir, *, record=False, save_steps=None, resume_from=N
     transformers = _transformers()
     model = _model(transformers)
     optimizer = make_optimizer(method, model, LR, accumulation_steps=K, kfac=KFAC, wmuon=dict(skip_layers=["lm_head"]))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5))
     recorder = log = None
     if record:
         recorder = RowRecorder(model.get_submodule(RECORDED))
         log = FactorLog(optimizer, RECORDED)
+    trainer = _train(transformers, model, optimizer, steps, out_dir, save_steps, resume_from)
+    return model, optimizer, recorder, log, trainer
+
+
+def _train(transformers, model, optimizer, steps, out_dir, save_steps, resume_from):
+    """The Trainer on os.py's bytes with ``optimizer`` (a 5-step warm-up), trained; returned."""
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5))
     args = transformers.TrainingArguments(
         output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=BATCH,
         gradient_accumulation_steps=K, use_cpu=True, report_to=[], seed=0, data_seed=0,
@@ -85,7 +91,7 @@ def _fit(method, steps, out_dir, *, record=False, save_steps=None, resume_from=N
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train(resume_from_checkpoint=resume_from)
-    return model, optimizer, recorder, log, trainer
+    return trainer
 
 
 @torch.no_grad()
@@ -134,17 +140,7 @@ def _fit_lora(steps, out_dir, *, save_steps=None, resume_from=None, adamw_lr=Non
         model = peft.get_peft_model(_model(transformers), config)
     optimizer = (WhitenedMuon(model, lr=10 * LR, **WMUON) if adamw_lr is None else
                  torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=adamw_lr))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5))
-    args = transformers.TrainingArguments(
-        output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=BATCH,
-        gradient_accumulation_steps=K, use_cpu=True, report_to=[], seed=0, data_seed=0,
-        logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
-        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Dataset(_sequences(BATCH * K * STEPS)),
-                                   optimizers=(optimizer, scheduler))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.train(resume_from_checkpoint=resume_from)
+    trainer = _train(transformers, model, optimizer, steps, out_dir, save_steps, resume_from)
     return model, optimizer, trainer
 
 
