@@ -428,12 +428,14 @@ def report(args) -> str:
     if not seeds:
         return "no complete seed yet"
     per_seed = [seed_measures(args.out, s, args.budgets, args.steps, args.sweep_ours, args.baselines) for s in seeds]
+    # Muon's and NorMuon's columns always (the tables before AdamW had them), AdamW's when it ran
+    columns = [b for b in BASELINES if b != "adamw" or b in args.baselines]
     lines = [f"seeds {', '.join(map(str, seeds))}; mean ± sample sd over seeds (per-seed values in brackets); "
              f"step budget N = {args.steps}", "",
              "| method | final loss at N | " + " | ".join(
                  f"× best {LABELS[b]}: steps | step time × {LABELS[b]} | × best {LABELS[b]}: wall-clock"
-                 for b in BASELINES if b in args.baselines or b != "adamw") + " |",
-             "|---|---|" + "---|---|---|" * sum(b in args.baselines or b != "adamw" for b in BASELINES)]
+                 for b in columns) + " |",
+             "|---|---|" + "---|---|---|" * len(columns)]
     # a row's seeds: those with its run (a --sweep-ours on fewer seeds than the baselines ran)
     names = list(dict.fromkeys(name for m in per_seed for name in m["rows"]))
     partial = []
@@ -446,9 +448,7 @@ def report(args) -> str:
             partial.append(f"{name}: seed{'s' if len(have) > 1 else ''} {', '.join(map(str, have))} only "
                            f"(no run on seed{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))})")
         cells = [name, f"{_fmt(mean_spread([r['loss'] for r in rows]), 4)} ({_per_seed([r['loss'] for r in rows], 4)})"]
-        for base in BASELINES:
-            if base == "adamw" and base not in args.baselines:  # the columns of the tables before it
-                continue
+        for base in columns:
             if base not in args.baselines or base not in rows[0]["vs"]:
                 cells += ["-", "-", "-"]
                 continue

@@ -204,11 +204,11 @@ class CharTransformer(nn.Module):
         return self.lm_head(self.ln_final(x))
 
 
-# --arch: the examples' own GPT, or a model built from a transformers config (module, class)
-# ("torch": PyTorch's own nn.TransformerEncoderLayer, nn.MultiheadAttention inside)
-TRANSFORMERS_ARCHS = {"llama": ("byte_llama", "ByteLlama"), "gpt2": ("byte_gpt2", "ByteGPT2"),
+# --arch: the examples' own GPT, or (module, class) of examples/byte_<arch>.py: a model built
+# from a transformers config, or ("torch") from PyTorch's own nn.TransformerEncoderLayer
+BYTE_ARCHS = {"llama": ("byte_llama", "ByteLlama"), "gpt2": ("byte_gpt2", "ByteGPT2"),
                       "mixtral": ("byte_mixtral", "ByteMixtral"), "torch": ("byte_torch", "ByteTorchTransformer")}
-ARCHS = ("gpt", *TRANSFORMERS_ARCHS)
+ARCHS = ("gpt", *BYTE_ARCHS)
 
 
 def build_model(config: ModelConfig) -> nn.Module:
@@ -217,9 +217,9 @@ def build_model(config: ModelConfig) -> nn.Module:
     PyTorch's nn.TransformerEncoderLayer (ByteTorchTransformer)."""
     if config.arch == "gpt":
         return CharTransformer(config)
-    if config.arch not in TRANSFORMERS_ARCHS:
+    if config.arch not in BYTE_ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {config.arch!r}")
-    module, name = TRANSFORMERS_ARCHS[config.arch]  # imported on use: transformers is an extra
+    module, name = BYTE_ARCHS[config.arch]  # imported on use: transformers is an extra
     model_class = getattr(importlib.import_module(module), name)
     return model_class(config.d_model, config.n_layers, config.n_heads, config.seq_len, VOCAB_SIZE,
                        config.tie_embeddings)

@@ -29,7 +29,7 @@ from typing import Callable, cast
 import torch
 from torch import nn
 
-from kron_precond.modules import Selected
+from kron_precond.modules import Selected, tied_elsewhere
 
 SEPARATE_PROJECTIONS = ("q_proj_weight", "k_proj_weight", "v_proj_weight")
 
@@ -44,7 +44,8 @@ def _arguments(inputs: tuple, kwargs: dict) -> list:
 def _same_input(a: object, query: torch.Tensor) -> bool:
     """``a`` is the query: the same tensor, a view of the same elements, or equal values (a
     forward pre-hook that rebuilds the arguments one by one, such as FSDP2's mixed-precision
-    cast, hands over three equal tensors; compared only when the cheaper tests fail)."""
+    cast, hands over three equal tensors). The values are compared, a host read, only when the
+    cheaper tests fail, and only on statistics steps (the hook's)."""
     if a is query:
         return True
     if not isinstance(a, torch.Tensor) or a.shape != query.shape or a.dtype != query.dtype \
@@ -71,9 +72,9 @@ class PackedInputAdapter:
         if not isinstance(query, torch.Tensor):
             return None
         if not (_same_input(key, query) and _same_input(value, query)):
-            if self.on_cross_attention is None:
-                raise RuntimeError(f"nn.MultiheadAttention {self.name!r} called as cross-attention, "
-                                   "and nothing to tell")
+            if self.on_cross_attention is None:  # set by the optimizer that placed the hook
+                raise RuntimeError(f"nn.MultiheadAttention {self.name!r} was called as cross-attention, and "
+                                   "PackedInputAdapter.on_cross_attention is not set")
             self.on_cross_attention(self.module.in_proj_weight, self.name)
             return None
         return [(0, query.detach().reshape(-1, query.shape[-1]))], 1
@@ -103,7 +104,7 @@ def _trainable(param: torch.Tensor | None, owners: dict[int, list[str]], name: s
     """``param`` exists, trains and belongs to this module alone (a tied weight: logged)."""
     if param is None or not param.requires_grad:
         return False
-    shared = sorted(o for o in owners.get(id(param), []) if o != name)
+    shared = tied_elsewhere(owners, name, [param])
     if shared:
         log(f"skipping {label}: a parameter is shared with {', '.join(shared)} (tied weights)")
         return False

@@ -260,6 +260,12 @@ def is_skipped(name: str, module: nn.Module, patterns: list[re.Pattern]) -> bool
     return any(p.search(name) or p.search(class_name) for p in patterns)
 
 
+def tied_elsewhere(owners: dict[int, list[str]], name: str, params: Iterable[torch.Tensor]) -> list[str]:
+    """The other modules holding one of ``params`` (``owners``: :func:`owners_of`), sorted: a tied
+    weight's gradient mixes two layers' statistics, so such a module is not registered."""
+    return sorted({o for p in params for o in owners.get(id(p), []) if o != name})
+
+
 def owners_of(model: nn.Module) -> dict[int, list[str]]:
     """``id(parameter) -> the qualified names of the modules holding it`` (two or more: tied)."""
     owners: dict[int, list[str]] = {}
@@ -315,7 +321,7 @@ def find_kfac_modules(model: nn.Module, is_skipped, log, *, weight_only: bool = 
         if not weight_only and not all(p.requires_grad for _, p in own):
             log(f"skipping {label}: not all of its parameters require grad")
             continue
-        shared = sorted({o for _, p in own for o in owners[id(p)] if o != name})
+        shared = tied_elsewhere(owners, name, (p for _, p in own))
         if shared:
             log(f"skipping {label}: a parameter is shared with {', '.join(shared)} (tied weights)")
             continue
