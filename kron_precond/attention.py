@@ -6,14 +6,16 @@ the module adapters of :mod:`kron_precond.modules` see none of its projections. 
 arguments are the projections' inputs, though, and that is all an input-side whitening needs:
 
 * ``in_proj_weight`` ``[3E, E]`` (key and value as wide as the query): its three row blocks
-  project the query, the key and the value. Called as self-attention (``query is key is
-  value``, as ``nn.TransformerEncoderLayer`` and ``nn.TransformerDecoderLayer.self_attn`` call
-  it) the blocks read one input: one unit whose rows are the query's, stepped as three parts
-  (a fused query/key/value projection). Called with another key or value (cross-attention),
-  one input whitener cannot serve the three blocks: rather than whiten two of them by the
-  wrong input, the weight takes Muon's step unwhitened from that call on, and a warning names
-  the module. The cross-attention of ``nn.TransformerDecoderLayer`` (``multihead_attn``) is
-  known at construction: its ``in_proj_weight`` is stepped so from the start, silently.
+  project the query, the key and the value, and are stepped as three parts (a fused
+  query/key/value projection). Called as self-attention (``query is key is value``, as
+  ``nn.TransformerEncoderLayer`` and ``nn.TransformerDecoderLayer.self_attn`` call it) the
+  blocks read one input: one input whitener, from the query's rows. Called with another key
+  or value (cross-attention), each block is whitened by its own input: the query's, the key's
+  and the value's rows, a factor per part. A module is taken for self-attention until a call
+  shows otherwise; the cross-attention of ``nn.TransformerDecoderLayer`` (``multihead_attn``)
+  is known at construction. Orthogonalised whole (``fused_qkv=False``), the three blocks have
+  no whitening that serves them in cross-attention: the weight then takes Muon's step
+  unwhitened, and a warning names the module.
 * ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight`` (``kdim`` or ``vdim`` set): three
   weights of their own, each whitened by its own argument, so cross-attention too.
 * ``out_proj.weight``: its input is the attention's output inside the functional call, which
@@ -57,27 +59,34 @@ def _same_input(a: object, query: torch.Tensor) -> bool:
 
 
 class PackedInputAdapter:
-    """The rows of a packed ``in_proj_weight``: a self-attention call's query (slot 0).
+    """The rows of a packed ``in_proj_weight``: a self-attention call's query (slot 0), or, once
+    ``separate`` (cross-attention), the query's, the key's and the value's rows (slots 0, 1, 2:
+    the parts they project).
 
-    A call with another key or value (cross-attention) delivers none and calls
-    ``on_cross_attention(weight, name)``, which the optimizer sets: the weight then takes Muon's
-    step unwhitened."""
+    A call with another key or value while not ``separate`` calls
+    ``on_cross_attention(weight, name)``, which the optimizer sets; it returns whether the parts
+    are now whitened by their own inputs (``separate`` is then set by the optimizer) or the
+    weight takes Muon's step unwhitened (no rows)."""
 
-    def __init__(self, module: nn.MultiheadAttention, name: str) -> None:
-        self.module, self.name = module, name
-        self.on_cross_attention: Callable[[torch.Tensor, str], None] | None = None
+    def __init__(self, module: nn.MultiheadAttention, name: str, separate: bool = False) -> None:
+        self.module, self.name, self.separate = module, name, separate
+        self.on_cross_attention: Callable[[torch.Tensor, str], bool] | None = None
 
     def forward_rows(self, inputs: tuple, kwargs: dict, output: object):
         query, key, value = _arguments(inputs, kwargs)
         if not isinstance(query, torch.Tensor):
             return None
-        if not (_same_input(key, query) and _same_input(value, query)):
+        if not self.separate and not (_same_input(key, query) and _same_input(value, query)):
             if self.on_cross_attention is None:  # set by the optimizer that placed the hook
                 raise RuntimeError(f"nn.MultiheadAttention {self.name!r} was called as cross-attention, and "
                                    "PackedInputAdapter.on_cross_attention is not set")
-            self.on_cross_attention(self.module.in_proj_weight, self.name)
-            return None
-        return [(0, query.detach().reshape(-1, query.shape[-1]))], 1
+            if not self.on_cross_attention(self.module.in_proj_weight, self.name):
+                return None
+        if not self.separate:
+            return [(0, query.detach().reshape(-1, query.shape[-1]))], 1
+        rows = [(slot, x.detach().reshape(-1, x.shape[-1])) for slot, x in enumerate((query, key, value))
+                if isinstance(x, torch.Tensor)]
+        return rows, 1
 
     def backward_rows(self, grad: torch.Tensor, context: object) -> list:
         return []  # the module's output is out_proj's, not the projections'
@@ -116,7 +125,8 @@ def attention_units(name: str, module: nn.MultiheadAttention, *, cross_attention
                     log: Callable[[str], None]) -> tuple[list[Selected], list[Selected]]:
     """(the units whitened from ``module``'s arguments, the units stepped unwhitened) of one
     ``nn.MultiheadAttention`` named ``name``; ``cross_attention``: the module is known to be
-    called with another key and value (its packed ``in_proj_weight`` is then unwhitened).
+    called with another key and value (its packed ``in_proj_weight``'s adapter then starts
+    ``separate``).
     ``owners``: the names of the modules holding each parameter (``id``), for tied weights."""
     label = name or "<root>"
     bias = module.in_proj_bias
@@ -126,10 +136,9 @@ def attention_units(name: str, module: nn.MultiheadAttention, *, cross_attention
     if module._qkv_same_embed_dim:
         weight = module.in_proj_weight
         if _trainable(weight, owners, name, label, log):
-            unit = Selected(name, module, [("in_proj_weight", weight), *biased],
-                            None if cross_attention else PackedInputAdapter(module, label),
-                            has_bias=bool(biased))
-            (plain if cross_attention else observed).append(unit)
+            observed.append(Selected(name, module, [("in_proj_weight", weight), *biased],
+                                     PackedInputAdapter(module, label, separate=cross_attention),
+                                     has_bias=bool(biased)))
     else:
         adapter = SeparateInputsAdapter(module)
         for slot, attribute in enumerate(SEPARATE_PROJECTIONS):

@@ -420,7 +420,8 @@ class WhitenedMuon(torch.optim.Optimizer):
         fused_qkv: the fused query/key/value projections, whose ``[3d, d]`` weight is stepped as
             three ``[d, d]`` matrices: each part orthogonalised on its own and scaled by
             ``adjust_lr_fn`` for its own shape, the input whitener shared (the parts read one
-            input), the output side, if on, whitened per part. ``None`` (default): the fused
+            input; an ``nn.MultiheadAttention`` called as cross-attention: a whitener per part,
+            each from its own input), the output side, if on, whitened per part. ``None`` (default): the fused
             projections of the attention modules whose layout is known to be three contiguous
             blocks, query, key, value (``nn.MultiheadAttention``'s ``in_proj_weight``, Hugging
             Face's GPT-2 ``c_attn``, Phi-3 ``qkv_proj`` and MPT ``Wqkv``, nanoGPT's and Qwen's
@@ -530,14 +531,26 @@ class WhitenedMuon(torch.optim.Optimizer):
         # a fused_qkv regex naming the attention means the in_proj
         split = _fused_qkv_units(units + [u for u in plain if isinstance(u.module, nn.MultiheadAttention)], fused,
                                  dict(params.named_modules()) if isinstance(params, nn.Module) else {})
+        # a packed in_proj known to be cross-attention, orthogonalised whole: no whitening serves it
+        whole = [u for u in units if isinstance(u.adapter, PackedInputAdapter) and u.adapter.separate
+                 and id(_weight(u)) not in split]
+        for unit in whole:
+            logger.info("%s.in_proj_weight: cross-attention orthogonalised whole (fused_qkv): Muon's step, "
+                        "unwhitened", unit.name or "<root>")
+        units = [u for u in units if u not in whole]
+        plain = plain + whole
         # weights no hook can observe (nn.MultiheadAttention's out_proj): Muon's step, unwhitened
         self._plain = {id(_weight(u)) for u in plain}
+        # packed in_proj weights -> their adapter, whose mode (one input, or one per part) the view follows
+        self._packed = {id(_weight(u)): u.adapter for u in units if isinstance(u.adapter, PackedInputAdapter)}
         for unit in units + plain:
             weight = _weight(unit)
             if id(weight) not in self._views:
+                packed = self._packed.get(id(weight))
                 self._views[id(weight)] = MatrixView(weight, stacked=unit.index is not None,
                                                      transposed=unit.weight_transposed,
-                                                     parts=3 if id(weight) in split else 1)
+                                                     parts=3 if id(weight) in split else 1,
+                                                     part_inputs=packed is not None and packed.separate)
                 # an expert unit is named <module>.<weight>.<e>
                 self._names.setdefault(id(weight), f"{unit.name}.{unit.params[0][0]}" if unit.index is None
                                        else unit.name.rsplit(".", 1)[0])
@@ -560,12 +573,15 @@ class WhitenedMuon(torch.optim.Optimizer):
                                                statistics_rows=statistics_rows,
                                                root=root, block_size=block_size, process_group=process_group,
                                                centered=centered)
-        layers = [_CaptureLayer(unit.module, unit.adapter, unit.slot,
-                                UnitObserver(self._statistics, _weight(unit), unit.index or 0, unit.name))
-                  for unit in units]
-        for unit in units:
-            if isinstance(unit.adapter, PackedInputAdapter):
-                unit.adapter.on_cross_attention = weakly(self._unwhiten_cross_attention)
+        # a packed in_proj's rows come in three slots once its parts read inputs of their own
+        # (the query's, the key's, the value's), each its part's unit
+        layers = [_CaptureLayer(unit.module, unit.adapter, slot,
+                                UnitObserver(self._statistics, _weight(unit), index, unit.name))
+                  for unit in units
+                  for slot, index in (((0, 0), (1, 1), (2, 2)) if isinstance(unit.adapter, PackedInputAdapter)
+                                      else ((unit.slot, unit.index or 0),))]
+        for adapter in self._packed.values():
+            adapter.on_cross_attention = weakly(self._cross_attention, default=False)
         self._capture = ActivationCapture(layers, accumulation_steps=1, loss_scale=loss_scale,
                                           before_write=lambda: None, output_grads=self.output_side)
         self._capture.collecting = True
@@ -759,24 +775,41 @@ class WhitenedMuon(torch.optim.Optimizer):
                           "mode with grad enabled; it is stepped as plain Muon (identity whitener)",
                           RuntimeWarning, stacklevel=6)  # the caller of step()
 
-    def _unwhiten_cross_attention(self, weight: torch.Tensor, name: str) -> None:
+    def _cross_attention(self, weight: torch.Tensor, name: str) -> bool:
         """An ``nn.MultiheadAttention``'s packed ``in_proj_weight`` called as cross-attention:
-        its parts read different inputs, which one whitener cannot serve. From now on it takes
-        Muon's step unwhitened (its statistics and whiteners dropped); said once."""
+        its parts read different inputs. Stepped as three parts, each is whitened from now on by
+        its own input (``True``: the call's rows are taken so). Orthogonalised whole, no
+        whitening serves the three: it takes Muon's step unwhitened from now on (``False``),
+        said once. Either way its statistics so far are dropped."""
         if id(weight) in self._plain:
-            return
+            return False
+        if self._views[id(weight)].parts == 3:
+            self._set_part_inputs(weight, True)
+            return True
         self._plain.add(id(weight))
+        self._drop_statistics(weight, ("input", "output"))
+        warnings.warn(f"WhitenedMuon: nn.MultiheadAttention {name!r} is called as cross-attention (a key or value "
+                      f"other than its query) and its in_proj_weight is orthogonalised whole (fused_qkv): one "
+                      f"whitener cannot serve its query, key and value projections, which read different inputs, "
+                      f"so it takes Muon's step unwhitened from here on. Leave fused_qkv at its default (the three "
+                      f"parts stepped each, each whitened by its own input) to whiten it", UserWarning, stacklevel=2)
+        return False
+
+    def _set_part_inputs(self, weight: torch.Tensor, on: bool) -> None:
+        """A packed in_proj's input side as one factor (self-attention) or one per part
+        (cross-attention); the side's statistics so far are dropped when it changes."""
+        view, adapter = self._views[id(weight)], self._packed[id(weight)]
+        if view.part_inputs != on:
+            self._drop_statistics(weight, ("input",))
+        view.part_inputs = adapter.separate = on
+
+    def _drop_statistics(self, weight: torch.Tensor, sides: tuple[str, ...]) -> None:
         state = self.state[weight]
-        for key in [k for k in state if k.startswith(("input_", "output_"))]:
+        for key in [k for k in state if k.startswith(tuple(f"{side}_" for side in sides))]:
             del state[key]
-        for side in ("input", "output"):
+        for side in sides:
             self._statistics.pending.pop((id(weight), side), None)
         self._casts.clear()
-        warnings.warn(f"WhitenedMuon: nn.MultiheadAttention {name!r} is called as cross-attention (a key or value "
-                      f"other than its query). Its in_proj_weight holds the query, key and value projections, which "
-                      f"then read different inputs, and one whitener cannot serve them: it takes Muon's step "
-                      f"unwhitened from here on. Build the module with kdim / vdim other than embed_dim (a weight per "
-                      f"projection, each whitened by its own input) to whiten it", UserWarning, stacklevel=2)
 
     def _layout(self, p: nn.Parameter) -> tuple:
         state, view = self.state[p], self._views[id(p)]
@@ -874,7 +907,8 @@ class WhitenedMuon(torch.optim.Optimizer):
             left, right = stacked
             if parts > 1:
                 left = None if left is None else left.reshape(-1, left.shape[1] // parts, *left.shape[2:])
-                right = None if right is None else right.repeat_interleave(parts, dim=0)
+                if right is not None and not self._views[id(params[0])].part_inputs:  # one input for every part
+                    right = right.repeat_interleave(parts, dim=0)
             cached = self._casts[key] = (left, right)
         return cached
 
@@ -980,7 +1014,9 @@ class WhitenedMuon(torch.optim.Optimizer):
                                  f"{len(group['params'])} parameters, this optimizer's "
                                  f"{len(self.param_groups[index]['params'])}")
             _check_group(index, {**self.param_groups[index], **{k: v for k, v in group.items() if k != "params"}})
-        kept, exact = self._checked_state(state_dict)
+        kept, exact, part_inputs = self._checked_state(state_dict)
+        for p, on in part_inputs.items():  # a packed in_proj resumes as saved: one input, or one per part
+            self._set_part_inputs(p, on)
         super().load_state_dict({**state_dict, "state": kept})
         for group in self.param_groups:  # a checkpoint from before the setting was stepped by the default
             if group["algorithm"] == WHITENED:
@@ -998,17 +1034,24 @@ class WhitenedMuon(torch.optim.Optimizer):
         self._reported.clear()
         new_nonfinite_steps(self, self._reported)
 
-    def _checked_state(self, state_dict: dict[str, Any]) -> tuple[dict, dict[nn.Parameter, dict]]:
+    def _checked_state(self, state_dict: dict[str, Any]) -> tuple[dict, dict[nn.Parameter, dict],
+                                                                  dict[nn.Parameter, bool]]:
         """(the saved per-parameter state this optimizer loads, the entries torch.optim's load
-        would cast, by parameter); ``ValueError`` for the first entry that does not fit."""
+        would cast, by parameter, and whether each packed in_proj with saved input statistics
+        had them per part); ``ValueError`` for the first entry that does not fit."""
         saved_state = state_dict["state"]
         kept: dict[Any, dict[str, Any]] = {}
         exact: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+        part_inputs: dict[nn.Parameter, bool] = {}
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
             for key, p in zip(saved_group["params"], group["params"]):
                 if key not in saved_state:
                     continue
-                shapes = self._state_shapes(p, group["algorithm"])
+                saved_input = saved_state[key].get("input_factor", saved_state[key].get("input_whitener"))
+                if id(p) in self._packed and torch.is_tensor(saved_input):
+                    # a cross-attention's factor per part leads with the parts: [3, blocks, b, b]
+                    part_inputs[p] = saved_input.dim() == 4
+                shapes = self._state_shapes(p, group["algorithm"], part_inputs.get(p))
                 name = self._names.get(id(p), f"parameter {key}")
                 entry = {}
                 for item, value in saved_state[key].items():
@@ -1025,10 +1068,12 @@ class WhitenedMuon(torch.optim.Optimizer):
                             exact.setdefault(p, {})[item] = value
                     entry[item] = value
                 kept[key] = entry
-        return kept, exact
+        return kept, exact, part_inputs
 
-    def _state_shapes(self, p: nn.Parameter, algorithm: str) -> dict[str, tuple[int, ...]]:
-        """The shape of each state tensor of ``p`` that a checkpoint must match."""
+    def _state_shapes(self, p: nn.Parameter, algorithm: str,
+                      part_inputs: bool | None = None) -> dict[str, tuple[int, ...]]:
+        """The shape of each state tensor of ``p`` that a checkpoint must match (``part_inputs``:
+        a packed in_proj's input side per part or not, instead of as it is now)."""
         shape = tuple(p.shape)
         if algorithm == ADAMW:
             return {"exp_avg": shape, "exp_avg_sq": shape}
@@ -1037,8 +1082,11 @@ class WhitenedMuon(torch.optim.Optimizer):
         for side in self._statistics.sides:
             width = view.width(side)
             blocks = self._statistics.side_blocks(p, side)
-            square = view.state_units + (blocks, width // blocks, width // blocks)
-            shapes.update({f"{side}_factor": square, f"{side}_whitener": square, f"{side}_seen": view.state_units})
+            units = view.side_units(side)
+            if side == "input" and part_inputs is not None:
+                units = (view.parts,) if part_inputs else view.state_units
+            square = units + (blocks, width // blocks, width // blocks)
+            shapes.update({f"{side}_factor": square, f"{side}_whitener": square, f"{side}_seen": units})
         return shapes
 
     def __reduce_ex__(self, protocol):

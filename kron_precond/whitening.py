@@ -41,9 +41,13 @@ class MatrixView:
     convolution's ``[out, in, *kernel]`` is read as ``[out, in · Π kernel]``, the layout of the
     rows its adapter unfolds. ``parts``: the matrix's outputs are that many equal matrices
     fused along ``out`` (a fused query/key/value projection), each orthogonalised on its own;
-    ``part_shape`` is one part's ``[out / parts, in]``."""
+    ``part_shape`` is one part's ``[out / parts, in]``. ``part_inputs``: the parts read inputs of
+    their own (a packed query/key/value projection called as cross-attention), so the input side
+    holds a factor per part, its unit index the part's; it may be switched on or off later (the
+    side's statistics are then dropped by the owner)."""
 
-    def __init__(self, param: torch.Tensor, stacked: bool, transposed: bool, parts: int = 1) -> None:
+    def __init__(self, param: torch.Tensor, stacked: bool, transposed: bool, parts: int = 1,
+                 part_inputs: bool = False) -> None:
         shape = param.shape[1:] if stacked else param.shape
         self.units = param.shape[0] if stacked else 1
         self.state_units: tuple[int, ...] = (self.units,) if stacked else ()
@@ -53,6 +57,18 @@ class MatrixView:
         if parts < 1 or self.shape[0] % parts:
             raise ValueError(f"{parts} parts do not divide the output width {self.shape[0]}")
         self.parts = parts
+        if part_inputs and (stacked or parts < 2):
+            raise ValueError("inputs per part need an unstacked matrix of several parts")
+        self.part_inputs = part_inputs
+
+    def side_units(self, side: str) -> tuple[int, ...]:
+        """The leading shape of ``side``'s factor and whitener: ``(k,)`` for a stack, ``(parts,)``
+        for an input side per part, ``()`` for one matrix."""
+        return (self.parts,) if side == "input" and self.part_inputs else self.state_units
+
+    def side_count(self, side: str) -> int:
+        """How many factors ``side`` holds (the unit indices its rows may carry)."""
+        return self.parts if side == "input" and self.part_inputs else self.units
 
     @property
     def part_shape(self) -> tuple[int, int]:
@@ -220,12 +236,13 @@ class WhiteningStatistics:
         width = view.width(side)
         blocks = self.side_blocks(param, side)
         size = width // blocks
-        zeros = [torch.zeros(view.units, blocks, size, size, dtype=dtype, device=device),
-                 torch.zeros(view.units, dtype=dtype, device=device)]
+        units = view.side_count(side)
+        zeros = [torch.zeros(units, blocks, size, size, dtype=dtype, device=device),
+                 torch.zeros(units, dtype=dtype, device=device)]
         if side == "input" and id(param) in self.centered:
             exact = _exact(device)
-            zeros += [torch.zeros(view.units, width, dtype=exact, device=device),
-                      torch.zeros(view.units, blocks, size, size, dtype=exact, device=device)]
+            zeros += [torch.zeros(units, width, dtype=exact, device=device),
+                      torch.zeros(units, blocks, size, size, dtype=exact, device=device)]
         return zeros
 
     # -- refresh -----------------------------------------------------------------------
@@ -267,10 +284,10 @@ class WhiteningStatistics:
                 total = total + between.to(total.dtype)
             state, side, view = self.state[p], key[1], self.views[id(p)]
             if state.get(f"{side}_factor") is None:
-                state[f"{side}_factor"] = torch.zeros(view.state_units + total.shape[1:], dtype=total.dtype,
+                state[f"{side}_factor"] = torch.zeros(view.side_units(side) + total.shape[1:], dtype=total.dtype,
                                                       device=total.device)
                 # 0 / 1 per matrix: a float, because torch.optim's load casts state tensors
-                state[f"{side}_seen"] = torch.zeros(view.state_units, dtype=total.dtype, device=total.device)
+                state[f"{side}_seen"] = torch.zeros(view.side_units(side), dtype=total.dtype, device=total.device)
             layouts.setdefault((tuple(total.shape[1:]), total.dtype, total.device), []).append(
                 (state, side, total, count, view))
         for members in layouts.values():

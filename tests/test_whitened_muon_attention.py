@@ -208,89 +208,188 @@ def test_separate_projections_are_each_whitened_by_their_own_input():
 
 
 class Cross(nn.Module):
-    """Cross-attention through a packed in_proj: the query from ``x``, key and value from ``memory``."""
+    """Cross-attention through a packed in_proj: the query from ``x``, the key and value from
+    ``memory`` (``distinct``: DETR's three inputs, ``x + pos``, ``memory + pos``, ``memory``)."""
 
-    def __init__(self):
+    def __init__(self, distinct: bool = False, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.attn = nn.MultiheadAttention(E, HEADS, batch_first=True)
+        self.attn = nn.MultiheadAttention(E, HEADS, batch_first=True, dtype=dtype)
+        self.distinct = distinct
+
+    def inputs(self, x, memory):
+        if not self.distinct:
+            return x, memory, memory
+        pos = torch.linspace(-1, 1, E, dtype=x.dtype)
+        return x + pos, memory + pos, memory
 
     def forward(self, x, memory):
-        return self.attn(x, memory, memory, need_weights=False)[0]
+        return self.attn(*self.inputs(x, memory), need_weights=False)[0]
 
 
 class CrossTwin(nn.Module):
     def __init__(self, cross: Cross):
         super().__init__()
         mha = cross.attn
+        self.inputs = cross.inputs
+        dtype = mha.in_proj_weight.dtype
         for i, name in enumerate("qkv"):
-            layer = nn.Linear(E, E)
+            layer = nn.Linear(E, E, dtype=dtype)
             layer.weight.data.copy_(mha.in_proj_weight.data[i * E:(i + 1) * E])
             layer.bias.data.copy_(mha.in_proj_bias.data[i * E:(i + 1) * E])
             setattr(self, name, layer)
         self.out = copy.deepcopy(mha.out_proj)
 
     def forward(self, x, memory):
+        query, key, value = self.inputs(x, memory)
         heads = [t.unflatten(-1, (HEADS, E // HEADS)).transpose(1, 2)
-                 for t in (self.q(x), self.k(memory), self.v(memory))]
+                 for t in (self.q(query), self.k(key), self.v(value))]
         return self.out(F.scaled_dot_product_attention(*heads).transpose(1, 2).flatten(-2))
 
 
-def _cross_batches(steps: int):
+def _cross_batches(steps: int, dtype: torch.dtype = torch.float32):
     g = torch.Generator().manual_seed(6)
-    return [(torch.randn(4, T, E, generator=g), torch.randn(4, 3, E, generator=g) + 0.5,
-             torch.randn(4, T, E, generator=g)) for _ in range(steps)]
+    return [(torch.randn(4, T, E, generator=g, dtype=dtype), torch.randn(4, 3, E, generator=g, dtype=dtype) + 0.5,
+             torch.randn(4, T, E, generator=g, dtype=dtype)) for _ in range(steps)]
 
 
-def test_a_packed_attention_called_as_cross_attention_takes_muons_step_unwhitened():
-    """One input whitener cannot serve a packed in_proj whose key and value read another input.
-    Found at the first training forward, the weight takes Muon's step unwhitened from then on (its
-    three parts orthogonalised each, as torch.optim.Muon steps three nn.Linear projections), and a
-    warning names the module, once."""
+def _train_cross(pairs, data) -> None:
+    for model, opts in pairs:
+        for x, memory, y in data:
+            for o in opts:
+                o.zero_grad()
+            F.mse_loss(model(x, memory), y).backward()
+            for o in opts:
+                o.step()
+
+
+@pytest.mark.parametrize("distinct", [False, True])
+def test_a_packed_attention_called_as_cross_attention_whitens_each_part_by_its_own_input(distinct):
+    """Found at the first training forward, the packed in_proj's query, key and value parts are
+    each whitened by their own input from then on: the steps of three nn.Linear projections
+    reading the query, the key and the value (key and value from one memory, or DETR's three
+    inputs), with no warning. Biases: AdamW's."""
+    torch.manual_seed(0)
+    model = Cross(distinct, dtype=torch.float64)
+    model.attn.out_proj.requires_grad_(False)  # unwhitened: the self-attention tests
+    twin = CrossTwin(model)
+    twin.out.requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = WhitenedMuon(model, **SETTINGS)
+        reference = [WhitenedMuon([twin.q, twin.k, twin.v], **SETTINGS),
+                     torch.optim.AdamW([twin.q.bias, twin.k.bias, twin.v.bias], lr=SETTINGS["lr"], weight_decay=0.0)]
+        initial = model.attn.in_proj_weight.detach().clone()
+        _train_cross([(model, [ours]), (twin, reference)], _cross_batches(7, torch.float64))
+    expected = torch.cat([twin.q.weight, twin.k.weight, twin.v.weight])
+    assert (expected - initial).abs().max() > 0.1  # it trained
+    torch.testing.assert_close(model.attn.in_proj_weight, expected, rtol=1e-9, atol=1e-11)
+    state = ours.state[model.attn.in_proj_weight]
+    assert state["input_whitener"].shape == (3, 1, E, E)
+    for part, layer in enumerate((twin.q, twin.k, twin.v)):
+        torch.testing.assert_close(state["input_factor"][part], reference[0].state[layer.weight]["input_factor"],
+                                   rtol=1e-12, atol=0)
+
+
+def test_cross_attention_orthogonalised_whole_takes_muons_step_unwhitened():
+    """With ``fused_qkv=False`` the three parts are orthogonalised as one matrix, which no
+    whitening serves when they read different inputs: from the first call on, Muon's step
+    unwhitened (torch.optim.Muon's on a fused nn.Linear), and a warning names the module, once."""
     torch.manual_seed(0)
     model = Cross()
-    twin = CrossTwin(model)
+    model.attn.in_proj_bias.requires_grad_(False)  # the weights alone: biases stay as they are
+    model.attn.out_proj.bias.requires_grad_(False)
+    fused = nn.Linear(E, 3 * E)
+    fused.weight.data.copy_(model.attn.in_proj_weight.data)
+    out = copy.deepcopy(model.attn.out_proj)
     settings = dict(lr=0.05, momentum=0.9, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
-    ours = WhitenedMuon(model, statistics_every=1, **settings)
-    biases = [twin.q.bias, twin.k.bias, twin.v.bias, twin.out.bias]
-    reference = [torch.optim.Muon([twin.q.weight, twin.k.weight, twin.v.weight, twin.out.weight], **settings),
-                 torch.optim.AdamW(biases, lr=0.05, weight_decay=0.1)]
+    ours = WhitenedMuon(model, statistics_every=1, fused_qkv=False, **settings)
+    reference = torch.optim.Muon([fused.weight, out.weight], **settings)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for m, opts in ((model, [ours]), (twin, reference)):
-            for x, memory, y in _cross_batches(5):
-                for o in opts:
-                    o.zero_grad()
-                F.mse_loss(m(x, memory), y).backward()
-                for o in opts:
-                    o.step()
+        for x, memory, y in _cross_batches(5):
+            for o, m in ((ours, model), (reference, None)):
+                o.zero_grad()
+                if m is not None:
+                    F.mse_loss(m(x, memory), y).backward()
+                    continue
+                q, k, v = (F.linear(t, w) + b for t, w, b in zip((x, memory, memory), fused.weight.chunk(3),
+                                                                  model.attn.in_proj_bias.chunk(3)))
+                heads = [t.unflatten(-1, (HEADS, E // HEADS)).transpose(1, 2) for t in (q, k, v)]
+                F.mse_loss(out(F.scaled_dot_product_attention(*heads).transpose(1, 2).flatten(-2)), y).backward()
+            ours.step()
+            reference.step()
     named = [w for w in caught if "called as cross-attention" in str(w.message)]
-    assert len(named) == 1 and "'attn'" in str(named[0].message) and "kdim / vdim" in str(named[0].message)
+    assert len(named) == 1 and "'attn'" in str(named[0].message) and "fused_qkv" in str(named[0].message)
     state = ours.state[model.attn.in_proj_weight]
     assert "input_whitener" not in state and "input_factor" not in state
-    torch.testing.assert_close(model.attn.in_proj_weight, torch.cat([twin.q.weight, twin.k.weight, twin.v.weight]),
-                               rtol=0, atol=2e-3)
-    torch.testing.assert_close(model.attn.out_proj.weight, twin.out.weight, rtol=0, atol=2e-3)
+    torch.testing.assert_close(model.attn.in_proj_weight, fused.weight, rtol=0, atol=2e-3)
+    torch.testing.assert_close(model.attn.out_proj.weight, out.weight, rtol=0, atol=2e-3)
 
 
-def test_an_attention_whitened_as_self_attention_then_called_as_cross_attention_drops_its_whitener():
+def test_an_attention_whitened_as_self_attention_then_called_as_cross_attention_whitens_per_part():
+    """Its statistics as self-attention (one factor) are dropped at the first cross-attention
+    call, and a factor per part is gathered from then on; the list form does the same."""
     torch.manual_seed(0)
     model = Cross()
     opt = WhitenedMuon(model, lr=0.05, statistics_every=1)
+    shapes = []
     for step, (x, memory, y) in enumerate(_cross_batches(4)):
         opt.zero_grad()
-        memory_or_x = x if step < 2 else memory  # self-attention on the first two steps
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            F.mse_loss(model(x, memory_or_x), y).backward()
+        F.mse_loss(model(x, x if step < 2 else memory), y).backward()  # self-attention on the first two steps
         opt.step()
-        whitened = "input_whitener" in opt.state[model.attn.in_proj_weight]
-        assert whitened == (step < 2), step
+        state = opt.state[model.attn.in_proj_weight]
+        shapes.append((tuple(state["input_whitener"].shape), float(state["input_seen"].sum())))
+    assert shapes == [((1, E, E), 1.0)] * 2 + [((3, 1, E, E), 3.0)] * 2
     listed = nn.MultiheadAttention(E, HEADS, batch_first=True)
     opt = WhitenedMuon([listed], lr=0.02)
     x, memory = torch.randn(2, T, E), torch.randn(2, 3, E)
-    with pytest.warns(UserWarning, match=r"'modules\[0\]' is called as cross-attention"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         listed(x, memory, memory)[0].sum().backward()
-    opt.step()
+        opt.step()
+    assert opt.state[listed.in_proj_weight]["input_whitener"].shape == (3, 1, E, E)
+
+
+def test_a_checkpoint_resumes_a_packed_attention_as_it_was_saved_bitwise():
+    """A per-part checkpoint loaded into a fresh optimizer (which takes the module for
+    self-attention until a call shows otherwise) resumes per part, bitwise; a self-attention
+    checkpoint loaded into an optimizer that went per-part takes it back to one input. A
+    checkpoint whose per-part factor has the wrong shape changes nothing."""
+    torch.manual_seed(0)
+    models = [Cross(), None]
+    models[1] = copy.deepcopy(models[0])
+    opts = [WhitenedMuon(m, lr=0.05, statistics_every=2) for m in models]
+    data = _cross_batches(6)
+    for step, (x, memory, y) in enumerate(data):
+        if step == 3:
+            saved = copy.deepcopy(opts[1].state_dict())
+            opts[1].remove()
+            opts[1] = WhitenedMuon(models[1], lr=0.05, statistics_every=2)
+            bad = copy.deepcopy(saved)
+            weight_key = 0  # in_proj_weight: the first whitened parameter
+            bad["state"][weight_key]["input_factor"] = bad["state"][weight_key]["input_factor"][:2]
+            with pytest.raises(ValueError, match="in_proj_weight's input_factor"):
+                opts[1].load_state_dict(bad)
+            assert opts[1].state_dict()["state"] == {}
+            assert not opts[1]._views[id(models[1].attn.in_proj_weight)].part_inputs
+            opts[1].load_state_dict(saved)
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            F.mse_loss(m(x, memory), y).backward()
+            o.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+    # back to one input: a self-attention checkpoint of the same model
+    torch.manual_seed(0)
+    own = Cross()
+    self_opt = WhitenedMuon(own, lr=0.05, statistics_every=1)
+    x, _, y = data[0]
+    F.mse_loss(own(x, x), y).backward()
+    self_opt.step()
+    weight = models[1].attn.in_proj_weight
+    opts[1].load_state_dict(self_opt.state_dict())
+    assert opts[1].state[weight]["input_whitener"].shape == (1, E, E)
+    assert not opts[1]._views[id(weight)].part_inputs and not opts[1]._packed[id(weight)].separate
 
 
 class Seq2Seq(nn.Module):
@@ -303,7 +402,7 @@ class Seq2Seq(nn.Module):
         return self.decoder(tgt, self.encoder(src), tgt_mask=causal(tgt.shape[1]).float(), tgt_is_causal=True)
 
 
-def test_transformer_layers_whiten_self_attention_and_step_the_decoders_cross_attention_unwhitened():
+def test_transformer_layers_whiten_self_attention_and_the_decoders_cross_attention_per_part():
     torch.manual_seed(0)
     model = Seq2Seq()
     with warnings.catch_warnings():
@@ -315,13 +414,17 @@ def test_transformer_layers_whiten_self_attention_and_step_the_decoders_cross_at
             model(src, tgt).square().mean().backward()
             opt.step()
     whitened = {"encoder.self_attn.in_proj_weight", "decoder.self_attn.in_proj_weight", "encoder.linear1.weight",
-                "encoder.linear2.weight", "decoder.linear1.weight", "decoder.linear2.weight"}
+                "encoder.linear2.weight", "decoder.linear1.weight", "decoder.linear2.weight",
+                "decoder.multihead_attn.in_proj_weight"}
     unwhitened = {"encoder.self_attn.out_proj.weight", "decoder.self_attn.out_proj.weight",
-                  "decoder.multihead_attn.in_proj_weight", "decoder.multihead_attn.out_proj.weight"}
+                  "decoder.multihead_attn.out_proj.weight"}
     params = dict(model.named_parameters())
     assert {opt._names[id(p)] for p in opt.param_groups[0]["params"]} == whitened | unwhitened
     for name in whitened:
         assert opt.state[params[name]]["input_whitener"] is not None, name
+    # known to be cross-attention: a factor per part from the first step (query, memory, memory)
+    assert opt.state[params["decoder.multihead_attn.in_proj_weight"]]["input_whitener"].shape == (3, 1, E, E)
+    assert opt.state[params["decoder.self_attn.in_proj_weight"]]["input_whitener"].shape == (1, E, E)
     for name in unwhitened:
         assert "input_whitener" not in opt.state[params[name]] and opt.state[params[name]]["step"] == 3, name
     assert {opt._names[id(p)] for p in opt.param_groups[1]["params"]} == {
@@ -372,17 +475,20 @@ def test_with_output_side_the_attention_keeps_the_identity_there():
 
 
 class Attentions(nn.Module):
-    """A packed self-attention, then a cross-attention with separate projections, then a head."""
+    """A packed self-attention, a cross-attention with separate projections, a packed one
+    (whitened per part from its first call), then a head."""
 
     def __init__(self):
         super().__init__()
         self.self_attn = Packed()
         self.cross = Separate()
+        self.packed_cross = Cross(dtype=torch.float64)
         self.head = nn.Linear(E, 3, dtype=torch.float64)
 
     def forward(self, x, memory):
         h = x + self.self_attn(x)
-        return self.head(h + self.cross(h, memory))
+        h = h + self.cross(h, memory)
+        return self.head(h + self.packed_cross(h, memory))
 
 
 def _dist_batches(steps: int) -> list:
@@ -406,16 +512,19 @@ def _dist_worker(rank: int, world: int, out_dir: str):
         opt.zero_grad()
         F.mse_loss(model(x[rows], memory[rows]), y[rows]).backward()
         identical.append(step_as_ddp(opt, params, world))
-    return {"params": [p.detach().clone() for p in params], "identical": identical}
+    per_part = opt.state[model.packed_cross.attn.in_proj_weight]["input_whitener"].shape == (3, 1, E, E)
+    return {"params": [p.detach().clone() for p in params], "identical": identical, "per_part": per_part}
 
 
 def test_any_world_size_gives_the_one_process_result_for_attention(tmp_path):
-    """The attention's statistics (the query's rows, the separate key and value rows) join the
-    all-reduce like any layer's; the unwhitened weights need none: 2 and 4 ranks end where one
-    process on the full batch ends, every rank identical after every step."""
+    """The attention's statistics (the query's rows, the separate key and value rows, a packed
+    cross-attention's rows per part) join the all-reduce like any layer's; the unwhitened
+    weights need none: 2 and 4 ranks end where one process on the full batch ends, every rank
+    identical after every step."""
     from dist_utils import run_workers
 
     single = run_workers(_dist_worker, 1, tmp_path / "w1", timeout=90)[0]
+    assert single["per_part"]
     torch.manual_seed(0)
     start = Attentions()
     assert sum((p - q).abs().max() for p, q in zip(single["params"], start.parameters())) > 1e-2
