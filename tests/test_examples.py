@@ -454,16 +454,18 @@ def test_the_examples_wmuon_is_the_librarys_defaults():
 
 
 # gpt2: c_attn (q, k, v fused), c_proj, c_fc, c_proj; mixtral: q, k, v, o and the two fused expert weights;
-# torch: nn.MultiheadAttention's in_proj_weight and out_proj, linear1, linear2
-PROJECTIONS_PER_BLOCK = {"gpt": 6, "llama": 7, "gpt2": 4, "mixtral": 6, "torch": 4}
+# torch: nn.MultiheadAttention's in_proj_weight and out_proj, linear1, linear2; seq2seq: the
+# encoder layer's 4 and the decoder layer's 6 (a cross-attention's in_proj and out_proj more), 5 per layer
+PROJECTIONS_PER_BLOCK = {"gpt": 6, "llama": 7, "gpt2": 4, "mixtral": 6, "torch": 4, "seq2seq": 5}
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama", "gpt2", "mixtral", "torch"])
+@pytest.mark.parametrize("arch", ["gpt", "llama", "gpt2", "mixtral", "torch", "seq2seq"])
 def test_char_lm_builds_each_architecture_and_whitens_its_hidden_weights(arch):
     """``--arch llama``: Llama's RMSNorm / rotary / SwiGLU / grouped-query model from a
     transformers config, on bytes; ``--arch gpt2``: Hugging Face's GPT-2 (``Conv1D``);
     ``--arch mixtral``: fused experts; ``--arch torch``: nn.TransformerEncoderLayer (its
-    attention's weights held by nn.MultiheadAttention). The examples' skip_layers leave embeddings and head to
+    attention's weights held by nn.MultiheadAttention); ``--arch seq2seq``: an encoder and a
+    decoder layer (cross-attention). The examples' skip_layers leave embeddings and head to
     AdamW; WhitenedMuon whitens every projection, and the Muon baseline takes the same weights
     (``Conv1D``'s too; the fused experts through ExpertMuon)."""
     import torch
@@ -494,6 +496,10 @@ def test_char_lm_builds_each_architecture_and_whitens_its_hidden_weights(arch):
         attn = model.get_submodule("blocks.0.self_attn")
         assert isinstance(attn, torch.nn.MultiheadAttention) and attn.in_proj_weight.shape == (48, 16)
         assert optimizer._views[id(attn.in_proj_weight)].parts == 3 and id(attn.out_proj.weight) in optimizer._plain
+    if arch == "seq2seq":  # the decoder's cross-attention: a whitener per part (query, key, value) from the start
+        cross = model.get_submodule("decoder.0.multihead_attn")
+        assert optimizer._views[id(cross.in_proj_weight)].part_inputs
+        assert not optimizer._views[id(model.get_submodule("decoder.0.self_attn").in_proj_weight)].part_inputs
     assert not any("embed" in n or "wte" in n or "wpe" in n or "lm_head" in n for n in names)
     chain = common.build_muon(model, 1e-2, 0.0, char_lm.SKIP_LAYERS)
     muon = [p for o in chain.optimizers if not isinstance(o, torch.optim.AdamW)
@@ -576,3 +582,25 @@ def test_muon_with_torchs_original_scaling_refuses_conv1d_weights():
     with pytest.raises(ValueError, match="Conv1D"):
         common.build_method("muon", model, 0.05, 0.0, config)
     common.build_method("muon", model, 0.05, 0.0, common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS))
+
+
+def test_the_encoder_decoder_predicts_each_byte_from_the_bytes_before_it_alone():
+    """``--arch seq2seq`` reads a window's first half as the source and its second half as the
+    target: changing byte ``j`` changes no logit before position ``j`` (the target's first byte
+    included, which sees the whole source through cross-attention) and does change logits from
+    ``j`` on. A leak would make its loss incomparable with the other architectures'."""
+    import torch
+
+    char_lm = load("examples/char_lm.py")
+    torch.manual_seed(0)
+    model = char_lm.build_model(char_lm.ModelConfig(d_model=16, n_layers=2, n_heads=4, seq_len=8, arch="seq2seq"))
+    tokens = torch.randint(0, 256, (2, 8))
+    base = model(tokens)
+    for j in range(8):
+        changed = tokens.clone()
+        changed[:, j] = (changed[:, j] + 1) % 256
+        logits = model(changed)
+        assert torch.equal(logits[:, :j], base[:, :j]), j
+        assert (logits[:, j:] - base[:, j:]).abs().amax() > 0, j
+    with pytest.raises(ValueError, match="n_layers=3"):
+        char_lm.build_model(char_lm.ModelConfig(d_model=16, n_layers=3, n_heads=4, seq_len=8, arch="seq2seq"))
