@@ -250,6 +250,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the attention's output projection unwhitened (Muon's step), as WhitenedMuon steps
     # nn.MultiheadAttention's, whose input no hook sees
     "input_no_out_proj": dict(output_side=False, input_skip_names=r"attn\.out_proj$"),
+    # an nn.TransformerDecoderLayer's cross-attention in_proj unwhitened (Muon's step on its three
+    # parts), as WhitenedMuon stepped a packed cross-attention before it whitened each part by its input
+    "input_no_cross": dict(output_side=False, input_skip_names=r"multihead_attn$"),
     # library settings away from their defaults: half the statistics steps over the same
     # 25-step horizon; one Newton-Schulz iteration fewer than Muon's five
     "input_every10": dict(output_side=False, statistics_every=10, factor_decay=0.6),
@@ -266,6 +269,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # a fused query/key/value projection (GPT-2's c_attn) orthogonalised whole, as the library
     # did before it stepped the three parts as matrices of their own
     "input_fused_whole": dict(output_side=False, fused_qkv=False),
+    # the output layer whitened and stepped like the hidden weights instead of by AdamW
+    "input_lm_head": dict(output_side=False, whiten_lm_head=True),
+    # Muon's momentum without Nesterov's look-ahead
+    "input_no_nesterov": dict(output_side=False, nesterov=False),
 }
 # which layers' input factors are centred, by module name (the default: the bias-free q and k)
 CENTRED_LAYERS = {"q": "q", "k": "k", "qk": "q|k", "qkv": "q|k|v", "qko": "q|k|o", "qk_mlp": "q|k|gate|up|down"}
@@ -275,12 +282,15 @@ VARIANTS.update({f"input_center_{name}": dict(output_side=False, center_inputs=(
 # replaces (None: passed to WhitenedMuon as is)
 LIBRARY_SETTINGS = {"statistics_every": "wmuon_every", "factor_decay": "wmuon_factor_decay",
                     "block_size": "wmuon_block_size", "center_inputs": "wmuon_center_inputs", "ns_steps": None,
-                    "fused_qkv": None}
+                    "fused_qkv": None, "nesterov": None}
 
 
 def _build(model: nn.Module, scaler, *, lr: float, weight_decay: float, config, variant: dict[str, Any]):
     from kron_examples_common import build_whitened_muon, unwrap
+    variant = dict(variant)
     exclude = config.muon_excluded
+    if variant.pop("whiten_lm_head", False):
+        exclude = tuple(name for name in exclude if name != "lm_head")
     # the variant's side(s) and library settings, whatever the cell's flags say
     fields = {LIBRARY_SETTINGS[k]: v for k, v in variant.items() if LIBRARY_SETTINGS.get(k)}
     config = dataclasses.replace(config, wmuon_both_sides=variant["output_side"], **fields)

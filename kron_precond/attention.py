@@ -70,6 +70,9 @@ class PackedInputAdapter:
 
     def __init__(self, module: nn.MultiheadAttention, name: str, separate: bool = False) -> None:
         self.module, self.name, self.separate = module, name, separate
+        # the parameter as the optimizer holds it: during a forward FSDP2 may have put a gathered
+        # copy in the module's attribute
+        self.weight = module.in_proj_weight
         self.on_cross_attention: Callable[[torch.Tensor, str], bool] | None = None
 
     def forward_rows(self, inputs: tuple, kwargs: dict, output: object):
@@ -80,7 +83,7 @@ class PackedInputAdapter:
             if self.on_cross_attention is None:  # set by the optimizer that placed the hook
                 raise RuntimeError(f"nn.MultiheadAttention {self.name!r} was called as cross-attention, and "
                                    "PackedInputAdapter.on_cross_attention is not set")
-            if not self.on_cross_attention(self.module.in_proj_weight, self.name):
+            if not self.on_cross_attention(self.weight, self.name):
                 return None
         if not self.separate:
             return [(0, query.detach().reshape(-1, query.shape[-1]))], 1

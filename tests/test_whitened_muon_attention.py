@@ -614,3 +614,38 @@ def test_fsdp2_mixed_precision_self_attention_is_whitened_as_self_attention(tmp_
     assert all(r["whitened"] for r in results)
     assert torch.equal(results[0]["in_proj"], results[1]["in_proj"])
     assert torch.isfinite(results[0]["in_proj"]).all()
+
+
+def _fsdp_cross_worker(rank: int, world: int, out_dir: str):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = Cross(dtype=torch.float64)
+    if world > 1:  # FSDP2 swaps the module's weight for its gathered copy during the forward (and,
+        # not resharding after it, keeps the copy there when the module's forward hooks run)
+        fully_shard(model.attn, reshard_after_forward=False)
+        fully_shard(model)
+    opt = WhitenedMuon(model, lr=0.05, statistics_every=1, ns_dtype=torch.float64)
+    for x, memory, y in _cross_batches(3, torch.float64):
+        per = x.shape[0] // world
+        rows = slice(rank * per, (rank + 1) * per)
+        opt.zero_grad()
+        F.mse_loss(model(x[rows], memory[rows]), y[rows]).backward()
+        opt.step()
+    in_proj = model.attn.in_proj_weight
+    full = in_proj.full_tensor() if world > 1 else in_proj
+    return {"in_proj": full.detach().clone(), "whitener": tuple(opt.state[in_proj]["input_whitener"].shape)}
+
+
+def test_fsdp2_cross_attention_is_whitened_per_part_as_one_process(tmp_path):
+    """Under FSDP2 the module holds a gathered copy of in_proj_weight during its forward, not
+    the parameter the optimizer steps: the per-part switch still reaches the optimizer's
+    weight, and two sharded ranks end where one process on the full batch ends."""
+    from dist_utils import run_workers
+
+    single = run_workers(_fsdp_cross_worker, 1, tmp_path / "w1", timeout=90)[0]
+    results = run_workers(_fsdp_cross_worker, 2, tmp_path / "w2", timeout=90)
+    assert single["whitener"] == (3, 1, E, E)
+    for r in results:
+        assert r["whitener"] == (3, 1, E, E)
+        torch.testing.assert_close(r["in_proj"], single["in_proj"], rtol=1e-10, atol=1e-12)

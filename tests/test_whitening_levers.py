@@ -202,6 +202,26 @@ def test_input_skip_names_leaves_the_named_layers_unwhitened():
             assert torch.equal(whitener, torch.eye(module.in_features)) == name.endswith("attn.out_proj"), name
 
 
+def test_input_no_cross_leaves_the_decoders_cross_attention_unwhitened():
+    """``input_no_cross`` on the encoder-decoder: the cross-attention's packed in_proj keeps an
+    identity per part (Muon's step on each), every other input side is whitened."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from benchmarks.whitening_levers import VARIANTS
+    from char_lm import ModelConfig, build_model
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(16, 2, 2, 8, False, "seq2seq"))
+    settings = {k: v for k, v in VARIANTS["input_no_cross"].items() if k != "output_side"}
+    optimizer = WhiteningVariant(model, lr=1e-2, skip_layers=["Embedding", "lm_head"], **settings)
+    tokens = torch.randint(0, 256, (2, 8))
+    torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    optimizer.step()
+    whiteners = {optimizer._names[id(p)]: optimizer.state[p]["input_whitener"]
+                 for p in optimizer.param_groups[0]["params"] if "input_whitener" in optimizer.state[p]}
+    cross = whiteners.pop("decoder.0.multihead_attn.in_proj_weight")
+    assert torch.equal(cross, torch.eye(16).expand(3, 1, 16, 16))
+    assert len(whiteners) == 6 and not any(torch.equal(w[0], torch.eye(16)) for w in whiteners.values())
+
+
 def test_the_runner_builds_each_variant_with_the_cells_settings():
     sys.path.insert(0, str(ROOT / "examples"))
     from benchmarks.whitening_levers import VARIANTS, _build
