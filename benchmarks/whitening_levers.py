@@ -273,6 +273,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "input_lm_head": dict(output_side=False, whiten_lm_head=True),
     # Muon's momentum without Nesterov's look-ahead
     "input_no_nesterov": dict(output_side=False, nesterov=False),
+    # the AdamW half (embeddings, norms, biases, lm_head) at the d_model 64 GPT's best Muon lr,
+    # 3.2e-2, whatever --lr the whitened weights take (the library's default: one lr for both)
+    "input_adamw_lr0.032": dict(output_side=False, adamw_lr=0.032),
 }
 # which layers' input factors are centred, by module name (the default: the bias-free q and k)
 CENTRED_LAYERS = {"q": "q", "k": "k", "qk": "q|k", "qkv": "q|k|v", "qko": "q|k|o", "qk_mlp": "q|k|gate|up|down"}
@@ -282,7 +285,7 @@ VARIANTS.update({f"input_center_{name}": dict(output_side=False, center_inputs=(
 # replaces (None: passed to WhitenedMuon as is)
 LIBRARY_SETTINGS = {"statistics_every": "wmuon_every", "factor_decay": "wmuon_factor_decay",
                     "block_size": "wmuon_block_size", "center_inputs": "wmuon_center_inputs", "ns_steps": None,
-                    "fused_qkv": None, "nesterov": None}
+                    "fused_qkv": None, "nesterov": None, "adamw_lr": "muon_rest_lr"}
 
 
 def _build(model: nn.Module, scaler, *, lr: float, weight_decay: float, config, variant: dict[str, Any]):

@@ -289,21 +289,27 @@ def _candidates(model: nn.Module, is_skipped, log):
         yield name, module, own, label
 
 
-def find_kfac_modules(model: nn.Module, is_skipped, log, *, weight_only: bool = False) -> list[Selected]:
+def find_kfac_modules(model: nn.Module, is_skipped, log, *, weight_only: bool = False,
+                      taken_elsewhere: Iterable[str] = ()) -> list[Selected]:
     """The units of modules an adapter describes (Linear/ConvNd-like, fused experts, ...)
     whose parameters all train and belong to no other module (a tied weight's gradient
     mixes two layers' statistics), in ``model.named_modules()`` order; modules with a child
     that holds parameters are skipped (its own hooks would see part of the work).
 
     ``weight_only``: only the units' weights must train (an optimizer that leaves the bias to
-    another, as ``WhitenedMuon``); K-FAC's ``[W | b]`` units need the bias's gradient too."""
+    another, as ``WhitenedMuon``); K-FAC's ``[W | b]`` units need the bias's gradient too.
+    ``taken_elsewhere``: names of modules the caller handles another way (``WhitenedMuon``'s
+    ``nn.MultiheadAttention``): passed over without a "skipping" log."""
     owners = owners_of(model)
+    elsewhere = frozenset(taken_elsewhere)
     # MultiheadAttention uses its out_proj's weight functionally: out_proj.forward never
     # runs, so K-FAC's hooks would never see it.
     functional = {f"{name}.out_proj" if name else "out_proj" for name, module in model.named_modules()
                   if isinstance(module, nn.MultiheadAttention)}
     found = []
     for name, module, own, label in _candidates(model, is_skipped, log):
+        if name in elsewhere:
+            continue
         adapter, reason = kfac_adapter(module)
         if adapter is None:
             log(f"skipping {label}: {reason}")

@@ -624,7 +624,10 @@ class WhitenedMuon(torch.optim.Optimizer):
 
             def skipped(name: str, module: nn.Module) -> bool:
                 return is_skipped(name, module, patterns)
-            units = find_kfac_modules(params, skipped, logger.info,
+            # model_attention_units takes nn.MultiheadAttention and its out_proj (and logs what it skips)
+            attention_names = [n for name, m in params.named_modules() if isinstance(m, nn.MultiheadAttention)
+                               for n in (name, f"{name}.out_proj" if name else "out_proj")]
+            units = find_kfac_modules(params, skipped, logger.info, taken_elsewhere=attention_names,
                                       weight_only=True)  # a frozen bias: AdamW's business, not the whitening's
             attention, plain = model_attention_units(params, skipped, owners_of(params), logger.info)
             if attention:  # in the model's module order, as the adapters' units

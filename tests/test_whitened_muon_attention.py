@@ -649,3 +649,23 @@ def test_fsdp2_cross_attention_is_whitened_per_part_as_one_process(tmp_path):
     for r in results:
         assert r["whitener"] == (3, 1, E, E)
         torch.testing.assert_close(r["in_proj"], single["in_proj"], rtol=1e-10, atol=1e-12)
+
+
+def test_the_attention_it_whitens_is_not_logged_as_skipped(caplog):
+    """K-FAC's module search skips nn.MultiheadAttention and its out_proj, and says so;
+    WhitenedMuon takes both, so its log names neither as skipped (a LayerNorm it leaves to
+    AdamW still is). KronPreconditioner, which does skip them, keeps saying so."""
+    import logging
+
+    from kron_precond import KronPreconditioner
+
+    layer = nn.TransformerDecoderLayer(E, HEADS, 16, batch_first=True)
+    with caplog.at_level(logging.INFO, logger="kron_precond"):
+        WhitenedMuon(layer, lr=0.02)
+    skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping")]
+    assert any(m.startswith("skipping norm1") for m in skipped), skipped
+    assert not any("attn" in m for m in skipped), skipped
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kron_precond"):
+        KronPreconditioner(layer, method="kfac")
+    assert any(r.getMessage().startswith("skipping self_attn.out_proj") for r in caplog.records)
