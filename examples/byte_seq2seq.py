@@ -16,48 +16,37 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from byte_torch import TorchLayersLM
 
-class ByteSeq2Seq(nn.Module):
+
+class ByteSeq2Seq(TorchLayersLM):
     """Pre-LN ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` blocks (GELU, a 4x
     MLP) over 256 byte values; ``forward(tokens) -> logits`` for every position of the window."""
 
     def __init__(self, d_model: int, n_layers: int, n_heads: int, seq_len: int, vocab_size: int = 256,
                  tie_embeddings: bool = False):
-        super().__init__()
-        if d_model % n_heads:
-            raise ValueError(f"ByteSeq2Seq: n_heads={n_heads} must divide d_model={d_model}")
         if n_layers < 2 or n_layers % 2:
             raise ValueError(f"ByteSeq2Seq: n_layers={n_layers} must be even and at least 2 (encoder + decoder)")
         if seq_len < 2:
             raise ValueError(f"ByteSeq2Seq: seq_len={seq_len} must be at least 2 (a source and a target)")
-        self.token_embedding = nn.Embedding(vocab_size, d_model)
-        self.position_embedding = nn.Embedding(seq_len, d_model)
+        super().__init__(d_model, n_heads, seq_len, vocab_size)
         layer = dict(d_model=d_model, nhead=n_heads, dim_feedforward=4 * d_model, dropout=0.0, activation="gelu",
                      batch_first=True, norm_first=True)
         self.encoder = nn.ModuleList(nn.TransformerEncoderLayer(**layer) for _ in range(n_layers // 2))
         self.decoder = nn.ModuleList(nn.TransformerDecoderLayer(**layer) for _ in range(n_layers // 2))
         self.ln_memory = nn.LayerNorm(d_model)  # the encoder's output, as nn.Transformer normalises it
-        self.ln_final = nn.LayerNorm(d_model)
-        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
-        if tie_embeddings:
-            self.lm_head.weight = self.token_embedding.weight
-        for name, p in self.named_parameters():  # the examples' GPT's: N(0, 0.02) weights, zero biases
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif p.dim() > 1:
-                nn.init.normal_(p, std=0.02)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
+        self.finish(d_model, seq_len, vocab_size, tie_embeddings)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq = tokens.shape[1]
         split = seq // 2
-        x = self.token_embedding(tokens) + self.position_embedding(torch.arange(seq, device=tokens.device))
+        x = self.embed(tokens)
         source, target = x[:, :split], x[:, split:]
-        source_mask = self.mask[:split, :split].to(x.dtype)
-        target_mask = self.mask[:seq - split, :seq - split].to(x.dtype)
+        source_mask = self.causal_mask(split, x.dtype)
+        target_mask = self.causal_mask(seq - split, x.dtype)
         for block in self.encoder:
             source = block(source, src_mask=source_mask, is_causal=True)
         memory = self.ln_memory(source)
         for block in self.decoder:
             target = block(target, memory, tgt_mask=target_mask, tgt_is_causal=True)
-        return self.lm_head(self.ln_final(torch.cat([source, target], dim=1)))
+        return self.logits(torch.cat([source, target], dim=1))

@@ -185,17 +185,23 @@ def test_input_skip_leaves_one_shape_unwhitened(skip):
         assert "output_whitener" not in optimizer.state[layer.weight]
 
 
-def test_input_skip_names_leaves_the_named_layers_unwhitened():
+def _stepped_variant(arch: str, n_layers: int, variant: str) -> tuple[nn.Module, WhiteningVariant]:
+    """An examples model of ``arch`` (d_model 16) and the named variant after one step."""
     sys.path.insert(0, str(ROOT / "examples"))
     from benchmarks.whitening_levers import VARIANTS
-    from char_lm import CharTransformer, ModelConfig
+    from char_lm import ModelConfig, build_model
     torch.manual_seed(0)
-    model = CharTransformer(ModelConfig(16, 1, 2, 8, False, "gpt"))
-    settings = {k: v for k, v in VARIANTS["input_no_out_proj"].items() if k != "output_side"}
+    model = build_model(ModelConfig(16, n_layers, 2, 8, False, arch))
+    settings = {k: v for k, v in VARIANTS[variant].items() if k != "output_side"}
     optimizer = WhiteningVariant(model, lr=1e-2, skip_layers=["Embedding", "lm_head"], **settings)
     tokens = torch.randint(0, 256, (2, 8))
     torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
     optimizer.step()
+    return model, optimizer
+
+
+def test_input_skip_names_leaves_the_named_layers_unwhitened():
+    model, optimizer = _stepped_variant("gpt", 1, "input_no_out_proj")
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and name != "lm_head":
             whitener = optimizer.state[module.weight]["input_whitener"][0]
@@ -205,16 +211,7 @@ def test_input_skip_names_leaves_the_named_layers_unwhitened():
 def test_input_no_cross_leaves_the_decoders_cross_attention_unwhitened():
     """``input_no_cross`` on the encoder-decoder: the cross-attention's packed in_proj keeps an
     identity per part (Muon's step on each), every other input side is whitened."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    from benchmarks.whitening_levers import VARIANTS
-    from char_lm import ModelConfig, build_model
-    torch.manual_seed(0)
-    model = build_model(ModelConfig(16, 2, 2, 8, False, "seq2seq"))
-    settings = {k: v for k, v in VARIANTS["input_no_cross"].items() if k != "output_side"}
-    optimizer = WhiteningVariant(model, lr=1e-2, skip_layers=["Embedding", "lm_head"], **settings)
-    tokens = torch.randint(0, 256, (2, 8))
-    torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
-    optimizer.step()
+    _, optimizer = _stepped_variant("seq2seq", 2, "input_no_cross")
     whiteners = {optimizer._names[id(p)]: optimizer.state[p]["input_whitener"]
                  for p in optimizer.param_groups[0]["params"] if "input_whitener" in optimizer.state[p]}
     cross = whiteners.pop("decoder.0.multihead_attn.in_proj_weight")
