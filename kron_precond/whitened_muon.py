@@ -1053,7 +1053,8 @@ class WhitenedMuon(torch.optim.Optimizer):
                 saved_input = saved_state[key].get("input_factor", saved_state[key].get("input_whitener"))
                 if id(p) in self._packed and torch.is_tensor(saved_input):
                     # a cross-attention's factor per part leads with the parts: [3, blocks, b, b]
-                    part_inputs[p] = saved_input.dim() == 4
+                    # (a weight orthogonalised whole has no parts to whiten so: its shape check refuses it)
+                    part_inputs[p] = saved_input.dim() == 4 and self._views[id(p)].parts > 1
                 shapes = self._state_shapes(p, group["algorithm"], part_inputs.get(p))
                 name = self._names.get(id(p), f"parameter {key}")
                 entry = {}

@@ -390,6 +390,11 @@ def test_a_checkpoint_resumes_a_packed_attention_as_it_was_saved_bitwise():
     opts[1].load_state_dict(self_opt.state_dict())
     assert opts[1].state[weight]["input_whitener"].shape == (1, E, E)
     assert not opts[1]._views[id(weight)].part_inputs and not opts[1]._packed[id(weight)].separate
+    # orthogonalised whole, the weight has no parts to whiten each: the per-part checkpoint is refused
+    whole = WhitenedMuon(Cross(), lr=0.05, statistics_every=2, fused_qkv=False)
+    with pytest.raises(ValueError, match="in_proj_weight's input_factor"):
+        whole.load_state_dict(saved)
+    assert whole.state_dict()["state"] == {}
 
 
 class Seq2Seq(nn.Module):
