@@ -208,15 +208,16 @@ class CharTransformer(nn.Module):
 # from a transformers config, or ("torch", "seq2seq") from PyTorch's own Transformer layers
 BYTE_ARCHS = {"llama": ("byte_llama", "ByteLlama"), "gpt2": ("byte_gpt2", "ByteGPT2"),
               "mixtral": ("byte_mixtral", "ByteMixtral"), "torch": ("byte_torch", "ByteTorchTransformer"),
-              "seq2seq": ("byte_seq2seq", "ByteSeq2Seq")}
+              "seq2seq": ("byte_seq2seq", "ByteSeq2Seq"), "qwen2": ("byte_qwen2", "ByteQwen2")}
 ARCHS = ("gpt", *BYTE_ARCHS)
 
 
 def build_model(config: ModelConfig) -> nn.Module:
     """The model ``config.arch`` names, on bytes: CharTransformer, the Llama-style ByteLlama,
     Hugging Face's GPT-2 (ByteGPT2), the mixture-of-experts ByteMixtral, the GPT built from
-    PyTorch's nn.TransformerEncoderLayer (ByteTorchTransformer), or the encoder-decoder built
-    from PyTorch's encoder and decoder layers (ByteSeq2Seq)."""
+    PyTorch's nn.TransformerEncoderLayer (ByteTorchTransformer), the encoder-decoder built
+    from PyTorch's encoder and decoder layers (ByteSeq2Seq), or the Llama-style model as Qwen2
+    builds it (ByteQwen2)."""
     if config.arch == "gpt":
         return CharTransformer(config)
     if config.arch not in BYTE_ARCHS:
@@ -567,7 +568,8 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                         "mixtral: Mixtral from a config (the Llama-style attention, 4 fused SwiGLU experts, top-2); "
                         "torch: the gpt model from PyTorch's nn.TransformerEncoderLayer (nn.MultiheadAttention); "
                         "seq2seq: an encoder-decoder from PyTorch's encoder and decoder layers, each window's first "
-                        "half the source, its second half the target (cross-attention)")
+                        "half the source, its second half the target (cross-attention); "
+                        "qwen2: the llama model as Qwen2 builds it (biased query, key and value projections)")
     p.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay, help="decoupled weight decay")
     p.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps, help="linear LR warm-up steps")
     p.add_argument("--damping", type=float, default=PrecondConfig.damping, help="K-FAC damping")

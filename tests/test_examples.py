@@ -456,21 +456,22 @@ def test_the_examples_wmuon_is_the_librarys_defaults():
 # gpt2: c_attn (q, k, v fused), c_proj, c_fc, c_proj; mixtral: q, k, v, o and the two fused expert weights;
 # torch: nn.MultiheadAttention's in_proj_weight and out_proj, linear1, linear2; seq2seq: the
 # encoder layer's 4 and the decoder layer's 6 (a cross-attention's in_proj and out_proj more), 5 per layer
-PROJECTIONS_PER_BLOCK = {"gpt": 6, "llama": 7, "gpt2": 4, "mixtral": 6, "torch": 4, "seq2seq": 5}
+PROJECTIONS_PER_BLOCK = {"gpt": 6, "llama": 7, "gpt2": 4, "mixtral": 6, "torch": 4, "seq2seq": 5, "qwen2": 7}
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama", "gpt2", "mixtral", "torch", "seq2seq"])
+@pytest.mark.parametrize("arch", ["gpt", "llama", "gpt2", "mixtral", "torch", "seq2seq", "qwen2"])
 def test_char_lm_builds_each_architecture_and_whitens_its_hidden_weights(arch):
     """``--arch llama``: Llama's RMSNorm / rotary / SwiGLU / grouped-query model from a
     transformers config, on bytes; ``--arch gpt2``: Hugging Face's GPT-2 (``Conv1D``);
     ``--arch mixtral``: fused experts; ``--arch torch``: nn.TransformerEncoderLayer (its
     attention's weights held by nn.MultiheadAttention); ``--arch seq2seq``: an encoder and a
-    decoder layer (cross-attention). The examples' skip_layers leave embeddings and head to
-    AdamW; WhitenedMuon whitens every projection, and the Muon baseline takes the same weights
-    (``Conv1D``'s too; the fused experts through ExpertMuon)."""
+    decoder layer (cross-attention); ``--arch qwen2``: Llama's layout with biased q, k, v. The
+    examples' skip_layers leave embeddings and head to AdamW; WhitenedMuon whitens every
+    projection, and the Muon baseline takes the same weights (``Conv1D``'s too; the fused
+    experts through ExpertMuon)."""
     import torch
 
-    if arch not in ("gpt", "torch"):
+    if arch not in ("gpt", "torch", "seq2seq"):
         pytest.importorskip("transformers", reason="transformers is an optional extra ([trainers])")
     from kron_precond import WhitenedMuon
 
@@ -496,6 +497,9 @@ def test_char_lm_builds_each_architecture_and_whitens_its_hidden_weights(arch):
         attn = model.get_submodule("blocks.0.self_attn")
         assert isinstance(attn, torch.nn.MultiheadAttention) and attn.in_proj_weight.shape == (48, 16)
         assert optimizer._views[id(attn.in_proj_weight)].parts == 3 and id(attn.out_proj.weight) in optimizer._plain
+    if arch == "qwen2":  # Llama's layout with biased query, key and value projections
+        attention = model.get_submodule("inner.model.layers.0.self_attn")
+        assert all(getattr(attention, f"{n}_proj").bias is not None for n in "qkv") and attention.o_proj.bias is None
     if arch == "seq2seq":  # the decoder's cross-attention: a whitener per part (query, key, value) from the start
         cross = model.get_submodule("decoder.0.multihead_attn")
         assert optimizer._views[id(cross.in_proj_weight)].part_inputs
