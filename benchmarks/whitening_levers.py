@@ -278,7 +278,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "input_adamw_lr0.032": dict(output_side=False, adamw_lr=0.032),
 }
 # which layers' input factors are centred, by module name (the default: the bias-free q and k)
-CENTRED_LAYERS = {"q": "q", "k": "k", "qk": "q|k", "qkv": "q|k|v", "qko": "q|k|o", "qk_mlp": "q|k|gate|up|down"}
+CENTRED_LAYERS = {"q": "q", "k": "k", "qk": "q|k", "qkv": "q|k|v", "qko": "q|k|o", "qk_mlp": "q|k|gate|up|down",
+                  "o_mlp": "o|gate|up|down"}  # o_mlp: Qwen2's bias-free layers, which the earlier default centred
 VARIANTS.update({f"input_center_{name}": dict(output_side=False, center_inputs=(rf"\.({names})_proj$",))
                  for name, names in CENTRED_LAYERS.items()})
 # variant keys that are the library's own arguments: the cell's PrecondConfig field each

@@ -226,8 +226,10 @@ def _centred_units(units: list[Selected], center_inputs: bool | list[re.Pattern]
         return list(units) if center_inputs else []
     if center_inputs is not None:
         return _matched_units(units, center_inputs, "center_inputs")
-    bias_free = [u for u in units if not _trains_bias(u)]
-    return _query_key_pairs(bias_free) or bias_free
+    pairs = _query_key_pairs(units)
+    if pairs:  # the query and key recognised: the bias-free ones (with a bias, it carries the shift)
+        return [u for u in pairs if not _trains_bias(u)]
+    return [u for u in units if not _trains_bias(u)]
 
 
 # The attention modules known to compute the query, key and value with one fused projection
@@ -399,9 +401,9 @@ class WhitenedMuon(torch.optim.Optimizer):
             recognised by the last part of their module name (``q_proj``, ``k_proj``, ``query``,
             ``key``, ``wq``, ``wk``, ``to_q``, ``to_k``, ``q``, ``k``), a query and a key under
             one parent module (a LoRA adapter's matrices, ``<projection>.lora_A.<adapter>`` and
-            ``lora_B``, as parts of the projection they wrap); where no bias-free pair is so named
-            (a fused ``qkv``, biased projections, the list form), centre every layer without a
-            trainable bias.
+            ``lora_B``, as parts of the projection they wrap); where the query and key so named
+            have biases (Qwen2), nothing; where no query and key are so named (a fused ``qkv``,
+            the list form), every layer without a trainable bias.
             ``True`` / ``False``: every layer / none. A list or tuple of regexes: exactly the
             layers whose module name or class name matches one (as ``skip_layers``; a fused
             expert's name is ``<module>.<weight>.<index>``); a regex that matches no whitened

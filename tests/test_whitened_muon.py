@@ -892,15 +892,20 @@ def test_non_finite_steps_after_loading_an_earlier_checkpoint_are_reported():
         step(False)  # step 7 reads it: 2 non-finite steps since the load
 
 
-@pytest.mark.parametrize("names, centred", [
-    (("q_proj", "k_proj", "v_proj"), {"attn.q_proj", "attn.k_proj"}),  # the pair, not the value
-    (("q_proj", "kv_proj", "o_proj"), {"attn.q_proj", "attn.kv_proj", "attn.o_proj"}),  # a query alone: every layer
-    (("wq", "wk", "wo"), {"attn.wq", "attn.wk"}),
+@pytest.mark.parametrize("names, biased, centred", [
+    (("q_proj", "k_proj", "v_proj"), (), {"attn.q_proj", "attn.k_proj"}),  # the pair, not the value
+    (("q_proj", "kv_proj", "o_proj"), (), {"attn.q_proj", "attn.kv_proj", "attn.o_proj"}),  # a query alone: all
+    (("wq", "wk", "wo"), (), {"attn.wq", "attn.wk"}),
+    # Qwen2: the query, key and value have biases, which carry the shift: nothing is centred
+    (("q_proj", "k_proj", "v_proj", "o_proj"), ("q_proj", "k_proj", "v_proj"), set()),
+    (("q_proj", "k_proj", "o_proj"), ("q_proj",), {"attn.k_proj"}),  # of the pair, the bias-free one
 ])
-def test_the_default_centres_a_query_and_key_pair_under_one_module(names, centred):
+def test_the_default_centres_a_query_and_key_pair_under_one_module(names, biased, centred):
+    """Where an attention's query and key are recognised by name, the bias-free ones of them
+    are centred and no other layer; with no pair, every bias-free layer."""
     attn = nn.Module()
     for name in names:
-        setattr(attn, name, nn.Linear(4, 4, bias=False))
+        setattr(attn, name, nn.Linear(4, 4, bias=name in biased))
     model = nn.Module()
     model.attn = attn
     opt = WhitenedMuon(model, lr=LR)
