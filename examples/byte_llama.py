@@ -32,16 +32,20 @@ def llama_settings(model: str, d_model: int, n_layers: int, n_heads: int, seq_le
 
 
 class ByteLlama(nn.Module):
-    """``LlamaForCausalLM`` over 256 byte values; ``forward(tokens) -> logits``."""
+    """``LlamaForCausalLM`` over 256 byte values; ``forward(tokens) -> logits``. A subclass
+    names another ``transformers`` model of Llama's layout in ``classes`` (config, model)."""
+
+    classes = ("LlamaConfig", "LlamaForCausalLM")
 
     def __init__(self, d_model: int, n_layers: int, n_heads: int, seq_len: int, vocab_size: int = 256,
                  tie_embeddings: bool = False):
         super().__init__()
-        from transformers import LlamaConfig, LlamaForCausalLM
-        config = LlamaConfig(intermediate_size=swiglu_width(d_model),
-                             **llama_settings("ByteLlama", d_model, n_layers, n_heads, seq_len, vocab_size,
-                                              tie_embeddings))
-        self.inner = LlamaForCausalLM(config)
+        import transformers
+        config_class, model_class = (getattr(transformers, name) for name in self.classes)
+        config = config_class(intermediate_size=swiglu_width(d_model),
+                              **llama_settings(type(self).__name__, d_model, n_layers, n_heads, seq_len, vocab_size,
+                                               tie_embeddings))
+        self.inner = model_class(config)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.inner(input_ids=tokens, use_cache=False).logits

@@ -8,23 +8,10 @@ Qwen2.5 (``--arch qwen2``). What it tests is the one difference that matters to
 """
 from __future__ import annotations
 
-import torch
-from torch import nn
-
-from byte_llama import llama_settings, swiglu_width
+from byte_llama import ByteLlama
 
 
-class ByteQwen2(nn.Module):
+class ByteQwen2(ByteLlama):
     """``Qwen2ForCausalLM`` over 256 byte values; ``forward(tokens) -> logits``."""
 
-    def __init__(self, d_model: int, n_layers: int, n_heads: int, seq_len: int, vocab_size: int = 256,
-                 tie_embeddings: bool = False):
-        super().__init__()
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-        config = Qwen2Config(intermediate_size=swiglu_width(d_model),
-                             **llama_settings("ByteQwen2", d_model, n_layers, n_heads, seq_len, vocab_size,
-                                              tie_embeddings))
-        self.inner = Qwen2ForCausalLM(config)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.inner(input_ids=tokens, use_cache=False).logits
+    classes = ("Qwen2Config", "Qwen2ForCausalLM")
