@@ -300,7 +300,7 @@ class Renamed(nn.Module):
 
 @pytest.mark.parametrize("names, bias, center", [
     (("q_proj", "k_proj"), (False, False), (True, True)),  # a bias-free query and key: those alone
-    (("wq", "wk"), (True, False), (False, True)),  # the query has a bias: no pair, every bias-free layer
+    (("wq", "wk"), (True, False), (False, True)),  # the pair: its bias-free key alone
     (("k_proj", "v_proj"), (False, False), (True, True)),  # a key alone is no pair
     (("a", "b"), (False, False), (True, True)),  # no query or key by name: every bias-free layer
     (("k_proj", "v_proj"), (True, True), (False, False)),
