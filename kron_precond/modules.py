@@ -275,12 +275,13 @@ def owners_of(model: nn.Module) -> dict[int, list[str]]:
     return owners
 
 
-def _candidates(model: nn.Module, is_skipped, log):
+def _candidates(model: nn.Module, is_skipped, log, passed_over: frozenset[str] = frozenset()):
     """``(name, module, own parameters, label)`` of every module with parameters of its own
-    that ``skip_layers`` does not exclude (a skip is logged)."""
+    that ``skip_layers`` does not exclude (a skip is logged); the modules named in
+    ``passed_over`` are left out without a log (their caller's other search reports them)."""
     for name, module in model.named_modules():
         own = [(n, p) for n, p in module.named_parameters(recurse=False)]
-        if not own:
+        if not own or name in passed_over:
             continue
         label = name or "<root>"
         if is_skipped(name, module):
@@ -299,7 +300,8 @@ def find_kfac_modules(model: nn.Module, is_skipped, log, *, weight_only: bool = 
     ``weight_only``: only the units' weights must train (an optimizer that leaves the bias to
     another, as ``WhitenedMuon``); K-FAC's ``[W | b]`` units need the bias's gradient too.
     ``taken_elsewhere``: names of modules the caller handles another way (``WhitenedMuon``'s
-    ``nn.MultiheadAttention``): passed over without a "skipping" log."""
+    ``nn.MultiheadAttention``): passed over without a log, even where ``skip_layers`` excludes
+    them (the other search reports that)."""
     owners = owners_of(model)
     elsewhere = frozenset(taken_elsewhere)
     # MultiheadAttention uses its out_proj's weight functionally: out_proj.forward never
@@ -307,9 +309,7 @@ def find_kfac_modules(model: nn.Module, is_skipped, log, *, weight_only: bool = 
     functional = {f"{name}.out_proj" if name else "out_proj" for name, module in model.named_modules()
                   if isinstance(module, nn.MultiheadAttention)}
     found = []
-    for name, module, own, label in _candidates(model, is_skipped, log):
-        if name in elsewhere:
-            continue
+    for name, module, own, label in _candidates(model, is_skipped, log, elsewhere):
         adapter, reason = kfac_adapter(module)
         if adapter is None:
             log(f"skipping {label}: {reason}")

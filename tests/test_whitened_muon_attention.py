@@ -560,8 +560,12 @@ def test_self_attention_whose_arguments_a_pre_hook_rebuilt_is_still_self_attenti
             o.zero_grad()
             F.mse_loss(m(x, key=x, value=x, need_weights=False)[0], y).backward()
             o.step()
+    # one whitener for the three parts, as the twin's (a per-part one would be [3, 1, E, E])
+    assert opts[0].state[mha.in_proj_weight]["input_whitener"].shape == (1, E, E)
+    # nn.MultiheadAttention projects three equal tensors part by part, one tensor in one
+    # product: the same numbers up to the BLAS's rounding, which differs by CPU
     for a, b in zip(mha.parameters(), twin.parameters()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
 def test_a_model_whose_only_muon_weight_is_an_unwhitened_out_proj_is_accepted():
@@ -674,3 +678,24 @@ def test_the_attention_it_whitens_is_not_logged_as_skipped(caplog):
     with caplog.at_level(logging.INFO, logger="kron_precond"):
         KronPreconditioner(layer, method="kfac")
     assert any(r.getMessage().startswith("skipping self_attn.out_proj") for r in caplog.records)
+
+
+def test_an_excluded_attention_is_logged_once(caplog):
+    """An ``nn.MultiheadAttention`` that ``skip_layers`` excludes is reported once per module,
+    not once by each of WhitenedMuon's two module searches; KronPreconditioner, which has one
+    search, reports it once too."""
+    import logging
+    from collections import Counter
+
+    from kron_precond import KronPreconditioner
+
+    layer = nn.TransformerDecoderLayer(E, HEADS, 16, batch_first=True)
+    for build in (lambda: WhitenedMuon(layer, lr=0.02, skip_layers=["self_attn", "multihead_attn"]),
+                  lambda: KronPreconditioner(layer, method="kfac", skip_layers=["self_attn", "multihead_attn"])):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="kron_precond"):
+            build()
+        skipped = Counter(r.getMessage().split(" ")[1] for r in caplog.records
+                          if r.getMessage().startswith("skipping"))
+        assert skipped["self_attn"] == skipped["multihead_attn"] == 1, skipped
+        assert max(skipped.values()) == 1, skipped  # an excluded attention's out_proj: once at most
