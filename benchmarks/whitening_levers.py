@@ -14,6 +14,15 @@ here changes one thing and nothing else:
   regex on the layer names) does the same for the layers it matches: ``input_no_out_proj``
   leaves the attention's output projection unwhitened, as ``nn.MultiheadAttention``'s is.
 
+- ``input_rank=D``: the input factors as wide as the input of a weight whose input is wider
+  than its output (the GPT's MLP second layer; chosen by width) are whitened as if they were
+  diagonal plus low rank. The damped factor scaled to unit diagonal, ``C = S^{-1/2} (F + λI)
+  S^{-1/2}`` (``S`` its diagonal), keeps its top ``n / D`` eigenpairs, and the rest of its
+  spectrum is replaced by their mean: ``C ≈ U Λ Uᵀ + σ² (I - U Uᵀ)``, whitened by
+  ``T = (U Λ^{-1/2} Uᵀ + σ^{-1} (I - U Uᵀ)) S^{-1/2}``. Applied as such, ``T`` costs
+  ``2 · out · in · n / D`` multiply-adds instead of ``out · in²``; here it is formed dense and
+  applied as the library's whitener, so this variant measures steps, not the cost it would save.
+
 The others change the output side (they need ``output_side=True``; the input side stays as
 the library has it):
 
@@ -107,6 +116,8 @@ class _VariantStatistics(WhiteningStatistics):
     output_layers = "all"
     input_skip: str | None = None
     input_skip_names: str | None = None
+    input_rank: int | None = None  # D: the wide input factors kept at rank n / D plus a scaled diagonal
+    lowrank_widths: frozenset[int] = frozenset()  # the widths of those factors
     from_hook = True  # output rows from the capture hook (False: only those the optimizer adds)
 
     def observe(self, unit, side, rows, scale, *, added: bool = False) -> None:
@@ -135,11 +146,38 @@ class _VariantStatistics(WhiteningStatistics):
         wide = _shape_kind(self.views[id(param)].shape, "output") == "wide"
         return self.output_layers == "all" or wide == (self.output_layers == "wide")
 
+    def decompose(self, factor, overwrite):
+        if self.input_rank is None or factor.shape[-1] not in self.lowrank_widths:
+            return super().decompose(factor, overwrite)
+        return lowrank_whitener(factor, self.damping, factor.shape[-1] // self.input_rank)
+
     def side_blocks(self, param, side):
         if side != "output" or self.output_block is None:
             return super().side_blocks(param, side)
         with _set(self, "block_size", self.output_block):
             return super().side_blocks(param, side)
+
+
+def lowrank_whitener(factor: torch.Tensor, damping: float, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(T, usable)`` for a batch of factors ``[k, n, n]`` (the library's ``decompose``): with
+    ``F + λI`` (``λ = damping · tr(F) / n``) scaled to unit diagonal, ``C = S^{-1/2} (F + λI) S^{-1/2}``,
+    its top ``rank`` eigenpairs ``U Λ Uᵀ`` kept and the rest of the spectrum replaced by its
+    mean ``σ²``: ``T = (U Λ^{-1/2} Uᵀ + σ^{-1} (I - U Uᵀ)) S^{-1/2}``, so that
+    ``Tᵀ T = S^{-1/2} (U Λ Uᵀ + σ² (I - U Uᵀ))⁻¹ S^{-1/2}``. ``rank = n``: ``Tᵀ T = (F + λI)⁻¹``."""
+    n = factor.shape[-1]
+    work = factor.double()
+    lam = damping * work.diagonal(dim1=-2, dim2=-1).sum(-1) / n
+    lam = torch.where(lam > 0, lam, 1.0)  # an all-zero factor: the identity
+    damped = work + lam[:, None, None] * torch.eye(n, dtype=work.dtype, device=work.device)
+    scale = damped.diagonal(dim1=-2, dim2=-1).rsqrt()  # S^{-1/2}
+    values, vectors = torch.linalg.eigh(damped * scale[:, :, None] * scale[:, None, :])
+    top, basis = values[:, n - rank:], vectors[:, :, n - rank:]  # eigh: ascending
+    rest = values[:, : n - rank]
+    sigma = rest.mean(-1).clamp(min=1e-12).rsqrt() if rank < n else torch.ones_like(lam)
+    inner = (basis * (top.clamp(min=1e-12).rsqrt() - sigma[:, None])[:, None, :]) @ basis.mT
+    inner.diagonal(dim1=-2, dim2=-1).add_(sigma[:, None])
+    whitener = (inner * scale[:, None, :]).to(factor.dtype)
+    return whitener, torch.isfinite(whitener.sum(dim=(1, 2)))[:, None, None]
 
 
 @contextlib.contextmanager
@@ -166,11 +204,14 @@ class WhiteningVariant(WhitenedMuon):
     def __init__(self, params: Any, lr: float, weight_decay: float = 0.0, *, output_rows: int | None = None,
                  output_spread: bool = False, output_block: int | None = None, output_every: int | None = None,
                  output_source: str = "activations", output_layers: str = "all", input_skip: str | None = None,
-                 input_skip_names: str | None = None, **kwargs: Any) -> None:
+                 input_skip_names: str | None = None, input_rank: int | None = None, **kwargs: Any) -> None:
         if output_layers not in ("all", "narrow", "wide"):
             raise ValueError(f"output_layers must be 'all', 'narrow' or 'wide', got {output_layers!r}")
         if input_skip not in (None, "wide", "narrow", "square"):
             raise ValueError(f"input_skip must be None, 'wide', 'narrow' or 'square', got {input_skip!r}")
+        if input_rank is not None and (isinstance(input_rank, bool) or not isinstance(input_rank, int)
+                                       or input_rank < 1):
+            raise ValueError(f"input_rank must be a positive int (the rank's divisor), got {input_rank!r}")
         changed = (output_rows is not None or output_spread or output_block is not None or output_every is not None
                    or output_source != "activations" or output_layers != "all")
         if changed and not kwargs.get("output_side", False):
@@ -192,6 +233,9 @@ class WhiteningVariant(WhitenedMuon):
         statistics_.from_hook = output_source == "activations"
         statistics_.output_layers = output_layers
         statistics_.input_skip, statistics_.input_skip_names = input_skip, input_skip_names
+        statistics_.input_rank = input_rank
+        statistics_.lowrank_widths = frozenset(view.width("input") for view in self._views.values()
+                                               if _shape_kind(view.shape, "input") == "wide")
         self.output_source = output_source
         self._capture.output_grads = self.output_side and statistics_.from_hook
 
@@ -260,6 +304,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the input side in diagonal 512-blocks: at d_model 256 it splits the MLP's second layer's
     # 1,024-wide input alone (half its products, a fifth of its decomposition)
     "input_block512": dict(output_side=False, block_size=512),
+    # the wide input (the MLP's second layer) whitened as diagonal plus rank n/8 or n/4
+    "input_rank8": dict(output_side=False, input_rank=8),
+    "input_rank4": dict(output_side=False, input_rank=4),
     "both_ns4": dict(output_side=True, ns_steps=4),
     "both_every10": dict(output_side=True, statistics_every=10, factor_decay=0.6),
     # every input factor centred: on a model without biases (Llama-style, Mixtral), what the

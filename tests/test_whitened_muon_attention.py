@@ -699,3 +699,43 @@ def test_an_excluded_attention_is_logged_once(caplog):
                           if r.getMessage().startswith("skipping"))
         assert skipped["self_attn"] == skipped["multihead_attn"] == 1, skipped
         assert max(skipped.values()) == 1, skipped  # an excluded attention's out_proj: once at most
+
+
+def test_a_compiled_cross_attention_is_whitened_per_part_as_in_eager():
+    """Under ``torch.compile`` the capture hooks still see the packed attention's query, key and
+    value: a cross-attention found at its first call switches to a factor per part, and the
+    compiled run follows the eager one (Newton-Schulz in float32, so that the kernels' rounding
+    stays below the tolerance)."""
+    class Cross(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(E, HEADS, batch_first=True)
+            self.head = nn.Linear(E, E)
+
+        def forward(self, x, memory):
+            return self.head(self.attn(x, memory, memory, need_weights=False)[0])
+
+    def make():
+        torch.manual_seed(0)
+        return Cross()
+
+    eager, compiled = make(), make()
+    opts = [WhitenedMuon(m, lr=0.02, statistics_every=2, ns_dtype=torch.float32) for m in (eager, compiled)]
+    runs = [(eager, opts[0]), (torch.compile(compiled), opts[1])]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x, memory = torch.randn(4, T, E, generator=g), torch.randn(4, T + 2, E, generator=g)
+        for model, opt in runs:
+            opt.zero_grad()
+            model(x, memory).square().mean().backward()
+            opt.step()
+    weights = [m.attn.in_proj_weight for m in (eager, compiled)]
+    assert opts[1].state[weights[1]]["input_whitener"].shape == (3, 1, E, E)
+    factor = opts[1].state[weights[1]]["input_factor"]
+    assert not torch.allclose(factor[1], factor[0])  # the key's rows, not the query's
+    torch.testing.assert_close(factor, opts[0].state[weights[0]]["input_factor"], rtol=1e-5, atol=1e-7)
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        if name == "attn.in_proj_bias":  # the key's bias has a gradient of rounding noise only, which
+            a, b = a[[*range(E), *range(2 * E, 3 * E)]], b[[*range(E), *range(2 * E, 3 * E)]]  # AdamW follows
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert (weights[1] - make().attn.in_proj_weight).abs().max() > 1e-3

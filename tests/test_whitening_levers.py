@@ -311,3 +311,48 @@ def test_the_fused_whole_variant_steps_gpt2s_c_attn_as_one_matrix():
         parts[name] = {built._names[i]: view.parts for i, view in built._views.items() if view.parts > 1}
         built.remove()
     assert parts["input"] == {"inner.transformer.h.0.attn.c_attn.weight": 3} and parts["input_fused_whole"] == {}
+
+
+@pytest.mark.parametrize("divisor", [1, 4])
+def test_input_rank_whitens_the_wide_input_as_diagonal_plus_low_rank(divisor):
+    """``input_rank=D``: the wide layer's whitener satisfies ``Tᵀ T = S^{-1/2} C̃⁻¹ S^{-1/2}``, with
+    ``C̃`` the unit-diagonal damped factor ``C`` projected on its top ``n / D`` eigenvectors plus
+    the rest's mean eigenvalue on the complement (written out in float64 with numpy); ``D = 1``
+    is the exact ``(F + λI)⁻¹``. The first layer (its input narrower) keeps the library's
+    Cholesky whitener."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    first, wide = nn.Linear(8, 16, bias=False), nn.Linear(16, 4, bias=False)
+    optimizer = WhiteningVariant([first, wide], lr=1e-2, statistics_rows=None, center_inputs=False,
+                                 input_rank=divisor)
+    x = torch.randn(64, 8) @ torch.randn(8, 8)  # correlated features of unequal scale
+    wide(torch.tanh(first(x) + torch.randn(64, 16))).square().sum().backward()
+    optimizer.step()
+    for layer in (first, wide):
+        state = optimizer.state[layer.weight]
+        n = layer.in_features
+        f = state["input_factor"].reshape(n, n).double().numpy()
+        damped = f + 0.1 * np.trace(f) / n * np.eye(n)
+        t = state["input_whitener"].reshape(n, n).double().numpy()
+        if layer is first:
+            want = np.linalg.inv(damped)
+            assert np.allclose(t, np.tril(t)) or np.allclose(t, np.triu(t))  # an inverse Cholesky factor
+        else:
+            s = 1 / np.sqrt(np.diag(damped))
+            c = damped * s[:, None] * s[None, :]
+            rank = n // divisor
+            vectors = np.linalg.eigh(c)[1][:, n - rank:]
+            p = vectors @ vectors.T
+            sigma2 = (np.trace(c) - np.trace(p @ c @ p)) / (n - rank) if rank < n else 1.0
+            approx = p @ c @ p + sigma2 * (np.eye(n) - p)
+            want = s[:, None] * np.linalg.inv(approx) * s[None, :]
+            assert not (np.allclose(t, np.tril(t)) or np.allclose(t, np.triu(t)))
+        np.testing.assert_allclose(t.T @ t, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_input_rank_must_be_a_positive_int():
+    layer, _, _ = _layer_and_batch()
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="input_rank"):
+            WhiteningVariant([layer], lr=1e-2, input_rank=bad)
