@@ -362,7 +362,8 @@ GRAM_STRIPE = 128  # from 3x this wide, a product is formed by stripes of this m
 
 
 def gram(x: torch.Tensor, stripe: int = GRAM_STRIPE) -> torch.Tensor:
-    """``xᵀ x`` for a batch ``[k, rows, n]``: ``[k, n, n]``, exactly symmetric.
+    """``xᵀ x`` for a batch ``[k, rows, n]``: ``[k, n, n]``, exactly symmetric (the upper
+    triangle's values, mirrored).
 
     From three times ``stripe`` wide, only the blocks on and above the diagonal are multiplied,
     one stripe of ``stripe`` rows of the result at a time, and the rest is their transpose:
@@ -371,13 +372,23 @@ def gram(x: torch.Tensor, stripe: int = GRAM_STRIPE) -> torch.Tensor:
     and below nothing, so narrower products stay one matmul."""
     n = x.shape[-1]
     if n < 3 * stripe:
-        return torch.bmm(x.mT, x)
+        return _mirror_upper(torch.bmm(x.mT, x))
     out = x.new_empty(x.shape[0], n, n)
     for start in range(0, n, stripe):
         stop = min(start + stripe, n)
         torch.bmm(x[:, :, start:stop].mT, x[:, :, start:], out=out[:, start:stop, start:])
+        _mirror_upper(out[:, start:stop, start:stop])
         out[:, stop:, start:stop] = out[:, start:stop, stop:].mT
     return out
+
+
+def _mirror_upper(square: torch.Tensor) -> torch.Tensor:
+    """``square`` (``[k, n, n]``, in place) with its strict lower triangle replaced by the
+    transpose of its upper one. Some CPUs' BLAS kernels round the two triangles of ``xᵀ x``
+    differently (a few ulps): the statistics are exactly symmetric on every machine."""
+    n = square.shape[-1]
+    lower = torch.ones(n, n, dtype=torch.bool, device=square.device).tril_(-1)
+    return square.copy_(torch.where(lower, square.mT, square))
 
 
 CHOLESKY_LEAF = 96  # below this width LAPACK's Cholesky and a triangular solve beat the matmuls that replace them
