@@ -356,3 +356,34 @@ def test_input_rank_must_be_a_positive_int():
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match="input_rank"):
             WhiteningVariant([layer], lr=1e-2, input_rank=bad)
+
+
+def test_input_rank_applies_its_whitener_factored_as_the_dense_one():
+    """The low-rank whitener is applied as ``σ⁻¹ X + (X U) diag(c) Uᵀ`` around ``diag(s)``: the
+    steps equal those of its dense ``T`` (checked against numpy above) applied as the library
+    applies a whitener, in float64, over refreshes."""
+    from kron_precond import WhitenedMuon
+
+    class Dense(WhiteningVariant):
+        def _stacked_whiteners(self, params):
+            return WhitenedMuon._stacked_whiteners(self, params)
+
+    runs = []
+    for cls in (WhiteningVariant, Dense):
+        torch.manual_seed(0)
+        first, wide = nn.Linear(8, 16, dtype=torch.float64), nn.Linear(16, 4, dtype=torch.float64)
+        optimizer = cls([first, wide], lr=1e-2, statistics_every=2, input_rank=4, ns_dtype=torch.float64)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            x = torch.randn(32, 8, generator=g, dtype=torch.float64)
+            wide(torch.tanh(first(x))).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        runs.append((first, wide, optimizer))
+    (first, wide, factored), (first_d, wide_d, _) = runs
+    assert id(wide.weight) in factored._statistics.lowrank and id(first.weight) not in factored._statistics.lowrank
+    for a, b in ((first.weight, first_d.weight), (wide.weight, wide_d.weight)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    torch.manual_seed(0)
+    start = [nn.Linear(8, 16, dtype=torch.float64), nn.Linear(16, 4, dtype=torch.float64)][1]
+    assert (wide.weight - start.weight).abs().max() > 1e-3
