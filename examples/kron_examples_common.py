@@ -366,7 +366,11 @@ def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, exclud
                     root=config.wmuon_root,
                     block_size=config.wmuon_block_size, factor_decay=config.wmuon_factor_decay,
                     skip_layers=list(exclude), adamw_lr=config.muon_rest_lr, adjust_lr_fn=config.muon_adjust_lr_fn,
-                    ns_coefficients=config.wmuon_ns_coefficients)
+                    ns_coefficients=config.wmuon_ns_coefficients,
+                    # torch.optim.Muon's bfloat16 iteration on every device, so that the examples
+                    # compare the two like for like (the library's default would take float32 on
+                    # a CPU without bfloat16 kernels, where Muon's bfloat16 iteration is far slower)
+                    ns_dtype=torch.bfloat16)
     if optimizer_class is not None:
         return optimizer_class(model, lr, weight_decay, **settings)
     if post:

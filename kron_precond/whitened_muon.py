@@ -35,6 +35,7 @@ whole matrix); every rank computes the same direction and keeps its rows.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
@@ -90,6 +91,23 @@ def lr_ratio(adjust_lr_fn: str | None, shape: tuple[int, int]) -> float:
     if adjust_lr_fn in ("original", None):
         return math.sqrt(max(1.0, out_dim / in_dim))
     raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+
+
+def native_ns_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 where ``device`` multiplies it natively, float32 on a CPU whose oneDNN has no
+    bfloat16 kernels (there torch's bfloat16 matmul takes a slow path, 25-100x slower than
+    float32). One check per process: the answer is the CPU's."""
+    if device.type != "cpu":
+        return torch.bfloat16
+    return torch.bfloat16 if _cpu_multiplies_bfloat16() else torch.float32
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_multiplies_bfloat16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN: assume it does, as before
+        return True
 
 
 def msign(matrix: torch.Tensor, steps: int = 5, eps: float = 1e-7,
@@ -449,7 +467,13 @@ class WhitenedMuon(torch.optim.Optimizer):
         ns_steps: Newton-Schulz iterations. Keep Muon's 5; lower it only where Newton-Schulz
             dominates the step and a run of your own shows the loss unchanged (four lost
             steps on GPT-2 and at 16k tokens per step).
-        ns_dtype: dtype of the Newton-Schulz iteration (bfloat16, as ``torch.optim.Muon``).
+        ns_dtype: dtype of the Newton-Schulz iteration and the whitening around it. ``None``
+            (the default): bfloat16, as ``torch.optim.Muon``, wherever the weights' device
+            multiplies it natively (CUDA and other accelerators; a CPU whose oneDNN has
+            bfloat16 kernels: AVX-512 or AMX on x86), and float32 on a CPU without them
+            (AVX2-only x86, such as AMD Zen 3), where a bfloat16 matmul runs 25-100x slower than a
+            float32 one. Set ``torch.bfloat16`` to match ``torch.optim.Muon``'s arithmetic
+            everywhere, ``torch.float32`` for a more exact ``msign``.
         ns_coefficients: ``"muon"`` (``torch.optim.Muon``'s fixed quintic) or ``"polar_express"``
             (Polar Express's per-iteration quintics, as the NanoGPT speedrun uses: the same cost,
             a more exact ``msign``).
@@ -480,7 +504,7 @@ class WhitenedMuon(torch.optim.Optimizer):
                  output_side: bool = False, center_inputs: bool | list[str] | tuple[str, ...] | None = None,
                  fused_qkv: Literal[False] | list[str] | tuple[str, ...] | None = None,
                  root: str = "cholesky", block_size: int | None = None,
-                 ns_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16, ns_coefficients: str = "muon",
+                 ns_steps: int = 5, ns_dtype: torch.dtype | None = None, ns_coefficients: str = "muon",
                  adjust_lr_fn: str | None = "match_rms_adamw", grad_scaler: Any = None, process_group: Any = None):
         lr_ratio(adjust_lr_fn, (1, 1))  # ValueError for an unknown name, before anything is built
         defaults = dict(lr=validation.check_positive("lr", lr),
@@ -516,9 +540,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         if ns_coefficients not in NS_SCHEDULES:
             raise ValueError(f"ns_coefficients must be one of {sorted(NS_SCHEDULES)}, got {ns_coefficients!r}")
         self.ns_coefficients = ns_coefficients
-        checked = validation.check_float_dtype("ns_dtype", ns_dtype)
-        assert checked is not None  # allow_none is off
-        self.ns_dtype: torch.dtype = checked
+        self._ns_dtype = validation.check_float_dtype("ns_dtype", ns_dtype, allow_none=True)
         loss_scale = grad_scaler_scale(grad_scaler)  # TypeError for anything else
 
         units, plain, rest = self._select(params, skip_layers)
@@ -706,6 +728,15 @@ class WhitenedMuon(torch.optim.Optimizer):
         if algorithm == ADAMW:
             for key in ("momentum", "nesterov", "adjust_lr_fn"):  # Muon's settings, filled in by torch.optim
                 self.param_groups[-1].pop(key, None)
+
+    @property
+    def ns_dtype(self) -> torch.dtype:
+        """The dtype of the Newton-Schulz iteration: ``ns_dtype`` as given, or the default for
+        the whitened weights' device (:func:`native_ns_dtype`)."""
+        if self._ns_dtype is not None:
+            return self._ns_dtype
+        whitened = self._whitened_params()
+        return native_ns_dtype(whitened[0].device if whitened else torch.device("cpu"))
 
     # -- the step ----------------------------------------------------------------------
     def _due(self, weight: torch.Tensor) -> bool:

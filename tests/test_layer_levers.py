@@ -29,7 +29,8 @@ def test_plain_weights_take_torch_muons_step_and_the_others_are_whitened():
     torch.manual_seed(0)
     model = Attention()
     muon_model = copy.deepcopy(model)
-    ours = PartlyWhitenedMuon(model, lr=0.05, momentum=0.9, plain="q_proj", statistics_every=1)
+    ours = PartlyWhitenedMuon(model, lr=0.05, momentum=0.9, plain="q_proj", statistics_every=1,
+                              ns_dtype=torch.bfloat16)  # torch.optim.Muon's iteration, on every CPU
     muon = torch.optim.Muon(muon_model.parameters(), lr=0.05, weight_decay=0.0, momentum=0.9, nesterov=True,
                             adjust_lr_fn="match_rms_adamw")
     g = torch.Generator().manual_seed(1)

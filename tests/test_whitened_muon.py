@@ -185,7 +185,8 @@ def test_an_unwhitened_weight_steps_as_torch_muon_with_the_same_lr_adjustment(ad
     torch.manual_seed(0)
     ours, theirs = nn.Linear(5, 9, bias=False), nn.Linear(5, 9, bias=False)
     theirs.load_state_dict(ours.state_dict())
-    opt = WhitenedMuon([ours], lr=LR, weight_decay=WD, momentum=MOMENTUM, adjust_lr_fn=adjust_lr_fn)
+    opt = WhitenedMuon([ours], lr=LR, weight_decay=WD, momentum=MOMENTUM, adjust_lr_fn=adjust_lr_fn,
+                       ns_dtype=torch.bfloat16)  # torch.optim.Muon's iteration, on every CPU
     muon = torch.optim.Muon(theirs.parameters(), lr=LR, weight_decay=WD, momentum=MOMENTUM,
                             adjust_lr_fn=adjust_lr_fn)
     g = torch.Generator().manual_seed(2)

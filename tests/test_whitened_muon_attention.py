@@ -126,7 +126,8 @@ def test_a_whole_attention_steps_like_its_linear_twin_with_torch_muon_on_out_pro
     torch.manual_seed(0)
     packed = Packed()
     twin = LinearTwin(packed, fused=False)
-    settings = dict(lr=0.05, momentum=0.9, weight_decay=0.1, statistics_every=2, adjust_lr_fn="match_rms_adamw")
+    settings = dict(lr=0.05, momentum=0.9, weight_decay=0.1, statistics_every=2, adjust_lr_fn="match_rms_adamw",
+                    ns_dtype=torch.bfloat16)  # torch.optim.Muon's iteration, on every CPU
     ours = WhitenedMuon(packed, **settings)
     assert {ours._names[id(p)] for p in ours.param_groups[0]["params"]} == {"attn.in_proj_weight",
                                                                             "attn.out_proj.weight"}

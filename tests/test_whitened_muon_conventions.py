@@ -266,3 +266,35 @@ def test_the_defaults_and_short_horizons_are_not_warned_about(every, decay):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         WhitenedMuon([nn.Linear(4, 3)], lr=1e-3, statistics_every=every, factor_decay=decay)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_default_iteration_dtype_follows_the_cpus_bfloat16_kernels(monkeypatch, native):
+    """``ns_dtype=None``: bfloat16 (``torch.optim.Muon``'s) on a CPU with bfloat16 kernels,
+    float32 on one without; each default run equals the run that names its dtype, bit for bit,
+    and a named dtype is kept whatever the CPU."""
+    from kron_precond import whitened_muon
+
+    monkeypatch.setattr(whitened_muon, "_cpu_multiplies_bfloat16", lambda: native)
+    expected = torch.bfloat16 if native else torch.float32
+    finals = []
+    for ns_dtype in (None, expected):
+        model = mlp()
+        opt = WhitenedMuon(model, lr=0.02, ns_dtype=ns_dtype)
+        assert opt.ns_dtype == expected
+        train(model, opt, 6)
+        finals.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*finals):
+        assert torch.equal(a, b)
+    other = torch.float32 if native else torch.bfloat16
+    assert WhitenedMuon(mlp(), lr=0.02, ns_dtype=other).ns_dtype == other
+    model = mlp()
+    opt = WhitenedMuon(model, lr=0.02, ns_dtype=other)
+    train(model, opt, 6)
+    assert any(not torch.equal(a, b) for a, b in zip(finals[0], model.parameters()))  # the dtype matters
+    assert whitened_muon.native_ns_dtype(torch.device("meta")) == torch.bfloat16  # an accelerator's default
+
+
+def test_a_non_float_iteration_dtype_is_refused():
+    with pytest.raises(ValueError, match="ns_dtype"):
+        WhitenedMuon(mlp(), lr=0.02, ns_dtype=torch.int32)
