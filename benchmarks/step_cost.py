@@ -66,6 +66,9 @@ CONFIGS = {
     "wmuon output side too": ("wmuon", {"wmuon_both_sides": True}),
     "wmuon every 10": ("wmuon", {"wmuon_every": 10}),
     "wmuon 512 rows": ("wmuon", {"wmuon_statistics_rows": 512}),
+    # Newton-Schulz and the whitening in float32 (the library's default on a CPU without
+    # bfloat16 kernels), against Muon's bfloat16
+    "wmuon float32": ("wmuon", {"wmuon_ns_dtype": "float32"}),
 }
 
 

@@ -206,6 +206,9 @@ class PrecondConfig:
     wmuon_block_size: int | None = None
     wmuon_factor_decay: float = 0.8  # per refresh: the factors' exponential-average decay
     wmuon_ns_coefficients: str = "muon"  # or "polar_express"
+    # the Newton-Schulz dtype: torch.optim.Muon's bfloat16, to compare like for like, or
+    # "float32", or "library" (the library's default for the device)
+    wmuon_ns_dtype: str = "bfloat16"
 
     @property
     def muon_excluded(self) -> Sequence[str]:
@@ -354,6 +357,9 @@ def build_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequen
     return OptimizerChain(chain)
 
 
+_NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "library": None}
+
+
 def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequence[str],
                         config: PrecondConfig, post: bool, optimizer_class: Callable | None = None) -> WhitenedMuon:
     """``kron_precond.WhitenedMuon(model)``: one optimizer, the Linear units ``exclude`` leaves
@@ -367,10 +373,10 @@ def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, exclud
                     block_size=config.wmuon_block_size, factor_decay=config.wmuon_factor_decay,
                     skip_layers=list(exclude), adamw_lr=config.muon_rest_lr, adjust_lr_fn=config.muon_adjust_lr_fn,
                     ns_coefficients=config.wmuon_ns_coefficients,
-                    # torch.optim.Muon's bfloat16 iteration on every device, so that the examples
-                    # compare the two like for like (the library's default would take float32 on
-                    # a CPU without bfloat16 kernels, where Muon's bfloat16 iteration is far slower)
-                    ns_dtype=torch.bfloat16)
+                    # torch.optim.Muon's bfloat16 iteration on every device unless asked otherwise, so
+                    # that the examples compare the two like for like (the library's default takes
+                    # float32 on a CPU without bfloat16 kernels, where bfloat16 is far slower)
+                    ns_dtype=_NS_DTYPES[config.wmuon_ns_dtype])
     if optimizer_class is not None:
         return optimizer_class(model, lr, weight_decay, **settings)
     if post:
