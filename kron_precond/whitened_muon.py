@@ -735,8 +735,8 @@ class WhitenedMuon(torch.optim.Optimizer):
         the whitened weights' device (:func:`native_ns_dtype`)."""
         if self._ns_dtype is not None:
             return self._ns_dtype
-        whitened = self._whitened_params()
-        return native_ns_dtype(whitened[0].device if whitened else torch.device("cpu"))
+        first = next((g["params"][0] for g in self.param_groups if g["algorithm"] == WHITENED and g["params"]), None)
+        return native_ns_dtype(torch.device("cpu") if first is None else first.device)
 
     # -- the step ----------------------------------------------------------------------
     def _due(self, weight: torch.Tensor) -> bool:
