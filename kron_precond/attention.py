@@ -31,7 +31,7 @@ from typing import Callable, cast
 import torch
 from torch import nn
 
-from kron_precond.modules import Selected, tied_elsewhere
+from kron_precond.modules import Selected, owners_of, tied_elsewhere
 
 SEPARATE_PROJECTIONS = ("q_proj_weight", "k_proj_weight", "v_proj_weight")
 
@@ -178,3 +178,54 @@ def model_attention_units(model: nn.Module, is_skipped: Callable[[str, nn.Module
         observed.extend(found)
         plain.extend(unwhitened)
     return observed, plain
+
+
+def input_side_attention_units(model: nn.Module, is_skipped: Callable[[str, nn.Module], bool],
+                               log: Callable[[str], None]) -> list[Selected]:
+    """The packed ``in_proj`` (and its bias) of every ``nn.MultiheadAttention`` of ``model`` that
+    ``skip_layers`` does not exclude, as one Linear-like unit ``[3E, E]`` whose rows are the
+    query's: what a method reading only the inputs (``ikfac``) needs of a self-attention.
+
+    Left to the optimizer, each logged: a known cross-attention (the ``multihead_attn`` of an
+    ``nn.TransformerDecoderLayer``: its parts read inputs of their own, and the method keeps one
+    factor per unit), separate projections (``kdim`` / ``vdim``: three weights and one bias), a
+    frozen or tied ``in_proj``. A module taken here that is later called with another key or
+    value raises ``RuntimeError`` at that call, naming it: its factor would read the wrong rows.
+    The ``out_proj``, whose input no hook sees, is the module search's (which logs it)."""
+    owners = owners_of(model)
+    cross = {id(m.multihead_attn) for m in model.modules() if isinstance(m, nn.TransformerDecoderLayer)}
+    units = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.MultiheadAttention):
+            continue
+        label = name or "<root>"
+        if is_skipped(name, module):
+            log(f"skipping {label} ({type(module).__name__}): matches skip_layers")
+            continue
+        if id(module) in cross:
+            log(f"skipping {label}: cross-attention (its query, key and value read inputs of their own, "
+                f"and the method keeps one input factor per layer)")
+            continue
+        if not module._qkv_same_embed_dim:
+            log(f"skipping {label}: separate query, key and value projections (kdim / vdim) share one bias")
+            continue
+        own = [(n, p) for n, p in (("in_proj_weight", module.in_proj_weight), ("in_proj_bias", module.in_proj_bias))
+               if p is not None]
+        if not all(p.requires_grad for _, p in own):
+            log(f"skipping {label}: not all of its in_proj parameters require grad")
+            continue
+        shared = tied_elsewhere(owners, name, (p for _, p in own))
+        if shared:
+            log(f"skipping {label}: a parameter is shared with {', '.join(shared)} (tied weights)")
+            continue
+        adapter = PackedInputAdapter(module, label)
+        adapter.on_cross_attention = _refuse_cross_attention
+        units.append(Selected(name, module, cast(list, own), adapter, has_bias=module.in_proj_bias is not None))
+    return units
+
+
+def _refuse_cross_attention(weight: torch.Tensor, name: str) -> bool:
+    raise RuntimeError(f"nn.MultiheadAttention {name!r} was called as cross-attention (a key or value other "
+                       f"than its query): its preconditioner reads the query's rows alone, which would be the "
+                       f"wrong input for the key's and value's parts. Leave it to the optimizer with "
+                       f"skip_layers=[{name!r}]")

@@ -23,8 +23,10 @@ import warnings
 from typing import Any, Hashable, Sequence
 
 import torch
+from torch import nn
 
 from kron_precond import validation as check
+from kron_precond.attention import input_side_attention_units
 from kron_precond.methods import state_checks as checks
 from kron_precond.methods.base import GradientMatrix, LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
 from kron_precond.methods.second_moment import adopt_stack, check_moment_decay, count_skipped, scale_by_moment
@@ -360,7 +362,15 @@ class InputKFACSpec(MethodSpec):
     }
 
     def select(self, model, is_skipped, log) -> list[Selected]:
-        return find_kfac_modules(model, is_skipped, log)
+        # nn.MultiheadAttention applies its projections functionally: its self-attention in_proj is
+        # read from its arguments (kron_precond.attention), which the module search passes over
+        attention = {name for name, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
+        units = find_kfac_modules(model, is_skipped, log, taken_elsewhere=attention)
+        packed = input_side_attention_units(model, is_skipped, log)
+        if not packed:
+            return units
+        order = {id(m): i for i, m in enumerate(model.modules())}  # the model's module order
+        return sorted(units + packed, key=lambda u: order[id(u.module)])
 
     def make_layer(self, index: int, selected: Selected) -> InputKFACLayer:
         weight = selected.params[0][1]  # weight first (an expert: its row of the stacked weight)

@@ -1,0 +1,115 @@
+"""Input-side K-FAC (``method="ikfac"``) on ``nn.MultiheadAttention``, whose projections are
+applied functionally: a self-attention's packed ``in_proj`` is one Linear-like unit read from
+the query, checked against the same attention built from a fused ``nn.Linear`` (the twins of
+``test_whitened_muon_attention.py``). What the method cannot precondition (the out_proj, whose
+input no hook sees; a cross-attention, whose parts read inputs of their own) is left to the
+optimizer, and said so."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kron_precond import KronPreconditioner
+from test_whitened_muon_attention import HEADS, E, LinearTwin, Packed, batches
+
+SETTINGS = dict(method="ikfac", factor_update_steps=2, inv_update_steps=2, damping=0.1)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_packed_self_attention_is_preconditioned_as_its_fused_linear_twin(bias):
+    torch.manual_seed(0)
+    packed = Packed(bias)
+    twin = LinearTwin(packed, fused=True)
+    ours = KronPreconditioner(packed, **SETTINGS)
+    theirs = KronPreconditioner(twin, skip_layers=["out"], **SETTINGS)
+    assert list(ours.layers) == ["attn"] and list(theirs.layers) == ["qkv"]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (packed, twin)]
+    for x, y in batches(5):
+        for model, precond, opt in zip((packed, twin), (ours, theirs), optimizers):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            raw = model.parameters().__next__().grad.clone()
+            precond.step()
+            assert not torch.allclose(raw, next(model.parameters()).grad)  # rewritten
+            opt.step()
+        torch.testing.assert_close(packed.attn.in_proj_weight, twin.qkv.weight, rtol=1e-9, atol=1e-11)
+        if bias:
+            torch.testing.assert_close(packed.attn.in_proj_bias, twin.qkv.bias, rtol=1e-9, atol=1e-11)
+        torch.testing.assert_close(packed.attn.out_proj.weight, twin.out.weight, rtol=1e-9, atol=1e-11)
+
+
+def test_what_ikfac_cannot_precondition_is_logged_and_left_alone(caplog):
+    """The decoder's cross-attention and every out_proj are skipped at construction, each
+    logged once; the encoder-style self-attention is taken."""
+    layer = nn.TransformerDecoderLayer(E, HEADS, 16, batch_first=True)
+    with caplog.at_level(logging.INFO, logger="kron_precond"):
+        precond = KronPreconditioner(layer, **SETTINGS)
+    assert "self_attn" in precond.layers and "multihead_attn" not in precond.layers
+    skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping")]
+    for name in ("multihead_attn", "self_attn.out_proj", "multihead_attn.out_proj"):
+        assert sum(m.startswith(f"skipping {name}:") or m.startswith(f"skipping {name} (") for m in skipped) == 1, \
+            (name, skipped)
+    assert not any(m.startswith("skipping self_attn:") or m.startswith("skipping self_attn (") for m in skipped)
+
+
+def test_a_call_as_cross_attention_raises_naming_the_module():
+    """A module taken for self-attention that is then called with another key or value would be
+    preconditioned by the wrong input: the first such call raises, naming it."""
+    torch.manual_seed(0)
+    packed = Packed()
+    precond = KronPreconditioner(packed, **SETTINGS)
+    x = torch.randn(2, 5, E, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="'attn'.*cross-attention"):
+        packed.attn(x, x + 1, x + 1, need_weights=False)
+    precond.remove()
+
+
+def test_two_sided_kfac_still_skips_the_attention(caplog):
+    """K-FAC needs the projections' output gradients, which no hook sees: the attention stays
+    with the optimizer, logged."""
+    torch.manual_seed(0)
+    with caplog.at_level(logging.INFO, logger="kron_precond"):
+        with pytest.raises(ValueError, match="no module"):
+            KronPreconditioner(Packed(), method="kfac")
+    assert any(r.getMessage().startswith("skipping attn") for r in caplog.records)
+
+
+def _distributed_worker(rank, world_size, out_dir):
+    torch.manual_seed(0)
+    packed = Packed()
+    precond = KronPreconditioner(packed, inv_dtype=torch.float64, **SETTINGS)
+    grads = []
+    for x, y in batches(5):
+        packed.zero_grad()
+        per = x.shape[0] // world_size
+        shard = slice(rank * per, (rank + 1) * per)
+        F.mse_loss(packed(x[shard]), y[shard]).backward()
+        for p in packed.parameters():  # DDP's mean over ranks, by hand
+            torch.distributed.all_reduce(p.grad)
+            p.grad /= world_size
+        precond.step()
+        grads.append([p.grad.clone() for p in packed.parameters()])
+    return grads
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_equal_one_process_on_the_full_batch(tmp_path, world):
+    """The query's rows join the statistics' all-reduce like any layer's: every rank's
+    preconditioned gradients are one process's on the full batch, at every step."""
+    from dist_utils import run_workers
+
+    results = run_workers(_distributed_worker, world, tmp_path, timeout=90)
+    torch.manual_seed(0)
+    packed = Packed()
+    precond = KronPreconditioner(packed, inv_dtype=torch.float64, **SETTINGS)
+    for step, (x, y) in enumerate(batches(5)):
+        packed.zero_grad()
+        F.mse_loss(packed(x), y).backward()
+        precond.step()
+        for rank_result in results:
+            for got, p in zip(rank_result[step], packed.parameters()):
+                torch.testing.assert_close(got, p.grad, rtol=1e-9, atol=1e-12)
