@@ -31,7 +31,7 @@ from typing import Callable, cast
 import torch
 from torch import nn
 
-from kron_precond.modules import Selected, owners_of, tied_elsewhere
+from kron_precond.modules import Selected, owners_of, tied_elsewhere, usable_parameters
 
 SEPARATE_PROJECTIONS = ("q_proj_weight", "k_proj_weight", "v_proj_weight")
 
@@ -211,12 +211,7 @@ def input_side_attention_units(model: nn.Module, is_skipped: Callable[[str, nn.M
             continue
         own = [(n, p) for n, p in (("in_proj_weight", module.in_proj_weight), ("in_proj_bias", module.in_proj_bias))
                if p is not None]
-        if not all(p.requires_grad for _, p in own):
-            log(f"skipping {label}: not all of its in_proj parameters require grad")
-            continue
-        shared = tied_elsewhere(owners, name, (p for _, p in own))
-        if shared:
-            log(f"skipping {label}: a parameter is shared with {', '.join(shared)} (tied weights)")
+        if not usable_parameters(owners, name, label, own, log):
             continue
         adapter = PackedInputAdapter(module, label)
         adapter.on_cross_attention = _refuse_cross_attention

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -324,15 +324,24 @@ def find_kfac_modules(model: nn.Module, is_skipped, log, *, weight_only: bool = 
         if weight_only and not all(u.params[0][1].requires_grad for u in units):
             log(f"skipping {label}: its weight does not require grad")
             continue
-        if not weight_only and not all(p.requires_grad for _, p in own):
-            log(f"skipping {label}: not all of its parameters require grad")
-            continue
-        shared = tied_elsewhere(owners, name, (p for _, p in own))
-        if shared:
-            log(f"skipping {label}: a parameter is shared with {', '.join(shared)} (tied weights)")
+        if not usable_parameters(owners, name, label, own, log, frozen_ok=weight_only):
             continue
         found.extend(units)
     return found
+
+
+def usable_parameters(owners: dict[int, list[str]], name: str, label: str, own: Sequence[tuple[str, torch.Tensor]],
+                      log, *, frozen_ok: bool = False) -> bool:
+    """Whether a unit's parameters ``own`` all train (unless ``frozen_ok``) and belong to the
+    module ``name`` alone (``owners``: :func:`owners_of`); a refusal is logged under ``label``."""
+    if not frozen_ok and not all(p.requires_grad for _, p in own):
+        log(f"skipping {label}: not all of its parameters require grad")
+        return False
+    shared = tied_elsewhere(owners, name, (p for _, p in own))
+    if shared:
+        log(f"skipping {label}: a parameter is shared with {', '.join(shared)} (tied weights)")
+        return False
+    return True
 
 
 def find_parameter_modules(model: nn.Module, is_skipped, log) -> list[Selected]:
