@@ -79,20 +79,20 @@ def test_two_sided_kfac_still_skips_the_attention(caplog):
 
 
 def _distributed_worker(rank, world_size, out_dir):
+    from dist_utils import average_gradients_by_hand
+
     torch.manual_seed(0)
     packed = Packed()
     precond = KronPreconditioner(packed, inv_dtype=torch.float64, **SETTINGS)
+    params = list(packed.parameters())
     grads = []
     for x, y in batches(5):
         packed.zero_grad()
         per = x.shape[0] // world_size
-        shard = slice(rank * per, (rank + 1) * per)
-        F.mse_loss(packed(x[shard]), y[shard]).backward()
-        for p in packed.parameters():  # DDP's mean over ranks, by hand
-            torch.distributed.all_reduce(p.grad)
-            p.grad /= world_size
+        F.mse_loss(packed(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+        average_gradients_by_hand(params, world_size, torch.distributed.all_reduce)  # DDP's mean
         precond.step()
-        grads.append([p.grad.clone() for p in packed.parameters()])
+        grads.append([p.grad.clone() for p in params])
     return grads
 
 
