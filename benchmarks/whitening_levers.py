@@ -163,9 +163,8 @@ class _VariantStatistics(WhiteningStatistics):
         super()._refresh_layout(members)
         if self._pieces is None:
             return
-        # decompose saw the members' factors stacked in order, each [units · blocks] entries
-        sizes = [state[f"{side}_factor"].reshape(-1, *state[f"{side}_factor"].shape[-3:]).shape[0]
-                 * state[f"{side}_factor"].shape[-3] for state, side, *_ in members]
+        # decompose saw the members' factors stacked in order, each [units · blocks] matrices
+        sizes = [state[f"{side}_factor"][..., 0, 0].numel() for state, side, *_ in members]
         params = {id(state): p for p, state in self.state.items()}
         for (state, *_), pieces in zip(members, self._pieces.split(sizes)):
             self.lowrank[id(params[id(state)])] = pieces
@@ -392,6 +391,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "input_fused_whole": dict(output_side=False, fused_qkv=False),
     # the output layer whitened and stepped like the hidden weights instead of by AdamW
     "input_lm_head": dict(output_side=False, whiten_lm_head=True),
+    # Newton-Schulz and the whitening in float32: the library's default on a CPU without
+    # bfloat16 kernels (the examples pin torch.optim.Muon's bfloat16)
+    "input_ns_float32": dict(output_side=False, ns_dtype="float32"),
     # Muon's momentum without Nesterov's look-ahead
     "input_no_nesterov": dict(output_side=False, nesterov=False),
     # the AdamW half (embeddings, norms, biases, lm_head) at the d_model 64 GPT's best Muon lr,
@@ -407,7 +409,7 @@ VARIANTS.update({f"input_center_{name}": dict(output_side=False, center_inputs=(
 # replaces (None: passed to WhitenedMuon as is)
 LIBRARY_SETTINGS = {"statistics_every": "wmuon_every", "factor_decay": "wmuon_factor_decay",
                     "block_size": "wmuon_block_size", "center_inputs": "wmuon_center_inputs", "ns_steps": None,
-                    "fused_qkv": None, "nesterov": None, "adamw_lr": "muon_rest_lr"}
+                    "fused_qkv": None, "nesterov": None, "adamw_lr": "muon_rest_lr", "ns_dtype": "wmuon_ns_dtype"}
 
 
 def _build(model: nn.Module, scaler, *, lr: float, weight_decay: float, config, variant: dict[str, Any]):

@@ -206,8 +206,7 @@ class PrecondConfig:
     wmuon_block_size: int | None = None
     wmuon_factor_decay: float = 0.8  # per refresh: the factors' exponential-average decay
     wmuon_ns_coefficients: str = "muon"  # or "polar_express"
-    # the Newton-Schulz dtype: torch.optim.Muon's bfloat16, to compare like for like, or
-    # "float32", or "library" (the library's default for the device)
+    # the Newton-Schulz dtype: torch.optim.Muon's "bfloat16", to compare like for like, or "float32"
     wmuon_ns_dtype: str = "bfloat16"
 
     @property
@@ -357,7 +356,7 @@ def build_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequen
     return OptimizerChain(chain)
 
 
-_NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "library": None}
+_NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequence[str],

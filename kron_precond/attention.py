@@ -159,12 +159,18 @@ def attention_units(name: str, module: nn.MultiheadAttention, *, cross_attention
     return observed, plain
 
 
+def _known_cross_attention(model: nn.Module) -> set[int]:
+    """``id`` of the attention modules known at construction to be called as cross-attention:
+    the ``multihead_attn`` of every ``nn.TransformerDecoderLayer``."""
+    return {id(m.multihead_attn) for m in model.modules() if isinstance(m, nn.TransformerDecoderLayer)}
+
+
 def model_attention_units(model: nn.Module, is_skipped: Callable[[str, nn.Module], bool], owners: dict[int, list[str]],
                           log: Callable[[str], None]) -> tuple[list[Selected], list[Selected]]:
     """:func:`attention_units` of every ``nn.MultiheadAttention`` of ``model`` that ``skip_layers``
     does not exclude, in ``model.named_modules()`` order; the ``multihead_attn`` of an
     ``nn.TransformerDecoderLayer`` is known to be cross-attention."""
-    cross = {id(m.multihead_attn) for m in model.modules() if isinstance(m, nn.TransformerDecoderLayer)}
+    cross = _known_cross_attention(model)
     observed: list[Selected] = []
     plain: list[Selected] = []
     for name, module in model.named_modules():
@@ -193,7 +199,7 @@ def input_side_attention_units(model: nn.Module, is_skipped: Callable[[str, nn.M
     value raises ``RuntimeError`` at that call, naming it: its factor would read the wrong rows.
     The ``out_proj``, whose input no hook sees, is the module search's (which logs it)."""
     owners = owners_of(model)
-    cross = {id(m.multihead_attn) for m in model.modules() if isinstance(m, nn.TransformerDecoderLayer)}
+    cross = _known_cross_attention(model)
     units = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.MultiheadAttention):

@@ -256,7 +256,7 @@ def test_output_layers_whitens_the_output_of_the_chosen_weights_only(layers):
 @pytest.mark.parametrize("name, every, decay, ns_steps, output_side", [
     ("input_every10", 10, 0.6, 5, False), ("input_ns4", 5, 0.8, 4, False), ("both_ns4", 5, 0.8, 4, True),
     ("both_every10", 10, 0.6, 5, True), ("input_block512", 5, 0.8, 5, False),
-    ("input_center_all", 5, 0.8, 5, False)])
+    ("input_center_all", 5, 0.8, 5, False), ("input_ns_float32", 5, 0.8, 5, False)])
 def test_library_setting_variants_override_the_cell_and_stay_the_library_optimizer(name, every, decay, ns_steps,
                                                                                    output_side):
     sys.path.insert(0, str(ROOT / "examples"))
@@ -274,6 +274,7 @@ def test_library_setting_variants_override_the_cell_and_stay_the_library_optimiz
         every, decay, ns_steps, output_side)
     assert built.damping == 0.2 and built.param_groups[0]["momentum"] == 0.8  # the cell's other settings
     assert built._statistics.block_size == (512 if name == "input_block512" else None)
+    assert built.ns_dtype == (torch.float32 if name == "input_ns_float32" else torch.bfloat16)  # the examples' pin
     # the GPT's layers all have biases: by default none is centred, with input_center_all every one
     centred = built._statistics.centered
     assert centred == (set(built._views) if name == "input_center_all" else set())
