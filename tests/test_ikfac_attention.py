@@ -113,3 +113,46 @@ def test_ranks_equal_one_process_on_the_full_batch(tmp_path, world):
         for rank_result in results:
             for got, p in zip(rank_result[step], packed.parameters()):
                 torch.testing.assert_close(got, p.grad, rtol=1e-9, atol=1e-12)
+
+
+def _fsdp_worker(rank, world_size, out_dir, reshard):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    packed = Packed()
+    if world_size > 1:  # the module holds a gathered copy of in_proj_weight during its forward
+        # (and, not resharding after it, still when its forward hooks run)
+        fully_shard(packed.attn, reshard_after_forward=reshard)
+        fully_shard(packed)
+    precond = KronPreconditioner(packed, inv_dtype=torch.float64, **SETTINGS)
+    opt = torch.optim.SGD(packed.parameters(), lr=0.1)
+    trajectory = []
+    for x, y in batches(5):
+        per = x.shape[0] // world_size
+        opt.zero_grad()
+        F.mse_loss(packed(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+        precond.step()
+        opt.step()
+        trajectory.append([(p.full_tensor() if world_size > 1 else p).detach().clone()
+                           for p in packed.parameters()])
+    return {"layers": list(precond.layers), "trajectory": trajectory}
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fsdp2_ranks_equal_one_process_on_the_full_batch(tmp_path, reshard):
+    """Under FSDP2 the packed in_proj is a DTensor sharded by rows: its preconditioned step on
+    2 ranks equals one process's on the full batch, whether or not FSDP2 reshards it after
+    the forward, on every rank and every step."""
+    import functools
+
+    from dist_utils import run_workers
+
+    worker = functools.partial(_fsdp_worker, reshard=reshard)
+    single = run_workers(worker, 1, tmp_path / "w1", timeout=90)[0]
+    results = run_workers(worker, 2, tmp_path / "w2", timeout=90)
+    assert single["layers"] == ["attn"]
+    for r in results:
+        assert r["layers"] == ["attn"]
+        for got_step, want_step in zip(r["trajectory"], single["trajectory"], strict=True):
+            for got, want in zip(got_step, want_step, strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
