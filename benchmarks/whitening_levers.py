@@ -394,6 +394,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # Newton-Schulz and the whitening in float32: the library's default on a CPU without
     # bfloat16 kernels (the examples pin torch.optim.Muon's bfloat16)
     "input_ns_float32": dict(output_side=False, ns_dtype="float32"),
+    # the wide input as diagonal plus rank n/4, in float32 (beside input_ns_float32, on a CPU without
+    # bfloat16 kernels, with benchmarks/muon_float32.py's Muon)
+    "input_rank4_ns_float32": dict(output_side=False, input_rank=4, ns_dtype="float32"),
     # Muon's momentum without Nesterov's look-ahead
     "input_no_nesterov": dict(output_side=False, nesterov=False),
     # the AdamW half (embeddings, norms, biases, lm_head) at the d_model 64 GPT's best Muon lr,

@@ -115,7 +115,8 @@ def test_ranks_equal_one_process_on_the_full_batch(tmp_path, world):
                 torch.testing.assert_close(got, p.grad, rtol=1e-9, atol=1e-12)
 
 
-def _fsdp_worker(rank, world_size, out_dir, reshard):
+
+def _fsdp_trajectory(rank, world_size, reshard):
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
@@ -138,21 +139,22 @@ def _fsdp_worker(rank, world_size, out_dir, reshard):
     return {"layers": list(precond.layers), "trajectory": trajectory}
 
 
-@pytest.mark.parametrize("reshard", [True, False])
-def test_fsdp2_ranks_equal_one_process_on_the_full_batch(tmp_path, reshard):
+def _fsdp_worker(rank, world_size, out_dir):
+    return {reshard: _fsdp_trajectory(rank, world_size, reshard) for reshard in (True, False)}
+
+
+def test_fsdp2_ranks_equal_one_process_on_the_full_batch(tmp_path):
     """Under FSDP2 the packed in_proj is a DTensor sharded by rows: its preconditioned step on
     2 ranks equals one process's on the full batch, whether or not FSDP2 reshards it after
     the forward, on every rank and every step."""
-    import functools
-
     from dist_utils import run_workers
 
-    worker = functools.partial(_fsdp_worker, reshard=reshard)
-    single = run_workers(worker, 1, tmp_path / "w1", timeout=90)[0]
-    results = run_workers(worker, 2, tmp_path / "w2", timeout=90)
+    single = _fsdp_trajectory(0, 1, True)
+    results = run_workers(_fsdp_worker, 2, tmp_path, timeout=90)
     assert single["layers"] == ["attn"]
-    for r in results:
-        assert r["layers"] == ["attn"]
-        for got_step, want_step in zip(r["trajectory"], single["trajectory"], strict=True):
-            for got, want in zip(got_step, want_step, strict=True):
-                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for by_reshard in results:
+        for r in by_reshard.values():
+            assert r["layers"] == ["attn"]
+            for got_step, want_step in zip(r["trajectory"], single["trajectory"], strict=True):
+                for got, want in zip(got_step, want_step, strict=True):
+                    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -388,3 +388,46 @@ def test_input_rank_applies_its_whitener_factored_as_the_dense_one():
     torch.manual_seed(0)
     start = [nn.Linear(8, 16, dtype=torch.float64), nn.Linear(16, 4, dtype=torch.float64)][1]
     assert (wide.weight - start.weight).abs().max() > 1e-3
+
+
+def test_the_low_rank_float32_variant_is_the_low_rank_variant_iterating_in_float32():
+    sys.path.insert(0, str(ROOT / "examples"))
+    from benchmarks.whitening_levers import _build
+    from char_lm import SKIP_LAYERS, CharTransformer, ModelConfig
+    from kron_examples_common import PrecondConfig
+    model = CharTransformer(ModelConfig(16, 1, 2, 8, False, "gpt"))
+    config = PrecondConfig(skip_layers=SKIP_LAYERS, muon_momentum=0.8)
+    built, _ = _build(model, None, lr=0.01, weight_decay=0.0, config=config, variant=VARIANTS["input_rank4_ns_float32"])
+    assert type(built) is WhiteningVariant and built._statistics.input_rank == 4 and built.ns_dtype == torch.float32
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (16, 16)])
+def test_the_float32_muon_is_torchs_iteration_in_float32(shape):
+    """benchmarks/muon_float32.py: torch.optim.Muon's Newton-Schulz without its bfloat16 cast,
+    against the same quintic written out in float64 (torch's own bfloat16 result is ~1e-2 off)."""
+    from benchmarks.muon_float32 import newton_schulz_float32
+    a, b, c = 3.4445, -4.7750, 2.0315
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    x = g.double().T if shape[0] > shape[1] else g.double()
+    x = x / x.norm()
+    for _ in range(5):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    want = x.T if shape[0] > shape[1] else x
+    got = newton_schulz_float32(g, (a, b, c), 5, 1e-7)
+    assert got.dtype == torch.float32 and got.shape == g.shape
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+
+
+def test_the_float32_muon_runs_a_script_with_torchs_function_replaced(tmp_path, monkeypatch):
+    import torch.optim._muon as torch_muon
+
+    from benchmarks import muon_float32
+    script = tmp_path / "probe.py"
+    out = tmp_path / "name.txt"
+    script.write_text("import sys, torch.optim._muon as m\n"
+                      "open(sys.argv[1], 'w').write(m._zeropower_via_newtonschulz.__name__)\n")
+    monkeypatch.setattr(sys, "argv", ["muon_float32.py", str(script), str(out)])
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", torch_muon._zeropower_via_newtonschulz)
+    muon_float32.main()
+    assert out.read_text() == "newton_schulz_float32"
