@@ -17,11 +17,16 @@ place, e.g. ``whitening_levers.py``, whose Muon run then is this one. The change
 from __future__ import annotations
 
 import math
-import runpy
 import sys
+from pathlib import Path
 
 import torch
 import torch.optim._muon as torch_muon
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.append(str(REPO_ROOT))
+from benchmarks.muon_newton_schulz import run_script_with  # noqa: E402
 
 _whole = torch_muon._zeropower_via_newtonschulz
 
@@ -38,13 +43,5 @@ def _by_thirds(grad: torch.Tensor, ns_coefficients, ns_steps: int, eps: float) -
     return _whole(grad, ns_coefficients, ns_steps, eps)
 
 
-def main() -> None:
-    if len(sys.argv) < 2:
-        raise SystemExit(f"usage: {sys.argv[0]} SCRIPT [ARGS...]")
-    torch_muon._zeropower_via_newtonschulz = _by_thirds
-    sys.argv = sys.argv[1:]
-    runpy.run_path(sys.argv[0], run_name="__main__")
-
-
 if __name__ == "__main__":
-    main()
+    run_script_with(_by_thirds, sys.argv[1:])

@@ -46,16 +46,8 @@ def newton_schulz(update: torch.Tensor) -> torch.Tensor:
     try:
         from torch.optim._muon import _zeropower_via_newtonschulz
     except ImportError:  # older / newer torch: the same quintic iteration
-        a, b, c = NS_COEFFICIENTS
-        x = update.bfloat16()
-        tall = x.shape[0] > x.shape[1]
-        if tall:
-            x = x.T
-        x = x / x.norm().clamp(min=NS_EPS)
-        for _ in range(NS_STEPS):
-            gram = x @ x.T
-            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-        return (x.T if tall else x).float()
+        from benchmarks.muon_newton_schulz import newton_schulz as written_out
+        return written_out(update, NS_COEFFICIENTS, NS_STEPS, NS_EPS, dtype=torch.bfloat16).float()
     return _zeropower_via_newtonschulz(update, NS_COEFFICIENTS, NS_STEPS, NS_EPS).float()
 
 

@@ -422,12 +422,27 @@ def test_the_float32_muon_is_torchs_iteration_in_float32(shape):
 def test_the_float32_muon_runs_a_script_with_torchs_function_replaced(tmp_path, monkeypatch):
     import torch.optim._muon as torch_muon
 
-    from benchmarks import muon_float32
+    from benchmarks.muon_float32 import newton_schulz_float32
+    from benchmarks.muon_newton_schulz import run_script_with
     script = tmp_path / "probe.py"
-    out = tmp_path / "name.txt"
-    script.write_text("import sys, torch.optim._muon as m\n"
-                      "open(sys.argv[1], 'w').write(m._zeropower_via_newtonschulz.__name__)\n")
-    monkeypatch.setattr(sys, "argv", ["muon_float32.py", str(script), str(out)])
+    out = tmp_path / "replaced.txt"
+    script.write_text("import sys, torch, torch.optim._muon as m\n"
+                      "g = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))\n"
+                      "x = m._zeropower_via_newtonschulz(g, (3.4445, -4.775, 2.0315), 5, 1e-7)\n"
+                      "open(sys.argv[1], 'w').write(str(x.dtype))\n")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", torch_muon._zeropower_via_newtonschulz)
-    muon_float32.main()
-    assert out.read_text() == "newton_schulz_float32"
+    run_script_with(newton_schulz_float32, [str(script), str(out)])
+    assert out.read_text() == "torch.float32"  # torch's own returns bfloat16
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
+def test_the_written_out_iteration_in_bfloat16_is_torchs_bit_for_bit(shape):
+    """The NorMuon baseline's fallback where torch has no private routine."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    from benchmarks.muon_newton_schulz import newton_schulz
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    coefficients = (3.4445, -4.7750, 2.0315)
+    assert torch.equal(newton_schulz(g, coefficients, 5, 1e-7, dtype=torch.bfloat16),
+                       _zeropower_via_newtonschulz(g, coefficients, 5, 1e-7))
