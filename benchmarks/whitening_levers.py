@@ -22,7 +22,11 @@ here changes one thing and nothing else:
   ``T = (U Λ^{-1/2} Uᵀ + σ^{-1} (I - U Uᵀ)) S^{-1/2}``, applied factored (:class:`LowRankWhitener`):
   ``2 · out · in · n / D`` multiply-adds per application instead of ``out · in²``. Its refresh
   is dearer than the library's (an ``eigh`` in float64, and the dense ``T`` formed for the
-  state), so the step time shows what the application saves net of that.
+  state), so the step time shows what the application saves net of that. ``track_rank=True``
+  (``input_rank4_tracked``) solves the ``eigh`` once, then tracks the top ``n / D`` eigenpairs
+  from refresh to refresh by one step of subspace iteration (:func:`tracked_lowrank_whitener`:
+  two ``n × n × n / D`` products, a thin QR and a small ``eigh``), cheaper than the library's
+  inverse Cholesky factor of the whole side.
 
 The others change the output side (they need ``output_side=True``; the input side stays as
 the library has it):
@@ -119,6 +123,8 @@ class _VariantStatistics(WhiteningStatistics):
     input_skip_names: str | None = None
     input_rank: int | None = None  # D: the wide input factors kept at rank n / D plus a scaled diagonal
     lowrank_widths: frozenset[int] = frozenset()  # the widths of those factors
+    track = False  # the low-rank basis tracked from refresh to refresh instead of solved
+    tracked: dict[tuple[int, ...], torch.Tensor]  # a stack's shape -> its basis as of the last refresh
     from_hook = True  # output rows from the capture hook (False: only those the optimizer adds)
 
     def observe(self, unit, side, rows, scale, *, added: bool = False) -> None:
@@ -154,7 +160,14 @@ class _VariantStatistics(WhiteningStatistics):
     def decompose(self, factor, overwrite):
         if self.input_rank is None or factor.shape[-1] not in self.lowrank_widths:
             return super().decompose(factor, overwrite)
-        self._pieces = lowrank_whitener(factor, self.damping, factor.shape[-1] // self.input_rank)
+        rank = factor.shape[-1] // self.input_rank
+        previous = self.tracked.get(tuple(factor.shape)) if self.track else None
+        if previous is not None and rank < factor.shape[-1]:
+            self._pieces = tracked_lowrank_whitener(factor, self.damping, previous)
+        else:  # solved: every refresh, or the first one of a tracked basis
+            self._pieces = lowrank_whitener(factor, self.damping, rank)
+        if self.track:
+            self.tracked[tuple(factor.shape)] = self._pieces.basis
         whitener = self._pieces.dense()  # kept in the state, as the library's (checkpoints, tests)
         return whitener, torch.isfinite(whitener.sum(dim=(1, 2)))[:, None, None]
 
@@ -214,6 +227,22 @@ class LowRankWhitener:
         return t * self.s[:, None, :]
 
 
+def _scaled_damped(factor: torch.Tensor, damping: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(C, S^{-1/2})``: ``F + λI`` (``λ = damping · tr(F) / n``) scaled to unit diagonal, ``C =
+    S^{-1/2} (F + λI) S^{-1/2}``, for a batch ``[k, n, n]``, in ``factor``'s dtype."""
+    n = factor.shape[-1]
+    lam = damping * factor.diagonal(dim1=-2, dim2=-1).sum(-1) / n
+    lam = torch.where(lam > 0, lam, 1.0)  # an all-zero factor: the identity
+    damped = factor + lam[:, None, None] * torch.eye(n, dtype=factor.dtype, device=factor.device)
+    scale = damped.diagonal(dim1=-2, dim2=-1).rsqrt()  # S^{-1/2}
+    return damped * scale[:, :, None] * scale[:, None, :], scale
+
+
+def _pieces(scale: torch.Tensor, basis: torch.Tensor, top: torch.Tensor, sigma: torch.Tensor) -> LowRankWhitener:
+    """``T = (U Λ^{-1/2} Uᵀ + σ⁻¹ (I - U Uᵀ)) S^{-1/2}`` from ``σ⁻¹`` (``sigma``) and the top pairs."""
+    return LowRankWhitener(scale, basis, top.clamp(min=1e-12).rsqrt() - sigma[:, None], sigma)
+
+
 def lowrank_whitener(factor: torch.Tensor, damping: float, rank: int) -> LowRankWhitener:
     """The :class:`LowRankWhitener` of a batch of factors ``[k, n, n]``: with ``F + λI``
     (``λ = damping · tr(F) / n``) scaled to unit diagonal, ``C = S^{-1/2} (F + λI) S^{-1/2}``, its
@@ -222,16 +251,29 @@ def lowrank_whitener(factor: torch.Tensor, damping: float, rank: int) -> LowRank
     ``Tᵀ T = S^{-1/2} (U Λ Uᵀ + σ² (I - U Uᵀ))⁻¹ S^{-1/2}``. ``rank = n``: ``Tᵀ T = (F + λI)⁻¹``.
     Computed in float64 (an ``eigh`` of ``n × n``), returned in ``factor``'s dtype."""
     n = factor.shape[-1]
-    work = factor.double()
-    lam = damping * work.diagonal(dim1=-2, dim2=-1).sum(-1) / n
-    lam = torch.where(lam > 0, lam, 1.0)  # an all-zero factor: the identity
-    damped = work + lam[:, None, None] * torch.eye(n, dtype=work.dtype, device=work.device)
-    scale = damped.diagonal(dim1=-2, dim2=-1).rsqrt()  # S^{-1/2}
-    values, vectors = torch.linalg.eigh(damped * scale[:, :, None] * scale[:, None, :])
+    scaled, scale = _scaled_damped(factor.double(), damping)
+    values, vectors = torch.linalg.eigh(scaled)
     top, basis = values[:, n - rank:], vectors[:, :, n - rank:]  # eigh: ascending
-    sigma = values[:, : n - rank].mean(-1).clamp(min=1e-12).rsqrt() if rank < n else torch.ones_like(lam)
-    pieces = LowRankWhitener(scale, basis, top.clamp(min=1e-12).rsqrt() - sigma[:, None], sigma)
-    return pieces.to(factor.dtype)
+    sigma = values[:, : n - rank].mean(-1).clamp(min=1e-12).rsqrt() if rank < n else torch.ones_like(scale[:, 0])
+    return _pieces(scale, basis, top, sigma).to(factor.dtype)
+
+
+def tracked_lowrank_whitener(factor: torch.Tensor, damping: float, basis: torch.Tensor) -> LowRankWhitener:
+    """:func:`lowrank_whitener` with the top ``r`` eigenpairs of ``C`` tracked instead of solved:
+    one step of subspace iteration from the last refresh's basis ``U₀`` ``[k, n, r]`` and a
+    Rayleigh-Ritz projection, ``Q = qr(C U₀)``, ``Q ᵀ C Q = V Λ Vᵀ``, ``U = Q V``. ``C`` has a unit
+    diagonal, so the rest of its spectrum has mean ``σ² = (n - Σ Λ) / (n - r)`` without being
+    computed. Two ``n × n × r`` products, a thin QR and an ``r × r`` eigh (in float64) instead of
+    an ``n × n`` eigh; a fixed point of the iteration is :func:`lowrank_whitener`'s result. The
+    products run in ``factor``'s dtype."""
+    n, rank = factor.shape[-1], basis.shape[-1]
+    scaled, scale = _scaled_damped(factor, damping)
+    q = torch.linalg.qr(torch.bmm(scaled, basis.to(factor.dtype)))[0]
+    projected = torch.bmm(q.mT, torch.bmm(scaled, q)).double()
+    values, vectors = torch.linalg.eigh((projected + projected.mT) / 2)
+    top = values.to(factor.dtype)
+    sigma = ((n - values.sum(-1)) / (n - rank)).clamp(min=1e-12).rsqrt().to(factor.dtype)
+    return _pieces(scale, torch.bmm(q, vectors.to(factor.dtype)), top, sigma)
 
 
 @contextlib.contextmanager
@@ -258,7 +300,8 @@ class WhiteningVariant(WhitenedMuon):
     def __init__(self, params: Any, lr: float, weight_decay: float = 0.0, *, output_rows: int | None = None,
                  output_spread: bool = False, output_block: int | None = None, output_every: int | None = None,
                  output_source: str = "activations", output_layers: str = "all", input_skip: str | None = None,
-                 input_skip_names: str | None = None, input_rank: int | None = None, **kwargs: Any) -> None:
+                 input_skip_names: str | None = None, input_rank: int | None = None, track_rank: bool = False,
+                 **kwargs: Any) -> None:
         if output_layers not in ("all", "narrow", "wide"):
             raise ValueError(f"output_layers must be 'all', 'narrow' or 'wide', got {output_layers!r}")
         if input_skip not in (None, "wide", "narrow", "square"):
@@ -266,6 +309,8 @@ class WhiteningVariant(WhitenedMuon):
         if input_rank is not None and (isinstance(input_rank, bool) or not isinstance(input_rank, int)
                                        or input_rank < 1):
             raise ValueError(f"input_rank must be a positive int (the rank's divisor), got {input_rank!r}")
+        if track_rank and input_rank is None:
+            raise ValueError("track_rank=True needs an input_rank")
         changed = (output_rows is not None or output_spread or output_block is not None or output_every is not None
                    or output_source != "activations" or output_layers != "all")
         if changed and not kwargs.get("output_side", False):
@@ -288,6 +333,7 @@ class WhiteningVariant(WhitenedMuon):
         statistics_.output_layers = output_layers
         statistics_.input_skip, statistics_.input_skip_names = input_skip, input_skip_names
         statistics_.input_rank, statistics_.lowrank = input_rank, {}
+        statistics_.track, statistics_.tracked = track_rank, {}
         statistics_.lowrank_widths = frozenset(view.width("input") for view in self._views.values()
                                                if _shape_kind(view.shape, "input") == "wide")
         self.output_source = output_source
@@ -397,6 +443,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the wide input as diagonal plus rank n/4, in float32 (beside input_ns_float32, on a CPU without
     # bfloat16 kernels, with benchmarks/muon_float32.py's Muon)
     "input_rank4_ns_float32": dict(output_side=False, input_rank=4, ns_dtype="float32"),
+    # rank n/4 with its basis tracked (one subspace iteration per refresh) instead of an eigh
+    "input_rank4_tracked": dict(output_side=False, input_rank=4, track_rank=True),
+    "input_rank4_tracked_ns_float32": dict(output_side=False, input_rank=4, track_rank=True, ns_dtype="float32"),
     # Muon's momentum without Nesterov's look-ahead
     "input_no_nesterov": dict(output_side=False, nesterov=False),
     # the AdamW half (embeddings, norms, biases, lm_head) at the d_model 64 GPT's best Muon lr,

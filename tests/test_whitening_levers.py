@@ -446,3 +446,76 @@ def test_the_written_out_iteration_in_bfloat16_is_torchs_bit_for_bit(shape):
     coefficients = (3.4445, -4.7750, 2.0315)
     assert torch.equal(newton_schulz(g, coefficients, 5, 1e-7, dtype=torch.bfloat16),
                        _zeropower_via_newtonschulz(g, coefficients, 5, 1e-7))
+
+
+def _spread_factor(n: int, k: int = 2) -> torch.Tensor:
+    """A batch of ``k`` covariances with a decaying spectrum (gaps between the top eigenvalues)."""
+    g = torch.Generator().manual_seed(3)
+    basis = torch.linalg.qr(torch.randn(k, n, n, generator=g, dtype=torch.float64))[0]
+    values = 1.0 / torch.arange(1, n + 1, dtype=torch.float64) ** 2
+    return (basis * values) @ basis.mT
+
+
+def test_a_tracked_basis_at_the_solved_one_is_a_fixed_point():
+    """One subspace step from the eigh's top basis gives the eigh's whitener: the same top pairs,
+    and the rest's mean from the unit trace equal to the mean of the rest of the spectrum."""
+    from benchmarks.whitening_levers import lowrank_whitener, tracked_lowrank_whitener
+    factor = _spread_factor(24)
+    solved = lowrank_whitener(factor, 0.1, 6)
+    tracked = tracked_lowrank_whitener(factor, 0.1, solved.basis)
+    torch.testing.assert_close(tracked.dense(), solved.dense(), rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(tracked.inverse_sigma, solved.inverse_sigma, rtol=1e-12, atol=0)
+
+
+def test_a_tracked_basis_converges_to_the_solved_whitener_from_any_start():
+    """Repeated refreshes of one factor from a random basis: the subspace iteration reaches the
+    eigh's whitener (the spectrum has gaps); one step from a random start does not."""
+    from benchmarks.whitening_levers import lowrank_whitener, tracked_lowrank_whitener
+    factor = _spread_factor(24)
+    solved = lowrank_whitener(factor, 0.1, 6).dense()
+    basis = torch.randn(2, 24, 6, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    first = tracked_lowrank_whitener(factor, 0.1, basis)
+    assert (first.dense() - solved).abs().max() > 1e-3
+    for _ in range(300):
+        basis = tracked_lowrank_whitener(factor, 0.1, basis).basis
+    torch.testing.assert_close(tracked_lowrank_whitener(factor, 0.1, basis).dense(), solved, rtol=1e-7, atol=1e-8)
+
+
+def test_the_tracked_variant_solves_once_then_tracks():
+    """``track_rank=True``: the first refresh of the wide input solves (an eigh), the later ones
+    step the kept basis; while the inputs drift, the whitener follows the solved one (at less
+    than half the first refresh's whitener's distance from it)."""
+    from benchmarks import whitening_levers as wl
+    calls = {"solved": 0, "tracked": 0}
+    solve, track = wl.lowrank_whitener, wl.tracked_lowrank_whitener
+
+    def counted(name, function):
+        def run(*args):
+            calls[name] += 1
+            return function(*args)
+        return run
+
+    torch.manual_seed(0)
+    first, wide = nn.Linear(8, 32, dtype=torch.float64), nn.Linear(32, 4, dtype=torch.float64)
+    optimizer = WhiteningVariant([first, wide], lr=1e-2, statistics_every=1, input_rank=4, track_rank=True,
+                                 ns_dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    mix = torch.randn(8, 8, generator=g, dtype=torch.float64)
+    try:
+        wl.lowrank_whitener, wl.tracked_lowrank_whitener = counted("solved", solve), counted("tracked", track)
+        for step in range(6):
+            x = torch.randn(64, 8, generator=g, dtype=torch.float64) @ mix + step
+            wide(torch.tanh(first(x))).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 0:
+                stale = optimizer.state[wide.weight]["input_whitener"].reshape(32, 32).clone()
+    finally:
+        wl.lowrank_whitener, wl.tracked_lowrank_whitener = solve, track
+    assert calls == {"solved": 1, "tracked": 5}
+    state = optimizer.state[wide.weight]
+    exact = solve(state["input_factor"].reshape(1, 32, 32), optimizer.damping, 8).dense()[0]
+    tracked = state["input_whitener"].reshape(32, 32)
+    assert (tracked - exact).norm() < 0.5 * (stale - exact).norm()
+    with pytest.raises(ValueError, match="track_rank"):
+        WhiteningVariant([first, wide], lr=1e-2, track_rank=True)
