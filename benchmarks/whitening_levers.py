@@ -261,7 +261,7 @@ def lowrank_whitener(factor: torch.Tensor, damping: float, rank: int) -> LowRank
 def tracked_lowrank_whitener(factor: torch.Tensor, damping: float, basis: torch.Tensor) -> LowRankWhitener:
     """:func:`lowrank_whitener` with the top ``r`` eigenpairs of ``C`` tracked instead of solved:
     one step of subspace iteration from the last refresh's basis ``U₀`` ``[k, n, r]`` and a
-    Rayleigh-Ritz projection, ``Q = qr(C U₀)``, ``Q ᵀ C Q = V Λ Vᵀ``, ``U = Q V``. ``C`` has a unit
+    Rayleigh-Ritz projection, ``Q = qr(C U₀)``, ``Qᵀ C Q = V Λ Vᵀ``, ``U = Q V``. ``C`` has a unit
     diagonal, so the rest of its spectrum has mean ``σ² = (n - Σ Λ) / (n - r)`` without being
     computed. Two ``n × n × r`` products, a thin QR and an ``r × r`` eigh (in float64) instead of
     an ``n × n`` eigh; a fixed point of the iteration is :func:`lowrank_whitener`'s result. The
