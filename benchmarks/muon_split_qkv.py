@@ -26,7 +26,7 @@ import torch.optim._muon as torch_muon
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.append(str(REPO_ROOT))
-from benchmarks.muon_newton_schulz import run_script_with  # noqa: E402
+from benchmarks.swap_newton_schulz import run_script_with  # noqa: E402
 
 _whole = torch_muon._zeropower_via_newtonschulz
 

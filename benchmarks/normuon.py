@@ -30,9 +30,9 @@ from typing import Callable, Iterable
 
 import torch
 
-from kron_precond.whitened_muon import lr_ratio  # torch.optim.Muon's match_rms_adamw factor
+# torch.optim.Muon's quintic Newton-Schulz and its match_rms_adamw factor
+from kron_precond.whitened_muon import NS_COEFFICIENTS, lr_ratio, msign
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's quintic Newton-Schulz
 NS_STEPS = 5
 NS_EPS = 1e-7
 EPS = 1e-10  # the paper's ε, small: v is a mean of squares of an O(1/sqrt(n))-RMS matrix
@@ -46,8 +46,7 @@ def newton_schulz(update: torch.Tensor) -> torch.Tensor:
     try:
         from torch.optim._muon import _zeropower_via_newtonschulz
     except ImportError:  # older / newer torch: the same quintic iteration
-        from benchmarks.muon_newton_schulz import newton_schulz as written_out
-        return written_out(update, NS_COEFFICIENTS, NS_STEPS, NS_EPS, dtype=torch.bfloat16).float()
+        return msign(update, NS_STEPS, NS_EPS, dtype=torch.bfloat16).float()  # torch's, bit for bit
     return _zeropower_via_newtonschulz(update, NS_COEFFICIENTS, NS_STEPS, NS_EPS).float()
 
 

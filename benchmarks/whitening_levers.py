@@ -124,7 +124,8 @@ class _VariantStatistics(WhiteningStatistics):
     input_rank: int | None = None  # D: the wide input factors kept at rank n / D plus a scaled diagonal
     lowrank_widths: frozenset[int] = frozenset()  # the widths of those factors
     track = False  # the low-rank basis tracked from refresh to refresh instead of solved
-    tracked: dict[tuple[int, ...], torch.Tensor]  # a stack's shape -> its basis as of the last refresh
+    tracked: dict[tuple, torch.Tensor]  # a layout's members -> their stacked basis as of the last refresh
+    _layout: tuple | None = None  # the members of the layout being refreshed
     from_hook = True  # output rows from the capture hook (False: only those the optimizer adds)
 
     def observe(self, unit, side, rows, scale, *, added: bool = False) -> None:
@@ -161,19 +162,24 @@ class _VariantStatistics(WhiteningStatistics):
         if self.input_rank is None or factor.shape[-1] not in self.lowrank_widths:
             return super().decompose(factor, overwrite)
         rank = factor.shape[-1] // self.input_rank
-        previous = self.tracked.get(tuple(factor.shape)) if self.track else None
-        if previous is not None and rank < factor.shape[-1]:
+        key = self._layout if self.track else None
+        previous = self.tracked.get(key) if key is not None else None
+        if previous is not None and previous.shape[:-1] == factor.shape[:-1] and rank < factor.shape[-1]:
             self._pieces = tracked_lowrank_whitener(factor, self.damping, previous)
         else:  # solved: every refresh, or the first one of a tracked basis
             self._pieces = lowrank_whitener(factor, self.damping, rank)
-        if self.track:
-            self.tracked[tuple(factor.shape)] = self._pieces.basis
+        if key is not None:
+            self.tracked[key] = self._pieces.basis
         whitener = self._pieces.dense()  # kept in the state, as the library's (checkpoints, tests)
         return whitener, torch.isfinite(whitener.sum(dim=(1, 2)))[:, None, None]
 
     def _refresh_layout(self, members):
         self._pieces = None
-        super()._refresh_layout(members)
+        self._layout = tuple((id(state), side) for state, side, *_ in members)
+        try:
+            super()._refresh_layout(members)
+        finally:
+            self._layout = None
         if self._pieces is None:
             return
         # decompose saw the members' factors stacked in order, each [units · blocks] matrices

@@ -191,3 +191,18 @@ def test_the_normuon_baseline_marks_gpt2s_conv1d_weights_transposed():
     conv1d = {id(m.weight) for m in model.modules() if type(m).__name__ == "Conv1D"}
     assert len(conv1d) == 8 and normuon._transposed == conv1d
     assert {id(p) for g in normuon.param_groups for p in g["params"]} == conv1d
+
+
+@pytest.mark.parametrize("shape", [(12, 20), (20, 12)])
+def test_the_fallback_without_torchs_routine_orthogonalises_as_torch(monkeypatch, shape):
+    """Where torch has no private Newton-Schulz routine, the baseline's own (the library's
+    ``msign`` in bfloat16) gives torch's result bit for bit."""
+    import torch.optim._muon as torch_muon
+
+    from benchmarks.normuon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, newton_schulz
+    update = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
+    want = torch_muon._zeropower_via_newtonschulz(update, NS_COEFFICIENTS, NS_STEPS, NS_EPS).float()
+    monkeypatch.delattr(torch_muon, "_zeropower_via_newtonschulz")
+    with pytest.raises(ImportError):
+        from torch.optim._muon import _zeropower_via_newtonschulz  # noqa: F401
+    assert torch.equal(newton_schulz(update), want)

@@ -1,5 +1,4 @@
-"""``torch.optim.Muon``'s Newton-Schulz iteration written out in any dtype, and a runner that
-swaps torch's own for another function while a benchmark script runs.
+"""Run a benchmark script with ``torch.optim.Muon``'s Newton-Schulz function swapped for another.
 
 The baselines' variants (``muon_float32.py``: the iteration in float32; ``muon_split_qkv.py``: a
 fused query/key/value weight orthogonalised as three matrices) change that one private function,
@@ -17,22 +16,6 @@ import torch
 import torch.optim._muon as torch_muon
 
 NewtonSchulz = Callable[[torch.Tensor, tuple[float, float, float], int, float], torch.Tensor]
-
-
-def newton_schulz(grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """torch's iteration (its quintic, its normalisation, the smaller side's Gram matrix) in
-    ``dtype``; ``dtype=torch.bfloat16`` is torch's own arithmetic. Returns ``dtype``."""
-    a, b, c = coefficients
-    x = grad.to(dtype)
-    transposed = grad.size(0) > grad.size(1)
-    if transposed:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if transposed else x
 
 
 def run_script_with(function: NewtonSchulz, argv: list[str]) -> None:
