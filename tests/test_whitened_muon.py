@@ -709,7 +709,12 @@ def test_a_non_finite_gradient_in_a_stack_leaves_only_its_own_weight_behind(bad)
 STEPS = 5
 
 
-def _dist_worker(rank: int, world: int, out_dir: str, output_side: bool, center_inputs: bool | None):
+# Centred (the default for these bias-free layers: each rank's row sums and mean terms join the
+# all-reduce) and uncentred, one side and both: (output_side, center_inputs).
+DIST_VARIANTS = [(False, None), (True, None), (False, False), (True, False)]
+
+
+def _dist_train(rank: int, world: int, output_side: bool, center_inputs: bool | None) -> dict:
     net = make_net()
     opt = WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, statistics_every=2, output_side=output_side,
                        ns_dtype=torch.float64, center_inputs=center_inputs)
@@ -724,17 +729,26 @@ def _dist_worker(rank: int, world: int, out_dir: str, output_side: bool, center_
     return {"params": [p.detach().clone() for p in params], "identical": identical}
 
 
-@pytest.mark.parametrize("output_side, center_inputs", [(False, None), (True, None), (False, False), (True, False)])
-def test_any_world_size_gives_the_one_process_result(tmp_path, output_side, center_inputs):
-    """Centred (the default for these bias-free layers: each rank's row sums and mean terms
-    join the all-reduce) and uncentred, one side and both."""
-    single = run_workers(_dist_worker, 1, tmp_path / "w1", output_side, center_inputs, timeout=90)[0]
+def _dist_worker(rank: int, world: int, out_dir: str) -> dict:
+    """Every variant in turn, in one spawn per world size (a spawn costs more than the runs)."""
+    return {variant: _dist_train(rank, world, *variant) for variant in DIST_VARIANTS}
+
+
+@pytest.fixture(scope="module")
+def dist_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("whitened_muon_worlds")
+    return {world: run_workers(_dist_worker, world, out / f"w{world}", timeout=240) for world in (1, 2, 4)}
+
+
+@pytest.mark.parametrize("output_side, center_inputs", DIST_VARIANTS)
+def test_any_world_size_gives_the_one_process_result(dist_runs, output_side, center_inputs):
+    single = dist_runs[1][0][(output_side, center_inputs)]
     start = make_net()
     moved = sum((p - q).abs().max() for p, q in zip(single["params"], start.parameters()))
     assert moved > 1e-3  # the steps did something
     for world in (2, 4):
-        results = run_workers(_dist_worker, world, tmp_path / f"w{world}", output_side, center_inputs, timeout=90)
-        for r in results:
+        for r in dist_runs[world]:
+            r = r[(output_side, center_inputs)]
             assert all(r["identical"])
             for got, want in zip(r["params"], single["params"]):
                 torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -31,7 +31,25 @@ def run_phases(rank: int, world: int, out_dir: str, phases: list[tuple[str, dict
                       HF_DATASETS_CACHE=os.path.join(out_dir, f"hf-cache-{world}-{rank}"))
     torch.autograd.set_multithreading_enabled(False)  # as torchtitan's own init_distributed does
     flags = cpu_workarounds()
+    _skip_the_closing_sleep()
     return {name: _phase(rank, phase, flags) for name, phase in phases}
+
+
+def _skip_the_closing_sleep() -> None:
+    """``Trainer.train`` ends with two seconds of ``time.sleep`` on rank 0 ("for other ranks to
+    complete"), once per phase: 16 s of the test's run. Every phase here ends in collectives
+    (gathered state, full parameters) that wait for all ranks anyway, so the sleep only waits."""
+    import torchtitan.trainer
+
+    class _Time:
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            pass
+
+    torchtitan.trainer.time = _Time()
 
 
 def _phase(rank: int, phase: dict, flags: list[str]) -> dict:
