@@ -307,7 +307,7 @@ class WhiteningVariant(WhitenedMuon):
                  output_spread: bool = False, output_block: int | None = None, output_every: int | None = None,
                  output_source: str = "activations", output_layers: str = "all", input_skip: str | None = None,
                  input_skip_names: str | None = None, input_rank: int | None = None, track_rank: bool = False,
-                 **kwargs: Any) -> None:
+                 cautious: str | None = None, **kwargs: Any) -> None:
         if output_layers not in ("all", "narrow", "wide"):
             raise ValueError(f"output_layers must be 'all', 'narrow' or 'wide', got {output_layers!r}")
         if input_skip not in (None, "wide", "narrow", "square"):
@@ -317,6 +317,8 @@ class WhiteningVariant(WhitenedMuon):
             raise ValueError(f"input_rank must be a positive int (the rank's divisor), got {input_rank!r}")
         if track_rank and input_rank is None:
             raise ValueError("track_rank=True needs an input_rank")
+        if cautious not in (None, "mean", "norm"):
+            raise ValueError(f"cautious must be None, 'mean' or 'norm', got {cautious!r}")
         changed = (output_rows is not None or output_spread or output_block is not None or output_every is not None
                    or output_source != "activations" or output_layers != "all")
         if changed and not kwargs.get("output_side", False):
@@ -343,7 +345,27 @@ class WhiteningVariant(WhitenedMuon):
         statistics_.lowrank_widths = frozenset(view.width("input") for view in self._views.values()
                                                if _shape_kind(view.shape, "input") == "wide")
         self.output_source = output_source
+        self.cautious = cautious
         self._capture.output_grads = self.output_side and statistics_.from_hook
+
+    def _direction(self, update, left, right):
+        """``cautious``: the whitened direction kept only where its sign agrees with the momentum
+        it was built from (the step's own descent direction, entry by entry; Cautious Optimizers,
+        arXiv 2411.16085), rescaled by the kept fraction (``"mean"``, the paper's: the entries
+        kept grow by ``1 / kept``) or to the unmasked direction's Frobenius norm (``"norm"``:
+        ``1 / sqrt(kept)`` for entries of one size, Muon's step size kept)."""
+        direction = super()._direction(update, left, right)
+        if self.cautious is None:
+            return direction
+        wide = torch.promote_types(direction.dtype, torch.float32)  # sizes of bfloat16 in float32
+        agree = (direction * update.to(direction.dtype) > 0).to(direction.dtype)
+        masked = direction * agree
+        if self.cautious == "mean":
+            scale = 1 / agree.to(wide).mean(dim=(-2, -1), keepdim=True).clamp(min=1e-3)
+        else:
+            scale = (direction.to(wide).norm(dim=(-2, -1), keepdim=True)
+                     / masked.to(wide).norm(dim=(-2, -1), keepdim=True).clamp(min=1e-30))
+        return masked * scale.to(direction.dtype)
 
     def _stacked_whiteners(self, params):
         """The input side of a low-rank stack as its :class:`LowRankWhitener` (in ``ns_dtype``)."""
@@ -454,6 +476,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "input_rank4_tracked_ns_float32": dict(output_side=False, input_rank=4, track_rank=True, ns_dtype="float32"),
     # Muon's momentum without Nesterov's look-ahead
     "input_no_nesterov": dict(output_side=False, nesterov=False),
+    # the step masked where its sign disagrees with the momentum's, rescaled by the kept fraction
+    "input_cautious": dict(output_side=False, cautious="mean"),
+    # the same, rescaled to the unmasked step's Frobenius norm instead
+    "input_cautious_norm": dict(output_side=False, cautious="norm"),
     # the AdamW half (embeddings, norms, biases, lm_head) at the d_model 64 GPT's best Muon lr,
     # 3.2e-2, whatever --lr the whitened weights take (the library's default: one lr for both)
     "input_adamw_lr0.032": dict(output_side=False, adamw_lr=0.032),

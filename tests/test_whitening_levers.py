@@ -5,6 +5,7 @@ output factor each variant should build is written out from ``C`` (or, for the g
 factor, from ``∇W = Cᵀ X``) in float64, sharing no code with the optimizer."""
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -509,3 +510,36 @@ def test_the_tracked_variant_solves_once_then_tracks():
     assert (tracked - exact).norm() < 0.5 * (stale - exact).norm()
     with pytest.raises(ValueError, match="track_rank"):
         WhiteningVariant([first, wide], lr=1e-2, track_rank=True)
+
+
+@pytest.mark.parametrize("cautious", ["mean", "norm"])
+def test_the_cautious_step_keeps_the_entries_that_agree_with_the_gradient_rescaled(cautious):
+    """On the first step the momentum is a multiple of the gradient, so the cautious step is the
+    library's step where its sign agrees with the gradient's, zero elsewhere, times ``1 / kept``
+    (``"mean"``) or rescaled to the library's step's Frobenius norm (``"norm"``), written out in
+    float64 against the library's own step."""
+    from kron_precond import WhitenedMuon
+
+    steps = {}
+    for variant in (None, cautious):
+        layer, x, c = _layer_and_batch()
+        layer = layer.double()
+        cls = functools.partial(WhiteningVariant, cautious=variant) if variant else WhitenedMuon
+        optimizer = cls([layer], lr=1e-2, statistics_rows=None, ns_dtype=torch.float64)
+        before = layer.weight.detach().clone()
+        (layer(x.double()) * c.double()).sum().backward()
+        grad = layer.weight.grad.clone()
+        optimizer.step()
+        steps[variant] = layer.weight.detach() - before
+    plain = steps[None]
+    agree = (plain * -grad > 0).double()
+    assert 0.2 < agree.mean() < 0.9  # the mask keeps some entries and drops others
+    masked = plain * agree
+    expected = masked / agree.mean() if cautious == "mean" else masked * plain.norm() / masked.norm()
+    torch.testing.assert_close(steps[cautious], expected, rtol=1e-12, atol=1e-15)
+
+
+def test_cautious_must_name_its_rescaling():
+    layer, _, _ = _layer_and_batch()
+    with pytest.raises(ValueError, match="cautious"):
+        WhiteningVariant([layer], lr=1e-2, cautious=True)
