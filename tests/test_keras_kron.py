@@ -1,8 +1,9 @@
 """``kron_precond.keras.Kron`` on every Keras backend installed here.
 
 Keras fixes its backend at first import, so each backend runs in a subprocess of its own
-(``tests/keras_worker.py`` with ``KERAS_BACKEND`` set), once per test session; the tests
-below assert on the measurements it reports. A backend is skipped, with the reason, only
+(``tests/keras_worker.py`` with ``KERAS_BACKEND`` set), once per test session, all of them
+started together when the first test asks; the tests below assert on the measurements it
+reports. A backend is skipped, with the reason, only
 when its package is not installed (``.ci/run`` installs all three).
 """
 from __future__ import annotations
