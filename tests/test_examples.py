@@ -157,7 +157,8 @@ def test_the_suite_collects_and_runs_under_an_installed_top_level_examples_packa
     report = f"{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
     assert done.returncode == 0, f"the suite failed under a foreign `examples`:\n{report}"
     summary = done.stdout.strip().splitlines()[-1]
-    assert f"{len(LOADING_TESTS)} passed" in summary and "error" not in summary, report
+    # exactly these tests ran ("14 passed" would also contain "4 passed")
+    assert re.match(rf"{len(LOADING_TESTS)} passed\b", summary) and "error" not in summary, report
     assert not re.search(r"^ERROR ", done.stdout, re.MULTILINE), report
 
 

@@ -747,10 +747,10 @@ def test_any_world_size_gives_the_one_process_result(dist_runs, output_side, cen
     moved = sum((p - q).abs().max() for p, q in zip(single["params"], start.parameters()))
     assert moved > 1e-3  # the steps did something
     for world in (2, 4):
-        for r in dist_runs[world]:
-            r = r[(output_side, center_inputs)]
-            assert all(r["identical"])
-            for got, want in zip(r["params"], single["params"]):
+        for rank in dist_runs[world]:
+            run = rank[(output_side, center_inputs)]
+            assert all(run["identical"])
+            for got, want in zip(run["params"], single["params"]):
                 torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
