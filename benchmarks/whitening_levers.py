@@ -43,7 +43,9 @@ the library has it):
   averages over ``K / statistics_every`` times the input side's horizon.
 - ``output_layers="narrow"`` (``"wide"``): the output side only on the weights whose output is
   no wider (wider) than their input. The others keep an identity output whitener, which still
-  costs its matmuls: this variant measures steps, not the cost it would save.
+  costs its matmuls: this variant measures steps, not the cost it would save. With
+  ``output_elsewhere="none"`` the others have no output side at all (no factor, no refresh, no
+  matmuls), so the step time is what the choice would cost as a library setting (``wide_only``).
 - ``output_source="gradient"`` (or ``"momentum"``): no hook; ``G`` is made on statistics steps
   from the weight's gradient (or its momentum buffer as the last step left it), whitened on
   the input side first, ``Ĝ = ∇W Tᵀ`` (``T`` the last refresh's input whitener, ``Tᵀ T =
@@ -119,6 +121,7 @@ class _VariantStatistics(WhiteningStatistics):
     output_block: int | None = None
     output_every = 1
     output_layers = "all"
+    output_elsewhere = "identity"  # the weights output_layers leaves out: "identity" or "none"
     input_skip: str | None = None
     input_skip_names: str | None = None
     input_rank: int | None = None  # D: the wide input factors kept at rank n / D plus a scaled diagonal
@@ -153,6 +156,17 @@ class _VariantStatistics(WhiteningStatistics):
         """``output_layers``: every weight, those whose output is wider than their input, or the others."""
         wide = _shape_kind(self.views[id(param)].shape, "output") == "wide"
         return self.output_layers == "all" or wide == (self.output_layers == "wide")
+
+    def refresh(self, params):
+        """``output_elsewhere="none"``: the weights ``output_layers`` leaves out refresh their
+        input side alone, so they never get an output factor or whitener (``_stacked_whiteners``
+        then has no output side for their stacks)."""
+        if self.output_layers == "all" or self.output_elsewhere == "identity" or self.sides == ("input",):
+            return super().refresh(params)
+        params = list(params)
+        super().refresh([p for p in params if self.whitens_output(p)])
+        with _set(self, "sides", ("input",)):
+            super().refresh([p for p in params if not self.whitens_output(p)])
 
     # id(param) -> its input side's pieces as of the last refresh (set per instance)
     lowrank: dict[int, LowRankWhitener]
@@ -305,11 +319,14 @@ class WhiteningVariant(WhitenedMuon):
 
     def __init__(self, params: Any, lr: float, weight_decay: float = 0.0, *, output_rows: int | None = None,
                  output_spread: bool = False, output_block: int | None = None, output_every: int | None = None,
-                 output_source: str = "activations", output_layers: str = "all", input_skip: str | None = None,
+                 output_source: str = "activations", output_layers: str = "all",
+                 output_elsewhere: str = "identity", input_skip: str | None = None,
                  input_skip_names: str | None = None, input_rank: int | None = None, track_rank: bool = False,
                  cautious: str | None = None, **kwargs: Any) -> None:
         if output_layers not in ("all", "narrow", "wide"):
             raise ValueError(f"output_layers must be 'all', 'narrow' or 'wide', got {output_layers!r}")
+        if output_elsewhere not in ("identity", "none"):
+            raise ValueError(f"output_elsewhere must be 'identity' or 'none', got {output_elsewhere!r}")
         if input_skip not in (None, "wide", "narrow", "square"):
             raise ValueError(f"input_skip must be None, 'wide', 'narrow' or 'square', got {input_skip!r}")
         if input_rank is not None and (isinstance(input_rank, bool) or not isinstance(input_rank, int)
@@ -320,7 +337,7 @@ class WhiteningVariant(WhitenedMuon):
         if cautious not in (None, "mean", "norm"):
             raise ValueError(f"cautious must be None, 'mean' or 'norm', got {cautious!r}")
         changed = (output_rows is not None or output_spread or output_block is not None or output_every is not None
-                   or output_source != "activations" or output_layers != "all")
+                   or output_source != "activations" or output_layers != "all" or output_elsewhere != "identity")
         if changed and not kwargs.get("output_side", False):
             raise ValueError("an output-side change needs output_side=True")
         if output_source not in SOURCES:
@@ -338,7 +355,7 @@ class WhiteningVariant(WhitenedMuon):
         statistics_.output_rows, statistics_.output_spread = output_rows, output_spread
         statistics_.output_block, statistics_.output_every = output_block, output_every
         statistics_.from_hook = output_source == "activations"
-        statistics_.output_layers = output_layers
+        statistics_.output_layers, statistics_.output_elsewhere = output_layers, output_elsewhere
         statistics_.input_skip, statistics_.input_skip_names = input_skip, input_skip_names
         statistics_.input_rank, statistics_.lowrank = input_rank, {}
         statistics_.track, statistics_.tracked = track_rank, {}
@@ -431,6 +448,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "every20": dict(output_side=True, output_every=20),
     "narrow": dict(output_side=True, output_layers="narrow"),
     "wide": dict(output_side=True, output_layers="wide"),
+    # the same with no output side elsewhere: its step time is the setting's own
+    "wide_only": dict(output_side=True, output_layers="wide", output_elsewhere="none"),
     "gradient": dict(output_side=True, output_source="gradient"),
     "momentum": dict(output_side=True, output_source="momentum"),
     # the input side alone, with the weights of one input shape left unwhitened (GPT: wide = the

@@ -254,6 +254,39 @@ def test_output_layers_whitens_the_output_of_the_chosen_weights_only(layers):
                               torch.eye(chosen.weight.shape[0]))
 
 
+def test_output_elsewhere_none_steps_the_other_weights_on_their_input_side_alone():
+    """``wide_only``: the wide-output weight steps as ``output_side=True`` steps it, the other
+    as the input side alone steps it, and the other has no output factor or whitener at all."""
+    from kron_precond import WhitenedMuon
+
+    def layers():
+        torch.manual_seed(0)
+        return nn.Linear(4, 8, bias=False), nn.Linear(8, 4, bias=False)  # out > in, out < in
+
+    def trained(build):
+        wide, narrow = layers()
+        optimizer = build([wide, narrow])
+        # apart, so that each weight's gradients depend on its own steps alone
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+        z = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
+        for _ in range(3):  # a statistics step (the first), then plain steps on its whiteners
+            (wide(x).square().sum() + narrow(z).square().sum()).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return wide, narrow, optimizer
+
+    common = dict(lr=1e-2, statistics_rows=None, ns_dtype=torch.float64)
+    wide, narrow, variant = trained(lambda ps: WhiteningVariant(ps, **VARIANTS["wide_only"] | common))
+    both_wide, _, _ = trained(lambda ps: WhitenedMuon(ps, output_side=True, **common))
+    _, input_narrow, _ = trained(lambda ps: WhitenedMuon(ps, output_side=False, **common))
+    torch.testing.assert_close(wide.weight, both_wide.weight, rtol=0, atol=1e-12)
+    torch.testing.assert_close(narrow.weight, input_narrow.weight, rtol=0, atol=1e-12)
+    assert "output_whitener" in variant.state[wide.weight]
+    assert not {"output_factor", "output_whitener"} & set(variant.state[narrow.weight])
+    with pytest.raises(ValueError, match="output_elsewhere"):
+        WhiteningVariant(layers(), lr=1e-2, output_side=True, output_layers="wide", output_elsewhere="zero")
+
+
 @pytest.mark.parametrize("name, every, decay, ns_steps, output_side", [
     ("input_every10", 10, 0.6, 5, False), ("input_ns4", 5, 0.8, 4, False), ("both_ns4", 5, 0.8, 4, True),
     ("both_every10", 10, 0.6, 5, True), ("input_block512", 5, 0.8, 5, False),
