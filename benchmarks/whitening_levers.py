@@ -54,6 +54,14 @@ the library has it):
   (arXiv 2601.21750), which makes its right factor from the gradient the same way; here the
   input side stays K-FAC's ``A``.
 
+- ``diagonal_damping=True``: each factor damped by its own diagonal, ``T`` with ``Tᵀ T = (F +
+  λ diag(F))⁻¹`` (Levenberg-Marquardt's scaling), instead of the library's ``F + λ (tr F / n) I``.
+  The library's damping adds the same amount to every coordinate, so a coordinate whose second
+  moment is far below the mean is damped to near nothing (its direction barely whitened); the
+  diagonal damping inflates each coordinate's variance by the same factor ``1 + λ``, scale-free per
+  coordinate. (A coordinate's term is floored at ``10⁻⁶`` of the block's mean diagonal, so one
+  that never moved stays finite.)
+
 A variant may also set a library argument away from its default (``statistics_every``, ``block_size``,
 ``factor_decay``, ``ns_steps``, ``center_inputs``): ``input_every10`` reads statistics on every 10th step with
 ``factor_decay=0.6`` (the default 25-step horizon from half the statistics steps);
@@ -99,7 +107,7 @@ for path in (REPO_ROOT, REPO_ROOT / "examples"):
         sys.path.append(str(path))
 
 from kron_precond.whitened_muon import WhitenedMuon  # noqa: E402
-from kron_precond.whitening import WhiteningStatistics  # noqa: E402
+from kron_precond.whitening import WhiteningStatistics, inverse_cholesky  # noqa: E402
 
 SOURCES = ("activations", "gradient", "momentum")
 
@@ -130,6 +138,7 @@ class _VariantStatistics(WhiteningStatistics):
     tracked: dict[tuple, torch.Tensor]  # a layout's members -> their stacked basis as of the last refresh
     _layout: tuple | None = None  # the members of the layout being refreshed
     from_hook = True  # output rows from the capture hook (False: only those the optimizer adds)
+    diagonal_damping = False  # F + λ diag(F) instead of F + λ tr(F)/n I
 
     def observe(self, unit, side, rows, scale, *, added: bool = False) -> None:
         skipped = ((self.input_skip is not None
@@ -173,6 +182,8 @@ class _VariantStatistics(WhiteningStatistics):
     _pieces: LowRankWhitener | None = None
 
     def decompose(self, factor, overwrite):
+        if self.diagonal_damping:
+            return self._diagonally_damped(factor, overwrite)
         if self.input_rank is None or factor.shape[-1] not in self.lowrank_widths:
             return super().decompose(factor, overwrite)
         rank = factor.shape[-1] // self.input_rank
@@ -186,6 +197,17 @@ class _VariantStatistics(WhiteningStatistics):
             self.tracked[key] = self._pieces.basis
         whitener = self._pieces.dense()  # kept in the state, as the library's (checkpoints, tests)
         return whitener, torch.isfinite(whitener.sum(dim=(1, 2)))[:, None, None]
+
+    def _diagonally_damped(self, factor: torch.Tensor, overwrite: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The library's Cholesky whitener of ``F + λ diag(F)`` (floored; the identity for an
+        all-zero block), per block of ``factor`` ``[blocks, b, b]``."""
+        diagonal = factor.diagonal(dim1=-2, dim2=-1)
+        mean = diagonal.mean(-1, keepdim=True)
+        added = torch.where(mean > 0, self.damping * torch.maximum(diagonal, 1e-6 * mean), 1.0)
+        safe = factor if overwrite else factor.clone()
+        safe.diagonal(dim1=-2, dim2=-1).add_(added)
+        whitener, info = inverse_cholesky(safe)
+        return whitener, ((info == 0) & torch.isfinite(whitener.sum(dim=(1, 2))))[:, None, None]
 
     def _refresh_layout(self, members):
         self._pieces = None
@@ -322,7 +344,7 @@ class WhiteningVariant(WhitenedMuon):
                  output_source: str = "activations", output_layers: str = "all",
                  output_elsewhere: str = "identity", input_skip: str | None = None,
                  input_skip_names: str | None = None, input_rank: int | None = None, track_rank: bool = False,
-                 cautious: str | None = None, **kwargs: Any) -> None:
+                 cautious: str | None = None, diagonal_damping: bool = False, **kwargs: Any) -> None:
         if output_layers not in ("all", "narrow", "wide"):
             raise ValueError(f"output_layers must be 'all', 'narrow' or 'wide', got {output_layers!r}")
         if output_elsewhere not in ("identity", "none"):
@@ -334,6 +356,10 @@ class WhiteningVariant(WhitenedMuon):
             raise ValueError(f"input_rank must be a positive int (the rank's divisor), got {input_rank!r}")
         if track_rank and input_rank is None:
             raise ValueError("track_rank=True needs an input_rank")
+        if not isinstance(diagonal_damping, bool):
+            raise TypeError(f"diagonal_damping must be a bool, got {diagonal_damping!r}")
+        if diagonal_damping and kwargs.get("root", "cholesky") != "cholesky":
+            raise ValueError("diagonal_damping=True needs root='cholesky'")
         if cautious not in (None, "mean", "norm"):
             raise ValueError(f"cautious must be None, 'mean' or 'norm', got {cautious!r}")
         changed = (output_rows is not None or output_spread or output_block is not None or output_every is not None
@@ -359,6 +385,7 @@ class WhiteningVariant(WhitenedMuon):
         statistics_.input_skip, statistics_.input_skip_names = input_skip, input_skip_names
         statistics_.input_rank, statistics_.lowrank = input_rank, {}
         statistics_.track, statistics_.tracked = track_rank, {}
+        statistics_.diagonal_damping = diagonal_damping
         statistics_.lowrank_widths = frozenset(view.width("input") for view in self._views.values()
                                                if _shape_kind(view.shape, "input") == "wide")
         self.output_source = output_source
@@ -499,6 +526,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "input_cautious": dict(output_side=False, cautious="mean"),
     # the same, rescaled to the unmasked step's Frobenius norm instead
     "input_cautious_norm": dict(output_side=False, cautious="norm"),
+    # every coordinate damped by its own second moment (F + λ diag F), at the default λ and at 3x it
+    "input_diag_damping": dict(output_side=False, diagonal_damping=True),
+    "input_diag_damping0.3": dict(output_side=False, diagonal_damping=True, damping=0.3),
     # the AdamW half (embeddings, norms, biases, lm_head) at the d_model 64 GPT's best Muon lr,
     # 3.2e-2, whatever --lr the whitened weights take (the library's default: one lr for both)
     "input_adamw_lr0.032": dict(output_side=False, adamw_lr=0.032),
@@ -512,7 +542,8 @@ VARIANTS.update({f"input_center_{name}": dict(output_side=False, center_inputs=(
 # replaces (None: passed to WhitenedMuon as is)
 LIBRARY_SETTINGS = {"statistics_every": "wmuon_every", "factor_decay": "wmuon_factor_decay",
                     "block_size": "wmuon_block_size", "center_inputs": "wmuon_center_inputs", "ns_steps": None,
-                    "fused_qkv": None, "nesterov": None, "adamw_lr": "muon_rest_lr", "ns_dtype": "wmuon_ns_dtype"}
+                    "fused_qkv": None, "nesterov": None, "adamw_lr": "muon_rest_lr", "ns_dtype": "wmuon_ns_dtype",
+                    "damping": "wmuon_damping"}
 
 
 def _build(model: nn.Module, scaler, *, lr: float, weight_decay: float, config, variant: dict[str, Any]):

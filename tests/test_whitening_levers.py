@@ -254,6 +254,30 @@ def test_output_layers_whitens_the_output_of_the_chosen_weights_only(layers):
                               torch.eye(chosen.weight.shape[0]))
 
 
+@pytest.mark.parametrize("damping", [0.1, 0.3])
+def test_diagonal_damping_whitens_the_factor_damped_by_its_own_diagonal(damping):
+    """``Tᵀ T = (F + λ diag F)⁻¹`` with ``F`` the input rows' mean product, written out in
+    float64 (up to the factor's scale, which the step's rescale removes), on inputs whose
+    coordinates differ in scale by 10², where the library's ``λ tr(F)/n I`` differs."""
+    layer, x, c = _layer_and_batch()
+    x = x * torch.logspace(-1, 1, IN)  # coordinates 0.1x to 10x
+    optimizer = WhiteningVariant([layer], lr=1e-2, damping=damping, statistics_rows=None, center_inputs=False,
+                                 **{k: v for k, v in VARIANTS["input_diag_damping"].items() if k != "damping"})
+    _step(layer, optimizer, x, c)
+    whitener = optimizer.state[layer.weight]["input_whitener"].reshape(IN, IN).double()
+    f = _mean_product(x.double())
+    damped = f + damping * torch.diag(f.diagonal())
+    implied = torch.linalg.inv(whitener.T @ whitener)
+    # (F + λ diag F)⁻¹ (Tᵀ T)⁻¹ is c·I for the right damping, whatever the factor's scale c
+    ratio = torch.linalg.solve(damped, implied)
+    torch.testing.assert_close(ratio / ratio.diagonal().mean(), torch.eye(IN, dtype=ratio.dtype), rtol=0, atol=1e-4)
+    library = torch.linalg.solve(f + damping * f.trace() / IN * torch.eye(IN), implied)
+    assert (library / library.diagonal().mean() - torch.eye(IN)).abs().max() > 1e-2
+    assert VARIANTS["input_diag_damping0.3"]["damping"] == 0.3
+    with pytest.raises(TypeError, match="diagonal_damping"):
+        WhiteningVariant([layer], lr=1e-2, diagonal_damping=1)
+
+
 def test_output_elsewhere_none_steps_the_other_weights_on_their_input_side_alone():
     """``wide_only``: the wide-output weight steps as ``output_side=True`` steps it, the other
     as the input side alone steps it, and the other has no output factor or whitener at all."""
