@@ -529,6 +529,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # every coordinate damped by its own second moment (F + λ diag F), at the default λ and at 3x it
     "input_diag_damping": dict(output_side=False, diagonal_damping=True),
     "input_diag_damping0.3": dict(output_side=False, diagonal_damping=True, damping=0.3),
+    "input_diag_damping0.03": dict(output_side=False, diagonal_damping=True, damping=0.03),
     # the AdamW half (embeddings, norms, biases, lm_head) at the d_model 64 GPT's best Muon lr,
     # 3.2e-2, whatever --lr the whitened weights take (the library's default: one lr for both)
     "input_adamw_lr0.032": dict(output_side=False, adamw_lr=0.032),
