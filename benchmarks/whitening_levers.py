@@ -526,7 +526,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "input_cautious": dict(output_side=False, cautious="mean"),
     # the same, rescaled to the unmasked step's Frobenius norm instead
     "input_cautious_norm": dict(output_side=False, cautious="norm"),
-    # every coordinate damped by its own second moment (F + λ diag F), at the default λ and at 3x it
+    # every coordinate damped by its own second moment (F + λ diag F), at the default λ, 3x it and 0.3x it
     "input_diag_damping": dict(output_side=False, diagonal_damping=True),
     "input_diag_damping0.3": dict(output_side=False, diagonal_damping=True, damping=0.3),
     "input_diag_damping0.03": dict(output_side=False, diagonal_damping=True, damping=0.03),
