@@ -170,7 +170,7 @@ class _VariantStatistics(WhiteningStatistics):
         """``output_elsewhere="none"``: the weights ``output_layers`` leaves out refresh their
         input side alone, so they never get an output factor or whitener (``_stacked_whiteners``
         then has no output side for their stacks)."""
-        if self.output_layers == "all" or self.output_elsewhere == "identity" or self.sides == ("input",):
+        if self.output_layers == "all" or self.output_elsewhere == "identity":
             return super().refresh(params)
         params = list(params)
         super().refresh([p for p in params if self.whitens_output(p)])

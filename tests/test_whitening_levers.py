@@ -273,9 +273,22 @@ def test_diagonal_damping_whitens_the_factor_damped_by_its_own_diagonal(damping)
     torch.testing.assert_close(ratio / ratio.diagonal().mean(), torch.eye(IN, dtype=ratio.dtype), rtol=0, atol=1e-4)
     library = torch.linalg.solve(f + damping * f.trace() / IN * torch.eye(IN), implied)
     assert (library / library.diagonal().mean() - torch.eye(IN)).abs().max() > 1e-2
-    assert VARIANTS["input_diag_damping0.3"]["damping"] == 0.3
     with pytest.raises(TypeError, match="diagonal_damping"):
         WhiteningVariant([layer], lr=1e-2, diagonal_damping=1)
+
+
+def test_a_variant_damping_replaces_the_cells_damping():
+    """``input_diag_damping0.3`` through the benchmark's builder: its damping (a library setting)
+    replaces the cell's, not passed twice, and the diagonal damping is on."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from benchmarks.whitening_levers import _build
+    from char_lm import SKIP_LAYERS, CharTransformer, ModelConfig
+    from kron_examples_common import PrecondConfig
+    model = CharTransformer(ModelConfig(16, 1, 2, 8, False, "gpt"))
+    config = PrecondConfig(skip_layers=SKIP_LAYERS, muon_momentum=0.8, wmuon_damping=0.2)
+    built, _ = _build(model, None, lr=0.01, weight_decay=0.0, config=config, variant=VARIANTS["input_diag_damping0.3"])
+    assert isinstance(built, WhiteningVariant)
+    assert (built.damping, built._statistics.diagonal_damping, built.output_side) == (0.3, True, False)
 
 
 def test_output_elsewhere_none_steps_the_other_weights_on_their_input_side_alone():
