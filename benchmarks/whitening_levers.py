@@ -477,6 +477,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "wide": dict(output_side=True, output_layers="wide"),
     # the same with no output side elsewhere: its step time is the setting's own
     "wide_only": dict(output_side=True, output_layers="wide", output_elsewhere="none"),
+    # the library's output_side="wide": as wide_only, with a fused projection's parts (GPT-2's c_attn:
+    # three square matrices) judged by their own shape, so they get no output side
+    "output_wide": dict(output_side="wide"),
     "gradient": dict(output_side=True, output_source="gradient"),
     "momentum": dict(output_side=True, output_source="momentum"),
     # the input side alone, with the weights of one input shape left unwhitened (GPT: wide = the

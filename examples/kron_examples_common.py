@@ -199,7 +199,7 @@ class PrecondConfig:
     # Input-whitened Muon (wmuon, wmuon_pre): statistics / refresh interval, relative damping.
     wmuon_every: int = 5
     wmuon_damping: float = 0.1
-    wmuon_both_sides: bool = False  # also whiten the output side (factor G)
+    wmuon_both_sides: bool | str = False  # also whiten the output side (factor G); "wide": of the wider-output weights
     wmuon_center_inputs: bool | tuple[str, ...] | None = None  # centred input factors (None: the library default)
     wmuon_statistics_rows: int | None = 1024
     wmuon_root: str = "cholesky"

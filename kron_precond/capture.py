@@ -45,14 +45,17 @@ class ActivationCapture:
         before_observe: called with the layer before its statistics are written (the engine
             moves the layer's state to where its parameters now are).
         output_grads: also capture output gradients; ``False`` (methods that read activations
-            only) registers no tensor hook, so backward runs as without the preconditioner.
+            only) registers no tensor hook, so backward runs as without the preconditioner. A
+            callable ``layer -> bool`` names the layers that read them: a module gets a tensor
+            hook on its output only if one of its layers does. Set to ``False`` later, no module
+            gets one.
     """
 
     def __init__(self, layers: Sequence, *, accumulation_steps: int,
                  loss_scale: Callable[[], float | torch.Tensor | None],
                  before_write: Callable[[], None],
                  before_observe: Callable[[Any], None] = lambda layer: None,
-                 output_grads: bool = True) -> None:
+                 output_grads: bool | Callable[[Any], bool] = True) -> None:
         self.output_grads = output_grads
         self.accumulation_steps = accumulation_steps
         self._loss_scale = loss_scale
@@ -62,10 +65,16 @@ class ActivationCapture:
         by_module: dict[int, tuple[nn.Module, object, dict[int, object]]] = {}
         for layer in layers:
             by_module.setdefault(id(layer.module), (layer.module, layer.adapter, {}))[2][layer.slot] = layer
-        self._handles = [module.register_forward_hook(self._forward_hook(module, adapter, units), with_kwargs=True)
-                         for module, adapter, units in by_module.values()]
+        self._handles = [module.register_forward_hook(
+            self._forward_hook(module, adapter, units, self._reads_output_grads(units)), with_kwargs=True)
+            for module, adapter, units in by_module.values()]
 
-    def _forward_hook(self, module: nn.Module, adapter, units: dict):
+    def _reads_output_grads(self, units: dict) -> bool:
+        if callable(self.output_grads):
+            return any(self.output_grads(layer) for layer in units.values())
+        return bool(self.output_grads)
+
+    def _forward_hook(self, module: nn.Module, adapter, units: dict, output_grads: bool):
         @torch.compiler.disable  # see the module docstring
         def observe(module: nn.Module, inputs, kwargs, output):
             with torch.no_grad(), autocast_disabled():
@@ -82,7 +91,7 @@ class ActivationCapture:
                         self._before_observe(layer)
                         # whatever the method returns comes back with this call's output gradient
                         calls[slot] = layer.method.observe_activations(unit_rows)
-            if self.output_grads and isinstance(output, torch.Tensor) and output.requires_grad:
+            if output_grads and self.output_grads and isinstance(output, torch.Tensor) and output.requires_grad:
                 on_output_grad(output, lambda grad: self._observe_output_grads(adapter, units, grad, context, calls))
 
         # A deep copy of the model (an EMA or SWA average, a teacher) copies this function

@@ -352,6 +352,13 @@ def _check_group(index: int, group: dict[str, Any]) -> None:
         lr_ratio(group.get("adjust_lr_fn", "match_rms_adamw"), (1, 1))
 
 
+def _wide_output(view: MatrixView) -> bool:
+    """Whether the matrices ``msign`` steps for this weight (a fused projection's parts, a stack's
+    experts) have more outputs than inputs: a plain MLP's first layer, a gated MLP's gate and up."""
+    out_dim, in_dim = view.part_shape
+    return out_dim > in_dim
+
+
 def _grad(p: torch.Tensor) -> torch.Tensor:
     assert p.grad is not None  # only parameters with a gradient are stepped
     return p.grad
@@ -412,7 +419,13 @@ class WhitenedMuon(torch.optim.Optimizer):
         statistics_rows: at most this many rows per module call enter a factor (``None``: all).
             Rows beyond a thousand or so change the factor little and cost a product each.
         output_side: also whiten the output side with K-FAC's ``G`` (a tensor hook on each
-            output on statistics steps; a backward cost then).
+            output on statistics steps; a backward cost then). ``True``: every weight's;
+            ``"wide"``: only the weights whose output is wider than their input (per part of a
+            fused projection, per expert), such as an MLP's first layer, where the output side
+            saves the most steps and the other weights pay no cost for it. Set ``"wide"`` when
+            the model's MLP is ungated (GELU or ReLU, as GPT-2's and BERT's): it gained more
+            the wider the model. Keep ``False`` on gated MLPs (SwiGLU, as Llama's and
+            Mixtral's), where the output side lost wall-clock at every setting measured.
         center_inputs: whiten with the covariance of a layer's inputs about their mean (over
             each statistics step's rows) instead of their second moment. ``None`` (default):
             centre the query and key projections of an attention that have no trainable bias,
@@ -501,7 +514,8 @@ class WhitenedMuon(torch.optim.Optimizer):
                  adamw_lr: float | None = None, adamw_betas: tuple[float, float] = (0.9, 0.999),
                  adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None, statistics_every: int = 5,
                  damping: float = 0.1, factor_decay: float = 0.8, statistics_rows: int | None = 1024,
-                 output_side: bool = False, center_inputs: bool | list[str] | tuple[str, ...] | None = None,
+                 output_side: bool | Literal["wide"] = False,
+                 center_inputs: bool | list[str] | tuple[str, ...] | None = None,
                  fused_qkv: Literal[False] | list[str] | tuple[str, ...] | None = None,
                  root: str = "cholesky", block_size: int | None = None,
                  ns_steps: int = 5, ns_dtype: torch.dtype | None = None, ns_coefficients: str = "muon",
@@ -527,7 +541,12 @@ class WhitenedMuon(torch.optim.Optimizer):
                           f"(1 - factor_decay)). The inputs' covariance moves with the weights: horizons of "
                           f"{LONG_HORIZON} steps or more lost most of the gain over Muon where measured. Keep it "
                           f"to a few tens of steps (the defaults: 5 and 0.8, 25 steps)", UserWarning, stacklevel=2)
-        self.output_side = validation.check_bool("output_side", output_side)
+        if isinstance(output_side, str):
+            if output_side != "wide":
+                raise ValueError(f"output_side must be True, False or 'wide', got {output_side!r}")
+            self.output_side: bool | str = output_side
+        else:
+            self.output_side = validation.check_bool("output_side", output_side)
         centring = _check_center_inputs(center_inputs)
         self._center_inputs = center_inputs
         fused = _check_fused_qkv(fused_qkv)
@@ -589,6 +608,10 @@ class WhitenedMuon(torch.optim.Optimizer):
         self.process_group = process_group
         self._sharded = self._sharded_layout([(self._names[id(w)], w) for w in whitened], process_group)
         sides = ("input", "output") if self.output_side else ("input",)
+        # the weights whitened on their output side: output_side="wide" -- those whose output (per
+        # part of a fused projection, per expert) is wider than their input
+        outputs = frozenset(id(w) for w in whitened if self.output_side is True
+                            or (self.output_side == "wide" and _wide_output(self._views[id(w)])))
         centered = {id(_weight(u)) for u in _centred_units(units, centring)}
         # The hooks reach the statistics, which must not keep the optimizer alive: an optimizer the
         # caller drops (an lr sweep on one model) is freed, and the finaliser removes its hooks.
@@ -596,7 +619,7 @@ class WhitenedMuon(torch.optim.Optimizer):
                                                sides=sides, damping=damping, factor_decay=factor_decay,
                                                statistics_rows=statistics_rows,
                                                root=root, block_size=block_size, process_group=process_group,
-                                               centered=centered)
+                                               centered=centered, outputs=outputs)
         # a packed in_proj's rows come in three slots once its parts read inputs of their own
         # (the query's, the key's, the value's), each its part's unit
         layers = [_CaptureLayer(unit.module, unit.adapter, slot,
@@ -607,7 +630,8 @@ class WhitenedMuon(torch.optim.Optimizer):
         for adapter in self._packed.values():
             adapter.on_cross_attention = weakly(self._cross_attention, default=False)
         self._capture = ActivationCapture(layers, accumulation_steps=1, loss_scale=loss_scale,
-                                          before_write=lambda: None, output_grads=self.output_side)
+                                          before_write=lambda: None,
+                                          output_grads=lambda layer: id(layer.method.param) in outputs)
         self._capture.collecting = True
         self._finalizer = weakref.finalize(self, self._capture.remove)
         self._finalizer.atexit = False
@@ -1092,7 +1116,7 @@ class WhitenedMuon(torch.optim.Optimizer):
                 name = self._names.get(id(p), f"parameter {key}")
                 entry = {}
                 for item, value in saved_state[key].items():
-                    if item.startswith("output_") and not self.output_side:
+                    if item.startswith("output_") and "output" not in self._statistics.sides_of(p):
                         continue  # a side this optimizer does not whiten
                     if torch.is_tensor(value) and item in shapes:
                         # another model's checkpoint, or one of other settings such as block_size
@@ -1116,7 +1140,7 @@ class WhitenedMuon(torch.optim.Optimizer):
             return {"exp_avg": shape, "exp_avg_sq": shape}
         view = self._views[id(p)]
         shapes = {"momentum_buffer": shape, "nonfinite_steps": ()}
-        for side in self._statistics.sides:
+        for side in self._statistics.sides_of(p):
             width = view.width(side)
             blocks = self._statistics.side_blocks(p, side)
             units = view.side_units(side)

@@ -113,6 +113,8 @@ class WhiteningStatistics:
         views: ``id(param) -> MatrixView`` of every whitened parameter.
         due: ``due(param)``: whether this step gathers the parameter's statistics.
         sides: ``("input",)`` or ``("input", "output")``.
+        outputs: with ``sides`` holding ``"output"``, ``id(param)`` of the parameters whose output
+            side is whitened (``None``: every parameter's).
         centered: ``id(param)`` of the parameters whose input side is centred.
         damping, factor_decay, statistics_rows, root, block_size, process_group: as
             :class:`~kron_precond.WhitenedMuon`.
@@ -120,8 +122,10 @@ class WhiteningStatistics:
 
     def __init__(self, state: dict, views: dict[int, MatrixView], due: Callable[[torch.Tensor], bool], *,
                  sides: tuple[str, ...], damping: float, factor_decay: float, statistics_rows: int | None,
-                 root: str, block_size: int | None, process_group: Any, centered: Iterable[int] = ()) -> None:
+                 root: str, block_size: int | None, process_group: Any, centered: Iterable[int] = (),
+                 outputs: Iterable[int] | None = None) -> None:
         self.state, self.views, self.due, self.sides = state, views, due, sides
+        self.outputs = None if outputs is None else frozenset(outputs)
         self.centered = frozenset(centered)
         self.damping, self.factor_decay, self.statistics_rows = damping, factor_decay, statistics_rows
         self.root, self.block_size, self.process_group = root, block_size, process_group
@@ -135,6 +139,12 @@ class WhiteningStatistics:
         self.observed_this_step = False
 
     # -- statistics --------------------------------------------------------------------
+    def sides_of(self, param: torch.Tensor) -> tuple[str, ...]:
+        """The sides of ``param`` that are whitened."""
+        if self.outputs is None or id(param) in self.outputs:
+            return self.sides
+        return tuple(side for side in self.sides if side != "output")
+
     def blocks(self, width: int) -> int:
         """Number of diagonal blocks a side of this width is whitened in."""
         b = self.block_size
@@ -151,7 +161,7 @@ class WhiteningStatistics:
     @torch.no_grad()
     def observe(self, unit: UnitObserver, side: str, rows: torch.Tensor, scale: float) -> None:
         param = unit.param
-        if not self.due(param):
+        if not self.due(param) or side not in self.sides_of(param):
             return
         view = self.views[id(param)]
         width = view.width(side)
@@ -265,7 +275,7 @@ class WhiteningStatistics:
         everywhere (a layer not called on a rank contributes zeros)."""
         keys = []
         for p in params:
-            for side in self.sides:
+            for side in self.sides_of(p):
                 key = (id(p), side)
                 if key not in self.pending:
                     self.pending[key] = self._zeros(p, side, torch.promote_types(p.dtype, torch.float32), p.device)

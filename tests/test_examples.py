@@ -396,6 +396,8 @@ def test_whitened_muon_methods_take_muons_split_and_their_sweep_settings():
     assert (optimizer.statistics_every, optimizer.damping, optimizer.output_side, optimizer.statistics_rows,
             optimizer.factor_decay) == (7, 0.3, True, None, 0.6)
     assert optimizer.param_groups[0]["momentum"] == 0.85
+    _, _, wide, _ = convergence.parse_family("wmuon{wboth=wide}=1.6e-2")
+    assert wide == {"wmuon_both_sides": "wide"}
     plain, _ = common.build_method("muon", model, 1.6e-2, 0.0, common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS))
     assert [id(p) for p in optimizer.param_groups[0]["params"]] == [
         id(p) for p in plain.optimizers[0].param_groups[0]["params"]]

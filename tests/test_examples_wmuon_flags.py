@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
 import torch.nn as nn
 
 from example_modules import load
@@ -25,6 +26,13 @@ def test_the_flags_reach_the_optimizer():
     assert opt.damping == 0.03
     assert opt.statistics_every == 10 and opt.factor_decay == 0.6
     assert opt.output_side and opt.center_inputs is True
+
+
+def test_the_output_side_flag_takes_wide():
+    assert _built(["--wmuon-output-side", "wide"]).output_side == "wide"
+    assert _built(["--wmuon-output-side"]).output_side is True
+    with pytest.raises(SystemExit):
+        _built(["--wmuon-output-side", "tall"])
 
 
 def test_without_flags_the_examples_build_the_library_defaults():

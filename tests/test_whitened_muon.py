@@ -81,7 +81,7 @@ def match_rms_adamw(shape) -> float:
     return 0.2 * max(shape) ** 0.5
 
 
-def reference_run(output_side: bool, steps: int, dims=DIMS, block: int | None = None,
+def reference_run(output_side: bool | str, steps: int, dims=DIMS, block: int | None = None,
                   center=(True, True), bias=(False, False), lr_ratio=match_rms_adamw):
     """The steps written out in float64 with numpy/scipy, statistics on every step; the input
     factor of layer i is the rows' covariance about their mean where ``center[i]``; each
@@ -111,7 +111,8 @@ def reference_run(output_side: bool, steps: int, dims=DIMS, block: int | None = 
             buffers[i] = MOMENTUM * buffers[i] + (1 - MOMENTUM) * g
             m = ((1 - MOMENTUM) * g + MOMENTUM * buffers[i]).numpy()
             right = inverse_root(factors[(i, "in")], block)
-            left = inverse_root(factors[(i, "out")], block) if output_side else np.eye(w.shape[0])
+            two_sided = output_side is True or (output_side == "wide" and w.shape[0] > w.shape[1])
+            left = inverse_root(factors[(i, "out")], block) if two_sided else np.eye(w.shape[0])
             ortho = exact_polar(torch.from_numpy(left @ m @ right)).numpy()
             direction = left @ ortho @ right
             direction *= np.linalg.norm(ortho) / np.linalg.norm(direction)
@@ -133,7 +134,7 @@ def train_against(net, opt, expected, atol=1e-11):
 
 
 @pytest.mark.parametrize("root", ["cholesky", "symmetric"])
-@pytest.mark.parametrize("output_side", [False, True])
+@pytest.mark.parametrize("output_side", [False, True, "wide"])
 @pytest.mark.parametrize("center_inputs", [None, False])
 def test_steps_match_the_whitened_steepest_descent_written_out(monkeypatch, output_side, root, center_inputs):
     """With the exact polar factor, both roots give the step written out with symmetric
@@ -157,9 +158,35 @@ def test_steps_match_the_whitened_steepest_descent_written_out(monkeypatch, outp
         opt.zero_grad()
         loss_of(net, x, y).backward()
         opt.step()
-        for got, want in zip([net.a.weight, net.b.weight], expected[step]):
-            torch.testing.assert_close(got.detach(), want, rtol=1e-9, atol=1e-11)
+        for got, want in zip([net.a.weight, net.b.weight], expected[step]):  # float64 rounding of 4 steps
+            torch.testing.assert_close(got.detach(), want, rtol=1e-9, atol=5e-11)
     assert not torch.allclose(net.a.weight.detach(), other[-1][0], rtol=1e-4)  # centring mattered
+
+
+def test_the_wide_output_side_whitens_and_observes_the_wider_output_alone(monkeypatch):
+    """``output_side="wide"``: the weight ``a`` ``[7, 5]`` is whitened on both sides, ``b``
+    ``[4, 7]`` on its input side alone. Only ``a``'s output gradients are observed (its
+    module alone gets a tensor hook), ``b`` keeps no output state, and ``a`` steps neither as
+    the one-sided nor as the two-sided written-out steps (so the reference above tells them apart)."""
+    monkeypatch.setattr(wm, "msign", exact_polar)
+    observed = []
+    observe = wm.UnitObserver.observe_output_grads
+    monkeypatch.setattr(wm.UnitObserver, "observe_output_grads",
+                        lambda self, *args: (observed.append(self.name), observe(self, *args))[1])
+    net = make_net()
+    opt = WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, momentum=MOMENTUM, statistics_every=1,
+                       damping=DAMPING, factor_decay=DECAY, output_side="wide", ns_dtype=torch.float64)
+    steps = 3
+    for x, y in batches(steps):
+        opt.zero_grad()
+        loss_of(net, x, y).backward()
+        opt.step()
+    assert observed and set(observed) == {"modules[0]"}
+    assert "output_whitener" in opt.state[net.a.weight]
+    assert not any(k.startswith("output_") for k in opt.state[net.b.weight])
+    for other in (False, True):
+        want = reference_run(other, steps)[-1]
+        assert not torch.allclose(net.a.weight.detach(), want[0], rtol=1e-6)
 
 
 @pytest.mark.parametrize("adjust_lr_fn", ["original", None])
@@ -608,7 +635,8 @@ def test_lr_scheduler_changes_the_step():
     (dict(damping=0.0), ValueError, "damping"), (dict(momentum=1.0), ValueError, "momentum"),
     (dict(factor_decay=1.5), ValueError, "factor_decay"), (dict(statistics_every=0), ValueError, "statistics_every"),
     (dict(statistics_rows=0), ValueError, "statistics_rows"), (dict(weight_decay=-0.1), ValueError, "weight_decay"),
-    (dict(output_side=1), TypeError, "output_side"), (dict(ns_dtype=torch.int32), ValueError, "ns_dtype"),
+    (dict(output_side=1), TypeError, "output_side"), (dict(output_side="tall"), ValueError, "output_side"),
+    (dict(ns_dtype=torch.int32), ValueError, "ns_dtype"),
     (dict(root="qr"), ValueError, "root"), (dict(block_size=0), ValueError, "block_size"),
     (dict(center_inputs="auto"), TypeError, "center_inputs"), (dict(center_inputs=[1]), TypeError, "center_inputs"),
     (dict(center_inputs=["("]), ValueError, "center_inputs"), (dict(center_inputs=0), TypeError, "center_inputs"),
@@ -711,10 +739,10 @@ STEPS = 5
 
 # Centred (the default for these bias-free layers: each rank's row sums and mean terms join the
 # all-reduce) and uncentred, one side and both: (output_side, center_inputs).
-DIST_VARIANTS = [(False, None), (True, None), (False, False), (True, False)]
+DIST_VARIANTS = [(False, None), (True, None), (False, False), (True, False), ("wide", None)]
 
 
-def _dist_train(rank: int, world: int, output_side: bool, center_inputs: bool | None) -> dict:
+def _dist_train(rank: int, world: int, output_side: bool | str, center_inputs: bool | None) -> dict:
     net = make_net()
     opt = WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, statistics_every=2, output_side=output_side,
                        ns_dtype=torch.float64, center_inputs=center_inputs)

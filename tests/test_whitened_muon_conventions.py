@@ -168,6 +168,32 @@ def test_the_output_side_of_a_checkpoint_is_dropped_by_an_optimizer_without_it()
         assert torch.equal(a, b)
 
 
+def test_a_wide_output_side_loads_the_output_side_of_the_wide_weight_alone():
+    """Saved with output_side=True, resumed with ``"wide"``: the first layer ``[16, 8]`` keeps
+    its saved output factor and whitener, the last ``[4, 16]`` drops them, so the run steps
+    bitwise as one resumed from a checkpoint holding the wide weight's output side alone."""
+    model = mlp()
+    opt = WhitenedMuon(model, lr=1e-2, output_side=True)
+    train(model, opt, 6)
+    saved = snapshot(opt)
+    wide_only = copy.deepcopy(saved)
+    narrow = wide_only["state"][1]  # model[2].weight (the whitened group's second): its output is narrower
+    assert "output_factor" in narrow and narrow["momentum_buffer"].shape == (4, 16)
+    for key in [k for k in narrow if k.startswith("output_")]:
+        del narrow[key]
+    runs = []
+    for checkpoint in (saved, wide_only):
+        twin = copy.deepcopy(model)
+        resumed = WhitenedMuon(twin, lr=1e-2, output_side="wide")
+        resumed.load_state_dict(checkpoint)
+        assert torch.equal(resumed.state[twin[0].weight]["output_factor"], saved["state"][0]["output_factor"])
+        assert not any(k.startswith("output_") for k in resumed.state[twin[2].weight])
+        train(twin, resumed, 7, seed=5)
+        runs.append([p.detach().clone() for p in twin.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 def test_a_reload_on_bfloat16_parameters_keeps_the_factors_values_and_the_counters_dtype():
     """torch.optim's load casts every state tensor to its parameter's dtype: the float32 factors
     and whiteners would come back rounded to bfloat16, the int64 counter as a bfloat16."""

@@ -31,14 +31,17 @@ SAVE_AT = 2  # the world-4 run of SAVED writes a DCP checkpoint after this many 
 SAVED = "input-1d"
 TOL = dict(rtol=1e-10, atol=1e-12)
 SPAWN_TIMEOUT = 300.0
-# name -> (output_side, mesh, fused), every combination; mesh "1d": FSDP2 over every rank, "2x2":
-# HSDP (replicate, shard), 4 ranks only; fused: b stepped as three parts (fused_qkv), on FUSED_DIMS
+# name -> (output_side, mesh, fused), every combination of the one- and two-sided steps, and the
+# output side on the wider-output weight alone (a: [7, 5]) unfused; mesh "1d": FSDP2 over every
+# rank, "2x2": HSDP (replicate, shard), 4 ranks only; fused: b stepped as three parts (fused_qkv),
+# on FUSED_DIMS
 SCENARIOS = {f"{'output' if side else 'input'}-{mesh}{'-fused' if fused else ''}": (side, mesh, fused)
              for side, mesh, fused in itertools.product((False, True), ("1d", "2x2"), (False, True))}
+SCENARIOS.update({f"wide-{mesh}": ("wide", mesh, False) for mesh in ("1d", "2x2")})
 ONE_DIM = [name for name, (_, mesh, _) in SCENARIOS.items() if mesh == "1d"]
 
 
-def make_optimizer(net, output_side: bool, fused: bool = False) -> WhitenedMuon:
+def make_optimizer(net, output_side: bool | str, fused: bool = False) -> WhitenedMuon:
     return WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, statistics_every=2, output_side=output_side,
                         fused_qkv=[r"^modules\[1\]$"] if fused else None, ns_dtype=torch.float64)
 
@@ -48,7 +51,7 @@ def weights(net) -> torch.Tensor:
                       for w in (net.a.weight, net.b.weight)])
 
 
-def one_process(output_side: bool, fused: bool, dims: tuple[int, int, int]) -> list[torch.Tensor]:
+def one_process(output_side: bool | str, fused: bool, dims: tuple[int, int, int]) -> list[torch.Tensor]:
     net = make_net(dims=dims)
     opt = make_optimizer(net, output_side, fused)
     trajectory = []

@@ -93,11 +93,12 @@ def train(model, optimizer, data, loss=lm_loss):
         optimizer.step()
 
 
-@pytest.mark.parametrize("output_side", [False, True])
+@pytest.mark.parametrize("output_side", [False, True, "wide"])
 def test_a_conv1d_model_steps_like_its_linear_twin(output_side):
     """HF ``Conv1D`` stores ``W`` as ``[in, out]``: whitened on its input side it gives the
     nn.Linear twin's steps to float64 precision (the square ``c_proj`` included, where a
-    wrong side would not crash but whiten the output instead)."""
+    wrong side would not crash but whiten the output instead; with ``output_side="wide"`` the
+    4x-wide ``c_fc`` alone has an output side, read from ``[out, in]``, not the stored shape)."""
     conv, linear = twins()
     settings = dict(lr=0.05, weight_decay=0.1, statistics_every=1, factor_decay=0.8, output_side=output_side,
                     ns_dtype=torch.float64, skip_layers=["lm_head"])
@@ -158,15 +159,16 @@ def fused_part(model, name: str):
 
 
 @pytest.mark.parametrize("kind", ["conv1d", "linear"])
-@pytest.mark.parametrize("output_side", [False, True])
+@pytest.mark.parametrize("output_side", [False, True, "wide"])
 @pytest.mark.parametrize("adjust_lr_fn", ["match_rms_adamw", "original"])
 def test_a_fused_qkv_projection_steps_like_three_separate_projections(kind, output_side, adjust_lr_fn):
     """A ``c_attn`` whose outputs are three inputs wide, in a module of a known layout (here
     nanoGPT's class name; GPT-2's ``Conv1D`` or nanoGPT's Linear), is stepped by default as its
     query, key and value: each part orthogonalised on its own
     (and, with the output side, whitened by its own outputs' factor) and scaled for its own
-    ``[d, d]`` shape, as the twin with three separate projections is. ``fused_qkv=False``
-    steps it as one matrix, which the twin does not follow."""
+    ``[d, d]`` shape, as the twin with three separate projections is (``output_side="wide"``:
+    the parts are square, so neither has an output side). ``fused_qkv=False`` steps it as one
+    matrix, which the twin does not follow."""
     make = (lambda i, o: Conv1D(o, i)) if kind == "conv1d" else (lambda i, o: nn.Linear(i, o))
     settings = dict(lr=0.05, weight_decay=0.1, statistics_every=1, factor_decay=0.8, output_side=output_side,
                     ns_dtype=torch.float64, skip_layers=["lm_head"], adjust_lr_fn=adjust_lr_fn)
@@ -470,6 +472,24 @@ def test_fused_experts_output_side_is_one_linear_per_expert_up_to_each_experts_s
             assert ratio.min() > 0
             torch.testing.assert_close(ratio, ratio.mean().expand_as(ratio), rtol=1e-9, atol=0)
             torch.testing.assert_close(weight[e], linears[e].weight, rtol=1e-10, atol=1e-12)
+
+
+def test_fused_experts_wide_output_side_is_on_the_experts_up_projection_alone():
+    """``output_side="wide"`` on fused experts reads each expert's ``[out, in]``: the up
+    projection (``[5, 4]`` per expert) keeps an output factor per expert, the down projection
+    (``[4, 5]``) none."""
+    torch.manual_seed(0)
+    fused = RoutedExperts(3, 4, 5).double()
+    model = MoE(fused)
+    opt = WhitenedMuon(model, lr=0.05, statistics_every=1, ns_dtype=torch.float64, skip_layers=["router"],
+                       output_side="wide")
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(16, 4, generator=g, dtype=torch.float64),
+             torch.randn(16, 4, generator=g, dtype=torch.float64))]
+    train(model, opt, data, loss=lambda model, x, y: (model(x) - y).square().mean())
+    assert opt.state[fused.up_weight]["output_factor"].shape[:2] == (3, 1)
+    assert opt.state[fused.up_weight]["output_factor"].abs().sum() > 0
+    assert not any(k.startswith("output_") for k in opt.state[fused.down_weight])
 
 
 # ----------------------------------------------------------------------------- register_adapter

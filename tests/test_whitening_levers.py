@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.whitening_levers import VARIANTS, WhiteningVariant  # noqa: E402
+from kron_precond import WhitenedMuon  # noqa: E402
 
 ROWS, IN, OUT = 40, 8, 8
 
@@ -322,6 +323,39 @@ def test_output_elsewhere_none_steps_the_other_weights_on_their_input_side_alone
     assert not {"output_factor", "output_whitener"} & set(variant.state[narrow.weight])
     with pytest.raises(ValueError, match="output_elsewhere"):
         WhiteningVariant(layers(), lr=1e-2, output_side=True, output_layers="wide", output_elsewhere="zero")
+
+
+def test_the_librarys_wide_output_side_steps_the_examples_gpt_as_wide_only():
+    """``WhitenedMuon(output_side="wide")`` on the examples' GPT (bfloat16 Newton-Schulz, as
+    the benchmark runs it) gives the ``wide_only`` variant's weights bitwise, so the variant's
+    records measure the library's setting; the input side alone does not."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from benchmarks.whitening_levers import _build
+    from char_lm import SKIP_LAYERS, CharTransformer, ModelConfig
+    from kron_examples_common import PrecondConfig
+    config = PrecondConfig(skip_layers=SKIP_LAYERS, muon_momentum=0.8, wmuon_every=2)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 256, (4, 9), generator=g)
+
+    def trained(variant):
+        torch.manual_seed(0)
+        model = CharTransformer(ModelConfig(16, 1, 2, 8, False, "gpt"))
+        optimizer, _ = _build(model, None, lr=0.02, weight_decay=0.0, config=config, variant=variant)
+        for _ in range(4):
+            logits = model(tokens[:, :-1])
+            nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return optimizer, [p.detach().clone() for p in model.parameters()]
+
+    library, ours = trained(dict(output_side="wide"))
+    _, theirs = trained(VARIANTS["wide_only"])
+    _, input_side = trained(VARIANTS["input"])
+    assert type(library) is WhitenedMuon
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    assert not all(torch.equal(a, b) for a, b in zip(ours, input_side))
+    wide = [p for p in library.param_groups[0]["params"] if "output_whitener" in library.state[p]]
+    assert wide and all(p.shape[0] > p.shape[1] for p in wide)
 
 
 @pytest.mark.parametrize("name, every, decay, ns_steps, output_side", [
