@@ -1058,8 +1058,9 @@ class WhitenedMuon(torch.optim.Optimizer):
         """torch.optim's load, all or nothing: a checkpoint that does not fit this optimizer (param
         groups of other algorithms or sizes, a state tensor of another shape -- another model,
         another ``block_size`` --, a factor, whitener or moment that is not finite, a setting the
-        step cannot use) raises ``ValueError`` naming it and changes nothing. The output side of
-        a checkpoint saved with ``output_side=True`` is not loaded by an optimizer without it.
+        step cannot use) raises ``ValueError`` naming it and changes nothing. A checkpoint's
+        output side is not loaded for the weights this optimizer does not whiten on that side
+        (every weight without ``output_side``; all but the wide ones with ``"wide"``).
         Factors, whiteners and counters keep their saved dtype and values (torch.optim's load
         would cast them to each parameter's dtype, e.g. bfloat16)."""
         saved_groups = state_dict["param_groups"]
