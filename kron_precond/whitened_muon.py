@@ -423,9 +423,9 @@ class WhitenedMuon(torch.optim.Optimizer):
             ``"wide"``: only the weights whose output is wider than their input (per part of a
             fused projection, per expert), such as an MLP's first layer, where the output side
             saves the most steps and the other weights pay no cost for it. Set ``"wide"`` when
-            the model's MLP is ungated (GELU or ReLU, as GPT-2's and BERT's): it gained more
-            the wider the model. Keep ``False`` on gated MLPs (SwiGLU, as Llama's and
-            Mixtral's), where the output side lost wall-clock at every setting measured.
+            the model's MLP is ungated (GELU or ReLU, as GPT-2's); keep ``False`` on gated MLPs
+            (SwiGLU, as Llama's and Mixtral's), where the output side costs more time than it
+            saves.
         center_inputs: whiten with the covariance of a layer's inputs about their mean (over
             each statistics step's rows) instead of their second moment. ``None`` (default):
             centre the query and key projections of an attention that have no trainable bias,
