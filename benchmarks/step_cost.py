@@ -61,9 +61,11 @@ CONFIGS = {
     "soap_muon": ("soap_muon", {"soap_statistics_every": 10}),
     "soap_muon one-sided (smax=200)": ("soap_muon", {"soap_statistics_every": 10, "soap_max_size": 200}),
     # WhitenedMuon (an optimizer, not a preconditioner: its time is in "optim"); statistics
-    # every wmuon_every steps (the library's default: 5), input side (the default) or both sides
+    # every wmuon_every steps (the library's default: 5), input side (the default), both sides or
+    # both on the wider-output weights (output_side="wide")
     "wmuon (defaults)": ("wmuon", {}),
     "wmuon output side too": ("wmuon", {"wmuon_both_sides": True}),
+    "wmuon output side wide": ("wmuon", {"wmuon_both_sides": "wide"}),
     "wmuon every 10": ("wmuon", {"wmuon_every": 10}),
     "wmuon 512 rows": ("wmuon", {"wmuon_statistics_rows": 512}),
     # Newton-Schulz and the whitening in float32 (the library's default on a CPU without
