@@ -364,7 +364,7 @@ class WhiteningVariant(WhitenedMuon):
             raise ValueError(f"cautious must be None, 'mean' or 'norm', got {cautious!r}")
         changed = (output_rows is not None or output_spread or output_block is not None or output_every is not None
                    or output_source != "activations" or output_layers != "all" or output_elsewhere != "identity")
-        if changed and not kwargs.get("output_side", False):
+        if changed and kwargs.get("output_side", False) is not True:  # "wide" judges weights its own way
             raise ValueError("an output-side change needs output_side=True")
         if output_source not in SOURCES:
             raise ValueError(f"output_source must be one of {SOURCES}, got {output_source!r}")

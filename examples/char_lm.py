@@ -621,7 +621,7 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                    help="WhitenedMuon: factor_decay per refresh (horizon: every / (1 - decay) steps)")
     p.add_argument("--wmuon-damping", type=float, default=PrecondConfig.wmuon_damping,
                    help="WhitenedMuon: damping, relative to each factor's mean eigenvalue")
-    p.add_argument("--wmuon-output-side", nargs="?", const=True, default=False, choices=[True, "wide"],
+    p.add_argument("--wmuon-output-side", nargs="?", const=True, default=False, choices=["wide"],
                    help="WhitenedMuon: output_side=True, or with the value 'wide' output_side='wide' (the "
                         "weights whose output is wider than their input)")
     p.add_argument("--wmuon-center-inputs", choices=("auto", "all", "none"), default="auto",

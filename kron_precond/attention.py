@@ -22,7 +22,9 @@ arguments are the projections' inputs, though, and that is all an input-side whi
   no hook sees; it is stepped by Muon unwhitened, as ``torch.optim.Muon`` steps it.
 
 Output gradients of the projections are not observable either (the module's output is
-``out_proj``'s), so with ``output_side=True`` these weights keep the identity there.
+``out_proj``'s; the adapters say so with ``delivers_output_grads = False``), so with
+``output_side=True`` these weights keep the identity there, and ``output_side="wide"`` gives
+them no output side.
 """
 from __future__ import annotations
 
@@ -91,8 +93,10 @@ class PackedInputAdapter:
                 if isinstance(x, torch.Tensor)]
         return rows, 1
 
+    delivers_output_grads = False  # the module's output is out_proj's, not the projections'
+
     def backward_rows(self, grad: torch.Tensor, context: object) -> list:
-        return []  # the module's output is out_proj's, not the projections'
+        return []
 
 
 class SeparateInputsAdapter:
@@ -106,6 +110,8 @@ class SeparateInputsAdapter:
         rows = [(slot, x.detach().reshape(-1, x.shape[-1])) for slot, x in enumerate(_arguments(inputs, kwargs))
                 if isinstance(x, torch.Tensor)]
         return (rows, 1) if rows else None
+
+    delivers_output_grads = False  # as PackedInputAdapter's
 
     def backward_rows(self, grad: torch.Tensor, context: object) -> list:
         return []

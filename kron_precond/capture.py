@@ -47,8 +47,8 @@ class ActivationCapture:
         output_grads: also capture output gradients; ``False`` (methods that read activations
             only) registers no tensor hook, so backward runs as without the preconditioner. A
             callable ``layer -> bool`` names the layers that read them: a module gets a tensor
-            hook on its output only if one of its layers does. Set to ``False`` later, no module
-            gets one.
+            hook on its output only if one of its layers does. Which modules may get one is
+            decided at construction; set to ``False`` later, none does.
     """
 
     def __init__(self, layers: Sequence, *, accumulation_steps: int,

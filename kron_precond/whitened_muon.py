@@ -541,12 +541,11 @@ class WhitenedMuon(torch.optim.Optimizer):
                           f"(1 - factor_decay)). The inputs' covariance moves with the weights: horizons of "
                           f"{LONG_HORIZON} steps or more lost most of the gain over Muon where measured. Keep it "
                           f"to a few tens of steps (the defaults: 5 and 0.8, 25 steps)", UserWarning, stacklevel=2)
-        if isinstance(output_side, str):
-            if output_side != "wide":
-                raise ValueError(f"output_side must be True, False or 'wide', got {output_side!r}")
-            self.output_side: bool | str = output_side
-        else:
-            self.output_side = validation.check_bool("output_side", output_side)
+        if isinstance(output_side, str) and output_side != "wide":
+            raise ValueError(f"output_side must be True, False or 'wide', got {output_side!r}")
+        if not isinstance(output_side, (bool, str)):
+            raise TypeError(f"output_side must be True, False or 'wide', got {output_side!r}")
+        self.output_side: bool | str = output_side
         centring = _check_center_inputs(center_inputs)
         self._center_inputs = center_inputs
         fused = _check_fused_qkv(fused_qkv)
@@ -609,9 +608,15 @@ class WhitenedMuon(torch.optim.Optimizer):
         self._sharded = self._sharded_layout([(self._names[id(w)], w) for w in whitened], process_group)
         sides = ("input", "output") if self.output_side else ("input",)
         # the weights whitened on their output side: output_side="wide" -- those whose output (per
-        # part of a fused projection, per expert) is wider than their input
-        outputs = frozenset(id(w) for w in whitened if self.output_side is True
-                            or (self.output_side == "wide" and _wide_output(self._views[id(w)])))
+        # part of a fused projection, per expert) is wider than their input and observable (no
+        # output side to pay for where the adapter delivers no output gradient: an attention's
+        # projections)
+        if self.output_side is True:
+            outputs = frozenset(id(w) for w in whitened)
+        else:
+            outputs = frozenset(id(_weight(u)) for u in units if self.output_side == "wide"
+                                and getattr(u.adapter, "delivers_output_grads", True)
+                                and _wide_output(self._views[id(_weight(u))]))
         centered = {id(_weight(u)) for u in _centred_units(units, centring)}
         # The hooks reach the statistics, which must not keep the optimizer alive: an optimizer the
         # caller drops (an lr sweep on one model) is freed, and the finaliser removes its hooks.

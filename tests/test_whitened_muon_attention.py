@@ -480,6 +480,29 @@ def test_with_output_side_the_attention_keeps_the_identity_there():
     assert state["input_whitener"].shape == (1, E, E) and all(map(torch.isfinite, map(torch.tensor, losses)))
 
 
+def test_the_wide_output_side_leaves_out_the_attentions_projections():
+    """``output_side="wide"``: ``k_proj_weight`` ``[E, 3]`` and ``v_proj_weight`` ``[E, 5]`` have
+    outputs wider than their inputs, but no observable output gradient, so they get no output
+    side at all (no factor or whitener to refresh and apply); a wide Linear after the attention
+    does get one."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict(dict(attn=Separate(), up=nn.Linear(E, 3 * E, dtype=torch.float64)))
+    opt = WhitenedMuon(model, lr=0.05, output_side="wide", statistics_every=1)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        x, memory = torch.randn(4, T, E, generator=g, dtype=torch.float64), torch.randn(4, 7, 8, generator=g,
+                                                                                          dtype=torch.float64)
+        opt.zero_grad()
+        model["up"](model["attn"](x, memory)).square().mean().backward()
+        opt.step()
+    for name in "kv":
+        weight = getattr(model["attn"].attn, f"{name}_proj_weight")
+        assert weight.shape[0] > weight.shape[1]
+        assert "input_whitener" in opt.state[weight]
+        assert not any(k.startswith("output_") for k in opt.state[weight]), name
+    assert opt.state[model["up"].weight]["output_factor"].abs().sum() > 0
+
+
 class Attentions(nn.Module):
     """A packed self-attention, a cross-attention with separate projections, a packed one
     (whitened per part from its first call), then a head."""

@@ -323,6 +323,8 @@ def test_output_elsewhere_none_steps_the_other_weights_on_their_input_side_alone
     assert not {"output_factor", "output_whitener"} & set(variant.state[narrow.weight])
     with pytest.raises(ValueError, match="output_elsewhere"):
         WhiteningVariant(layers(), lr=1e-2, output_side=True, output_layers="wide", output_elsewhere="zero")
+    with pytest.raises(ValueError, match="output_side=True"):  # the library's "wide" judges weights by part
+        WhiteningVariant(layers(), lr=1e-2, output_side="wide", output_layers="wide")
 
 
 def test_the_librarys_wide_output_side_steps_the_examples_gpt_as_wide_only():
