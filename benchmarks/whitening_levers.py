@@ -166,17 +166,6 @@ class _VariantStatistics(WhiteningStatistics):
         wide = _shape_kind(self.views[id(param)].shape, "output") == "wide"
         return self.output_layers == "all" or wide == (self.output_layers == "wide")
 
-    def refresh(self, params):
-        """``output_elsewhere="none"``: the weights ``output_layers`` leaves out refresh their
-        input side alone, so they never get an output factor or whitener (``_stacked_whiteners``
-        then has no output side for their stacks)."""
-        if self.output_layers == "all" or self.output_elsewhere == "identity":
-            return super().refresh(params)
-        params = list(params)
-        super().refresh([p for p in params if self.whitens_output(p)])
-        with _set(self, "sides", ("input",)):
-            super().refresh([p for p in params if not self.whitens_output(p)])
-
     # id(param) -> its input side's pieces as of the last refresh (set per instance)
     lowrank: dict[int, LowRankWhitener]
     _pieces: LowRankWhitener | None = None
@@ -386,6 +375,8 @@ class WhiteningVariant(WhitenedMuon):
         statistics_.input_rank, statistics_.lowrank = input_rank, {}
         statistics_.track, statistics_.tracked = track_rank, {}
         statistics_.diagonal_damping = diagonal_damping
+        if output_elsewhere == "none":  # the others get no output side: the library's per-weight sides
+            statistics_.outputs = frozenset(id(p) for p in self._whitened_params() if statistics_.whitens_output(p))
         statistics_.lowrank_widths = frozenset(view.width("input") for view in self._views.values()
                                                if _shape_kind(view.shape, "input") == "wide")
         self.output_source = output_source

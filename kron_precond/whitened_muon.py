@@ -611,11 +611,11 @@ class WhitenedMuon(torch.optim.Optimizer):
         # part of a fused projection, per expert) is wider than their input and observable (no
         # output side to pay for where the adapter delivers no output gradient: an attention's
         # projections)
+        outputs: frozenset[int] = frozenset()
         if self.output_side is True:
             outputs = frozenset(id(w) for w in whitened)
-        else:
-            outputs = frozenset(id(_weight(u)) for u in units if self.output_side == "wide"
-                                and getattr(u.adapter, "delivers_output_grads", True)
+        elif self.output_side == "wide":
+            outputs = frozenset(id(_weight(u)) for u in units if getattr(u.adapter, "delivers_output_grads", True)
                                 and _wide_output(self._views[id(_weight(u))]))
         centered = {id(_weight(u)) for u in _centred_units(units, centring)}
         # The hooks reach the statistics, which must not keep the optimizer alive: an optimizer the

@@ -126,6 +126,7 @@ class WhiteningStatistics:
                  outputs: Iterable[int] | None = None) -> None:
         self.state, self.views, self.due, self.sides = state, views, due, sides
         self.outputs = None if outputs is None else frozenset(outputs)
+        self._without_output = tuple(side for side in sides if side != "output")
         self.centered = frozenset(centered)
         self.damping, self.factor_decay, self.statistics_rows = damping, factor_decay, statistics_rows
         self.root, self.block_size, self.process_group = root, block_size, process_group
@@ -143,7 +144,7 @@ class WhiteningStatistics:
         """The sides of ``param`` that are whitened."""
         if self.outputs is None or id(param) in self.outputs:
             return self.sides
-        return tuple(side for side in self.sides if side != "output")
+        return self._without_output
 
     def blocks(self, width: int) -> int:
         """Number of diagonal blocks a side of this width is whitened in."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import itertools
 import re
 import warnings
 import weakref
@@ -739,7 +740,7 @@ STEPS = 5
 
 # Centred (the default for these bias-free layers: each rank's row sums and mean terms join the
 # all-reduce) and uncentred, one side and both: (output_side, center_inputs).
-DIST_VARIANTS = [(False, None), (True, None), (False, False), (True, False), ("wide", None)]
+DIST_VARIANTS = list(itertools.product((False, True, "wide"), (None, False)))
 
 
 def _dist_train(rank: int, world: int, output_side: bool | str, center_inputs: bool | None) -> dict:

@@ -31,13 +31,13 @@ SAVE_AT = 2  # the world-4 run of SAVED writes a DCP checkpoint after this many 
 SAVED = "input-1d"
 TOL = dict(rtol=1e-10, atol=1e-12)
 SPAWN_TIMEOUT = 300.0
-# name -> (output_side, mesh, fused), every combination of the one- and two-sided steps, and the
-# output side on the wider-output weight alone (a: [7, 5]) unfused; mesh "1d": FSDP2 over every
-# rank, "2x2": HSDP (replicate, shard), 4 ranks only; fused: b stepped as three parts (fused_qkv),
-# on FUSED_DIMS
-SCENARIOS = {f"{'output' if side else 'input'}-{mesh}{'-fused' if fused else ''}": (side, mesh, fused)
-             for side, mesh, fused in itertools.product((False, True), ("1d", "2x2"), (False, True))}
-SCENARIOS.update({f"wide-{mesh}": ("wide", mesh, False) for mesh in ("1d", "2x2")})
+# name -> (output_side, mesh, fused), every combination; output_side "wide": the output side on
+# the wider-output weight alone (a: [7, 5] on DIMS; none on FUSED_DIMS, whose parts are square);
+# mesh "1d": FSDP2 over every rank, "2x2": HSDP (replicate, shard), 4 ranks only; fused: b
+# stepped as three parts (fused_qkv), on FUSED_DIMS
+SIDES = {False: "input", True: "output", "wide": "wide"}
+SCENARIOS = {f"{SIDES[side]}-{mesh}{'-fused' if fused else ''}": (side, mesh, fused)
+             for side, mesh, fused in itertools.product(SIDES, ("1d", "2x2"), (False, True))}
 ONE_DIM = [name for name, (_, mesh, _) in SCENARIOS.items() if mesh == "1d"]
 
 
