@@ -263,7 +263,8 @@ def wmuon_settings(precond: PrecondConfig) -> dict:
 def same_step_cost(a: dict | None, b: dict | None) -> bool:
     """Whether two records' WhitenedMuon settings give a step of the same cost (a record
     without them is taken to hold the examples' defaults)."""
-    base = wmuon_settings(PrecondConfig())
+    # records without settings predate the "auto" output side: they ran without one
+    base = {**wmuon_settings(PrecondConfig()), "wmuon_both_sides": False}
     a, b = {**base, **(a or {})}, {**base, **(b or {})}
     return all(a[f] == b[f] for f in base if f not in COST_NEUTRAL)
 

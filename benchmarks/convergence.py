@@ -103,8 +103,8 @@ def _variant_value(field: str, text: str):
         return _psgd_init_scale(text)
     if field in ("psgd_update", "compute_method", "psgd_memory_save_mode", "wmuon_root"):
         return text
-    if field == "wmuon_both_sides" and text.lower() == "wide":  # output_side="wide"
-        return "wide"
+    if field == "wmuon_both_sides" and text.lower() in ("wide", "auto"):  # output_side="wide" / "auto"
+        return text.lower()
     if field in ("kfac_grafting", "precond_momentum", "wmuon_both_sides"):
         return text.lower() in ("1", "true", "yes")
     if field == "skip_layers":  # '+'-separated; e.g. skip=Embedding: lm_head is preconditioned too

@@ -61,9 +61,11 @@ CONFIGS = {
     "soap_muon": ("soap_muon", {"soap_statistics_every": 10}),
     "soap_muon one-sided (smax=200)": ("soap_muon", {"soap_statistics_every": 10, "soap_max_size": 200}),
     # WhitenedMuon (an optimizer, not a preconditioner: its time is in "optim"); statistics
-    # every wmuon_every steps (the library's default: 5), input side (the default), both sides or
+    # every wmuon_every steps (the library's default: 5), the output side on the first layers of
+    # ungated MLPs (the default, "auto"), the input side alone, both sides on every weight, or
     # both on the wider-output weights (output_side="wide")
     "wmuon (defaults)": ("wmuon", {}),
+    "wmuon input side only": ("wmuon", {"wmuon_both_sides": False}),
     "wmuon output side too": ("wmuon", {"wmuon_both_sides": True}),
     "wmuon output side wide": ("wmuon", {"wmuon_both_sides": "wide"}),
     "wmuon every 10": ("wmuon", {"wmuon_every": 10}),

@@ -107,7 +107,7 @@ for path in (REPO_ROOT, REPO_ROOT / "examples"):
         sys.path.append(str(path))
 
 from kron_precond.whitened_muon import WhitenedMuon  # noqa: E402
-from kron_precond.whitening import WhiteningStatistics, inverse_cholesky  # noqa: E402
+from kron_precond.whitening import MatrixView, WhiteningStatistics, inverse_cholesky  # noqa: E402
 
 SOURCES = ("activations", "gradient", "momentum")
 
@@ -333,7 +333,8 @@ class WhiteningVariant(WhitenedMuon):
                  output_source: str = "activations", output_layers: str = "all",
                  output_elsewhere: str = "identity", input_skip: str | None = None,
                  input_skip_names: str | None = None, input_rank: int | None = None, track_rank: bool = False,
-                 cautious: str | None = None, diagonal_damping: bool = False, **kwargs: Any) -> None:
+                 cautious: str | None = None, diagonal_damping: bool = False, head_dim: int | None = None,
+                 head_names: str = r"(^|\.)(q|k|v)_proj\.weight$", **kwargs: Any) -> None:
         if output_layers not in ("all", "narrow", "wide"):
             raise ValueError(f"output_layers must be 'all', 'narrow' or 'wide', got {output_layers!r}")
         if output_elsewhere not in ("identity", "none"):
@@ -362,6 +363,8 @@ class WhiteningVariant(WhitenedMuon):
         if output_every % every:  # checked before the hooks are placed
             raise ValueError(f"output_every ({output_every}) must be a multiple of statistics_every ({every})")
         super().__init__(params, lr, weight_decay, **kwargs)
+        if head_dim is not None:  # before any step: the views decide the stacks and their parts
+            self._split_heads(head_dim, head_names)
         # WhitenedMuon builds its statistics in __init__; the variant swaps in the subclass
         # that holds its one change, so the library's constructor stays as it is
         statistics_ = self._statistics
@@ -382,6 +385,24 @@ class WhiteningVariant(WhitenedMuon):
         self.output_source = output_source
         self.cautious = cautious
         self._capture.output_grads = self.output_side and statistics_.from_hook
+
+    def _split_heads(self, head_dim: int, head_names: str) -> None:
+        """The weights whose name matches ``head_names`` stepped as ``out / head_dim`` parts of
+        ``head_dim`` rows each (one attention head's projection), each orthogonalised on its own;
+        the input whitener stays the weight's, shared by its heads."""
+        split = 0
+        for p in self._whitened_params():
+            view = self._views[id(p)]
+            if not re.search(head_names, self._names[id(p)]):
+                continue
+            if view.parts != 1 or view.units != 1 or view.shape[0] % head_dim:
+                raise ValueError(f"{self._names[id(p)]}: a per-head split needs one matrix whose outputs "
+                                 f"are a multiple of {head_dim}, got {view.shape}")
+            self._views[id(p)] = MatrixView(p, stacked=False, transposed=view.transposed,
+                                            parts=view.shape[0] // head_dim)
+            split += 1
+        if not split:
+            raise ValueError(f"head_names {head_names!r} matches no whitened weight")
 
     def _direction(self, update, left, right):
         """``cautious``: the whitened direction kept only where its sign agrees with the momentum
@@ -524,6 +545,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "input_diag_damping": dict(output_side=False, diagonal_damping=True),
     "input_diag_damping0.3": dict(output_side=False, diagonal_damping=True, damping=0.3),
     "input_diag_damping0.03": dict(output_side=False, diagonal_damping=True, damping=0.03),
+    # each attention head's query/key/value rows (or query/key rows) orthogonalised on their own,
+    # the input whitener shared (d_model 64, 4 heads: 16 rows each)
+    "input_heads16": dict(output_side=False, head_dim=16),
+    "input_heads16_qk": dict(output_side=False, head_dim=16, head_names=r"(^|\.)(q|k)_proj\.weight$"),
+    "output_wide_heads16": dict(output_side="wide", head_dim=16),
     # the AdamW half (embeddings, norms, biases, lm_head) at the d_model 64 GPT's best Muon lr,
     # 3.2e-2, whatever --lr the whitened weights take (the library's default: one lr for both)
     "input_adamw_lr0.032": dict(output_side=False, adamw_lr=0.032),

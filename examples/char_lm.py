@@ -64,6 +64,8 @@ HELDOUT_FRACTION = 0.1
 # Embeddings are lookups (K-FAC's Linear/Conv maths does not apply) and the output layer
 # over the vocabulary is left to the base optimizer, as usual for K-FAC on LMs.
 SKIP_LAYERS = ("Embedding", "lm_head")
+# --wmuon-output-side's values -> WhitenedMuon's output_side
+OUTPUT_SIDES = {"auto": "auto", "wide": "wide", "all": True, "none": False}
 
 
 # --------------------------------------------------------------------------- data
@@ -621,9 +623,11 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                    help="WhitenedMuon: factor_decay per refresh (horizon: every / (1 - decay) steps)")
     p.add_argument("--wmuon-damping", type=float, default=PrecondConfig.wmuon_damping,
                    help="WhitenedMuon: damping, relative to each factor's mean eigenvalue")
-    p.add_argument("--wmuon-output-side", nargs="?", const=True, default=False, choices=["wide"],
-                   help="WhitenedMuon: output_side=True, or with the value 'wide' output_side='wide' (the "
-                        "weights whose output is wider than their input)")
+    p.add_argument("--wmuon-output-side", nargs="?", const="all", default="auto",
+                   choices=("auto", "wide", "all", "none"),
+                   help="WhitenedMuon: output_side 'auto' (default: the first layers of ungated MLPs), 'wide' "
+                        "(every weight whose output is wider than its input), 'all' (True; also the bare flag) "
+                        "or 'none' (False)")
     p.add_argument("--wmuon-center-inputs", choices=("auto", "all", "none"), default="auto",
                    help="WhitenedMuon: center_inputs None (the bias-free query and key projections; every bias-free "
                         "layer where none is named so) / True / False")
@@ -676,7 +680,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
         ikfac_statistics_rows=args.ikfac_rows, moment_decay=args.moment_decay,
         muon_momentum=args.muon_momentum, muon_adjust_lr_fn=args.muon_adjust_lr_fn, muon_rest_lr=args.muon_rest_lr,
         wmuon_every=args.wmuon_every,
-        wmuon_factor_decay=args.wmuon_factor_decay, wmuon_both_sides=args.wmuon_output_side,
+        wmuon_factor_decay=args.wmuon_factor_decay, wmuon_both_sides=OUTPUT_SIDES[args.wmuon_output_side],
         wmuon_damping=args.wmuon_damping,
         wmuon_center_inputs={"auto": None, "all": True, "none": False}[args.wmuon_center_inputs],
     )

@@ -199,7 +199,9 @@ class PrecondConfig:
     # Input-whitened Muon (wmuon, wmuon_pre): statistics / refresh interval, relative damping.
     wmuon_every: int = 5
     wmuon_damping: float = 0.1
-    wmuon_both_sides: bool | str = False  # also whiten the output side (factor G); "wide": of the wider-output weights
+    # WhitenedMuon's output_side: "auto" (the library's default: the first layers of ungated MLPs),
+    # "wide" (every weight whose output is wider than its input), True (every weight), False (none)
+    wmuon_both_sides: bool | str = "auto"
     wmuon_center_inputs: bool | tuple[str, ...] | None = None  # centred input factors (None: the library default)
     wmuon_statistics_rows: int | None = 1024
     wmuon_root: str = "cholesky"

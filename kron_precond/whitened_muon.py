@@ -359,6 +359,29 @@ def _wide_output(view: MatrixView) -> bool:
     return out_dim > in_dim
 
 
+def _ungated_mlp_inputs(units: list[Selected], views: dict[int, MatrixView],
+                        parents: dict[int, int]) -> frozenset[int]:
+    """``id(weight)`` of the first layers of ungated MLPs among ``units``: a weight ``[f, d]``
+    (per part, per expert) with ``f > d`` beside a weight ``[d, f]`` that reads its output (the
+    second layer), and no other weight ``[f, d]`` beside it (a gated MLP's gate and up
+    projections share that shape; a fused gate-and-up projection ``[2f, d]`` has no ``[d, 2f]``
+    beside it). Beside: under the same parent module (``parents``: ``id(module) -> id(parent)``),
+    or in the same fused experts module."""
+    groups: dict[int, dict[int, tuple[int, int]]] = {}  # parent -> id(weight) -> its matrices' shape
+    for unit in units:
+        parent = id(unit.module) if unit.index is not None else parents.get(id(unit.module))
+        if parent is not None:
+            key = id(_weight(unit))
+            groups.setdefault(parent, {})[key] = views[key].part_shape
+    chosen: set[int] = set()
+    for shapes in groups.values():
+        for key, (out_dim, in_dim) in shapes.items():
+            beside = [shape for other, shape in shapes.items() if other != key]
+            if out_dim > in_dim and (in_dim, out_dim) in beside and (out_dim, in_dim) not in beside:
+                chosen.add(key)
+    return frozenset(chosen)
+
+
 def _grad(p: torch.Tensor) -> torch.Tensor:
     assert p.grad is not None  # only parameters with a gradient are stepped
     return p.grad
@@ -422,10 +445,16 @@ class WhitenedMuon(torch.optim.Optimizer):
             output on statistics steps; a backward cost then). ``True``: every weight's;
             ``"wide"``: only the weights whose output is wider than their input (per part of a
             fused projection, per expert), such as an MLP's first layer, where the output side
-            saves the most steps and the other weights pay no cost for it. Set ``"wide"`` when
-            the model's MLP is ungated (GELU or ReLU, as GPT-2's); keep ``False`` on gated MLPs
-            (SwiGLU, as Llama's and Mixtral's), where the output side costs more time than it
-            saves.
+            saves the most steps and the other weights pay no cost for it; ``"auto"`` (the
+            default): of those, the first layers of ungated MLPs (GELU or ReLU, as GPT-2's), recognised by
+            their shapes: a weight ``[f, d]`` with ``f > d`` beside (under the same parent
+            module, or in the same fused experts module) a ``[d, f]`` that reads its output, and
+            no other ``[f, d]``. A gated MLP's gate and up projections share a shape, and a
+            fused gate-and-up ``[2f, d]`` has no ``[d, 2f]`` beside it, so gated MLPs (SwiGLU,
+            as Llama's and Mixtral's), where the output side cost more time than it saved, get
+            none. The list form names no parent modules: there ``"auto"`` whitens no output
+            side. An MLP whose two layers sit under different parents (BERT's
+            ``intermediate.dense`` and ``output.dense``) is not recognised: set ``"wide"``.
         center_inputs: whiten with the covariance of a layer's inputs about their mean (over
             each statistics step's rows) instead of their second moment. ``None`` (default):
             centre the query and key projections of an attention that have no trainable bias,
@@ -514,7 +543,7 @@ class WhitenedMuon(torch.optim.Optimizer):
                  adamw_lr: float | None = None, adamw_betas: tuple[float, float] = (0.9, 0.999),
                  adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None, statistics_every: int = 5,
                  damping: float = 0.1, factor_decay: float = 0.8, statistics_rows: int | None = 1024,
-                 output_side: bool | Literal["wide"] = False,
+                 output_side: bool | Literal["wide", "auto"] = "auto",
                  center_inputs: bool | list[str] | tuple[str, ...] | None = None,
                  fused_qkv: Literal[False] | list[str] | tuple[str, ...] | None = None,
                  root: str = "cholesky", block_size: int | None = None,
@@ -541,10 +570,10 @@ class WhitenedMuon(torch.optim.Optimizer):
                           f"(1 - factor_decay)). The inputs' covariance moves with the weights: horizons of "
                           f"{LONG_HORIZON} steps or more lost most of the gain over Muon where measured. Keep it "
                           f"to a few tens of steps (the defaults: 5 and 0.8, 25 steps)", UserWarning, stacklevel=2)
-        if isinstance(output_side, str) and output_side != "wide":
-            raise ValueError(f"output_side must be True, False or 'wide', got {output_side!r}")
+        if isinstance(output_side, str) and output_side not in ("wide", "auto"):
+            raise ValueError(f"output_side must be True, False, 'wide' or 'auto', got {output_side!r}")
         if not isinstance(output_side, (bool, str)):
-            raise TypeError(f"output_side must be True, False or 'wide', got {output_side!r}")
+            raise TypeError(f"output_side must be True, False, 'wide' or 'auto', got {output_side!r}")
         self.output_side: bool | str = output_side
         centring = _check_center_inputs(center_inputs)
         self._center_inputs = center_inputs
@@ -606,17 +635,21 @@ class WhitenedMuon(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self.process_group = process_group
         self._sharded = self._sharded_layout([(self._names[id(w)], w) for w in whitened], process_group)
-        sides = ("input", "output") if self.output_side else ("input",)
         # the weights whitened on their output side: output_side="wide" -- those whose output (per
         # part of a fused projection, per expert) is wider than their input and observable (no
         # output side to pay for where the adapter delivers no output gradient: an attention's
-        # projections)
+        # projections); "auto" -- of those, the first layers of ungated MLPs
         outputs: frozenset[int] = frozenset()
         if self.output_side is True:
             outputs = frozenset(id(w) for w in whitened)
-        elif self.output_side == "wide":
+        elif self.output_side in ("wide", "auto"):
             outputs = frozenset(id(_weight(u)) for u in units if getattr(u.adapter, "delivers_output_grads", True)
                                 and _wide_output(self._views[id(_weight(u))]))
+        if self.output_side == "auto":  # the list form names no parent modules: no MLP to recognise
+            parents = ({id(child): id(module) for module in params.modules() for child in module.children()}
+                       if isinstance(params, nn.Module) else {})
+            outputs = outputs & _ungated_mlp_inputs(units, self._views, parents)
+        sides = ("input", "output") if outputs or self.output_side is True else ("input",)
         centered = {id(_weight(u)) for u in _centred_units(units, centring)}
         # The hooks reach the statistics, which must not keep the optimizer alive: an optimizer the
         # caller drops (an lr sweep on one model) is freed, and the finaliser removes its hooks.
@@ -1065,7 +1098,8 @@ class WhitenedMuon(torch.optim.Optimizer):
         another ``block_size`` --, a factor, whitener or moment that is not finite, a setting the
         step cannot use) raises ``ValueError`` naming it and changes nothing. A checkpoint's
         output side is not loaded for the weights this optimizer does not whiten on that side
-        (every weight without ``output_side``; all but the wide ones with ``"wide"``).
+        (every weight without ``output_side``; all but those it chooses with ``"wide"`` or
+        ``"auto"``).
         Factors, whiteners and counters keep their saved dtype and values (torch.optim's load
         would cast them to each parameter's dtype, e.g. bfloat16)."""
         saved_groups = state_dict["param_groups"]

@@ -47,13 +47,14 @@ def test_kron_refuses_a_non_bool_in_a_param_group(name):
 @pytest.mark.parametrize("name", ["nesterov", "output_side", "center_inputs"])
 def test_whitened_muon_refuses_a_non_bool(name):
     WhitenedMuon(_model(), lr=1e-3, **{name: False})
-    # output_side takes one string, "wide": any other is a ValueError naming it
+    # output_side takes two strings, "wide" and "auto": any other is a ValueError naming it
     with pytest.raises(ValueError if name == "output_side" else TypeError, match=name):
         WhitenedMuon(_model(), lr=1e-3, **{name: "no"})
 
 
 @pytest.mark.parametrize("bad", ["False", 1, None])
-def test_whitened_muon_refuses_an_output_side_that_is_not_a_bool_or_wide(bad):
+def test_whitened_muon_refuses_an_output_side_that_is_not_a_bool_wide_or_auto(bad):
     WhitenedMuon(_model(), lr=1e-3, output_side="wide")
+    WhitenedMuon(_model(), lr=1e-3, output_side="auto")
     with pytest.raises(ValueError if isinstance(bad, str) else TypeError, match="output_side"):
         WhitenedMuon(_model(), lr=1e-3, output_side=bad)

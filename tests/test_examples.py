@@ -398,6 +398,10 @@ def test_whitened_muon_methods_take_muons_split_and_their_sweep_settings():
     assert optimizer.param_groups[0]["momentum"] == 0.85
     _, _, wide, _ = convergence.parse_family("wmuon{wboth=wide}=1.6e-2")
     assert wide == {"wmuon_both_sides": "wide"}
+    _, _, auto, _ = convergence.parse_family("wmuon{wboth=auto}=1.6e-2")
+    assert auto == {"wmuon_both_sides": "auto"}
+    _, _, off, _ = convergence.parse_family("wmuon{wboth=0}=1.6e-2")
+    assert off == {"wmuon_both_sides": False}
     plain, _ = common.build_method("muon", model, 1.6e-2, 0.0, common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS))
     assert [id(p) for p in optimizer.param_groups[0]["params"]] == [
         id(p) for p in plain.optimizers[0].param_groups[0]["params"]]

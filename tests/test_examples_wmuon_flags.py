@@ -28,9 +28,13 @@ def test_the_flags_reach_the_optimizer():
     assert opt.output_side and opt.center_inputs is True
 
 
-def test_the_output_side_flag_takes_wide():
+def test_the_output_side_flag_takes_auto_wide_all_and_none():
+    assert _built([]).output_side == "auto"
+    assert _built(["--wmuon-output-side", "auto"]).output_side == "auto"
     assert _built(["--wmuon-output-side", "wide"]).output_side == "wide"
+    assert _built(["--wmuon-output-side", "all"]).output_side is True
     assert _built(["--wmuon-output-side"]).output_side is True
+    assert _built(["--wmuon-output-side", "none"]).output_side is False
     with pytest.raises(SystemExit):
         _built(["--wmuon-output-side", "tall"])
 

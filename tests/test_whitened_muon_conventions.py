@@ -194,6 +194,33 @@ def test_a_wide_output_side_loads_the_output_side_of_the_wide_weight_alone():
         assert torch.equal(a, b)
 
 
+def test_a_checkpoint_without_an_output_side_resumes_under_the_default_auto():
+    """A checkpoint of ``output_side=False`` on an ungated MLP ``[16, 8]``, GELU, ``[8, 16]``
+    loads into the default ``"auto"``, which whitens the first layer's output side: the input
+    side and momentum come back as saved, the output side starts at the next statistics step
+    from that step's rows alone, as a fresh optimizer's first factor does on the same weights
+    and batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    opt = WhitenedMuon(model, lr=1e-2, output_side=False, statistics_every=1)
+    train(model, opt, 6)
+    saved = snapshot(opt)
+    resumed_model, fresh_model = copy.deepcopy(model), copy.deepcopy(model)
+    resumed = WhitenedMuon(resumed_model, lr=1e-2, statistics_every=1)
+    assert resumed.output_side == "auto"
+    resumed.load_state_dict(saved)
+    state = resumed.state[resumed_model[0].weight]
+    assert torch.equal(state["input_factor"], saved["state"][0]["input_factor"])
+    assert torch.equal(state["momentum_buffer"], saved["state"][0]["momentum_buffer"])
+    assert not any(k.startswith("output_") for k in state)
+    fresh = WhitenedMuon(fresh_model, lr=1e-2, statistics_every=1)
+    train(resumed_model, resumed, 1, seed=5)
+    train(fresh_model, fresh, 1, seed=5)
+    assert torch.equal(resumed.state[resumed_model[0].weight]["output_factor"],
+                       fresh.state[fresh_model[0].weight]["output_factor"])
+    assert not any(k.startswith("output_") for k in resumed.state[resumed_model[2].weight])
+
+
 def test_a_reload_on_bfloat16_parameters_keeps_the_factors_values_and_the_counters_dtype():
     """torch.optim's load casts every state tensor to its parameter's dtype: the float32 factors
     and whiteners would come back rounded to bfloat16, the int64 counter as a bfloat16."""

@@ -30,11 +30,13 @@ transformers.logging.set_verbosity_error()
 LR, MOMENTUM, STEPS, BATCH = 2e-2, 0.9, 16, 16
 SKIP = ["lm_head", "embed", "wte", "wpe"]
 # WhitenedMuon's final loss at most this much above Muon's. Measured (library defaults, 16 steps):
-# Llama 0.0099 vs 0.0106 and Mixtral below Muon; GPT-2 0.287 vs 0.246 at lr 2e-2 (0.918 vs 0.837
-# at 1e-2, 0.057 vs 0.043 at 4e-2): on this 16-step task GPT-2 does not gain, and the bound says
-# how far. (Trained on bytes for 350 steps, `benchmarks/budget_speedup.py --arch gpt2`, it gains
-# as the other models do: docs/results.md.)
-MARGIN = {"gpt2": 1.25, "llama": 1.05, "mixtral": 1.05}
+# Llama 0.0099 vs 0.0106 and Mixtral below Muon; GPT-2 0.397 vs Muon's 0.246 at lr 2e-2 (1.071 vs
+# 0.837 at 1e-2, 0.062 vs 0.043 at 4e-2; with the input side alone, output_side=False: 0.284, 0.944,
+# 0.045): on this lookup task GPT-2 does not gain, and the output side of its MLP's c_fc (the
+# default "auto") loses more; the bound says how far. (Trained on bytes for 350 steps,
+# `benchmarks/budget_speedup.py --arch gpt2`, it gains as the other models do, the output side
+# level with the input side alone: docs/results.md.)
+MARGIN = {"gpt2": 1.7, "llama": 1.05, "mixtral": 1.05}
 
 
 def _muon_split(model, whitened):

@@ -320,13 +320,15 @@ def split_by_hand(model, **settings):
 
 def test_one_optimizer_for_the_model_equals_the_split_by_hand_bitwise():
     """The AdamW half is ``torch.optim.AdamW``'s arithmetic, bitwise (a parameter without a
-    gradient on a step keeps its own step count, as torch's); one schedule scales both halves."""
+    gradient on a step keeps its own step count, as torch's); one schedule scales both halves.
+    The model's MLP (``up``, ReLU, ``down``) is ungated: the default ``"auto"`` whitens ``up``'s
+    output side, which the list form (no parents to read) gets from ``"wide"``."""
     torch.manual_seed(0)
     model = TiedLM()
     twin = copy.deepcopy(model)
     opt = WhitenedMuon(model, lr=0.02, weight_decay=0.1, adamw_lr=0.003, adamw_betas=(0.8, 0.99), adamw_eps=1e-6,
                        adamw_weight_decay=0.01)
-    by_hand = split_by_hand(twin)
+    by_hand = split_by_hand(twin, output_side="wide")
     schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in [opt, *by_hand]]
     for step, (x, y) in enumerate(token_batches(5)):
         for m, opts in ((model, [opt]), (twin, by_hand)):

@@ -649,3 +649,36 @@ def test_cautious_must_name_its_rescaling():
     layer, _, _ = _layer_and_batch()
     with pytest.raises(ValueError, match="cautious"):
         WhiteningVariant([layer], lr=1e-2, cautious=True)
+
+
+def test_split_heads_orthogonalises_each_heads_rows_on_their_own():
+    """``head_dim=4`` on a ``q_proj`` ``[8, 8]``: with an identity input whitener (every layer's
+    input side skipped), no momentum and the exact polar factor, the step is each head's rows'
+    polar factor, ``-lr · 0.2 · sqrt(8) · polar(∇W[h])`` per head, written out with an SVD; the
+    whole matrix's polar factor differs."""
+    import kron_precond.whitened_muon as wm
+
+    def polar(m):
+        u, _, vh = torch.linalg.svd(m.double(), full_matrices=False)
+        return (u @ vh).to(m.dtype)
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.q_proj = nn.Linear(IN, OUT, bias=False).double()
+    before = model.q_proj.weight.detach().clone()
+    original, wm.msign = wm.msign, lambda m, *args, **kwargs: torch.stack([polar(x) for x in m])
+    try:
+        optimizer = WhiteningVariant(model, lr=1e-2, momentum=0.0, nesterov=False, statistics_rows=None,
+                                     input_skip_names=r".", head_dim=4, ns_dtype=torch.float64,
+                                     output_side=False)
+        x, c = torch.randn(ROWS, IN, dtype=torch.float64), torch.randn(ROWS, OUT, dtype=torch.float64)
+        (model.q_proj(x) * c).sum().backward()
+        grad = model.q_proj.weight.grad.detach().clone()
+        optimizer.step()
+    finally:
+        wm.msign = original
+    step = (model.q_proj.weight.detach() - before) / (-1e-2 * 0.2 * 8 ** 0.5)
+    torch.testing.assert_close(step, torch.cat([polar(grad[:4]), polar(grad[4:])]), rtol=1e-9, atol=1e-12)
+    assert not torch.allclose(step, polar(grad), atol=1e-3)
+    with pytest.raises(ValueError, match="matches no whitened weight"):
+        WhiteningVariant(nn.Sequential(nn.Linear(4, 4)), lr=1e-2, head_dim=2, output_side=False)
