@@ -194,3 +194,27 @@ def test_auto_on_the_hugging_face_zoo(name):
         assert sides["auto"] == set()
         for a, b in zip(finals["auto"], finals[False]):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name,targets", [("llama", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                      "down_proj"]),
+                                          ("gpt2", ["c_attn", "c_proj", "c_fc"])])
+def test_auto_whitens_no_output_side_of_lora_adapters(name, targets):
+    """PEFT's LoRA matrices (``lora_A`` ``[r, d]``, ``lora_B`` ``[out, r]``, each alone under its
+    adapter's ``ModuleDict``) form no MLP: ``"auto"`` gives them no output side, on a gated and
+    on an ungated base model alike."""
+    transformers = pytest.importorskip("transformers", reason="transformers is an optional extra ([trainers])")
+    peft = pytest.importorskip("peft", reason="peft is an optional extra ([trainers])")
+    import hf_zoo
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = peft.get_peft_model(hf_zoo.build(name, transformers),
+                                peft.LoraConfig(r=4, target_modules=targets, fan_in_fan_out=name == "gpt2"))
+    opt = WhitenedMuon(model, lr=1e-2, statistics_every=1, skip_layers=["lm_head", "embed", "wte", "wpe"])
+    assert any("lora_B" in n for n, p in model.named_parameters() if p.requires_grad)
+    ids = hf_zoo.next_token_batch(torch.Generator().manual_seed(0), 4, torch.arange(hf_zoo.VOCAB).roll(1))
+    opt.zero_grad()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert _output_sides(opt, model) == set()
+    assert any("input_factor" in state for state in opt.state.values())
