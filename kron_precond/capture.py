@@ -20,6 +20,7 @@ hook sees the output gradient in eager autograd, exactly as without compile.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -62,6 +63,7 @@ class ActivationCapture:
         self._before_write = before_write
         self._before_observe = before_observe
         self.collecting = False
+        self._warned_float16 = False
         by_module: dict[int, tuple[nn.Module, object, dict[int, object]]] = {}
         for layer in layers:
             by_module.setdefault(id(layer.module), (layer.module, layer.adapter, {}))[2][layer.slot] = layer
@@ -108,6 +110,14 @@ class ActivationCapture:
     def _observe_output_grads(self, adapter, units: dict, grad: torch.Tensor, context, calls: dict) -> None:
         with torch.no_grad(), autocast_disabled(grad.device.type):  # backward inside an autocast region
             loss_scale = self._loss_scale()
+            if loss_scale is None and grad.dtype == torch.float16 and not self._warned_float16:
+                # float16 gradients are nearly always a GradScaler's scaled ones: its scale would stay
+                # in the output-gradient statistics, mixed across every scale it goes through
+                self._warned_float16 = True
+                warnings.warn("output gradients arrive in float16 and no grad_scaler was given: if a "
+                              "torch.amp.GradScaler scales the loss, pass it as grad_scaler= so that its scale is "
+                              "divided out of the output-gradient statistics (ignore this if the loss is not "
+                              "scaled)", UserWarning, stacklevel=2)
             for slot, rows, scale in adapter.backward_rows(grad.detach(), context):
                 layer = units.get(slot)
                 if layer is None:

@@ -119,7 +119,8 @@ class KronPreconditioner:
         grad_scaler: a ``torch.amp.GradScaler``, or a callable returning the current loss
             scale (float or tensor; kfac-pytorch's ``scaler.get_scale``), whose scale is
             divided out of the output gradients seen by the hooks (mixed precision).
-            Anything else raises ``TypeError``.
+            Anything else raises ``TypeError``. Without it, output gradients that arrive in
+            float16 (almost always a scaler's) warn once.
         allreduce_bucket_cap_mb: size of statistic all-reduce buckets (0: one call per tensor).
         assignment_strategy: ``"compute"`` or ``"memory"``: what placing work on ranks balances.
         colocate_factors: keep all of a layer's expensive work on one rank. ``False``

@@ -526,7 +526,8 @@ class WhitenedMuon(torch.optim.Optimizer):
             on Muon's spectral scale (about 0.02): then set ``adamw_lr`` (about 3e-4), or the AdamW
             groups take that lr too. A param-group setting, kept by ``state_dict``.
         grad_scaler: the ``torch.amp.GradScaler`` of an fp16 run (or a callable returning the
-            loss scale): its scale is divided out of the output-side statistics.
+            loss scale): its scale is divided out of the output-side statistics. Without it,
+            output gradients that arrive in float16 (almost always a scaler's) warn once.
         process_group: where the statistics are all-reduced; ``None``: the default group when
             ``torch.distributed`` is initialised with more than one rank.
 

@@ -6,6 +6,7 @@ of the autocast / scaled path.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -76,6 +77,35 @@ def test_grad_scaler_scale_is_divided_out_of_output_gradient_factors():
     plain.step()
     name = next(iter(ref.layers))
     assert _rel(plain.layers[name].g_factor, ref.layers[name].g_factor) > 1e3
+
+
+@pytest.mark.parametrize("build", [lambda m, **kw: WhitenedMuon(m, lr=1e-2, statistics_every=1, output_side="wide",
+                                                                **kw),
+                                   lambda m, **kw: KronPreconditioner(m, kl_clip=None, **kw)],
+                         ids=["whitened_muon", "kfac"])
+def test_float16_output_gradients_without_a_grad_scaler_warn_once(build):
+    """Under float16 autocast the output gradients arrive in float16, nearly always scaled by a
+    GradScaler: without ``grad_scaler`` its scale would stay in the output-side statistics, so
+    the first such call warns, once; with ``grad_scaler`` (or in bfloat16) nothing is said."""
+    x, y = _batch()
+
+    def messages(dtype, scaler=None):
+        model = _model()
+        step = build(model) if scaler is None else build(model, grad_scaler=scaler)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                with torch.autocast("cpu", dtype=dtype):
+                    loss = F.cross_entropy(model(x).float(), y)
+                (loss if scaler is None else scaler.scale(loss)).backward()
+                step.step()
+                model.zero_grad()
+        return [str(w.message) for w in caught if "float16" in str(w.message)]
+
+    assert len(messages(torch.float16)) == 1
+    assert "grad_scaler=" in messages(torch.float16)[0]
+    assert not messages(torch.float16, torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    assert not messages(torch.bfloat16)
 
 
 ACTIVATION_METHODS = {"kfac", "ekfac", "ikfac"}  # the methods with forward (and backward) statistics
