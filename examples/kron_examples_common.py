@@ -362,11 +362,13 @@ _NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, exclude: Sequence[str],
-                        config: PrecondConfig, post: bool, optimizer_class: Callable | None = None) -> WhitenedMuon:
+                        config: PrecondConfig, post: bool, optimizer_class: Callable | None = None,
+                        grad_scaler: torch.amp.GradScaler | None = None) -> WhitenedMuon:
     """``kron_precond.WhitenedMuon(model)``: one optimizer, the Linear units ``exclude`` leaves
     (``skip_layers``) whitened, AdamW on the rest. ``post=False`` is the whitening-before-only
     control (``examples/whitened_muon_pre.py``); ``optimizer_class`` builds a variant (a
-    benchmark's subclass) with the same settings."""
+    benchmark's subclass) with the same settings. ``grad_scaler``: the float16 AMP scaler, whose
+    scale the output side's statistics divide out."""
     settings = dict(momentum=config.muon_momentum, statistics_every=config.wmuon_every,
                     damping=config.wmuon_damping, statistics_rows=config.wmuon_statistics_rows,
                     output_side=config.wmuon_both_sides, center_inputs=config.wmuon_center_inputs,
@@ -377,7 +379,8 @@ def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, exclud
                     # torch.optim.Muon's bfloat16 iteration on every device unless asked otherwise, so
                     # that the examples compare the two like for like (the library's default takes
                     # float32 on a CPU without bfloat16 kernels, where bfloat16 is far slower)
-                    ns_dtype=_NS_DTYPES[config.wmuon_ns_dtype])
+                    ns_dtype=_NS_DTYPES[config.wmuon_ns_dtype],
+                    grad_scaler=grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None)
     if optimizer_class is not None:
         return optimizer_class(model, lr, weight_decay, **settings)
     if post:
@@ -522,7 +525,8 @@ def build_method(
     bare = unwrap(model)
     exclude = config.muon_excluded  # Muon's split
     if spec.base in ("wmuon", "wmuon_pre"):
-        optimizer = build_whitened_muon(bare, lr, weight_decay, exclude, config, post=spec.base == "wmuon")
+        optimizer = build_whitened_muon(bare, lr, weight_decay, exclude, config, post=spec.base == "wmuon",
+                                        grad_scaler=grad_scaler)
     elif spec.base in ("muon", "muon_kron"):
         rest = "kron" if spec.base == "muon_kron" else "adamw"
         optimizer = build_muon(bare, lr, weight_decay, exclude, rest, config)

@@ -45,3 +45,28 @@ def test_without_flags_the_examples_build_the_library_defaults():
     for name in ("damping", "statistics_every", "factor_decay", "statistics_rows", "output_side", "center_inputs",
                  "root", "block_size", "ns_coefficients"):
         assert getattr(opt, name) == defaults[name].default, name
+
+
+def test_the_examples_pass_their_float16_grad_scaler_to_whitened_muon():
+    """``--amp`` in float16 builds a GradScaler; the examples hand it to ``WhitenedMuon``, whose
+    default output side (the ungated MLP's first layer here) divides its scale out, so the
+    float16 output gradients raise no warning about a missing ``grad_scaler``."""
+    import warnings
+
+    import torch
+
+    _, _, precond = char_lm.configs_from_args(char_lm.parse_args([]))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 6))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    optimizer, _ = common.build_method("wmuon", model, 1e-2, 0.0, precond, grad_scaler=scaler)
+    assert optimizer.output_side == "auto"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(8, 6)).float().square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    assert "output_factor" in optimizer.state[model[0].weight]
+    assert not [w for w in caught if "grad_scaler" in str(w.message)]
