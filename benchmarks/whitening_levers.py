@@ -384,7 +384,7 @@ class WhiteningVariant(WhitenedMuon):
                                                if _shape_kind(view.shape, "input") == "wide")
         self.output_source = output_source
         self.cautious = cautious
-        self._capture.output_grads = self.output_side and statistics_.from_hook
+        self._capture.output_grads = bool(self.output_side) and statistics_.from_hook
 
     def _split_heads(self, head_dim: int, head_names: str) -> None:
         """The weights whose name matches ``head_names`` stepped as ``out / head_dim`` parts of
@@ -451,7 +451,7 @@ class WhiteningVariant(WhitenedMuon):
         assert isinstance(stats, _VariantStatistics)
         # the hook only where the next step gathers the output side (the weights' own step
         # counts, which a checkpoint keeps)
-        self._capture.output_grads = self.output_side and stats.from_hook and any(
+        self._capture.output_grads = bool(self.output_side) and stats.from_hook and any(
             self.state[p].get("step", 0) % stats.output_every == 0 for p in self._whitened_params())
 
     def _observe_gradients(self) -> None:

@@ -380,7 +380,7 @@ def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, exclud
                     # that the examples compare the two like for like (the library's default takes
                     # float32 on a CPU without bfloat16 kernels, where bfloat16 is far slower)
                     ns_dtype=_NS_DTYPES[config.wmuon_ns_dtype],
-                    grad_scaler=grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None)
+                    grad_scaler=grad_scaler)  # a disabled scaler reads as none
     if optimizer_class is not None:
         return optimizer_class(model, lr, weight_decay, **settings)
     if post:

@@ -650,7 +650,7 @@ class WhitenedMuon(torch.optim.Optimizer):
             parents = ({id(child): id(module) for module in params.modules() for child in module.children()}
                        if isinstance(params, nn.Module) else {})
             outputs = outputs & _ungated_mlp_inputs(units, self._views, parents)
-        sides = ("input", "output") if outputs or self.output_side is True else ("input",)
+        sides = ("input", "output") if outputs else ("input",)
         centered = {id(_weight(u)) for u in _centred_units(units, centring)}
         # The hooks reach the statistics, which must not keep the optimizer alive: an optimizer the
         # caller drops (an lr sweep on one model) is freed, and the finaliser removes its hooks.
