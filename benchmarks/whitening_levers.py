@@ -492,6 +492,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the library's output_side="wide": as wide_only, with a fused projection's parts (GPT-2's c_attn:
     # three square matrices) judged by their own shape, so they get no output side
     "output_wide": dict(output_side="wide"),
+    "auto": dict(output_side="auto"),  # the library's default now
     "gradient": dict(output_side=True, output_source="gradient"),
     "momentum": dict(output_side=True, output_source="momentum"),
     # the input side alone, with the weights of one input shape left unwhitened (GPT: wide = the
@@ -553,6 +554,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the AdamW half (embeddings, norms, biases, lm_head) at the d_model 64 GPT's best Muon lr,
     # 3.2e-2, whatever --lr the whitened weights take (the library's default: one lr for both)
     "input_adamw_lr0.032": dict(output_side=False, adamw_lr=0.032),
+    # the default with every row of each call in the statistics (statistics_rows=None) instead of
+    # the first 1,024; with statistics every step over the same 25-step horizon (factor_decay 0.96)
+    "auto_rows_all": dict(output_side="auto", statistics_rows=None),
+    "auto_every1": dict(output_side="auto", statistics_every=1, factor_decay=0.96),
+    "auto_every1_rows_all": dict(output_side="auto", statistics_every=1, factor_decay=0.96, statistics_rows=None),
 }
 # which layers' input factors are centred, by module name (the default: the bias-free q and k)
 CENTRED_LAYERS = {"q": "q", "k": "k", "qk": "q|k", "qkv": "q|k|v", "qko": "q|k|o", "qk_mlp": "q|k|gate|up|down",
@@ -564,7 +570,7 @@ VARIANTS.update({f"input_center_{name}": dict(output_side=False, center_inputs=(
 LIBRARY_SETTINGS = {"statistics_every": "wmuon_every", "factor_decay": "wmuon_factor_decay",
                     "block_size": "wmuon_block_size", "center_inputs": "wmuon_center_inputs", "ns_steps": None,
                     "fused_qkv": None, "nesterov": None, "adamw_lr": "muon_rest_lr", "ns_dtype": "wmuon_ns_dtype",
-                    "damping": "wmuon_damping"}
+                    "damping": "wmuon_damping", "statistics_rows": "wmuon_statistics_rows"}
 
 
 def _build(model: nn.Module, scaler, *, lr: float, weight_decay: float, config, variant: dict[str, Any]):
@@ -584,12 +590,13 @@ def _build(model: nn.Module, scaler, *, lr: float, weight_decay: float, config, 
                                optimizer_class=cls), None
 
 
-def best_muon(base: Path, seed: int, measure: dict) -> tuple[float, float]:
-    """(momentum, lr) of the best-tuned Muon at 1x in ``base`` for ``seed``: the lr as its record
-    holds it, not the run name's 6 digits (a relative change of 8e-7 in a high lr has moved a
-    run's final loss by 0.017, more than the levers measured here)."""
+def best_muon(base: Path, seed: int, measure: dict, method: str = "muon") -> tuple[float, float]:
+    """(momentum, lr) of the best-tuned ``method`` (a baseline of ``base``: Muon, NorMuon) at 1x
+    in ``base`` for ``seed``: the lr as its record holds it, not the run name's 6 digits (a
+    relative change of 8e-7 in a high lr has moved a run's final loss by 0.017, more than the
+    levers measured here)."""
     from benchmarks import budget_speedup as bs
-    name = measure["rows"]["muon (tuned)"]["run"]  # e.g. "muon{mom=0.8} lr=0.016"
+    name = measure["rows"][f"{method} (tuned)"]["run"]  # e.g. "muon{mom=0.8} lr=0.016"
     momentum = float(name.split("mom=")[1].split("}")[0])
     return momentum, next(r["lr"] for r in bs.load_runs(base, seed, 1.0) if r["name"] == name)
 
@@ -604,6 +611,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--variants", default="both", help=f"comma-separated, from {list(VARIANTS)}")
     p.add_argument("--seeds", default="0")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--baseline", default="muon",
+                   help="the --base record's tuned baseline the variants train beside and are measured "
+                        "against (muon, normuon)")
     p.add_argument("--other-machine", action="store_true",
                    help="a Muon that ends off the --base record (another CPU rounds otherwise) is warned "
                         "about, not refused: the variants are then compared with one another, and with "
@@ -617,36 +627,38 @@ def main(argv: list[str] | None = None) -> None:
     if cell.threads:
         torch.set_num_threads(cell.threads)
     measures = {m["seed"]: m for m in json.loads((args.base / "measures.json").read_text())}
+    label = {"muon": "Muon", "normuon": "NorMuon"}.get(args.baseline, args.baseline)
     _, train, precond = bs.configs_from_args(cell)
     config = dataclasses.replace(precond, muon_momentum=args.momentum)
     weight_decay = train.weight_decay
     rows = []
     for seed in (int(s) for s in args.seeds.split(",")):
         measure = measures[seed]
-        muon_momentum, muon_lr = best_muon(args.base, seed, measure)
+        base_momentum, base_lr = best_muon(args.base, seed, measure, args.baseline)
         extra = [Contender(name, args.lr, build=functools.partial(_build, lr=args.lr, weight_decay=weight_decay,
                                                                     config=config, variant=VARIANTS[name]))
                  for name in variants]
-        runs = bs.train_part(cell, seed, 1.0, "levers_" + "_".join(variants), [("muon", muon_momentum, muon_lr)],
+        part = "levers_" + ("" if args.baseline == "muon" else f"vs_{args.baseline}_") + "_".join(variants)
+        runs = bs.train_part(cell, seed, 1.0, part, [(args.baseline, base_momentum, base_lr)],
                              extra=extra)
         stale = [r["name"] for r in runs[1:] if not math.isclose(r["lr"], args.lr)]
         if stale:  # a record of the same variants at another point
             raise SystemExit(f"seed {seed}: the record of {stale} in {args.out} ran at another lr; "
                              f"give this point an --out of its own")
-        muon = runs[0]
-        curve = measure["curves"]["muon"]
-        if not math.isclose(muon["eval_losses"][-1], curve[0]["loss"], rel_tol=1e-6):
-            message = (f"seed {seed}: Muon ends at {muon['eval_losses'][-1]:.6f} here and at "
+        baseline = runs[0]
+        curve = measure["curves"][args.baseline]
+        if not math.isclose(baseline["eval_losses"][-1], curve[0]["loss"], rel_tol=1e-6):
+            message = (f"seed {seed}: {label} ends at {baseline['eval_losses'][-1]:.6f} here and at "
                        f"{curve[0]['loss']:.6f} in {args.base}")
             if not args.other_machine:
                 raise SystemExit(f"{message}: not the same cell (--other-machine on another CPU)")
             print(f"warning: {message}", flush=True)
-        muon_step = statistics.mean(muon["step_seconds"])
+        base_step = statistics.mean(baseline["step_seconds"])
         for run in runs[1:]:
             s = bs.speedup([c["steps"] for c in curve], [c["loss"] for c in curve], cell.steps,
-                           run["eval_losses"][-1], statistics.mean(run["step_seconds"]), muon_step)
+                           run["eval_losses"][-1], statistics.mean(run["step_seconds"]), base_step)
             rows.append((run["name"], seed, run["eval_losses"][-1], s))
-    print("| variant | seed | final loss | × best Muon, steps | step × Muon | × best Muon, wall-clock |")
+    print(f"| variant | seed | final loss | × best {label}, steps | step × {label} | × best {label}, wall-clock |")
     print("|---|---|---|---|---|---|")
     for name, seed, loss, s in rows:
         print(f"| {name} | {seed} | {loss:.4f} | {s['steps']:.3f} | {s['step_ratio']:.3f} | {s['wallclock']:.3f} |")

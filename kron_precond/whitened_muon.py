@@ -501,8 +501,9 @@ class WhitenedMuon(torch.optim.Optimizer):
             ``query_key_value``, CodeGen's ``qkv_proj`` and GPTBigCode's ``c_attn`` interleave
             the heads.
         root: how ``F + λI`` is whitened: ``"cholesky"`` (``T = L⁻¹``, cheap) or
-            ``"symmetric"`` (``(F + λI)^{-1/2}``, an ``eigh``). Both define the same norm and the
-            same exact step; they differ only through Newton-Schulz's approximation.
+            ``"symmetric"`` (``(F + λI)^{-1/2}``, an ``eigh``). Both define the same norm and give
+            the same step, Newton-Schulz's approximate ``msign`` included (it commutes with the
+            orthogonal factor between the two roots); they differ in cost and rounding alone.
         block_size: a side wider than this (and divisible by it) keeps only the diagonal
             ``block_size``-blocks of its factor: its statistics, refresh and whitening cost fall
             by ``width / block_size``. ``None``: every side whole.

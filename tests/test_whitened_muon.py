@@ -164,6 +164,31 @@ def test_steps_match_the_whitened_steepest_descent_written_out(monkeypatch, outp
     assert not torch.allclose(net.a.weight.detach(), other[-1][0], rtol=1e-4)  # centring mattered
 
 
+@pytest.mark.parametrize("output_side", [False, True])
+def test_both_roots_step_alike_through_newton_schulz(output_side):
+    """``L⁻ᵀ = (A + λI)^{-1/2} Q`` with ``Q`` orthogonal, and Newton-Schulz's polynomial
+    ``p(X Xᵀ) X`` maps ``X Q`` to ``p(X Xᵀ) X Q`` (``Q X`` to ``Q p(X Xᵀ) X`` on the left), its
+    Frobenius normalisation included: so the approximate ``msign`` of five iterations, not only
+    the exact polar factor, gives the same step under either root, to rounding."""
+    nets = [make_net() for _ in range(2)]
+    opts = [WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, momentum=MOMENTUM, statistics_every=1,
+                         damping=DAMPING, factor_decay=DECAY, output_side=output_side, root=root,
+                         ns_dtype=torch.float64, center_inputs=False)
+            for root, net in zip(("cholesky", "symmetric"), nets)]
+    start = nets[0].a.weight.detach().clone()
+    for x, y in batches(4):
+        for net, opt in zip(nets, opts):
+            opt.zero_grad()
+            loss_of(net, x, y).backward()
+            opt.step()
+    for mine, theirs in zip(nets[0].parameters(), nets[1].parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-9, atol=1e-12)
+    assert (nets[0].a.weight - start).abs().max() > 1e-3  # the weights moved
+    # the whiteners themselves differ (a triangular factor against a symmetric one)
+    chol, sym = (opt.state[net.a.weight]["input_whitener"] for opt, net in zip(opts, nets))
+    assert not torch.allclose(chol, sym) and torch.equal(chol, chol.tril())
+
+
 def test_the_wide_output_side_whitens_and_observes_the_wider_output_alone(monkeypatch):
     """``output_side="wide"``: the weight ``a`` ``[7, 5]`` is whitened on both sides, ``b``
     ``[4, 7]`` on its input side alone. Only ``a``'s output gradients are observed (its

@@ -239,6 +239,12 @@ def test_the_runner_builds_each_variant_with_the_cells_settings():
     skipping, _ = _build(model, None, lr=0.01, weight_decay=0.0, config=config, variant=VARIANTS["input_no_wide"])
     assert isinstance(skipping, WhiteningVariant) and not skipping.output_side
     assert skipping._statistics.input_skip == "wide"
+    # library settings reach the library's optimizer itself, the cell's other settings kept
+    fresh, _ = _build(model, None, lr=0.01, weight_decay=0.0, config=config, variant=VARIANTS["auto_every1_rows_all"])
+    assert type(fresh) is WhitenedMuon and fresh.statistics_every == 1 and fresh.factor_decay == 0.96
+    assert fresh._statistics.statistics_rows is None and fresh.param_groups[0]["momentum"] == 0.8
+    assert [fresh._names[id(p)] for p in fresh._whitened_params() if "output" in fresh._statistics.sides_of(p)] \
+        == ["blocks.0.mlp.0.weight"]  # "auto": the MLP's first layer alone
 
 
 @pytest.mark.parametrize("layers", ["narrow", "wide"])
