@@ -325,6 +325,61 @@ class _Unit:
         self.param, self.index, self.name = param, index, "gradient"
 
 
+class _SideDampedStatistics(WhiteningStatistics):
+    output_damping: float
+
+    def _refresh_layout(self, members):
+        # a layout's factors are decomposed in one batch whatever their side: split by side, so
+        # that the output side's take its own damping (per matrix, the same ops either way)
+        for side in ("input", "output"):
+            group = [m for m in members if m[1] == side]
+            if not group:
+                continue
+            damping = self.damping
+            self.damping = self.output_damping if side == "output" else damping
+            try:
+                super()._refresh_layout(group)
+            finally:
+                self.damping = damping
+
+
+class SideDamping(WhitenedMuon):
+    """``WhitenedMuon`` whose output-side factors are damped by ``output_damping`` (``λ =
+    output_damping · tr(G) / dim G``), its input-side ones by ``damping`` as in the library."""
+
+    def __init__(self, params: Any, lr: float, weight_decay: float = 0.0, *, output_damping: float,
+                 **kwargs: Any) -> None:
+        super().__init__(params, lr, weight_decay, **kwargs)
+        statistics_ = self._statistics
+        statistics_.__class__ = _SideDampedStatistics
+        assert isinstance(statistics_, _SideDampedStatistics)
+        statistics_.output_damping = output_damping
+
+
+class SpreadStatistics(WhitenedMuon):
+    """``WhitenedMuon`` that gathers its statistics on every step and refreshes every
+    ``statistics_every`` steps from all the rows gathered since the last refresh (their mean),
+    with ``statistics_rows`` rows per call: a refresh's rows then come from ``statistics_every``
+    batches instead of one. With ``statistics_rows`` divided by ``statistics_every`` it forms as
+    many products as the library (more calls, each smaller)."""
+
+    _refreshing = False
+
+    def _statistics_step(self) -> bool:  # the capture gathers on every step
+        return True
+
+    def _due(self, weight: torch.Tensor) -> bool:
+        due = super()._due(weight)
+        return due and (not self._refreshing or self._steps % self.statistics_every == 0)
+
+    def _step(self) -> None:
+        self._refreshing = True  # step() asks which weights refresh; the hooks, which gather
+        try:
+            super()._step()
+        finally:
+            self._refreshing = False
+
+
 class WhiteningVariant(WhitenedMuon):
     """``WhitenedMuon`` with one change of its input or output side (module docstring)."""
 
@@ -559,6 +614,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "auto_rows_all": dict(output_side="auto", statistics_rows=None),
     "auto_every1": dict(output_side="auto", statistics_every=1, factor_decay=0.96),
     "auto_every1_rows_all": dict(output_side="auto", statistics_every=1, factor_decay=0.96, statistics_rows=None),
+    # statistics gathered on every step, 205 rows per call (1,024 / 5: as many products as the
+    # default), refreshed every 5 steps from the 5 batches' rows
+    "auto_spread5": dict(output_side="auto", spread=True, statistics_rows=205),
+    # the default with the output side's factors damped 3x more or less than the input side's
+    "auto_out_damping0.3": dict(output_side="auto", output_damping=0.3),
+    "auto_out_damping0.03": dict(output_side="auto", output_damping=0.03),
 }
 # which layers' input factors are centred, by module name (the default: the bias-free q and k)
 CENTRED_LAYERS = {"q": "q", "k": "k", "qk": "q|k", "qkv": "q|k|v", "qko": "q|k|o", "qk_mlp": "q|k|gate|up|down",
@@ -583,9 +644,14 @@ def _build(model: nn.Module, scaler, *, lr: float, weight_decay: float, config, 
     fields = {LIBRARY_SETTINGS[k]: v for k, v in variant.items() if LIBRARY_SETTINGS.get(k)}
     config = dataclasses.replace(config, wmuon_both_sides=variant["output_side"], **fields)
     passed = {k: v for k, v in variant.items() if k in LIBRARY_SETTINGS and LIBRARY_SETTINGS[k] is None}
+    # the two WhitenedMuon subclasses below WhiteningVariant, each with its one setting
+    spread = variant.pop("spread", False)
+    if "output_damping" in variant:
+        passed["output_damping"] = variant.pop("output_damping")
     changes = {k: v for k, v in variant.items() if k != "output_side" and k not in LIBRARY_SETTINGS}
     # no change of a side: the library's optimizer itself
-    cls = functools.partial(WhiteningVariant if changes else WhitenedMuon, **changes, **passed)
+    base = SpreadStatistics if spread else SideDamping if "output_damping" in passed else WhitenedMuon
+    cls = functools.partial(WhiteningVariant if changes else base, **changes, **passed)
     return build_whitened_muon(unwrap(model), lr, weight_decay, exclude, config, post=True,
                                optimizer_class=cls), None
 

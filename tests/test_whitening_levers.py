@@ -688,3 +688,47 @@ def test_split_heads_orthogonalises_each_heads_rows_on_their_own():
     assert not torch.allclose(step, polar(grad), atol=1e-3)
     with pytest.raises(ValueError, match="matches no whitened weight"):
         WhiteningVariant(nn.Sequential(nn.Linear(4, 4)), lr=1e-2, head_dim=2, output_side=False)
+
+
+def test_spread_statistics_average_the_rows_of_every_step_since_the_last_refresh():
+    """``SpreadStatistics``: the refresh at step 5 folds in the mean product of the first rows of
+    steps 1-5 (written out in float64), where the library folds in step 5's alone."""
+    from benchmarks.whitening_levers import SpreadStatistics
+    from kron_precond import WhitenedMuon
+    torch.manual_seed(0)
+    xs = [torch.randn(10, 6, dtype=torch.float64) * torch.arange(1, 7) for _ in range(6)]
+    first = [x[:4] for x in xs]  # statistics_rows=4
+    mean_product = [sum(r.T @ r for r in rows) / (4 * len(rows)) for rows in (first[:1], first[1:6], first[5:6])]
+    factors = {}
+    for cls in (SpreadStatistics, WhitenedMuon):
+        layer = nn.Linear(6, 3, bias=False).double()
+        optimizer = cls([layer], lr=1e-2, statistics_every=5, statistics_rows=4, factor_decay=0.8,
+                        center_inputs=False, ns_dtype=torch.float64)
+        for x in xs:
+            optimizer.zero_grad()
+            layer(x).square().sum().backward()
+            optimizer.step()
+        factors[cls] = optimizer.state[layer.weight]["input_factor"].reshape(6, 6)
+    torch.testing.assert_close(factors[SpreadStatistics], 0.8 * mean_product[0] + 0.2 * mean_product[1])
+    torch.testing.assert_close(factors[WhitenedMuon], 0.8 * mean_product[0] + 0.2 * mean_product[2])
+
+
+def test_side_damping_damps_the_output_factors_alone_by_their_own_damping():
+    """``SideDamping``: each whitener ``T`` satisfies ``T (F + λ tr(F)/n I) Tᵀ = I`` (float64),
+    with ``λ = output_damping`` for the output factor and ``damping`` for the input one."""
+    from benchmarks.whitening_levers import SideDamping
+    torch.manual_seed(0)
+    wide, narrow = nn.Linear(4, 8).double(), nn.Linear(8, 4).double()  # an ungated MLP: "auto" whitens wide's output
+    model = nn.Sequential(wide, nn.GELU(), narrow)
+    optimizer = SideDamping(model, lr=1e-2, damping=0.1, output_damping=0.7, ns_dtype=torch.float64)
+    model(torch.randn(32, 4, dtype=torch.float64)).square().sum().backward()
+    optimizer.step()
+    checked = 0
+    for p, side, damping in ((wide.weight, "output", 0.7), (wide.weight, "input", 0.1), (narrow.weight, "input", 0.1)):
+        width = p.shape[0] if side == "output" else p.shape[1]
+        factor = optimizer.state[p][f"{side}_factor"].reshape(width, width)
+        whitener = optimizer.state[p][f"{side}_whitener"].reshape(width, width)
+        damped = factor + damping * factor.trace() / factor.shape[0] * torch.eye(factor.shape[0], dtype=factor.dtype)
+        torch.testing.assert_close(whitener @ damped @ whitener.T, torch.eye(factor.shape[0], dtype=factor.dtype))
+        checked += 1
+    assert checked == 3 and "output_factor" not in optimizer.state[narrow.weight]
