@@ -620,6 +620,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the default with the output side's factors damped 3x more or less than the input side's
     "auto_out_damping0.3": dict(output_side="auto", output_damping=0.3),
     "auto_out_damping0.03": dict(output_side="auto", output_damping=0.03),
+    "auto_out_damping0.01": dict(output_side="auto", output_damping=0.01),
+    "auto_out_damping0.003": dict(output_side="auto", output_damping=0.003),
 }
 # which layers' input factors are centred, by module name (the default: the bias-free q and k)
 CENTRED_LAYERS = {"q": "q", "k": "k", "qk": "q|k", "qkv": "q|k|v", "qko": "q|k|o", "qk_mlp": "q|k|gate|up|down",
