@@ -253,7 +253,7 @@ def load_runs(out: Path, seed: int, budget: float) -> list[dict]:
 
 
 # WhitenedMuon settings that leave its step's cost as it is (the others change what a step does)
-COST_NEUTRAL = ("wmuon_damping", "wmuon_factor_decay", "wmuon_ns_coefficients")
+COST_NEUTRAL = ("wmuon_damping", "wmuon_output_damping", "wmuon_factor_decay", "wmuon_ns_coefficients")
 
 
 def wmuon_settings(precond: PrecondConfig) -> dict:

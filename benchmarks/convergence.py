@@ -83,7 +83,8 @@ VARIANT_KEYS = {
     "irows": "ikfac_statistics_rows", "m2": "moment_decay",
     "mom": "muon_momentum", "momw": "muon_momentum_warmup", "kmax": "kfac_max_size", "graft": "kfac_grafting",
     "until": "precond_until", "pm": "precond_momentum",
-    "we": "wmuon_every", "wdamp": "wmuon_damping", "wboth": "wmuon_both_sides", "wrows": "wmuon_statistics_rows",
+    "we": "wmuon_every", "wdamp": "wmuon_damping", "wodamp": "wmuon_output_damping", "wboth": "wmuon_both_sides",
+    "wrows": "wmuon_statistics_rows",
     "wroot": "wmuon_root", "wblock": "wmuon_block_size", "wdecay": "wmuon_factor_decay", "rlr": "muon_rest_lr",
     "se": "soap_statistics_every", "sb": "soap_every", "sdecay": "soap_factor_decay", "smax": "soap_max_size",
 }

@@ -72,12 +72,17 @@ read on every 10th step); ``input_block512`` whitens the input side in diagonal 
 those of the projections ``CENTRED_LAYERS`` names (``qk``: the query and key, ``qk_mlp``: those and
 the MLP's gate, up and down projections), as regexes on the module names; ``input_fused_whole``
 orthogonalises a fused query/key/value projection (GPT-2's ``c_attn``) as one matrix
-(``fused_qkv=False``) instead of three.
+(``fused_qkv=False``) instead of three; ``auto_out_damping<value>`` damps the default's output
+side by its own ``output_damping``; ``auto_rows_all`` and ``auto_every1`` read every row of each
+call, or statistics on every step over the same horizon. ``auto_spread5``
+(:class:`SpreadStatistics`) gathers 205 rows per call on every step and refreshes every fifth
+from the five steps' rows.
 
 Run as a script, it trains the best Muon of a cell (read from a ``budget_speedup.py`` folder,
 to time the step and to check that it reproduces that folder's Muon curve) and the variants
 interleaved, per seed at the 1x budget, and reports each variant's budget-equivalent speed-up
-over that Muon curve (``benchmarks/budget_speedup.py``'s measure) and its step time::
+over that Muon curve (``benchmarks/budget_speedup.py``'s measure) and its step time
+(``--baseline normuon``: the folder's best-tuned NorMuon in Muon's place)::
 
     OMP_NUM_THREADS=1 python benchmarks/whitening_levers.py --threads 1 --seeds 0,1,2 \\
         --base benchmarks/results/budget_speedup_d64 --lr 0.0452548 --momentum 0.8 \\
@@ -170,29 +175,31 @@ class _VariantStatistics(WhiteningStatistics):
     lowrank: dict[int, LowRankWhitener]
     _pieces: LowRankWhitener | None = None
 
-    def decompose(self, factor, overwrite):
+    def decompose(self, factor, overwrite, damping=None):
+        damping = self.damping if damping is None else damping  # the side's (the input side's by default)
         if self.diagonal_damping:
-            return self._diagonally_damped(factor, overwrite)
+            return self._diagonally_damped(factor, overwrite, damping)
         if self.input_rank is None or factor.shape[-1] not in self.lowrank_widths:
-            return super().decompose(factor, overwrite)
+            return super().decompose(factor, overwrite, damping)
         rank = factor.shape[-1] // self.input_rank
         key = self._layout if self.track else None
         previous = self.tracked.get(key) if key is not None else None
         if previous is not None and previous.shape[:-1] == factor.shape[:-1] and rank < factor.shape[-1]:
-            self._pieces = tracked_lowrank_whitener(factor, self.damping, previous)
+            self._pieces = tracked_lowrank_whitener(factor, damping, previous)
         else:  # solved: every refresh, or the first one of a tracked basis
-            self._pieces = lowrank_whitener(factor, self.damping, rank)
+            self._pieces = lowrank_whitener(factor, damping, rank)
         if key is not None:
             self.tracked[key] = self._pieces.basis
         whitener = self._pieces.dense()  # kept in the state, as the library's (checkpoints, tests)
         return whitener, torch.isfinite(whitener.sum(dim=(1, 2)))[:, None, None]
 
-    def _diagonally_damped(self, factor: torch.Tensor, overwrite: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _diagonally_damped(self, factor: torch.Tensor, overwrite: bool,
+                           damping: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The library's Cholesky whitener of ``F + λ diag(F)`` (floored; the identity for an
         all-zero block), per block of ``factor`` ``[blocks, b, b]``."""
         diagonal = factor.diagonal(dim1=-2, dim2=-1)
         mean = diagonal.mean(-1, keepdim=True)
-        added = torch.where(mean > 0, self.damping * torch.maximum(diagonal, 1e-6 * mean), 1.0)
+        added = torch.where(mean > 0, damping * torch.maximum(diagonal, 1e-6 * mean), 1.0)
         safe = factor if overwrite else factor.clone()
         safe.diagonal(dim1=-2, dim2=-1).add_(added)
         whitener, info = inverse_cholesky(safe)
@@ -323,37 +330,6 @@ class _Unit:
 
     def __init__(self, param: torch.Tensor, index: int) -> None:
         self.param, self.index, self.name = param, index, "gradient"
-
-
-class _SideDampedStatistics(WhiteningStatistics):
-    output_damping: float
-
-    def _refresh_layout(self, members):
-        # a layout's factors are decomposed in one batch whatever their side: split by side, so
-        # that the output side's take its own damping (per matrix, the same ops either way)
-        for side in ("input", "output"):
-            group = [m for m in members if m[1] == side]
-            if not group:
-                continue
-            damping = self.damping
-            self.damping = self.output_damping if side == "output" else damping
-            try:
-                super()._refresh_layout(group)
-            finally:
-                self.damping = damping
-
-
-class SideDamping(WhitenedMuon):
-    """``WhitenedMuon`` whose output-side factors are damped by ``output_damping`` (``λ =
-    output_damping · tr(G) / dim G``), its input-side ones by ``damping`` as in the library."""
-
-    def __init__(self, params: Any, lr: float, weight_decay: float = 0.0, *, output_damping: float,
-                 **kwargs: Any) -> None:
-        super().__init__(params, lr, weight_decay, **kwargs)
-        statistics_ = self._statistics
-        statistics_.__class__ = _SideDampedStatistics
-        assert isinstance(statistics_, _SideDampedStatistics)
-        statistics_.output_damping = output_damping
 
 
 class SpreadStatistics(WhitenedMuon):
@@ -547,7 +523,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the library's output_side="wide": as wide_only, with a fused projection's parts (GPT-2's c_attn:
     # three square matrices) judged by their own shape, so they get no output side
     "output_wide": dict(output_side="wide"),
-    "auto": dict(output_side="auto"),  # the library's default now
+    "auto": dict(output_side="auto"),  # the library's default side
     "gradient": dict(output_side=True, output_source="gradient"),
     "momentum": dict(output_side=True, output_source="momentum"),
     # the input side alone, with the weights of one input shape left unwhitened (GPT: wide = the
@@ -617,12 +593,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # statistics gathered on every step, 205 rows per call (1,024 / 5: as many products as the
     # default), refreshed every 5 steps from the 5 batches' rows
     "auto_spread5": dict(output_side="auto", spread=True, statistics_rows=205),
-    # the default with the output side's factors damped 3x more or less than the input side's
-    "auto_out_damping0.3": dict(output_side="auto", output_damping=0.3),
-    "auto_out_damping0.03": dict(output_side="auto", output_damping=0.03),
-    "auto_out_damping0.01": dict(output_side="auto", output_damping=0.01),
-    "auto_out_damping0.003": dict(output_side="auto", output_damping=0.003),
 }
+# the default with its output side's factors damped otherwise than its input side's (0.1)
+VARIANTS.update({f"auto_out_damping{d}": dict(output_side="auto", output_damping=d)
+                 for d in (0.3, 0.1, 0.03, 0.01, 0.003)})
 # which layers' input factors are centred, by module name (the default: the bias-free q and k)
 CENTRED_LAYERS = {"q": "q", "k": "k", "qk": "q|k", "qkv": "q|k|v", "qko": "q|k|o", "qk_mlp": "q|k|gate|up|down",
                   "o_mlp": "o|gate|up|down"}  # o_mlp: Qwen2's bias-free layers, which the earlier default centred
@@ -633,7 +607,8 @@ VARIANTS.update({f"input_center_{name}": dict(output_side=False, center_inputs=(
 LIBRARY_SETTINGS = {"statistics_every": "wmuon_every", "factor_decay": "wmuon_factor_decay",
                     "block_size": "wmuon_block_size", "center_inputs": "wmuon_center_inputs", "ns_steps": None,
                     "fused_qkv": None, "nesterov": None, "adamw_lr": "muon_rest_lr", "ns_dtype": "wmuon_ns_dtype",
-                    "damping": "wmuon_damping", "statistics_rows": "wmuon_statistics_rows"}
+                    "damping": "wmuon_damping", "statistics_rows": "wmuon_statistics_rows",
+                    "output_damping": "wmuon_output_damping"}
 
 
 def _build(model: nn.Module, scaler, *, lr: float, weight_decay: float, config, variant: dict[str, Any]):
@@ -646,13 +621,10 @@ def _build(model: nn.Module, scaler, *, lr: float, weight_decay: float, config, 
     fields = {LIBRARY_SETTINGS[k]: v for k, v in variant.items() if LIBRARY_SETTINGS.get(k)}
     config = dataclasses.replace(config, wmuon_both_sides=variant["output_side"], **fields)
     passed = {k: v for k, v in variant.items() if k in LIBRARY_SETTINGS and LIBRARY_SETTINGS[k] is None}
-    # the two WhitenedMuon subclasses below WhiteningVariant, each with its one setting
     spread = variant.pop("spread", False)
-    if "output_damping" in variant:
-        passed["output_damping"] = variant.pop("output_damping")
     changes = {k: v for k, v in variant.items() if k != "output_side" and k not in LIBRARY_SETTINGS}
-    # no change of a side: the library's optimizer itself
-    base = SpreadStatistics if spread else SideDamping if "output_damping" in passed else WhitenedMuon
+    # no change of a side: the library's optimizer itself (or SpreadStatistics, its one change)
+    base = SpreadStatistics if spread else WhitenedMuon
     cls = functools.partial(WhiteningVariant if changes else base, **changes, **passed)
     return build_whitened_muon(unwrap(model), lr, weight_decay, exclude, config, post=True,
                                optimizer_class=cls), None

@@ -623,6 +623,9 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                    help="WhitenedMuon: factor_decay per refresh (horizon: every / (1 - decay) steps)")
     p.add_argument("--wmuon-damping", type=float, default=PrecondConfig.wmuon_damping,
                    help="WhitenedMuon: damping, relative to each factor's mean eigenvalue")
+    p.add_argument("--wmuon-output-damping", type=float, default=PrecondConfig.wmuon_output_damping,
+                   help="WhitenedMuon: output_damping, the damping of the output side's factors (default: "
+                        "--wmuon-damping's)")
     p.add_argument("--wmuon-output-side", nargs="?", const="all", default="auto",
                    choices=("auto", "wide", "all", "none"),
                    help="WhitenedMuon: output_side 'auto' (default: the first layers of ungated MLPs), 'wide' "
@@ -681,7 +684,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
         muon_momentum=args.muon_momentum, muon_adjust_lr_fn=args.muon_adjust_lr_fn, muon_rest_lr=args.muon_rest_lr,
         wmuon_every=args.wmuon_every,
         wmuon_factor_decay=args.wmuon_factor_decay, wmuon_both_sides=OUTPUT_SIDES[args.wmuon_output_side],
-        wmuon_damping=args.wmuon_damping,
+        wmuon_damping=args.wmuon_damping, wmuon_output_damping=args.wmuon_output_damping,
         wmuon_center_inputs={"auto": None, "all": True, "none": False}[args.wmuon_center_inputs],
     )
     return model, train, precond

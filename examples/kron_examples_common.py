@@ -199,6 +199,7 @@ class PrecondConfig:
     # Input-whitened Muon (wmuon, wmuon_pre): statistics / refresh interval, relative damping.
     wmuon_every: int = 5
     wmuon_damping: float = 0.1
+    wmuon_output_damping: float | None = None  # the output side's factors' damping (None: wmuon_damping)
     # WhitenedMuon's output_side: "auto" (the library's default: the first layers of ungated MLPs),
     # "wide" (every weight whose output is wider than its input), True (every weight), False (none)
     wmuon_both_sides: bool | str = "auto"
@@ -370,7 +371,8 @@ def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, exclud
     benchmark's subclass) with the same settings. ``grad_scaler``: the float16 AMP scaler, whose
     scale the output side's statistics divide out."""
     settings = dict(momentum=config.muon_momentum, statistics_every=config.wmuon_every,
-                    damping=config.wmuon_damping, statistics_rows=config.wmuon_statistics_rows,
+                    damping=config.wmuon_damping, output_damping=config.wmuon_output_damping,
+                    statistics_rows=config.wmuon_statistics_rows,
                     output_side=config.wmuon_both_sides, center_inputs=config.wmuon_center_inputs,
                     root=config.wmuon_root,
                     block_size=config.wmuon_block_size, factor_decay=config.wmuon_factor_decay,

@@ -430,7 +430,7 @@ class WhitenedMuon(torch.optim.Optimizer):
             factor_decay=0.6``, the same 25-step horizon. Where the forward and backward
             dominate (16k tokens per step), the statistics cost about 1 % and fewer of them
             lose steps: keep 5.
-        damping: ``λ = damping · tr(F) / dim F`` for each factor ``F``.
+        damping: ``λ = damping · tr(F) / dim F`` for each input-side factor ``F``.
         factor_decay: exponential-average decay of the factors, per refresh: they average over
             about ``statistics_every / (1 - factor_decay)`` steps, the statistics horizon (25 by
             default). Keep the horizon short, a few tens of steps: the inputs' covariance moves
@@ -455,6 +455,8 @@ class WhitenedMuon(torch.optim.Optimizer):
             none. The list form names no parent modules: there ``"auto"`` whitens no output
             side. An MLP whose two layers sit under different parents (BERT's
             ``intermediate.dense`` and ``output.dense``) is not recognised: set ``"wide"``.
+        output_damping: ``damping`` for the output side's factors (K-FAC's ``G``); ``None``
+            (default): ``damping``, as the input side's.
         center_inputs: whiten with the covariance of a layer's inputs about their mean (over
             each statistics step's rows) instead of their second moment. ``None`` (default):
             centre the query and key projections of an attention that have no trainable bias,
@@ -545,7 +547,7 @@ class WhitenedMuon(torch.optim.Optimizer):
                  adamw_lr: float | None = None, adamw_betas: tuple[float, float] = (0.9, 0.999),
                  adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None, statistics_every: int = 5,
                  damping: float = 0.1, factor_decay: float = 0.8, statistics_rows: int | None = 1024,
-                 output_side: bool | Literal["wide", "auto"] = "auto",
+                 output_side: bool | Literal["wide", "auto"] = "auto", output_damping: float | None = None,
                  center_inputs: bool | list[str] | tuple[str, ...] | None = None,
                  fused_qkv: Literal[False] | list[str] | tuple[str, ...] | None = None,
                  root: str = "cholesky", block_size: int | None = None,
@@ -562,6 +564,9 @@ class WhitenedMuon(torch.optim.Optimizer):
                                                  adamw_eps, adamw_weight_decay)
         self.statistics_every = validation.check_int("statistics_every", statistics_every)
         damping = validation.check_positive("damping", damping)
+        if output_damping is not None:
+            output_damping = validation.check_positive("output_damping", output_damping)
+        self._output_damping = output_damping
         factor_decay = validation.check_unit_interval("factor_decay", factor_decay, low_open=False, high_open=True)
         if statistics_rows is not None:
             statistics_rows = validation.check_int("statistics_rows", statistics_rows)
@@ -659,7 +664,7 @@ class WhitenedMuon(torch.optim.Optimizer):
                                                sides=sides, damping=damping, factor_decay=factor_decay,
                                                statistics_rows=statistics_rows,
                                                root=root, block_size=block_size, process_group=process_group,
-                                               centered=centered, outputs=outputs)
+                                               centered=centered, outputs=outputs, output_damping=output_damping)
         # a packed in_proj's rows come in three slots once its parts read inputs of their own
         # (the query's, the key's, the value's), each its part's unit
         layers = [_CaptureLayer(unit.module, unit.adapter, slot,
@@ -682,6 +687,7 @@ class WhitenedMuon(torch.optim.Optimizer):
 
     # the arguments' values, read back (torch.optim keeps per-group ones in param_groups)
     damping = property(lambda self: self._statistics.damping)
+    output_damping = property(lambda self: self._output_damping)
     factor_decay = property(lambda self: self._statistics.factor_decay)
     statistics_rows = property(lambda self: self._statistics.statistics_rows)
     root = property(lambda self: self._statistics.root)

@@ -116,19 +116,20 @@ class WhiteningStatistics:
         outputs: with ``sides`` holding ``"output"``, ``id(param)`` of the parameters whose output
             side is whitened (``None``: every parameter's).
         centered: ``id(param)`` of the parameters whose input side is centred.
-        damping, factor_decay, statistics_rows, root, block_size, process_group: as
-            :class:`~kron_precond.WhitenedMuon`.
+        damping, output_damping, factor_decay, statistics_rows, root, block_size, process_group: as
+            :class:`~kron_precond.WhitenedMuon` (``output_damping=None``: ``damping``).
     """
 
     def __init__(self, state: dict, views: dict[int, MatrixView], due: Callable[[torch.Tensor], bool], *,
                  sides: tuple[str, ...], damping: float, factor_decay: float, statistics_rows: int | None,
                  root: str, block_size: int | None, process_group: Any, centered: Iterable[int] = (),
-                 outputs: Iterable[int] | None = None) -> None:
+                 outputs: Iterable[int] | None = None, output_damping: float | None = None) -> None:
         self.state, self.views, self.due, self.sides = state, views, due, sides
         self.outputs = None if outputs is None else frozenset(outputs)
         self._without_output = tuple(side for side in sides if side != "output")
         self.centered = frozenset(centered)
         self.damping, self.factor_decay, self.statistics_rows = damping, factor_decay, statistics_rows
+        self.output_damping = damping if output_damping is None else output_damping
         self.root, self.block_size, self.process_group = root, block_size, process_group
         # (id(param), side) -> [row-product sums [k, blocks, b, b], row counts [k]] since the last refresh;
         # a centred input side: [scatter about each call's mean, counts, row sums [k, width] (float64),
@@ -307,6 +308,9 @@ class WhiteningStatistics:
     def _refresh_layout(self, members: list[tuple[dict, str, torch.Tensor, torch.Tensor, MatrixView]]) -> None:
         # Each pass over the batch writes in place where it can: at a few hundred wide the
         # bookkeeping around the decomposition is bound by memory traffic, not arithmetic.
+        # Input sides first, then output sides: each side's factors are a contiguous run of the
+        # batch, decomposed with the side's own damping.
+        members = sorted(members, key=lambda m: m[1] == "output")
         factors = [state[f"{side}_factor"] for state, side, *_ in members]
         seens = [state[f"{side}_seen"] for state, side, *_ in members]
         counts = torch.cat([count for _, _, _, count, _ in members])
@@ -327,7 +331,16 @@ class WhiteningStatistics:
         new_seen = torch.maximum(seen, usable.to(seen.dtype))
         torch._foreach_copy_(seens, [s.reshape(f.shape) for s, f in zip(new_seen.split(sizes), seens)])
         # the factors are stored: the batch is the decomposition's to overwrite
-        whiteners, good = self.decompose(stacked.flatten(0, 1), overwrite=True)
+        flat, blocks = stacked.flatten(0, 1), stacked.shape[1]
+        outputs = sum(n for (_, side, *_), n in zip(members, sizes) if side == "output") * blocks
+        if outputs in (0, flat.shape[0]) or self.output_damping == self.damping:  # one damping: one decomposition
+            whiteners, good = self.decompose(flat, overwrite=True, damping=self.damping_of(
+                "output" if outputs else "input"))
+        else:
+            split = flat.shape[0] - outputs
+            runs = [self.decompose(flat[:split], overwrite=True, damping=self.damping),
+                    self.decompose(flat[split:], overwrite=True, damping=self.output_damping)]
+            whiteners, good = (torch.cat(pieces) for pieces in zip(*runs))
         whiteners = whiteners.unflatten(0, stacked.shape[:2]).split(sizes)
         good = good.unflatten(0, stacked.shape[:2]).split(sizes)
         for (state, side, *_), whitener, ok, factor in zip(members, whiteners, good, factors):
@@ -336,18 +349,26 @@ class WhiteningStatistics:
                                                      ok.reshape(*factor.shape[:-2], 1, 1),
                                                      state.get(f"{side}_whitener"))
 
-    def whitener(self, factor: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
-        """``T`` per diagonal block of ``factor`` (``[blocks, b, b]``), with ``Tᵀ T = (F + λI)⁻¹``
-        and ``λ = damping · tr(F)/b`` per block: ``L⁻¹`` (Cholesky) or ``(F + λI)^{-1/2}``. The
-        identity for an all-zero block; the previous ``T`` where the decomposition fails."""
-        return _or_previous(*self.decompose(factor, overwrite=False), previous)
+    def damping_of(self, side: str) -> float:
+        """The damping of ``side``'s factors: ``output_damping`` for the output side."""
+        return self.output_damping if side == "output" else self.damping
 
-    def decompose(self, factor: torch.Tensor, overwrite: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def whitener(self, factor: torch.Tensor, previous: torch.Tensor | None, side: str = "input") -> torch.Tensor:
+        """``T`` per diagonal block of ``factor`` (``[blocks, b, b]``), with ``Tᵀ T = (F + λI)⁻¹``
+        and ``λ = damping · tr(F)/b`` per block (``side``'s damping): ``L⁻¹`` (Cholesky) or
+        ``(F + λI)^{-1/2}``. The identity for an all-zero block; the previous ``T`` where the
+        decomposition fails."""
+        return _or_previous(*self.decompose(factor, overwrite=False, damping=self.damping_of(side)), previous)
+
+    def decompose(self, factor: torch.Tensor, overwrite: bool,
+                  damping: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(``T`` per block of ``factor`` ``[blocks, b, b]``, whether it is usable ``[blocks, 1, 1]``):
         :meth:`whitener` before its fallback, and what the refresh calls. ``overwrite``: ``factor``
-        may be used as scratch (the refresh's copy; it then holds ``F + λI`` or less)."""
+        may be used as scratch (the refresh's copy; it then holds ``F + λI`` or less).
+        ``damping``: ``None`` for the input side's."""
         size = factor.shape[-1]
-        lam = (self.damping * factor.diagonal(dim1=-2, dim2=-1).sum(-1) / size)[:, None, None]
+        damping = self.damping if damping is None else damping
+        lam = (damping * factor.diagonal(dim1=-2, dim2=-1).sum(-1) / size)[:, None, None]
         # an all-zero block (a layer never called) becomes the identity: never a zero matrix
         safe = factor if overwrite else factor.clone()
         safe.diagonal(dim1=-2, dim2=-1).add_(torch.where(lam > 0, lam, 1.0)[..., 0])

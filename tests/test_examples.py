@@ -388,13 +388,13 @@ def test_whitened_muon_methods_take_muons_split_and_their_sweep_settings():
     common = load("examples/kron_examples_common.py")
     char_lm = load("examples/char_lm.py")
     _, method, overrides, _ = convergence.parse_family(
-        "wmuon{we=7,wdamp=0.3,wboth=1,wrows=all,wdecay=0.6,mom=0.85}=1.6e-2")
+        "wmuon{we=7,wdamp=0.3,wodamp=0.2,wboth=1,wrows=all,wdecay=0.6,mom=0.85}=1.6e-2")
     config = common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS, **overrides)
     model = char_lm.CharTransformer(char_lm.ModelConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8))
     optimizer, precond = common.build_method(method, model, 1.6e-2, 0.0, config)
     assert precond is None and isinstance(optimizer, WhitenedMuon)
-    assert (optimizer.statistics_every, optimizer.damping, optimizer.output_side, optimizer.statistics_rows,
-            optimizer.factor_decay) == (7, 0.3, True, None, 0.6)
+    assert (optimizer.statistics_every, optimizer.damping, optimizer.output_damping, optimizer.output_side,
+            optimizer.statistics_rows, optimizer.factor_decay) == (7, 0.3, 0.2, True, None, 0.6)
     assert optimizer.param_groups[0]["momentum"] == 0.85
     _, _, wide, _ = convergence.parse_family("wmuon{wboth=wide}=1.6e-2")
     assert wide == {"wmuon_both_sides": "wide"}

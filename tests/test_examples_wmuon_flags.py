@@ -22,8 +22,8 @@ def _built(argv: list[str]) -> WhitenedMuon:
 
 def test_the_flags_reach_the_optimizer():
     opt = _built(["--wmuon-damping", "0.03", "--wmuon-every", "10", "--wmuon-factor-decay", "0.6",
-                  "--wmuon-output-side", "--wmuon-center-inputs", "all"])
-    assert opt.damping == 0.03
+                  "--wmuon-output-side", "--wmuon-center-inputs", "all", "--wmuon-output-damping", "0.2"])
+    assert opt.damping == 0.03 and opt.output_damping == 0.2
     assert opt.statistics_every == 10 and opt.factor_decay == 0.6
     assert opt.output_side and opt.center_inputs is True
 
@@ -42,8 +42,8 @@ def test_the_output_side_flag_takes_auto_wide_all_and_none():
 def test_without_flags_the_examples_build_the_library_defaults():
     opt = _built([])
     defaults = inspect.signature(WhitenedMuon.__init__).parameters
-    for name in ("damping", "statistics_every", "factor_decay", "statistics_rows", "output_side", "center_inputs",
-                 "root", "block_size", "ns_coefficients"):
+    for name in ("damping", "output_damping", "statistics_every", "factor_decay", "statistics_rows", "output_side",
+                 "center_inputs", "root", "block_size", "ns_coefficients"):
         assert getattr(opt, name) == defaults[name].default, name
 
 

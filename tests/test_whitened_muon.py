@@ -30,6 +30,7 @@ from dist_utils import run_workers, step_as_ddp
 from kron_precond import WhitenedMuon
 
 LR, WD, MOMENTUM, DAMPING, DECAY = 0.05, 0.1, 0.9, 0.1, 0.95
+OUTPUT_DAMPING = 0.03  # the output side's own damping, where a test gives one
 
 
 DIMS = (5, 7, 4)
@@ -66,14 +67,15 @@ def exact_polar(matrix, steps=5, eps=1e-7, dtype=None, coefficients=None):
     return (u @ vh).to(matrix.dtype)
 
 
-def inverse_root(factor: np.ndarray, block: int | None = None) -> np.ndarray:
-    """``(F + λI)^{-1/2}`` by scipy's ``sqrtm``; with ``block``, of each diagonal block alone."""
+def inverse_root(factor: np.ndarray, block: int | None = None, damping: float = DAMPING) -> np.ndarray:
+    """``(F + λI)^{-1/2}`` by scipy's ``sqrtm``, ``λ = damping · tr(F)/n``; with ``block``, of
+    each diagonal block alone."""
     dim = factor.shape[0]
     size = block if block is not None and dim > block and dim % block == 0 else dim
     out = np.zeros_like(factor)
     for s in range(0, dim, size):
         f = factor[s:s + size, s:s + size]
-        lam = DAMPING * np.trace(f) / size
+        lam = damping * np.trace(f) / size
         out[s:s + size, s:s + size] = np.linalg.inv(np.real(sqrtm(f + lam * np.eye(size))))
     return out
 
@@ -83,10 +85,12 @@ def match_rms_adamw(shape) -> float:
 
 
 def reference_run(output_side: bool | str, steps: int, dims=DIMS, block: int | None = None,
-                  center=(True, True), bias=(False, False), lr_ratio=match_rms_adamw):
+                  center=(True, True), bias=(False, False), lr_ratio=match_rms_adamw,
+                  output_damping: float = DAMPING):
     """The steps written out in float64 with numpy/scipy, statistics on every step; the input
     factor of layer i is the rows' covariance about their mean where ``center[i]``; each
-    weight ``[out, in]`` steps by ``LR · lr_ratio((out, in))``."""
+    weight ``[out, in]`` steps by ``LR · lr_ratio((out, in))``; the output factors are damped by
+    ``output_damping``."""
     net = make_net(dims=dims, bias=bias)
     weights = [net.a.weight, net.b.weight]
     factors = {}
@@ -113,7 +117,7 @@ def reference_run(output_side: bool | str, steps: int, dims=DIMS, block: int | N
             m = ((1 - MOMENTUM) * g + MOMENTUM * buffers[i]).numpy()
             right = inverse_root(factors[(i, "in")], block)
             two_sided = output_side is True or (output_side == "wide" and w.shape[0] > w.shape[1])
-            left = inverse_root(factors[(i, "out")], block) if two_sided else np.eye(w.shape[0])
+            left = inverse_root(factors[(i, "out")], block, output_damping) if two_sided else np.eye(w.shape[0])
             ortho = exact_polar(torch.from_numpy(left @ m @ right)).numpy()
             direction = left @ ortho @ right
             direction *= np.linalg.norm(ortho) / np.linalg.norm(direction)
@@ -140,15 +144,18 @@ def train_against(net, opt, expected, atol=1e-11):
 def test_steps_match_the_whitened_steepest_descent_written_out(monkeypatch, output_side, root, center_inputs):
     """With the exact polar factor, both roots give the step written out with symmetric
     inverse roots: ``||ΔW L||_op = ||ΔW A^{1/2}||_op``, the same steepest descent. The net's
-    layers have no bias, so by default their input factors are centred."""
+    layers have no bias, so by default their input factors are centred. The output factors take
+    their own damping (``output_damping``): the 7-wide output side of ``a`` and input side of
+    ``b`` are refreshed in one batch, each with its side's damping."""
     monkeypatch.setattr(wm, "msign", exact_polar)  # the whitening algebra, not Newton-Schulz
     steps = 4
     centred = center_inputs is None
-    expected = reference_run(output_side, steps, center=(centred, centred))
-    other = reference_run(output_side, steps, center=(not centred, not centred))
+    expected = reference_run(output_side, steps, center=(centred, centred), output_damping=OUTPUT_DAMPING)
+    other = reference_run(output_side, steps, center=(not centred, not centred), output_damping=OUTPUT_DAMPING)
     net = make_net()
     opt = WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, momentum=MOMENTUM, statistics_every=1,
                        damping=DAMPING, factor_decay=DECAY, output_side=output_side, root=root, ns_dtype=torch.float64,
+                       output_damping=OUTPUT_DAMPING,
                        center_inputs=center_inputs)
     for step, (x, y) in enumerate(batches(steps)):
         with torch.no_grad():  # an evaluation pass: no statistics
@@ -659,6 +666,8 @@ def test_lr_scheduler_changes_the_step():
 @pytest.mark.parametrize("kwargs, error, name", [
     (dict(lr=0.0), ValueError, "lr"), (dict(lr=-1.0), ValueError, "lr"),
     (dict(damping=0.0), ValueError, "damping"), (dict(momentum=1.0), ValueError, "momentum"),
+    (dict(output_damping=0.0), ValueError, "output_damping"),
+    (dict(output_damping="0.1"), ValueError, "output_damping"),
     (dict(factor_decay=1.5), ValueError, "factor_decay"), (dict(statistics_every=0), ValueError, "statistics_every"),
     (dict(statistics_rows=0), ValueError, "statistics_rows"), (dict(weight_decay=-0.1), ValueError, "weight_decay"),
     (dict(output_side=1), TypeError, "output_side"), (dict(output_side="tall"), ValueError, "output_side"),
@@ -832,9 +841,9 @@ def test_the_refresh_keeps_each_whitener_it_cannot_decompose(monkeypatch):
     failing: set[int] = set()  # the input widths whose decomposition fails
     original = opt._statistics.decompose
 
-    def decompose(factor, overwrite):
+    def decompose(factor, overwrite, **kwargs):
         width = factor.shape[-1]
-        whitener, good = original(factor, overwrite)
+        whitener, good = original(factor, overwrite, **kwargs)
         return whitener, (torch.zeros_like(good) if width in failing else good)
 
     monkeypatch.setattr(opt._statistics, "decompose", decompose)

@@ -599,11 +599,12 @@ def inverse_root(factor: torch.Tensor, damping: float) -> torch.Tensor:
 
 
 def written_out(model, data, *, lrs, wd, momentum, nesterov, ns_steps, rows=None, damping=0.1, decay=0.8,
-                swap_sides=False, polar_express=False, output_side=False, center=None):
+                swap_sides=False, polar_express=False, output_side=False, center=None, output_damping=None):
     """The step of every nn.Linear of ``model`` (statistics every step), in float64: input
     factor ``A`` = mean of the input rows' products, output factor ``G`` = mean of ``δδᵀ`` with
     ``δ`` the output gradient times the call's rows (the mean loss's 1/N undone), each side's
-    whitener ``(F + λI)^{-1/2}``, direction ``T_G msign(T_G M T_A) T_A`` at ``msign``'s norm.
+    whitener ``(F + λI)^{-1/2}`` (``λ``: ``damping``, ``output_damping`` for ``G``), direction
+    ``T_G msign(T_G M T_A) T_A`` at ``msign``'s norm.
     ``swap_sides`` whitens the input side from the wrong end (``T_A M`` instead of ``M T_A``).
     ``center``: the input rows are centred on their mean (``None``: for the layers without a bias)."""
     layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
@@ -620,7 +621,7 @@ def written_out(model, data, *, lrs, wd, momentum, nesterov, ns_steps, rows=None
             r = r - r.mean(dim=0)
         batch = r.T @ r / r.shape[0]
         factors[key] = batch if key not in factors else decay * factors[key] + (1 - decay) * batch
-        return inverse_root(factors[key], damping)
+        return inverse_root(factors[key], output_damping if key[1] == "output" and output_damping else damping)
 
     for (x, y), lr in zip(data, lrs):
         model.zero_grad()

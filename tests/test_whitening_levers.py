@@ -243,6 +243,10 @@ def test_the_runner_builds_each_variant_with_the_cells_settings():
     fresh, _ = _build(model, None, lr=0.01, weight_decay=0.0, config=config, variant=VARIANTS["auto_every1_rows_all"])
     assert type(fresh) is WhitenedMuon and fresh.statistics_every == 1 and fresh.factor_decay == 0.96
     assert fresh._statistics.statistics_rows is None and fresh.param_groups[0]["momentum"] == 0.8
+    # the output side at the input side's damping, unless a variant names its own
+    assert fresh.output_damping is None and fresh._statistics.output_damping == fresh.damping == 0.1
+    lower, _ = _build(model, None, lr=0.01, weight_decay=0.0, config=config, variant=VARIANTS["auto_out_damping0.03"])
+    assert type(lower) is WhitenedMuon and lower.output_damping == 0.03
     assert [fresh._names[id(p)] for p in fresh._whitened_params() if "output" in fresh._statistics.sides_of(p)] \
         == ["blocks.0.mlp.0.weight"]  # "auto": the MLP's first layer alone
 
@@ -711,24 +715,3 @@ def test_spread_statistics_average_the_rows_of_every_step_since_the_last_refresh
         factors[cls] = optimizer.state[layer.weight]["input_factor"].reshape(6, 6)
     torch.testing.assert_close(factors[SpreadStatistics], 0.8 * mean_product[0] + 0.2 * mean_product[1])
     torch.testing.assert_close(factors[WhitenedMuon], 0.8 * mean_product[0] + 0.2 * mean_product[2])
-
-
-def test_side_damping_damps_the_output_factors_alone_by_their_own_damping():
-    """``SideDamping``: each whitener ``T`` satisfies ``T (F + λ tr(F)/n I) Tᵀ = I`` (float64),
-    with ``λ = output_damping`` for the output factor and ``damping`` for the input one."""
-    from benchmarks.whitening_levers import SideDamping
-    torch.manual_seed(0)
-    wide, narrow = nn.Linear(4, 8).double(), nn.Linear(8, 4).double()  # an ungated MLP: "auto" whitens wide's output
-    model = nn.Sequential(wide, nn.GELU(), narrow)
-    optimizer = SideDamping(model, lr=1e-2, damping=0.1, output_damping=0.7, ns_dtype=torch.float64)
-    model(torch.randn(32, 4, dtype=torch.float64)).square().sum().backward()
-    optimizer.step()
-    checked = 0
-    for p, side, damping in ((wide.weight, "output", 0.7), (wide.weight, "input", 0.1), (narrow.weight, "input", 0.1)):
-        width = p.shape[0] if side == "output" else p.shape[1]
-        factor = optimizer.state[p][f"{side}_factor"].reshape(width, width)
-        whitener = optimizer.state[p][f"{side}_whitener"].reshape(width, width)
-        damped = factor + damping * factor.trace() / factor.shape[0] * torch.eye(factor.shape[0], dtype=factor.dtype)
-        torch.testing.assert_close(whitener @ damped @ whitener.T, torch.eye(factor.shape[0], dtype=factor.dtype))
-        checked += 1
-    assert checked == 3 and "output_factor" not in optimizer.state[narrow.weight]
