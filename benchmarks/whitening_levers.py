@@ -589,7 +589,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the first 1,024; with statistics every step over the same 25-step horizon (factor_decay 0.96)
     "auto_rows_all": dict(output_side="auto", statistics_rows=None),
     "auto_every1": dict(output_side="auto", statistics_every=1, factor_decay=0.96),
-    "auto_every1_rows_all": dict(output_side="auto", statistics_every=1, factor_decay=0.96, statistics_rows=None),
     # statistics gathered on every step, 205 rows per call (1,024 / 5: as many products as the
     # default), refreshed every 5 steps from the 5 batches' rows
     "auto_spread5": dict(output_side="auto", spread=True, statistics_rows=205),
@@ -630,7 +629,7 @@ def _build(model: nn.Module, scaler, *, lr: float, weight_decay: float, config, 
                                optimizer_class=cls), None
 
 
-def best_muon(base: Path, seed: int, measure: dict, method: str = "muon") -> tuple[float, float]:
+def best_baseline(base: Path, seed: int, measure: dict, method: str = "muon") -> tuple[float, float]:
     """(momentum, lr) of the best-tuned ``method`` (a baseline of ``base``: Muon, NorMuon) at 1x
     in ``base`` for ``seed``: the lr as its record holds it, not the run name's 6 digits (a
     relative change of 8e-7 in a high lr has moved a run's final loss by 0.017, more than the
@@ -674,7 +673,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for seed in (int(s) for s in args.seeds.split(",")):
         measure = measures[seed]
-        base_momentum, base_lr = best_muon(args.base, seed, measure, args.baseline)
+        base_momentum, base_lr = best_baseline(args.base, seed, measure, args.baseline)
         extra = [Contender(name, args.lr, build=functools.partial(_build, lr=args.lr, weight_decay=weight_decay,
                                                                     config=config, variant=VARIANTS[name]))
                  for name in variants]

@@ -331,16 +331,13 @@ class WhiteningStatistics:
         new_seen = torch.maximum(seen, usable.to(seen.dtype))
         torch._foreach_copy_(seens, [s.reshape(f.shape) for s, f in zip(new_seen.split(sizes), seens)])
         # the factors are stored: the batch is the decomposition's to overwrite
-        flat, blocks = stacked.flatten(0, 1), stacked.shape[1]
-        outputs = sum(n for (_, side, *_), n in zip(members, sizes) if side == "output") * blocks
-        if outputs in (0, flat.shape[0]) or self.output_damping == self.damping:  # one damping: one decomposition
-            whiteners, good = self.decompose(flat, overwrite=True, damping=self.damping_of(
-                "output" if outputs else "input"))
-        else:
-            split = flat.shape[0] - outputs
-            runs = [self.decompose(flat[:split], overwrite=True, damping=self.damping),
-                    self.decompose(flat[split:], overwrite=True, damping=self.output_damping)]
-            whiteners, good = (torch.cat(pieces) for pieces in zip(*runs))
+        flat = stacked.flatten(0, 1)
+        split = sum(n for (_, side, *_), n in zip(members, sizes) if side == "input") * stacked.shape[1]
+        runs = ([(flat, self.damping)] if self.output_damping == self.damping  # one damping: one decomposition
+                else [(run, d) for run, d in ((flat[:split], self.damping), (flat[split:], self.output_damping))
+                      if run.shape[0]])
+        pieces = [self.decompose(run, overwrite=True, damping=d) for run, d in runs]
+        whiteners, good = pieces[0] if len(pieces) == 1 else (torch.cat(p) for p in zip(*pieces))
         whiteners = whiteners.unflatten(0, stacked.shape[:2]).split(sizes)
         good = good.unflatten(0, stacked.shape[:2]).split(sizes)
         for (state, side, *_), whitener, ok, factor in zip(members, whiteners, good, factors):
@@ -349,16 +346,11 @@ class WhiteningStatistics:
                                                      ok.reshape(*factor.shape[:-2], 1, 1),
                                                      state.get(f"{side}_whitener"))
 
-    def damping_of(self, side: str) -> float:
-        """The damping of ``side``'s factors: ``output_damping`` for the output side."""
-        return self.output_damping if side == "output" else self.damping
-
-    def whitener(self, factor: torch.Tensor, previous: torch.Tensor | None, side: str = "input") -> torch.Tensor:
+    def whitener(self, factor: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
         """``T`` per diagonal block of ``factor`` (``[blocks, b, b]``), with ``Tᵀ T = (F + λI)⁻¹``
-        and ``λ = damping · tr(F)/b`` per block (``side``'s damping): ``L⁻¹`` (Cholesky) or
-        ``(F + λI)^{-1/2}``. The identity for an all-zero block; the previous ``T`` where the
-        decomposition fails."""
-        return _or_previous(*self.decompose(factor, overwrite=False, damping=self.damping_of(side)), previous)
+        and ``λ = damping · tr(F)/b`` per block: ``L⁻¹`` (Cholesky) or ``(F + λI)^{-1/2}``. The
+        identity for an all-zero block; the previous ``T`` where the decomposition fails."""
+        return _or_previous(*self.decompose(factor, overwrite=False), previous)
 
     def decompose(self, factor: torch.Tensor, overwrite: bool,
                   damping: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:

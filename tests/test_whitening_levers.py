@@ -240,9 +240,11 @@ def test_the_runner_builds_each_variant_with_the_cells_settings():
     assert isinstance(skipping, WhiteningVariant) and not skipping.output_side
     assert skipping._statistics.input_skip == "wide"
     # library settings reach the library's optimizer itself, the cell's other settings kept
-    fresh, _ = _build(model, None, lr=0.01, weight_decay=0.0, config=config, variant=VARIANTS["auto_every1_rows_all"])
+    fresh, _ = _build(model, None, lr=0.01, weight_decay=0.0, config=config, variant=VARIANTS["auto_every1"])
     assert type(fresh) is WhitenedMuon and fresh.statistics_every == 1 and fresh.factor_decay == 0.96
-    assert fresh._statistics.statistics_rows is None and fresh.param_groups[0]["momentum"] == 0.8
+    assert fresh._statistics.statistics_rows == 1024 and fresh.param_groups[0]["momentum"] == 0.8
+    every_row, _ = _build(model, None, lr=0.01, weight_decay=0.0, config=config, variant=VARIANTS["auto_rows_all"])
+    assert every_row._statistics.statistics_rows is None and every_row.statistics_every == config.wmuon_every
     # the output side at the input side's damping, unless a variant names its own
     assert fresh.output_damping is None and fresh._statistics.output_damping == fresh.damping == 0.1
     lower, _ = _build(model, None, lr=0.01, weight_decay=0.0, config=config, variant=VARIANTS["auto_out_damping0.03"])
@@ -397,18 +399,23 @@ def test_library_setting_variants_override_the_cell_and_stay_the_library_optimiz
     assert centred == (set(built._views) if name == "input_center_all" else set())
 
 
-def test_best_muon_takes_the_lr_its_record_holds_not_the_rounded_name(tmp_path):
+def test_best_baseline_takes_the_lr_its_record_holds_not_the_rounded_name(tmp_path):
     """The lever runs retrain the best Muon to time it and to check it reproduces the folder's
     curve: its lr must be the record's (the name rounds it to 6 digits)."""
     import json
 
-    from benchmarks.whitening_levers import best_muon
+    from benchmarks.whitening_levers import best_baseline
     lr = 0.032 * 2 ** 0.5  # 0.045254833995939...: "lr=0.0452548" in the name
     name = f"muon{{mom=0.8}} lr={lr:g}"
     runs = [{"name": "muon{mom=0.9} lr=0.032", "lr": 0.032}, {"name": name, "lr": lr}]
     (tmp_path / "s0_b1_grid.json").write_text(json.dumps({"runs": runs}))
-    momentum, found = best_muon(tmp_path, 0, {"rows": {"muon (tuned)": {"run": name}}})
+    momentum, found = best_baseline(tmp_path, 0, {"rows": {"muon (tuned)": {"run": name}}})
     assert momentum == 0.8 and found == lr and found != float(name.split("lr=")[1])
+    # --baseline normuon: the record's tuned NorMuon, by its own row
+    other = f"normuon{{mom=0.9}} lr={lr:g}"
+    (tmp_path / "s0_b1_normuon.json").write_text(json.dumps({"runs": [{"name": other, "lr": lr * 1.0000001}]}))
+    rows = {"muon (tuned)": {"run": name}, "normuon (tuned)": {"run": other}}
+    assert best_baseline(tmp_path, 0, {"rows": rows}, "normuon") == (0.9, lr * 1.0000001)
 
 
 def test_the_fused_whole_variant_steps_gpt2s_c_attn_as_one_matrix():
