@@ -773,14 +773,16 @@ STEPS = 5
 
 
 # Centred (the default for these bias-free layers: each rank's row sums and mean terms join the
-# all-reduce) and uncentred, one side and both: (output_side, center_inputs).
-DIST_VARIANTS = list(itertools.product((False, True, "wide"), (None, False)))
+# all-reduce) and uncentred, one side and both: (output_side, center_inputs, output_damping); and
+# the output side with a damping of its own, whose refresh decomposes the two sides' runs apart.
+DIST_VARIANTS = [*itertools.product((False, True, "wide"), (None, False), (None,)), (True, None, 0.03)]
 
 
-def _dist_train(rank: int, world: int, output_side: bool | str, center_inputs: bool | None) -> dict:
+def _dist_train(rank: int, world: int, output_side: bool | str, center_inputs: bool | None,
+                output_damping: float | None) -> dict:
     net = make_net()
     opt = WhitenedMuon([net.a, net.b], lr=LR, weight_decay=WD, statistics_every=2, output_side=output_side,
-                       ns_dtype=torch.float64, center_inputs=center_inputs)
+                       ns_dtype=torch.float64, center_inputs=center_inputs, output_damping=output_damping)
     params = list(net.parameters())
     identical = []
     for x, y in batches(STEPS):
@@ -803,15 +805,15 @@ def dist_runs(tmp_path_factory):
     return {world: run_workers(_dist_worker, world, out / f"w{world}", timeout=240) for world in (1, 2, 4)}
 
 
-@pytest.mark.parametrize("output_side, center_inputs", DIST_VARIANTS)
-def test_any_world_size_gives_the_one_process_result(dist_runs, output_side, center_inputs):
-    single = dist_runs[1][0][(output_side, center_inputs)]
+@pytest.mark.parametrize("variant", DIST_VARIANTS, ids=str)
+def test_any_world_size_gives_the_one_process_result(dist_runs, variant):
+    single = dist_runs[1][0][variant]
     start = make_net()
     moved = sum((p - q).abs().max() for p, q in zip(single["params"], start.parameters()))
     assert moved > 1e-3  # the steps did something
     for world in (2, 4):
         for rank in dist_runs[world]:
-            run = rank[(output_side, center_inputs)]
+            run = rank[variant]
             assert all(run["identical"])
             for got, want in zip(run["params"], single["params"]):
                 torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
