@@ -175,8 +175,7 @@ class _VariantStatistics(WhiteningStatistics):
     lowrank: dict[int, LowRankWhitener]
     _pieces: LowRankWhitener | None = None
 
-    def decompose(self, factor, overwrite, damping=None):
-        damping = self.damping if damping is None else damping  # the side's (the input side's by default)
+    def decompose(self, factor, overwrite, damping):
         if self.diagonal_damping:
             return self._diagonally_damped(factor, overwrite, damping)
         if self.input_rank is None or factor.shape[-1] not in self.lowrank_widths:

@@ -33,11 +33,9 @@ def power_whitener(power: float) -> Callable:
     if not power > 0:
         raise ValueError(f"power must be > 0, got {power!r}")
 
-    def decompose(self, factor: torch.Tensor, overwrite: bool,
-                  damping: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def decompose(self, factor: torch.Tensor, overwrite: bool, damping: float) -> tuple[torch.Tensor, torch.Tensor]:
         size = factor.shape[-1]
         eye = torch.eye(size, dtype=factor.dtype, device=factor.device)
-        damping = self.damping if damping is None else damping
         lam = (damping * factor.diagonal(dim1=-2, dim2=-1).sum(-1) / size)[:, None, None]
         floor = torch.where(lam > 0, lam, 1.0)
         values, vectors = torch.linalg.eigh((factor + floor * eye).double())

@@ -349,17 +349,16 @@ class WhiteningStatistics:
     def whitener(self, factor: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
         """``T`` per diagonal block of ``factor`` (``[blocks, b, b]``), with ``Tᵀ T = (F + λI)⁻¹``
         and ``λ = damping · tr(F)/b`` per block: ``L⁻¹`` (Cholesky) or ``(F + λI)^{-1/2}``. The
-        identity for an all-zero block; the previous ``T`` where the decomposition fails."""
-        return _or_previous(*self.decompose(factor, overwrite=False), previous)
+        identity for an all-zero block; the previous ``T`` where the decomposition fails (at the
+        input side's ``damping``)."""
+        return _or_previous(*self.decompose(factor, overwrite=False, damping=self.damping), previous)
 
-    def decompose(self, factor: torch.Tensor, overwrite: bool,
-                  damping: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def decompose(self, factor: torch.Tensor, overwrite: bool, damping: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(``T`` per block of ``factor`` ``[blocks, b, b]``, whether it is usable ``[blocks, 1, 1]``):
         :meth:`whitener` before its fallback, and what the refresh calls. ``overwrite``: ``factor``
         may be used as scratch (the refresh's copy; it then holds ``F + λI`` or less).
-        ``damping``: ``None`` for the input side's."""
+        ``damping``: the side's (``λ = damping · tr(F)/b``)."""
         size = factor.shape[-1]
-        damping = self.damping if damping is None else damping
         lam = (damping * factor.diagonal(dim1=-2, dim2=-1).sum(-1) / size)[:, None, None]
         # an all-zero block (a layer never called) becomes the identity: never a zero matrix
         safe = factor if overwrite else factor.clone()
