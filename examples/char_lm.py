@@ -487,7 +487,7 @@ def plot_curves(results: Sequence[RunResult], target: float, path: Path, title: 
 
 
 # --------------------------------------------------------------------------- CLI
-# Peak learning rates picked by the sweep in docs/history.md (benchmarks/convergence.py).
+# Peak learning rates picked by the sweep in benchmarks/results/lab_notebook.md (benchmarks/convergence.py).
 # Short runs: the library's default anneal keeps p=1 for 500 steps, i.e. a Q update on
 # every step of a 600-step run; this one anneals from step 100 and reaches 0.03 by ~450.
 DEFAULT_PSGD_UPDATE_PROB = "anneal:100:0.01"
@@ -495,7 +495,7 @@ DEFAULT_PSGD_UPDATE_PROB = "anneal:100:0.01"
 DEFAULT_METHODS = "adamw,muon,psgd,kfac_muon,psgd_muon,wmuon"
 DEFAULT_PSGD_INIT_SCALE = "auto"  # estimated from the first gradient
 DEFAULT_PSGD_UPDATE = "eq"
-# In front of Muon (docs/history.md, the fair sweep and seed 1): PSGD at a constant 5 %
+# In front of Muon (benchmarks/results/lab_notebook.md, the fair sweep and seed 1): PSGD at a constant 5 %
 # update probability reaches the target 1.14x / 1.05x Muon's wall-clock (seeds 0 / 1)
 # against 1.27x / 1.25x with the anneal above, and ends 0.3 % / 2.3 % higher.
 # K-FAC on the first 1024 of 4096 rows with the inverse form: 1.09x / 1.10x Muon's
@@ -513,7 +513,7 @@ DEFAULT_LRS = {"adamw": 2e-3, "kfac": 4e-3, "psgd": 2e-3, "psgd_adamw": 2e-3, "s
                # Muon at momentum 0.9 (the examples' default) and every method in front of it:
                # Muon, K-FAC + Muon and PSGD + Muon swept 4e-3-3.2e-2 at that momentum on 3 seeds,
                # the others 8e-3 / 1.6e-2 on seed 0, where 1.6e-2 ended lower for every one
-               # (docs/history.md, "Muon's momentum" and "The other Muon-based methods")
+               # (benchmarks/results/lab_notebook.md, "Muon's momentum" and "The other Muon-based methods")
                "muon": 1.6e-2, "kfac_muon": 1.6e-2, "psgd_muon": 1.6e-2, "ekfac_muon": 1.6e-2,
                "muon_kron": 1.6e-2, "kfac_muon_kron": 1.6e-2, "ikfac_muon": 1.6e-2, "muon2": 1.6e-2,
                "ikfac_muon2": 1.6e-2, "soap_muon": 1.6e-2, "wmuon": 1.6e-2, "wmuon_pre": 1.6e-2}

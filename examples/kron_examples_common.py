@@ -139,7 +139,7 @@ class PrecondConfig:
     muon_exclude: Sequence[str] | None = None
     # torch.optim.Muon's momentum for Muon and every method in front of it. 0.9, not torch's
     # 0.95: on the main job 0.9 reaches AdamW's loss 3-9 % sooner and ends lower on 3 of 3
-    # seeds (docs/history.md, "Muon's momentum"); a sweep variant (mom=) may change it.
+    # seeds (benchmarks/results/lab_notebook.md, "Muon's momentum"); a sweep variant (mom=) may change it.
     muon_momentum: float = 0.9
     # (start, steps): Muon's momentum rises linearly from start to muon_momentum over the
     # first `steps` optimizer steps (modded-nanogpt's warm-up, 0.85 -> 0.95 over 300 there).
@@ -397,7 +397,7 @@ def warm_muon_momentum(muon: torch.optim.Optimizer, start: float, steps: int, en
 
     Early in training the gradient norm falls by 10-30x within ~50 steps; a momentum of
     0.95 keeps those first large gradients in the buffer long after they stopped pointing
-    anywhere useful (docs/history.md, "Muon's momentum"). The step count lives in the
+    anywhere useful (benchmarks/results/lab_notebook.md, "Muon's momentum"). The step count lives in the
     hook, not in the optimizer's state: a run resumed from a checkpoint restarts the warm-up."""
     calls = [0]
 

@@ -2,7 +2,7 @@
 
 ``msign(G^{-1/2} M A^{-1/2})`` is what a preconditioner in front of ``torch.optim.Muon``
 can do; ``WhitenedMuon`` also whitens after it. Same statistics, same cost, one matmul pair
-fewer: measured beside it in docs/history.md ("WhitenedMuon").
+fewer: measured beside it in benchmarks/results/lab_notebook.md ("WhitenedMuon").
 """
 from __future__ import annotations
 
