@@ -63,6 +63,10 @@ class ActivationCapture:
         self._before_write = before_write
         self._before_observe = before_observe
         self.collecting = False
+        # a registered module ran forward in eval() mode with grad enabled while collecting: its
+        # rows stay out (a validation pass must not enter the statistics), and an owner that saw
+        # no training forward on the step can say why
+        self.eval_forward = False
         self._warned_float16 = False
         by_module: dict[int, tuple[nn.Module, object, dict[int, object]]] = {}
         for layer in layers:
@@ -102,10 +106,13 @@ class ActivationCapture:
         placed_on = weakref.ref(module)
 
         def hook(module: nn.Module, inputs, kwargs, output):
-            if self.collecting and module.training and torch.is_grad_enabled() and module is placed_on():
-                observe(module, inputs, kwargs, output)
+            if self.collecting and torch.is_grad_enabled() and module is placed_on():
+                if module.training:
+                    observe(module, inputs, kwargs, output)
+                else:
+                    self.eval_forward = True
 
-        return hook
+        return ForwardHook(hook)
 
     def _observe_output_grads(self, adapter, units: dict, grad: torch.Tensor, context, calls: dict) -> None:
         with torch.no_grad(), autocast_disabled(grad.device.type):  # backward inside an autocast region
@@ -136,6 +143,31 @@ class ActivationCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+class ForwardHook:
+    """The forward hook placed on one registered module. The model keeps it among its hooks,
+    so it travels with the model: pickled (``torch.save(model)``) or deep-copied, it becomes an
+    inert hook (the statistics it fed belong to this process's optimizer, which is not copied),
+    so the model can be saved whole and its copies feed no statistics."""
+
+    __slots__ = ("_hook",)
+
+    def __init__(self, hook: Callable[..., None]) -> None:
+        self._hook = hook
+
+    def __call__(self, module: nn.Module, inputs, kwargs, output) -> None:
+        self._hook(module, inputs, kwargs, output)
+
+    def __reduce__(self):
+        return InertHook, ()
+
+
+class InertHook:
+    """What a :class:`ForwardHook` becomes in a saved or copied model: it does nothing."""
+
+    def __call__(self, *args: Any) -> None:
+        return None
 
 
 def weakly(method: Callable[..., Any], default: Any = None) -> Callable[..., Any]:

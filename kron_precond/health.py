@@ -171,7 +171,8 @@ class Health:
             unseen = [l.name for l, seen in zip(self._layers, values[n:2 * n]) if not seen]
             if unseen:
                 warnings.warn(f"kron_precond: layers {unseen} are registered but their hooks saw no data "
-                              "before the first refresh (is the module called functionally? an expert "
+                              "before the first refresh (did the model run in eval() mode? statistics are "
+                              "gathered in training mode only; is the module called functionally? an expert "
                               "routed no token?); until they do, their gradients pass through "
                               "unpreconditioned",
                               RuntimeWarning, stacklevel=3)

@@ -505,7 +505,9 @@ class WhitenedMuon(torch.optim.Optimizer):
         root: how ``F + λI`` is whitened: ``"cholesky"`` (``T = L⁻¹``, cheap) or
             ``"symmetric"`` (``(F + λI)^{-1/2}``, an ``eigh``). Both define the same norm and give
             the same step, Newton-Schulz's approximate ``msign`` included (it commutes with the
-            orthogonal factor between the two roots); they differ in cost and rounding alone.
+            orthogonal factor between the two roots); they differ in cost and rounding alone. On
+            CUDA, ``torch.linalg.eigh`` waits for the host: keep ``"cholesky"`` where the
+            refresh's steps must not synchronise.
         block_size: a side wider than this (and divisible by it) keeps only the diagonal
             ``block_size``-blocks of its factor: its statistics, refresh and whitening cost fall
             by ``width / block_size``. ``None``: every side whole.
@@ -537,7 +539,8 @@ class WhitenedMuon(torch.optim.Optimizer):
     A step whose gradient (for one whitened weight) is not finite leaves that weight, its
     momentum and its weight decay untouched; such steps are counted on the device and reported
     by a warning when the counters are read: on the first step and then once every
-    ``nonfinite_warn_interval`` (100) steps, the only host synchronisation of ``step()``.
+    ``nonfinite_warn_interval`` (100) steps, the only host synchronisation of ``step()`` (with
+    ``root="cholesky"``, the default).
     """
 
     nonfinite_warn_interval = 100
@@ -682,6 +685,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         self._finalizer.atexit = False
         self._reported: dict[int, int] = {}
         self._unobserved_warned: set[int] = set()
+        self._eval_warned = False
         self._steps = 0  # step() calls: the statistics schedule and the non-finite report's interval
         self._casts: dict[tuple[int, ...], tuple] = {}  # stacked whiteners in ns_dtype, per stack
 
@@ -837,9 +841,11 @@ class WhitenedMuon(torch.optim.Optimizer):
     def _step(self) -> None:
         for index, group in enumerate(self.param_groups):  # a value set since: checked before anything moves
             _check_group(index, group)
+        # a forward in eval() mode since the last step (the hooks flag it on statistics steps only)
+        eval_forward, self._capture.eval_forward = self._capture.eval_forward, False
         due = [p for p in self._whitened_params() if p.grad is not None and self._due(p)]
         if due:
-            self._warn_unobserved(due)
+            self._warn_unobserved(due, eval_forward)
             self._statistics.refresh(due)
             self._casts.clear()
         self._statistics.forget_inputs()
@@ -868,10 +874,20 @@ class WhitenedMuon(torch.optim.Optimizer):
         if (self._steps - 1) % self.nonfinite_warn_interval == 0:
             self._report_nonfinite()
 
-    def _warn_unobserved(self, due: list[nn.Parameter]) -> None:
+    def _warn_unobserved(self, due: list[nn.Parameter], eval_forward: bool) -> None:
         """A weight with a gradient whose module never delivered rows is applied outside its
-        module's forward (e.g. a functional call): it is stepped as plain Muon. Said once."""
+        module's forward (e.g. a functional call): it is stepped as plain Muon. Said once. A
+        statistics step whose forwards all ran in ``eval()`` mode gathers nothing: said once too."""
         if not self._statistics.observed_this_step:  # no training forward (e.g. a state-initialising step)
+            if eval_forward and not self._eval_warned:
+                self._eval_warned = True
+                names = ", ".join(self._names[id(p)] for p in due)
+                warnings.warn(f"WhitenedMuon: the model ran forward in eval() mode and never in training mode "
+                              f"before this statistics step. Whitening statistics are gathered in training mode "
+                              f"only (so that validation passes stay out of them): {names} took Muon's step with "
+                              f"the whiteners of the last training-mode statistics (the identity if none). Call "
+                              f"model.train() before the training forward (set dropout's p to 0 to turn it off)",
+                              RuntimeWarning, stacklevel=6)  # the caller of step()
             return
         missing = [p for p in due if id(p) not in self._statistics.observed and id(p) not in self._unobserved_warned]
         if missing:
@@ -951,7 +967,8 @@ class WhitenedMuon(torch.optim.Optimizer):
         # that goes into msign is gathered whole (one all-gather per stack).
         grads = torch.stack([self._local(_grad(p)) for p in params])
         # A gradient whose norm is not finite (a NaN, an Inf, or an overflow) leaves its weight,
-        # its momentum and its weight decay as they were.
+        # its momentum and its weight decay as they were. The norm is taken in float32 at least:
+        # a float16 gradient of finite entries can have a norm beyond float16's range.
         wide = torch.promote_types(grads.dtype, torch.float32)
         if sharded:  # the whole gradient's: its shards' sums of squares, summed over the shards
             assert self._sharded is not None
@@ -959,7 +976,7 @@ class WhitenedMuon(torch.optim.Optimizer):
             dist.all_reduce(squares, group=self._sharded.shard_group)
             finite = torch.isfinite(squares)
         else:
-            finite = torch.isfinite(torch.linalg.vector_norm(grads.flatten(1), dim=1))
+            finite = torch.isfinite(torch.linalg.vector_norm(grads.flatten(1), dim=1, dtype=wide))
         mask = finite.reshape(-1, *[1] * (grads.dim() - 1))
         # Every pass below is over the whole stack and bound by memory traffic, so each is in
         # place where it can be: a non-finite gradient is replaced by its momentum, which the

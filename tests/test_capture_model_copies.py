@@ -1,6 +1,7 @@
 """A copy of the model made after the hooks were placed (an EMA or SWA average, a teacher, a
 lookahead) carries the hook functions with it; its forwards must not enter the original's
-statistics."""
+statistics. The model saved whole (``torch.save(model)``) while the hooks are in place loads
+with the same forward, and its hooks feed nothing."""
 from __future__ import annotations
 
 import copy
@@ -46,3 +47,22 @@ def test_forwards_of_a_deep_copy_of_the_model_stay_out_of_the_statistics(kind):
             net.zero_grad()
         factors.append(factor(owner, net))
     assert torch.equal(factors[0], factors[1])
+
+
+@pytest.mark.parametrize("kind", ["kfac", "ikfac", "whitened_muon"])
+def test_the_model_saved_whole_loads_and_its_forwards_feed_nothing(kind, tmp_path):
+    net = model()
+    owner = (WhitenedMuon(net, lr=1e-2, statistics_every=1) if kind == "whitened_muon"
+             else KronPreconditioner(net, method=kind, factor_update_steps=1, inv_update_steps=1, lr=0.1))
+    net(batch(0)).square().mean().backward()
+    owner.step()
+    torch.save(net, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert torch.equal(loaded(batch(1)), net(batch(1)))
+    before = factor(owner, net)
+    loaded(batch(2) * 5).square().mean().backward()  # the loaded copy trains on other data
+    assert torch.equal(factor(owner, net), before)
+    # the original's own hooks still feed its statistics
+    net(batch(3) * 5).square().mean().backward()
+    owner.step()
+    assert not torch.equal(factor(owner, net), before)

@@ -990,3 +990,58 @@ def test_the_default_centres_a_query_and_key_pair_under_one_module(names, biased
     model.attn = attn
     opt = WhitenedMuon(model, lr=LR)
     assert {opt._names[i].removesuffix(".weight") for i in opt._statistics.centered} == centred
+
+
+def test_a_finite_float16_gradient_with_a_norm_beyond_float16_steps_as_a_small_one():
+    """A float16 gradient whose entries are finite but whose Frobenius norm exceeds float16's
+    range (a loss summed over a large batch) is stepped, not taken for non-finite: Muon's step
+    does not depend on the gradient's scale, so it steps as the same gradient 2**-10 smaller."""
+    torch.manual_seed(0)
+    net = nn.Linear(64, 96, bias=False).half()
+    x = torch.randn(256, 64).half()
+    weights = []
+    for scale in (1.0, 2.0 ** -10):
+        model = copy.deepcopy(net)
+        opt = WhitenedMuon(model, lr=1e-2, statistics_every=1, output_side=False, ns_dtype=torch.float32)
+        model.weight.grad = None
+        (model(x).float().square().sum() * 100 * scale).backward()
+        g = model.weight.grad
+        assert torch.isfinite(g).all()
+        if scale == 1.0:  # its norm overflows float16, its entries do not
+            assert not torch.isfinite(torch.linalg.vector_norm(g))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "non-finite gradients" report
+            opt.step()
+        assert int(opt.state[model.weight]["nonfinite_steps"]) == 0
+        weights.append(model.weight.detach().float())
+    assert not torch.equal(weights[0], net.weight.float())
+    torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=1e-3)
+
+
+def test_training_in_eval_mode_is_warned_about_not_stepped_silently_as_muon():
+    """Statistics are gathered in training mode only (a validation pass stays out of them). A
+    model trained in ``eval()`` mode (dropout off for fine-tuning) would otherwise step every
+    weight as plain Muon without a word."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).eval()
+    opt = WhitenedMuon(net, lr=1e-2, statistics_every=1)
+    x = torch.randn(32, 8)
+    with pytest.warns(RuntimeWarning, match=r"eval\(\) mode.*0\.weight, 2\.weight"):
+        net(x).square().mean().backward()
+        opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        opt.zero_grad()
+        net(x).square().mean().backward()
+        opt.step()
+        # a validation forward in eval() mode beside a training one is no reason to warn
+        fresh = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        other = WhitenedMuon(fresh, lr=1e-2, statistics_every=1)
+        for _ in range(2):
+            fresh.train()
+            fresh(x).square().mean().backward()
+            fresh.eval()
+            fresh(x).square().mean()  # grad enabled, never backpropagated
+            other.step()
+            other.zero_grad()
+
