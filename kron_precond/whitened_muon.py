@@ -401,7 +401,9 @@ class WhitenedMuon(torch.optim.Optimizer):
       hook sees, takes Muon's step unwhitened); every other trainable parameter (embeddings,
       norms, biases, skipped layers, a weight tied to another module, modules no adapter knows)
       is stepped by AdamW in a group of the same optimizer. Param groups carry
-      ``"algorithm"``: ``"whitened_muon"`` or ``"adamw"``.
+      ``"algorithm"``: ``"whitened_muon"`` or ``"adamw"``. "Trainable" is read when the
+      optimizer is built: build it after unfreezing what will train (a parameter unfrozen
+      later is in no group, and a warning names it once it has a gradient).
     * ``WhitenedMuon([module, ...], lr=...)``: only the weights of these modules (their
       biases, embeddings, norms and the output layer go to another optimizer). A module no
       adapter describes (nor ``nn.MultiheadAttention``) is refused with a ``ValueError`` naming it.
@@ -601,6 +603,10 @@ class WhitenedMuon(torch.optim.Optimizer):
         loss_scale = grad_scaler_scale(grad_scaler)  # TypeError for anything else
 
         units, plain, rest = self._select(params, skip_layers)
+        # the model form's parameters frozen when it is built: in no group. One unfrozen later
+        # gets gradients no group steps, which is said (when the counters are read)
+        self._frozen_at_build = ([(n, p) for n, p in params.named_parameters() if not p.requires_grad]
+                                 if isinstance(params, nn.Module) else [])
         self._views: dict[int, MatrixView] = {}
         # qualified parameter names: the model's, or modules[i].<name> in the list form
         self._names: dict[int, str] = {}
@@ -873,6 +879,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         self._capture.collecting = self._statistics_step()
         if (self._steps - 1) % self.nonfinite_warn_interval == 0:
             self._report_nonfinite()
+            self._report_unfrozen()
 
     def _warn_unobserved(self, due: list[nn.Parameter], eval_forward: bool) -> None:
         """A weight with a gradient whose module never delivered rows is applied outside its
@@ -1115,6 +1122,23 @@ class WhitenedMuon(torch.optim.Optimizer):
             warnings.warn("WhitenedMuon: non-finite gradients; those steps left these weights and their "
                           "momentum unchanged: " + "; ".join(lines), RuntimeWarning,
                           stacklevel=6)  # the caller of step()
+
+    def _report_unfrozen(self) -> None:
+        """Parameters frozen when the optimizer was built, in no param group, that now have a
+        gradient: nothing steps them. Said once."""
+        if not self._frozen_at_build:
+            return
+        grouped = {id(p) for g in self.param_groups for p in g["params"]}
+        unfrozen = [(n, p) for n, p in self._frozen_at_build if p.grad is not None and id(p) not in grouped]
+        gone = grouped | {id(p) for _, p in unfrozen}  # said once, or stepped by a group now
+        self._frozen_at_build = [(n, p) for n, p in self._frozen_at_build if id(p) not in gone]
+        if unfrozen:
+            warnings.warn(f"WhitenedMuon: {', '.join(n for n, _ in unfrozen)} have gradients but were frozen "
+                          f"(requires_grad=False) when the optimizer was built, so they are in no param group and "
+                          f"nothing steps them. Build WhitenedMuon after unfreezing them (a weight can only be "
+                          f"whitened if its hooks were placed at construction), or add them with "
+                          f"add_param_group({{'params': [...], 'algorithm': 'adamw'}})",
+                          RuntimeWarning, stacklevel=6)  # the caller of step()
 
     # -- checkpoints -------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

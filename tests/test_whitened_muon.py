@@ -1045,3 +1045,43 @@ def test_training_in_eval_mode_is_warned_about_not_stepped_silently_as_muon():
             other.step()
             other.zero_grad()
 
+
+
+def test_a_parameter_frozen_at_construction_and_unfrozen_later_is_warned_about():
+    """The model form takes the parameters that train when it is built. One frozen then
+    (a backbone frozen for the first steps) and unfrozen later gets gradients that no group
+    steps: said once, naming it, instead of a layer that silently never trains."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    for p in net[0].parameters():
+        p.requires_grad_(False)
+    opt = WhitenedMuon(net, lr=1e-2)
+    x = torch.randn(32, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # frozen and without a gradient: nothing to say
+        net(x).square().mean().backward()
+        opt.step()
+    for p in net[0].parameters():
+        p.requires_grad_(True)
+    opt.nonfinite_warn_interval = 1  # the checks run when the counters are read
+    before = net[0].weight.detach().clone()
+    with pytest.warns(RuntimeWarning, match=r"0\.weight, 0\.bias.*frozen.*built"):
+        opt.zero_grad()
+        net(x).square().mean().backward()
+        opt.step()
+    assert torch.equal(net[0].weight, before)  # the warning tells the truth: not stepped
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        net(x).square().mean().backward()
+        opt.step()
+    # added to a group, it steps and is no longer reported
+    fresh = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    fresh[0].bias.requires_grad_(False)
+    other = WhitenedMuon(fresh, lr=1e-2)
+    other.nonfinite_warn_interval = 1
+    fresh[0].bias.requires_grad_(True)
+    other.add_param_group({"params": [fresh[0].bias], "algorithm": "adamw", "lr": 1e-3})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh(x).square().mean().backward()
+        other.step()
