@@ -153,7 +153,16 @@ def _apply_held(work: list[_Work], held: list[int], finite: torch.Tensor, ctx: S
     for key, members in groups.items():
         methods = [work[i].layer.method for i in members]
         keep = finite if len(members) == len(work) else finite[_index(members, finite.device, cache)]
-        batch_cache = cache.setdefault(("batch", key, tuple(id(m) for m in methods)), {})
+        entry = ("batch", key, tuple(id(m) for m in methods))
+        if entry not in cache:
+            # A method's batched apply stacks its members' state and re-points each member at its
+            # slice, so a layer's state lives in one stack at a time: the stacks built for other
+            # members or another batch key (a layer without a gradient on one step, a damping
+            # schedule) are left behind by it and must not be used again, nor kept alive.
+            adopted = set(entry[2])
+            for stale in [k for k in cache if k[0] == "batch" and adopted.intersection(k[2])]:
+                del cache[stale]
+        batch_cache = cache.setdefault(entry, {})
         results = type(methods[0]).apply_batch(methods, [work[i].grads for i in members], ctx,
                                                batch_cache, keep)
         for i, result in zip(members, results):

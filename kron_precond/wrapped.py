@@ -137,7 +137,11 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         state = dict(self.optimizer.state_dict())
-        state["preconditioner"] = self.preconditioner.state_dict()
+        precond = self.preconditioner
+        # with grad_worker_fraction < 1 each rank holds some layers' refreshed state: assembled
+        # on every rank (the same test on every rank, so every rank joins the collective)
+        some_workers = precond._runtime.sharding is None and precond.grad_workers < precond.world_size
+        state["preconditioner"] = precond.gather_state_dict() if some_workers else precond.state_dict()
         state["format"] = _FORMAT
         state["format_version"] = _FORMAT_VERSION
         for hook in self._optimizer_state_dict_post_hooks.values():
@@ -162,16 +166,16 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                              f"reads up to {_FORMAT_VERSION}")
         base = {k: v for k, v in state_dict.items()
                 if k not in ("preconditioner", "format", "format_version")}
-        # Snapshots to roll back to: a base optimizer may fail after changing itself,
-        # and either part may be rejected after the other was loaded.
+        # The base optimizer first, from a snapshot to roll back to (it may fail after changing
+        # itself); the preconditioner last: its load checks everything before it changes
+        # anything, so it never needs rolling back (a reload would drop the statistics gathered
+        # since the last step).
         base_before = copy.deepcopy(self.optimizer.state_dict())
-        precond_before = self.preconditioner.state_dict()
         try:
-            self.preconditioner.load_state_dict(state_dict["preconditioner"])
             self.optimizer.load_state_dict(base)
+            self.preconditioner.load_state_dict(state_dict["preconditioner"])
         except Exception:
             self.optimizer.load_state_dict(base_before)
-            self.preconditioner.load_state_dict(precond_before)
             raise
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)

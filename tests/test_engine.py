@@ -84,6 +84,83 @@ def test_batched_layers_share_storage_and_keep_updating():
         previous = a.clone()
 
 
+def _kfac_dense(layer, raw: torch.Tensor, damping: float) -> torch.Tensor:
+    """K-FAC's exact step for one ``[W | b]`` gradient from the layer's own factors, in float64."""
+    a, g = layer.a_factor, layer.g_factor
+    eye = torch.eye(a.shape[0] * g.shape[0], dtype=F64)
+    return torch.linalg.solve(torch.kron(g, a) + damping * eye, raw.reshape(-1)).reshape(raw.shape)
+
+
+def test_a_batch_whose_members_change_keeps_using_each_layers_current_state():
+    """Equal-shape layers are preconditioned as one stack. A layer without a gradient on one step
+    (``zero_grad(set_to_none=True)`` and a branch not taken) changes the stack's members; when
+    the old members come back, their gradients must be preconditioned with the current factors,
+    not with a stack left from before."""
+    model = deep_mlp()
+    precond = KronPreconditioner(model, damping=1e-2, kl_clip=None, inv_dtype=F64, factor_update_steps=1,
+                                 inv_update_steps=1)
+    for step in range(5):
+        model.zero_grad(set_to_none=True)
+        x, y = data(step)
+        ((model(x) - y) ** 2).mean().backward()
+        if step == 1:  # layer 4's branch not taken: no gradient on this step
+            model[4].weight.grad = model[4].bias.grad = None
+        raw = {i: grad_matrix(model[i]).clone() for i in (2, 6) if model[i].weight.grad is not None}
+        precond.step()
+        for i, gradient in raw.items():
+            expected = _kfac_dense(precond.layers[str(i)], gradient, 1e-2)
+            err = (grad_matrix(model[i]) - expected).norm() / expected.norm()
+            assert err < 1e-9, f"step {step} layer {i}: relative error {err:.2e}"
+
+
+def test_a_damping_schedule_preconditions_with_each_steps_damping_and_keeps_one_stack():
+    """``damping`` as a function of the step: every step's gradient is preconditioned with that
+    step's damping (a value seen before must not bring back the stack built for it then), and the
+    batched apply keeps one stack of the layers' state, not one per damping value seen."""
+    model = deep_mlp()
+    schedule = [1e-2, 3e-2, 1e-2, 3e-2, 2e-2, 1e-2]
+    precond = KronPreconditioner(model, damping=lambda s: schedule[s], kl_clip=None, inv_dtype=F64,
+                                 compute_method="eigen", factor_update_steps=1, inv_update_steps=1)
+    for step, damping in enumerate(schedule):
+        model.zero_grad()
+        x, y = data(step)
+        ((model(x) - y) ** 2).mean().backward()
+        raw = grad_matrix(model[2]).clone()
+        precond.step()
+        expected = _kfac_dense(precond.layers["2"], raw, damping)
+        err = (grad_matrix(model[2]) - expected).norm() / expected.norm()
+        assert err < 1e-9, f"step {step} (damping {damping}): relative error {err:.2e}"
+    stacks = [key for key in precond._apply_cache if key[0] == "batch"]
+    assert len(stacks) == 3, stacks  # the first layer, the four equal-shape ones, the last
+
+
+@pytest.mark.parametrize("method,options", [
+    ("kfac", {}), ("ekfac", {"inv_update_steps": 1}), ("ikfac", {"factor_update_steps": 1, "inv_update_steps": 1}),
+    ("shampoo", {}), ("soap", {"inv_update_steps": 1}), ("second_moment", {})])
+def test_every_method_preconditions_a_layer_alike_whether_batched_or_alone(method, options):
+    """A layer's written gradient does not depend on which same-shape layers shared its stack on
+    earlier steps: the model with a layer that lacks a gradient on step 1 against the same model
+    with that layer left out (``skip_layers``), the other layers' gradients identical in both.
+    (PSGD draws random probes per layer, so leaving a layer out changes the others' draws: its
+    cache is checked by the factors' versions instead.)"""
+    def run(skip: bool) -> list[torch.Tensor]:
+        model = deep_mlp()
+        precond = KronPreconditioner(model, method=method, kl_clip=None, skip_layers=[r"^4$"] if skip else [],
+                                     **options)
+        written = []
+        for step in range(5):
+            model.zero_grad(set_to_none=True)
+            x, y = data(step)
+            ((model(x) - y) ** 2).mean().backward()
+            if step == 1:
+                model[4].weight.grad = model[4].bias.grad = None
+            precond.step()
+            written.append(torch.cat([model[i].weight.grad.flatten() for i in (2, 6)]))
+        return written
+    for step, (batched, alone) in enumerate(zip(run(False), run(True))):
+        torch.testing.assert_close(batched, alone, rtol=1e-10, atol=1e-12, msg=f"{method}, step {step}")
+
+
 # ---------------------------------------------------------------------- checkpoints
 @pytest.mark.parametrize("case", ["kfac", "kfac-inverse", "psgd"])
 def test_version_1_checkpoint_loads_and_continues_like_the_version_that_wrote_it(case):

@@ -257,6 +257,69 @@ def test_failed_load_changes_nothing(broken):
     _assert_same(_snapshot(opt), good)
 
 
+@pytest.mark.parametrize("broken", ["preconditioner", "base"])
+def test_a_failed_load_between_backward_and_step_keeps_the_statistics_gathered(broken):
+    """A checkpoint refused after ``backward()`` leaves the step that follows as it would have
+    been without the attempt: the statistics gathered by that backward are not dropped."""
+    results = []
+    for attempt in (False, True):
+        model, opt = build("kfac", **KW["kfac"])
+        train(model, opt, 2)
+        other_model, other = build("kfac", seed=3, **KW["kfac"])
+        bad = _snapshot(other)  # no step taken: its base optimizer holds no state
+        if broken == "preconditioner":
+            bad["preconditioner"]["method"] = "psgd"
+        else:
+            bad["param_groups"] = bad["param_groups"] * 2
+        x, y = batch(2)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        if attempt:
+            with pytest.raises(ValueError):
+                opt.load_state_dict(bad)
+        opt.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _checkpoint_with_some_grad_workers(rank, world, out_dir):
+    """grad_worker_fraction=0.5: each rank holds some layers' decompositions; the wrapper's
+    state_dict is the whole state on every rank, and loads on every rank."""
+    from dist_utils import step_as_ddp  # noqa: F401 - the module sets up the workers' imports
+    model = make_model()
+    opt = PreconditionedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  KronPreconditioner(model, method="kfac", grad_worker_fraction=0.5,
+                                                     inv_update_steps=1, kl_clip=None))
+    for step in range(2):
+        x, y = batch(step)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()  # every rank the same batch: no averaging needed
+        opt.step()
+    state = opt.state_dict()
+    fresh_model = make_model(seed=5)
+    fresh_model.load_state_dict(model.state_dict())
+    fresh = PreconditionedOptimizer(torch.optim.SGD(fresh_model.parameters(), lr=0.1),
+                                    KronPreconditioner(fresh_model, method="kfac", grad_worker_fraction=0.5,
+                                                       inv_update_steps=1, kl_clip=None))
+    fresh.load_state_dict(state)
+    for m, o in ((model, opt), (fresh_model, fresh)):
+        x, y = batch(2)
+        o.zero_grad()
+        F.mse_loss(m(x), y).backward()
+        o.step()
+    return {"layers": sorted(state["preconditioner"]["layers"]),
+            "same": all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh_model.parameters()))}
+
+
+def test_state_dict_with_some_grad_workers_is_whole_on_every_rank(tmp_path):
+    from dist_utils import run_workers
+    results = run_workers(_checkpoint_with_some_grad_workers, 2, tmp_path, timeout=120)
+    for result in results:
+        assert result["layers"] == ["0", "2"]
+        assert result["same"]
+
+
 def test_load_rejects_a_plain_optimizer_state():
     model, opt = build("kfac", **KW["kfac"])
     with pytest.raises(ValueError, match="preconditioner"):
