@@ -12,6 +12,7 @@ it cannot poison the other layers; the engine warns naming it.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence, cast
 
 import torch
@@ -103,7 +104,12 @@ def precondition_exchanged(layers: Sequence, *, owner_of: Callable, runtime, ctx
     update norms."""
     rank = runtime.rank
     mine = [layer for layer in layers if owner_of(layer) == rank]
-    work = [_Work(layer, grads[layer.name], grads[layer.name], True) for layer in mine]
+    # every owned layer is preconditioned (the scatter sends each owner's results in order); a
+    # parameter without a gradient as zeros, as the other paths do, and nothing is written to it
+    work = [_Work(layer, grads[layer.name],
+                  [g if g is not None else torch.zeros(shape, dtype=p.dtype, device=p.device)
+                   for g, (_, p), shape in zip(grads[layer.name], layer.params, layer.shapes)], True)
+            for layer in mine]
     finite: torch.Tensor | None = None
     outputs: list[list[torch.Tensor]] = []
     if work:
@@ -113,13 +119,16 @@ def precondition_exchanged(layers: Sequence, *, owner_of: Callable, runtime, ctx
     scale = None
     if kl_clip is not None:
         reference = layers[0].params[0][1]
-        total = torch.zeros((), dtype=torch.promote_types(reference.dtype, torch.float32), device=reference.device)
+        # one dtype on every rank (the sum is all-reduced), whatever dtypes this rank's layers have
+        accumulate = functools.reduce(torch.promote_types, (p.dtype for layer in layers for _, p in layer.params),
+                                      torch.float32)
+        total = torch.zeros((), dtype=accumulate, device=reference.device)
         values = [v for out in outputs for v in out]
         if values:
             tensor_layer = [i for i, w in enumerate(work) for _ in w.grads]
             assert finite is not None  # values come from work
             keep = finite[_index(tensor_layer, finite.device, cache)]
-            total = total + _kl_sum(values, [g for w in work for g in w.grads], keep)
+            total = total + _kl_sum(values, [g for w in work for g in w.grads], keep).to(accumulate)
         runtime.sum_over_shards(total)
         scale = _kl_clip_factor(total, kl_clip, lr)
     by_owner: dict[int, list] = {r: [] for r in range(runtime.world_size)}
@@ -234,7 +243,7 @@ def _kl_sum(values, grads, keep: torch.Tensor) -> torch.Tensor:
     the op count, but cancels badly where ‖V‖ ≫ ‖∇‖ (K-FAC with small damping) and failed
     the world-size suite's float32 tolerance. Neither was adopted; ``kl_clip=None`` skips
     the sum."""
-    accumulate = torch.promote_types(grads[0].dtype, torch.float32)
+    accumulate = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)
     products = torch._foreach_mul(values, grads)
     positive = torch.stack(torch._foreach_norm(torch._foreach_clamp_min(products, 0.0), 1, dtype=accumulate))
     negative = torch.stack(torch._foreach_norm(torch._foreach_clamp_max(products, 0.0), 1, dtype=accumulate))

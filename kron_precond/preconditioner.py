@@ -269,8 +269,12 @@ class KronPreconditioner:
         for layer in self._layers:
             by_owner[self._layer_owner(layer)].extend((p, p.grad) for _, p in layer.params)
         mine = iter(self._runtime.gather_to_owners(by_owner))
-        return {layer.name: ([next(mine) for _ in layer.params] if self._layer_owner(layer) == self.rank
-                             else [None] * len(layer.params)) for layer in self._layers}
+        # A parameter without a gradient (a layer not called this step: so on every rank) travels
+        # as zeros; its owner takes it as None again, as every other path does.
+        return {layer.name: ([full if p.grad is not None else None for (_, p), full in
+                              zip(layer.params, [next(mine) for _ in layer.params])]
+                             if self._layer_owner(layer) == self.rank else [None] * len(layer.params))
+                for layer in self._layers}
 
     # ------------------------------------------------------------------ step
     def step(self, *, lr: float | torch.Tensor | None = None) -> None:
@@ -392,13 +396,18 @@ class KronPreconditioner:
                     shared.setdefault(owner, []).extend(self.layers[name].method.refreshed_tensors(part))
             self._runtime.share_refreshed(shared)
             if self.grad_workers < self.world_size:  # else every rank got them above
-                for_all: dict[int, list[torch.Tensor]] = {}
-                for (name, part), owner in self.assignment.owners.items():
-                    for_all.setdefault(owner, []).extend(self.layers[name].method.statistics_tensors(part))
-                self._runtime.share_with_all(for_all)
+                self._share_statistics_tensors()
         for layer in self._layers:
             if self._holds_state(layer):
                 layer.method.finalize_refresh(ctx)
+
+    def _share_statistics_tensors(self) -> None:
+        """From each part's owner to every rank: the refreshed tensors every rank needs to gather
+        statistics (EK-FAC's bases, on which each rank projects its rows). A collective."""
+        for_all: dict[int, list[torch.Tensor]] = {}
+        for (name, part), owner in self.assignment.owners.items():
+            for_all.setdefault(owner, []).extend(self.layers[name].method.statistics_tensors(part))
+        self._runtime.share_with_all(for_all)
 
     def _update_collecting(self, *, after_step: bool = False) -> None:
         """Whether the next forward gathers statistics. ``after_step``: a scheduled value that
@@ -546,7 +555,9 @@ class KronPreconditioner:
         ``ValueError`` and changes nothing. Layers this model does not have raise too,
         unless ``strict=False`` (they are then ignored with a warning, as
         ``nn.Module.load_state_dict(strict=False)`` does); a layer of this model missing
-        from the checkpoint always raises.
+        from the checkpoint always raises. On a sharded (FSDP2 / HSDP) model with
+        ``grad_worker_fraction < 1`` it is a collective (as ``dcp.load`` is): call it on every
+        rank.
         """
         state = checkpoint.upgrade(state)
         if state["method"] != self.method:
@@ -589,6 +600,11 @@ class KronPreconditioner:
             layer.method.load_state_dict(layers[layer.name])
             if not self._holds_state(layer):
                 layer.method.release_refreshed()
+        if self._runtime.sharding is not None and self.world_size > 1 and self.grad_workers < self.world_size:
+            # A sharded load gives a rank only the layers it holds; the tensors every rank needs
+            # to gather statistics come from their owners, as after a refresh (the same test on
+            # every rank: every rank joins)
+            self._share_statistics_tensors()
         self._update_collecting()
 
     def remove(self) -> None:

@@ -355,6 +355,43 @@ def test_checkpoint_round_trip_resumes_bitwise(tmp_path):
         assert torch.equal(p.detach(), q)
 
 
+def test_a_dcp_checkpoint_loads_into_a_fresh_preconditioner_and_resumes_bitwise(tmp_path):
+    """``torch.distributed.checkpoint`` loads into the state of the object it is given, so a
+    freshly built preconditioner (no refresh yet) must present the same entries, as tensors,
+    that a trained one saves."""
+    import torch.distributed.checkpoint as dcp
+    kw = dict(method="ekfac", inv_update_steps=4, factor_update_steps=1, damping=1e-2)
+    model = _small_model()
+    precond = KronPreconditioner(model, **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train(model, precond, opt, 6, seed=1)
+    dcp.save({"precond": precond}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    params = [p.detach().clone() for p in model.parameters()]
+    _train(model, precond, opt, 5, seed=2)
+    resumed = _small_model()
+    with torch.no_grad():
+        for p, saved in zip(resumed.parameters(), params):
+            p.copy_(saved)
+    fresh = KronPreconditioner(resumed, **kw)
+    dcp.load({"precond": fresh}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    _train(resumed, fresh, torch.optim.SGD(resumed.parameters(), lr=0.1), 5, seed=2)
+    for p, q in zip(resumed.parameters(), model.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+
+
+def test_a_checkpoint_saved_before_the_first_refresh_loads_and_holds_no_scaling():
+    kw = dict(method="ekfac", inv_update_steps=4, factor_update_steps=1, damping=1e-2)
+    model = _small_model()
+    precond = KronPreconditioner(model, **kw)
+    state = precond.state_dict()  # nothing measured yet
+    trained_model = _small_model()
+    trained = KronPreconditioner(trained_model, **kw)
+    _train(trained_model, trained, torch.optim.SGD(trained_model.parameters(), lr=0.1), 6, seed=1)
+    trained.load_state_dict(state)
+    for layer in trained.layers.values():
+        assert layer.method._scaling is None and not layer.method.ready
+
+
 def _same(a, b) -> bool:
     """Nested checkpoints equal, tensors bitwise."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):

@@ -24,6 +24,7 @@ the last ranks get fewer or none; pieces are padded to that size on the wire.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence, TypeGuard
 
@@ -146,12 +147,19 @@ class OwnerExchange:
         self.layout = layout
         self.global_ranks = list(global_ranks)
 
-    def _padded_local(self, param, grad) -> torch.Tensor:
+    @staticmethod
+    def wire_dtype(params) -> torch.dtype:
+        """The dtype one owner's pieces travel in: their parameters' dtypes promoted, the same
+        on every rank (a bfloat16 body and a float32 head share one buffer, and every rank's
+        buffer must have the owner's dtype or the collective fails on some ranks only)."""
+        return functools.reduce(torch.promote_types, (p.dtype for p in params))
+
+    def _padded_local(self, param, grad, dtype: torch.dtype) -> torch.Tensor:
         """This rank's rows of ``grad`` (zeros for ``None``), padded to the chunk size, flat."""
         total = param.shape[0] if param.dim() else 1
         chunk = self.layout.chunk(total)
         rest = tuple(param.shape[1:])
-        out = torch.zeros((chunk,) + rest, dtype=param.dtype, device=param.device)
+        out = torch.zeros((chunk,) + rest, dtype=dtype, device=param.device)
         if grad is not None:
             local = self.layout.local(grad)
             out[:local.shape[0]] = local
@@ -166,9 +174,10 @@ class OwnerExchange:
         S, me = self.layout.shard_size, self.layout.shard_rank
         pending = []
         for owner, items in sorted(by_owner.items()):
-            send = torch.cat([self._padded_local(p, g) for p, g in items]) if items else None
-            if send is None:
+            if not items:
                 continue
+            dtype = self.wire_dtype(p for p, _ in items)
+            send = torch.cat([self._padded_local(p, g, dtype) for p, g in items])
             receive = [torch.empty_like(send) for _ in range(S)] if owner == me else None
             work = dist.gather(send, receive, dst=self.global_ranks[owner], group=self.layout.shard_group,
                                async_op=True)
@@ -191,7 +200,7 @@ class OwnerExchange:
             total = param.shape[0] if param.dim() else 1
             chunk = self.layout.chunk(total)
             rows = [per_rank[r][index].reshape((chunk,) + tuple(param.shape[1:])) for r in range(len(pieces))]
-            out.append(torch.cat(rows)[:total].reshape(param.shape))
+            out.append(torch.cat(rows)[:total].reshape(param.shape).to(param.dtype))
         return out
 
     def scatter(self, by_owner: dict[int, list[torch.Tensor]], full_out: dict[int, list[torch.Tensor]]
@@ -209,10 +218,11 @@ class OwnerExchange:
                 continue
             sizes = [self.layout.chunk(p.shape[0] if p.dim() else 1) * max(1, math.prod(p.shape[1:]))
                      for p in params]
-            receive = torch.empty(sum(sizes), dtype=params[0].dtype, device=params[0].device)
+            dtype = self.wire_dtype(params)
+            receive = torch.empty(sum(sizes), dtype=dtype, device=params[0].device)
             send = None
             if owner == me:
-                send = [torch.cat([self._rows_padded(p, full, r) for p, full in zip(params, full_out[owner])])
+                send = [torch.cat([self._rows_padded(p, full, r).to(dtype) for p, full in zip(params, full_out[owner])])
                         for r in range(S)]
             work = dist.scatter(receive, send, src=self.global_ranks[owner], group=self.layout.shard_group,
                                 async_op=True)
@@ -225,7 +235,7 @@ class OwnerExchange:
                 total = p.shape[0] if p.dim() else 1
                 start, stop = self.layout.rows(total)
                 chunk = self.layout.chunk(total)
-                pieces.append(piece.reshape((chunk,) + tuple(p.shape[1:]))[:stop - start])
+                pieces.append(piece.reshape((chunk,) + tuple(p.shape[1:]))[:stop - start].to(p.dtype))
             result[owner] = pieces
         return result
 

@@ -291,9 +291,18 @@ class EKFACLayer(KFACLayer):
         }
 
     def state_dict(self) -> dict[str, Any]:
+        """K-FAC's state and the scaling. The scaling is saved as tensors even before the first
+        refresh (zeros, ``scaling_held=False``): ``torch.distributed.checkpoint`` loads into the
+        entries of the state it is given, so a fresh preconditioner's must match a trained one's."""
         state = super().state_dict()
-        state["scaling"] = None if self._scaling is None else self._scaling.clone()
-        state["scaling_weight"] = None if self._scaling_weight is None else self._scaling_weight.clone()
+        held = self._scaling is not None and self._scaling_weight is not None
+        if held:
+            scaling, weight = self._held_scaling()
+            state["scaling"], state["scaling_weight"] = scaling.clone(), weight.clone()
+        else:
+            state["scaling"] = torch.zeros(self.g_dim, self.a_dim, dtype=self.scaling_dtype, device=self._device)
+            state["scaling_weight"] = torch.zeros((), dtype=self.scaling_dtype, device=self._device)
+        state["scaling_held"] = held
         return state
 
     def check_state(self, state: dict[str, Any]) -> None:
@@ -301,7 +310,7 @@ class EKFACLayer(KFACLayer):
         if "scaling" not in state:
             raise ValueError(f"state of {self.name} has no EK-FAC scaling (saved by another method?)")
         scaling = state["scaling"]
-        if scaling is None:  # saved before the first refresh: nothing measured yet
+        if scaling is None or not state.get("scaling_held", True):  # saved before the first refresh
             return
         where = f"state of {self.name}"
         # checked like the factors: a NaN scaling (a diverged run) is applied on every step until
@@ -313,7 +322,7 @@ class EKFACLayer(KFACLayer):
         self.check_state(state)
         super().load_state_dict(state)
         self._clusters = {}
-        if state["scaling"] is None:
+        if state["scaling"] is None or not state.get("scaling_held", True):  # nothing measured yet
             self._scaling = self._scaling_weight = None
             return
         if self._scaling is None:
