@@ -46,12 +46,10 @@ def _arguments(inputs: tuple, kwargs: dict) -> list:
 
 
 def _same_input(a: object, query: torch.Tensor) -> bool:
-    """``a`` is the query: the same tensor, a view of the same elements, or equal values (a
-    forward pre-hook that rebuilds the arguments one by one, such as FSDP2's mixed-precision
-    cast, hands over three equal tensors). The values are compared, a host read, only when the
-    cheaper tests fail, and only on statistics steps (the hook's)."""
-    if a is query:
-        return True
+    """``a``, another tensor than the query, holds the query: a view of the same elements, or
+    equal values (a forward pre-hook that rebuilds the arguments one by one, such as FSDP2's
+    mixed-precision cast, hands over three equal tensors). The values are compared, a host read,
+    only when the cheaper tests fail, and only on statistics steps (the hook's)."""
     if not isinstance(a, torch.Tensor) or a.shape != query.shape or a.dtype != query.dtype \
             or a.device != query.device:
         return False
@@ -76,12 +74,16 @@ class PackedInputAdapter:
         # copy in the module's attribute
         self.weight = module.in_proj_weight
         self.on_cross_attention: Callable[[torch.Tensor, str], bool] | None = None
+        # ``agree(same, device)``: the verdict of every rank (self-attention only if every rank
+        # read its key and value as the query), set by an optimizer whose ranks must take the
+        # same path into their collectives; ``None`` (or a ``None`` returned): this rank's own
+        self.agree: Callable[[bool, torch.device], bool | None] | None = None
 
     def forward_rows(self, inputs: tuple, kwargs: dict, output: object):
         query, key, value = _arguments(inputs, kwargs)
         if not isinstance(query, torch.Tensor):
             return None
-        if not self.separate and not (_same_input(key, query) and _same_input(value, query)):
+        if not self.separate and not self._self_attention(query, key, value):
             if self.on_cross_attention is None:  # set by the optimizer that placed the hook
                 raise RuntimeError(f"nn.MultiheadAttention {self.name!r} was called as cross-attention, and "
                                    "PackedInputAdapter.on_cross_attention is not set")
@@ -92,6 +94,16 @@ class PackedInputAdapter:
         rows = [(slot, x.detach().reshape(-1, x.shape[-1])) for slot, x in enumerate((query, key, value))
                 if isinstance(x, torch.Tensor)]
         return rows, 1
+
+    def _self_attention(self, query: torch.Tensor, key: object, value: object) -> bool:
+        """Key and value are the query. The same objects decide it alike on every rank (the
+        model's code passes them); other tensors are read by their values, which can differ
+        between ranks' batches, so the ranks then agree."""
+        if key is query and value is query:
+            return True
+        same = _same_input(key, query) and _same_input(value, query)
+        agreed = self.agree(same, query.device) if self.agree is not None else None
+        return same if agreed is None else agreed
 
     delivers_output_grads = False  # the module's output is out_proj's, not the projections'
 

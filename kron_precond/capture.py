@@ -170,6 +170,32 @@ class InertHook:
         return None
 
 
+def _fullgraph(module: nn.Module) -> bool:
+    """Whether ``module`` is compiled with ``fullgraph=True``: by ``module.compile(...)`` (its
+    compiled call's dynamo context holds the setting) or wrapped by ``torch.compile(module, ...)``."""
+    contexts = [getattr(module, "dynamo_ctx", None)]
+    compiled = getattr(module, "_compiled_call_impl", None)
+    for cell in getattr(compiled, "__closure__", None) or ():
+        try:
+            contexts.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    return any(getattr(c, "fullgraph", False) is True for c in contexts)
+
+
+def refuse_fullgraph(root: nn.Module, hooked: Sequence[nn.Module], who: str) -> None:
+    """``ValueError`` naming a submodule of ``root`` compiled with ``fullgraph=True`` that holds a
+    module the hooks observe: the observation runs outside the compiled graph (module
+    docstring), a graph break that ``fullgraph`` forbids, so the first forward would fail."""
+    ids = {id(m) for m in hooked}
+    for name, module in root.named_modules():
+        if _fullgraph(module) and any(id(m) in ids for m in module.modules()):
+            raise ValueError(f"{who}: {name or type(root).__name__} is compiled with fullgraph=True, and the "
+                             f"statistics hooks of the modules inside it need a graph break each (the observation "
+                             f"runs outside the compiled graph). Compile it without fullgraph (torchtitan: "
+                             f"--compile.enable false), or leave its modules out with skip_layers")
+
+
 def weakly(method: Callable[..., Any], default: Any = None) -> Callable[..., Any]:
     """``method`` called through a weak reference to its object (``default`` once it is freed):
     for callbacks the model's hooks reach, which must not keep their owner alive."""

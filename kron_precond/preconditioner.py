@@ -30,7 +30,7 @@ from torch import nn
 from kron_precond import checkpoint, validation
 from kron_precond.apply import precondition_exchanged, precondition_gradients
 from kron_precond.autocast import autocast_disabled
-from kron_precond.capture import ActivationCapture, grad_scaler_scale, weakly
+from kron_precond.capture import ActivationCapture, grad_scaler_scale, refuse_fullgraph, weakly
 from kron_precond.distributed.assignment import WorkAssignment, assign_work
 from kron_precond.distributed.runtime import Runtime
 from kron_precond.enums import AssignmentStrategy, DistributedStrategy
@@ -228,6 +228,8 @@ class KronPreconditioner:
         self._warned_lr_fallback = False
         self._apply_cache: dict = {}
         self._health = Health(self._layers, captures=self._spec.captures)
+        if self._spec.captures:
+            refuse_fullgraph(model, [layer.module for layer in self._layers], "KronPreconditioner")
         self._capture = (ActivationCapture(self._layers, accumulation_steps=self.accumulation_steps,
                                            loss_scale=loss_scale, before_write=weakly(self._wait_for_statistics),
                                            before_observe=weakly(self._follow_parameters),

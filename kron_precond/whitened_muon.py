@@ -51,7 +51,7 @@ import torch.nn as nn
 from kron_precond import validation
 from kron_precond.attention import PackedInputAdapter, attention_units, model_attention_units
 from kron_precond.autocast import autocast_disabled
-from kron_precond.capture import ActivationCapture, grad_scaler_scale, weakly
+from kron_precond.capture import ActivationCapture, grad_scaler_scale, refuse_fullgraph, weakly
 from kron_precond.distributed.sharded import ShardedLayout, is_dtensor
 from kron_precond.health import new_nonfinite_steps
 from kron_precond.methods import state_checks as checks
@@ -683,6 +683,9 @@ class WhitenedMuon(torch.optim.Optimizer):
                                       else ((unit.slot, unit.index or 0),))]
         for adapter in self._packed.values():
             adapter.on_cross_attention = weakly(self._cross_attention, default=False)
+            adapter.agree = weakly(self._ranks_agree, default=None)
+        if isinstance(params, nn.Module):
+            refuse_fullgraph(params, [layer.module for layer in layers], "WhitenedMuon")
         self._capture = ActivationCapture(layers, accumulation_steps=1, loss_scale=loss_scale,
                                           before_write=lambda: None,
                                           output_grads=lambda layer: id(layer.method.param) in outputs)
@@ -847,6 +850,8 @@ class WhitenedMuon(torch.optim.Optimizer):
     def _step(self) -> None:
         for index, group in enumerate(self.param_groups):  # a value set since: checked before anything moves
             _check_group(index, group)
+            if group["algorithm"] == WHITENED:
+                self._check_known(index, group["params"])
         # a forward in eval() mode since the last step (the hooks flag it on statistics steps only)
         eval_forward, self._capture.eval_forward = self._capture.eval_forward, False
         due = [p for p in self._whitened_params() if p.grad is not None and self._due(p)]
@@ -903,6 +908,30 @@ class WhitenedMuon(torch.optim.Optimizer):
             warnings.warn(f"WhitenedMuon: {names} had a gradient but its module's forward never ran in training "
                           "mode with grad enabled; it is stepped as plain Muon (identity whitener)",
                           RuntimeWarning, stacklevel=6)  # the caller of step()
+
+    def _check_known(self, index: int, params: list[nn.Parameter]) -> None:
+        """``RuntimeError`` for a whitened group's parameter this optimizer was not built on: its
+        hooks, views and whiteners belong to the parameters of construction."""
+        unknown = [i for i, p in enumerate(params) if id(p) not in self._views]
+        if unknown:
+            raise RuntimeError(
+                f"WhitenedMuon: param group {index} holds a parameter that is not one it was built on "
+                f"(entries {unknown}, shapes {[tuple(params[i].shape) for i in unknown]}). Something replaced the "
+                f"model's parameters after the optimizer was built (Accelerate's prepare() with FSDP2 swaps each "
+                f"for its sharded copy; fully_shard or a .to_empty() of its own): the statistics hooks and the "
+                f"whiteners stay on the old ones. Build WhitenedMuon on the model once it is sharded, after "
+                f"the wrapper has replaced its parameters")
+
+    def _ranks_agree(self, same: bool, device: torch.device) -> bool:
+        """Whether every rank of the statistics' group read an attention call as self-attention
+        (a one-element all-reduce, on statistics steps, only where key or value is another
+        tensor than the query): the ranks then take the same path into the all-reduce."""
+        group = self.process_group
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+            return same
+        differs = torch.tensor(0 if same else 1, dtype=torch.int32, device=device)
+        dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=group)
+        return not bool(differs.item())
 
     def _cross_attention(self, weight: torch.Tensor, name: str) -> bool:
         """An ``nn.MultiheadAttention``'s packed ``in_proj_weight`` called as cross-attention:

@@ -62,3 +62,51 @@ def test_compiled_model_matches_eager_without_recompiling(method):
             other = runs[1][1].layers[name]
             torch.testing.assert_close(other.a_factor, layer.a_factor, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(other.g_factor, layer.g_factor, rtol=1e-5, atol=1e-6)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.w2(torch.relu(self.w1(x)))
+
+
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({"0": _Block(), "1": _Block()})
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for block in self.layers.values():
+            x = block(x)
+        return self.out(x)
+
+
+def _build(kind, model):
+    from kron_precond import WhitenedMuon
+    if kind == "whitened_muon":
+        return WhitenedMuon(model, lr=1e-2)
+    return KronPreconditioner(model, method=kind, lr=0.1)
+
+
+@pytest.mark.parametrize("how", ["module.compile", "torch.compile"])
+@pytest.mark.parametrize("kind", ["whitened_muon", "kfac", "ikfac"])
+def test_blocks_compiled_with_fullgraph_are_refused_at_construction_by_name(kind, how):
+    """The statistics hooks run outside the compiled graph, a graph break at each hooked module,
+    which ``fullgraph=True`` forbids (torchtitan compiles each block so): refused when built,
+    naming the block, not a tracing error at the first forward."""
+    torch.manual_seed(0)
+    model = _Blocks()
+    if how == "module.compile":
+        model.layers["1"].compile(fullgraph=True)
+    else:
+        model.layers["1"] = torch.compile(model.layers["1"], fullgraph=True)
+    with pytest.raises(ValueError, match=r"layers\.1.*fullgraph=True"):
+        _build(kind, model)
+    # compiled without fullgraph, the same blocks are accepted and train
+    plain = _Blocks()
+    plain.layers["1"].compile()
+    _build(kind, plain)

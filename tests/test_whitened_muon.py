@@ -1085,3 +1085,23 @@ def test_a_parameter_frozen_at_construction_and_unfrozen_later_is_warned_about()
         warnings.simplefilter("error")
         fresh(x).square().mean().backward()
         other.step()
+
+
+def test_a_parameter_swapped_into_a_group_after_construction_is_refused_by_name():
+    """A wrapper that replaces the model's parameters after the optimizer was built (Accelerate's
+    ``prepare`` with FSDP2 swaps each param-group entry for its sharded replacement) leaves the
+    hooks and whiteners on the old parameters: the step says so, before anything changes,
+    instead of failing on an internal lookup."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    opt = WhitenedMuon(net, lr=1e-2)
+    replacement = nn.Parameter(net[2].weight.detach().clone())
+    group = next(g for g in opt.param_groups if g["algorithm"] == "whitened_muon")
+    position = next(i for i, q in enumerate(group["params"]) if q is net[2].weight)
+    group["params"][position] = replacement
+    net[2].weight = replacement
+    net(torch.randn(4, 8)).square().mean().backward()
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(RuntimeError, match=r"not one it was built on.*sharded.*after"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))

@@ -567,6 +567,59 @@ def test_any_world_size_gives_the_one_process_result_for_attention(tmp_path):
                 torch.testing.assert_close(got, want, rtol=1e-10, atol=atol)
 
 
+class _MaskedValue(nn.Module):
+    """Self-attention whose value has its padded positions zeroed: a tensor of its own, equal to
+    the query wherever a rank's batch has no padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(E, 2, batch_first=True, dtype=torch.float64)
+        self.head = nn.Linear(E, 3, dtype=torch.float64)
+
+    def forward(self, x, keep):
+        return self.head(self.attn(x, x, x * keep, need_weights=False)[0])
+
+
+def _masked_value_worker(rank: int, world: int, out_dir: str):
+    from dist_utils import step_as_ddp
+
+    torch.manual_seed(0)
+    model = _MaskedValue()
+    opt = WhitenedMuon(model, lr=0.05, statistics_every=1, ns_dtype=torch.float64)
+    params = list(model.parameters())
+    g = torch.Generator().manual_seed(7)
+    identical = []
+    for _ in range(3):
+        x = torch.randn(4, T, E, generator=g, dtype=torch.float64)
+        keep = torch.ones(4, T, 1, dtype=torch.float64)
+        keep[3, -1] = 0  # padding in the last sequence only: on one rank of two
+        per = x.shape[0] // world
+        rows = slice(rank * per, (rank + 1) * per)
+        opt.zero_grad()
+        model(x[rows], keep[rows]).square().mean().backward()
+        identical.append(step_as_ddp(opt, params, world))
+    return {"params": [p.detach().clone() for p in params], "identical": identical,
+            "per_part": opt.state[model.attn.in_proj_weight]["input_whitener"].shape == (3, 1, E, E)}
+
+
+def test_whether_an_attention_is_cross_attention_is_decided_alike_on_every_rank(tmp_path):
+    """Whether key and value are the query is read from their values when they are other
+    tensors. Ranks whose batches differ can read differently (padding on one rank only); the
+    ranks agree (cross-attention if any rank sees it), so every rank takes the same path into
+    the statistics' all-reduce and ends where one process on the full batch ends."""
+    from dist_utils import run_workers
+
+    single = run_workers(_masked_value_worker, 1, tmp_path / "w1", timeout=90)[0]
+    assert single["per_part"]  # one process sees the padding: per part
+    names = [n for n, _ in _MaskedValue().named_parameters()]
+    for r in run_workers(_masked_value_worker, 2, tmp_path / "w2", timeout=90):
+        assert r["per_part"] and all(r["identical"])
+        for name, got, want in zip(names, r["params"], single["params"]):
+            # the key's bias has no gradient but rounding noise, which AdamW's steps follow to ~1e-10
+            atol = 1e-9 if name.endswith("in_proj_bias") else 1e-12
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=atol)
+
+
 def test_self_attention_whose_arguments_a_pre_hook_rebuilt_is_still_self_attention():
     """A forward pre-hook that remakes the arguments one by one (FSDP2's mixed-precision cast,
     a device move) hands the attention three equal tensors, not one: still self-attention.
