@@ -27,6 +27,12 @@ class _Work:
         self.layer, self.raw, self.grads, self.holds = layer, raw, grads, holds
 
 
+def _zeros_for_none(layer, raw: list) -> list[torch.Tensor]:
+    """``raw`` with a zero gradient of the parameter's shape where a parameter has none."""
+    return [g if g is not None else torch.zeros(shape, dtype=p.dtype, device=p.device)
+            for g, (_, p), shape in zip(raw, layer.params, layer.shapes)]
+
+
 def precondition_gradients(layers: Sequence, *, holds: Callable, owner_of: Callable, runtime, ctx: StepContext,
                            kl_clip: float | None, lr: float | None, cache: dict,
                            grads: dict[str, list] | None = None
@@ -55,9 +61,7 @@ def precondition_gradients(layers: Sequence, *, holds: Callable, owner_of: Calla
         raw = grads[layer.name] if grads is not None else layer.gradients()
         if all(g is None for g in raw) and not communicate:
             continue
-        full = [g if g is not None else torch.zeros(shape, dtype=p.dtype, device=p.device)
-                for g, (_, p), shape in zip(raw, layer.params, layer.shapes)]
-        work.append(_Work(layer, raw, full, holds(layer)))
+        work.append(_Work(layer, raw, _zeros_for_none(layer, raw), holds(layer)))
     if not work:
         return None
 
@@ -106,10 +110,7 @@ def precondition_exchanged(layers: Sequence, *, owner_of: Callable, runtime, ctx
     mine = [layer for layer in layers if owner_of(layer) == rank]
     # every owned layer is preconditioned (the scatter sends each owner's results in order); a
     # parameter without a gradient as zeros, as the other paths do, and nothing is written to it
-    work = [_Work(layer, grads[layer.name],
-                  [g if g is not None else torch.zeros(shape, dtype=p.dtype, device=p.device)
-                   for g, (_, p), shape in zip(grads[layer.name], layer.params, layer.shapes)], True)
-            for layer in mine]
+    work = [_Work(layer, grads[layer.name], _zeros_for_none(layer, grads[layer.name]), True) for layer in mine]
     finite: torch.Tensor | None = None
     outputs: list[list[torch.Tensor]] = []
     if work:
