@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Callable, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from kron_precond.modules import Selected, owners_of, tied_elsewhere, usable_parameters
@@ -241,6 +242,18 @@ def input_side_attention_units(model: nn.Module, is_skipped: Callable[[str, nn.M
         adapter.on_cross_attention = _refuse_cross_attention
         units.append(Selected(name, module, cast(list, own), adapter, has_bias=module.in_proj_bias is not None))
     return units
+
+
+def ranks_agree(same: bool, device: torch.device, group) -> bool:
+    """Whether every rank of ``group`` read an attention call as self-attention (a one-element
+    all-reduce): the ranks then take the same path into the statistics' all-reduce. Entered
+    only where key or value is another tensor than the query, on statistics steps: conditions
+    alike on every rank."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return same
+    differs = torch.tensor(0 if same else 1, dtype=torch.int32, device=device)
+    dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=group)
+    return not bool(differs.item())
 
 
 def _refuse_cross_attention(weight: torch.Tensor, name: str) -> bool:

@@ -29,6 +29,7 @@ from torch import nn
 
 from kron_precond import checkpoint, validation
 from kron_precond.apply import precondition_exchanged, precondition_gradients
+from kron_precond.attention import PackedInputAdapter, ranks_agree
 from kron_precond.autocast import autocast_disabled
 from kron_precond.capture import ActivationCapture, grad_scaler_scale, refuse_fullgraph, weakly
 from kron_precond.distributed.assignment import WorkAssignment, assign_work
@@ -235,6 +236,9 @@ class KronPreconditioner:
                                            before_observe=weakly(self._follow_parameters),
                                            output_grads=self._spec.captures_output_grads)
                          if self._spec.captures else None)
+        for adapter in {id(layer.adapter): layer.adapter for layer in self._layers}.values():
+            if isinstance(adapter, PackedInputAdapter):  # refused as cross-attention by every rank alike
+                adapter.agree = weakly(self._ranks_agree, default=None)
         self._collecting = False
         self._update_collecting()
         # The hooks reach this object only weakly: one the caller drops is freed, and this
@@ -243,6 +247,11 @@ class KronPreconditioner:
                            else None)
         if self._finalizer is not None:
             self._finalizer.atexit = False
+
+    def _ranks_agree(self, same: bool, device: torch.device) -> bool:
+        """Whether every rank read an attention call as self-attention
+        (:func:`~kron_precond.attention.ranks_agree`)."""
+        return ranks_agree(same, device, self.process_group)
 
     def _setup_sharding(self) -> None:
         """Sharded models (docs/design.md, "FSDP2 and HSDP"): statistics are reduced to each

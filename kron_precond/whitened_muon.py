@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from kron_precond import validation
-from kron_precond.attention import PackedInputAdapter, attention_units, model_attention_units
+from kron_precond.attention import PackedInputAdapter, attention_units, model_attention_units, ranks_agree
 from kron_precond.autocast import autocast_disabled
 from kron_precond.capture import ActivationCapture, grad_scaler_scale, refuse_fullgraph, weakly
 from kron_precond.distributed.sharded import ShardedLayout, is_dtensor
@@ -924,14 +924,8 @@ class WhitenedMuon(torch.optim.Optimizer):
 
     def _ranks_agree(self, same: bool, device: torch.device) -> bool:
         """Whether every rank of the statistics' group read an attention call as self-attention
-        (a one-element all-reduce, on statistics steps, only where key or value is another
-        tensor than the query): the ranks then take the same path into the all-reduce."""
-        group = self.process_group
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-            return same
-        differs = torch.tensor(0 if same else 1, dtype=torch.int32, device=device)
-        dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=group)
-        return not bool(differs.item())
+        (:func:`~kron_precond.attention.ranks_agree`)."""
+        return ranks_agree(same, device, self.process_group)
 
     def _cross_attention(self, weight: torch.Tensor, name: str) -> bool:
         """An ``nn.MultiheadAttention``'s packed ``in_proj_weight`` called as cross-attention:

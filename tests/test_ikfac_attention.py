@@ -158,3 +158,32 @@ def test_fsdp2_ranks_equal_one_process_on_the_full_batch(tmp_path):
             for got_step, want_step in zip(r["trajectory"], single["trajectory"], strict=True):
                 for got, want in zip(got_step, want_step, strict=True):
                     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def _cross_attention_on_one_rank_worker(rank: int, world: int, out_dir: str):
+    from test_whitened_muon_attention import T, _MaskedValue
+
+    torch.manual_seed(0)
+    model = _MaskedValue()
+    precond = KronPreconditioner(model, factor_update_steps=1, inv_update_steps=1, method="ikfac", damping=0.1)
+    x = torch.randn(4, T, E, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    keep = torch.ones(4, T, 1, dtype=torch.float64)
+    keep[3, -1] = 0  # padding in the last sequence only: on rank 1 of 2
+    per = x.shape[0] // world
+    rows = slice(rank * per, (rank + 1) * per)
+    try:
+        model(x[rows], keep[rows]).square().mean().backward()
+        precond.step()
+    except RuntimeError as error:
+        return {"raised": str(error)}
+    return {"raised": None}
+
+
+def test_a_call_read_as_cross_attention_on_one_rank_raises_on_every_rank(tmp_path):
+    """Whether another key or value is the query is read from its values, which differ between
+    ranks' batches (padding on one rank only). Every rank must refuse the call, not only the rank
+    that saw it: the others would otherwise wait in the statistics' all-reduce."""
+    from dist_utils import run_workers
+
+    for r in run_workers(_cross_attention_on_one_rank_worker, 2, tmp_path, timeout=60):
+        assert r["raised"] is not None and "'attn'" in r["raised"] and "cross-attention" in r["raised"], r
