@@ -72,6 +72,8 @@ POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
                  (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
 NS_SCHEDULES = {"muon": ((NS_COEFFICIENTS,), 1.0), "polar_express": (POLAR_EXPRESS, 1.02)}
 WHITENED, ADAMW = "whitened_muon", "adamw"
+# a packed in_proj's input-side state, one per part in cross-attention (``[3, ...]``)
+_PART_INPUT_ITEMS = ("input_factor", "input_whitener", "input_seen")
 # A statistics horizon this long draws a warning: statistics every 100 steps kept 1.03x-1.05x of
 # the best Muon's steps on the d_model 64 GPT where the defaults' 25 steps keep 1.20x (6 seeds).
 LONG_HORIZON = 100
@@ -1164,6 +1166,27 @@ class WhitenedMuon(torch.optim.Optimizer):
                           RuntimeWarning, stacklevel=6)  # the caller of step()
 
     # -- checkpoints -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's, with one change: the input side of a packed ``in_proj`` stepped as
+        three parts is always saved per part (``[3, ...]``: a self-attention's one factor three
+        times), with ``input_per_part`` saying which it is. The checkpoint's shapes then do not
+        depend on how the attention was called, so ``torch.distributed.checkpoint`` loads it
+        into the state of a fresh optimizer, which holds the self-attention form until a call
+        shows otherwise."""
+        saved = super().state_dict()
+        keys = (key for group in saved["param_groups"] for key in group["params"])
+        for p, key in zip((p for group in self.param_groups for p in group["params"]), keys):
+            entry = saved["state"].get(key)
+            if entry is None or id(p) not in self._packed or self._views[id(p)].parts != 3:
+                continue
+            per_part = self._views[id(p)].part_inputs
+            entry = saved["state"][key] = dict(entry)  # torch.optim's entry is the live state's dict
+            for item in _PART_INPUT_ITEMS:
+                if torch.is_tensor(entry.get(item)) and not per_part:
+                    entry[item] = entry[item].unsqueeze(0).expand(3, *entry[item].shape).clone()
+            entry["input_per_part"] = torch.tensor(per_part)
+        return saved
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch.optim's load, all or nothing: a checkpoint that does not fit this optimizer (param
         groups of other algorithms or sizes, a state tensor of another shape -- another model,
@@ -1219,15 +1242,23 @@ class WhitenedMuon(torch.optim.Optimizer):
             for key, p in zip(saved_group["params"], group["params"]):
                 if key not in saved_state:
                     continue
-                saved_input = saved_state[key].get("input_factor", saved_state[key].get("input_whitener"))
-                if id(p) in self._packed and torch.is_tensor(saved_input):
-                    # a cross-attention's factor per part leads with the parts: [3, blocks, b, b]
-                    # (a weight orthogonalised whole has no parts to whiten so: its shape check refuses it)
+                saved_entry = dict(saved_state[key])
+                flag = saved_entry.pop("input_per_part", None)  # state_dict's, not a state entry
+                saved_input = saved_entry.get("input_factor", saved_entry.get("input_whitener"))
+                if id(p) in self._packed and flag is not None:
+                    part_inputs[p] = bool(flag)
+                    if not part_inputs[p]:  # saved per part: a self-attention's one factor three times
+                        saved_entry.update({item: saved_entry[item][0] for item in _PART_INPUT_ITEMS
+                                            if torch.is_tensor(saved_entry.get(item)) and saved_entry[item].dim()})
+                elif id(p) in self._packed and torch.is_tensor(saved_input):
+                    # a checkpoint without the flag: a cross-attention's factor per part leads with the
+                    # parts, [3, blocks, b, b] (a weight orthogonalised whole has no parts to whiten
+                    # so: its shape check refuses it)
                     part_inputs[p] = saved_input.dim() == 4 and self._views[id(p)].parts > 1
                 shapes = self._state_shapes(p, group["algorithm"], part_inputs.get(p))
                 name = self._names.get(id(p), f"parameter {key}")
                 entry = {}
-                for item, value in saved_state[key].items():
+                for item, value in saved_entry.items():
                     if item.startswith("output_") and "output" not in self._statistics.sides_of(p):
                         continue  # a side this optimizer does not whiten
                     if torch.is_tensor(value) and item in shapes:

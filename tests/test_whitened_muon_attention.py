@@ -398,6 +398,44 @@ def test_a_checkpoint_resumes_a_packed_attention_as_it_was_saved_bitwise():
     assert whole.state_dict()["state"] == {}
 
 
+@pytest.mark.parametrize("cross_at_save", [True, False])
+def test_a_dcp_checkpoint_resumes_an_attention_however_it_was_called_bitwise(tmp_path, cross_at_save):
+    """torch.distributed.checkpoint loads into the state of a fresh optimizer, whose packed
+    in_proj is in self-attention form until a call shows otherwise: the checkpoint's shapes
+    must not depend on how the attention was called. Saved per part (or as one input) and
+    loaded with DCP into a fresh model and optimizer, the run resumes bitwise."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def make():
+        torch.manual_seed(0)
+        model = Cross(dtype=torch.float64)
+        return model, WhitenedMuon(model, lr=0.05, statistics_every=2, ns_dtype=torch.float64)
+
+    def steps(model, opt, data):
+        for x, memory, y in data:
+            opt.zero_grad()
+            F.mse_loss(model(x, memory if cross_at_save else x), y).backward()
+            opt.step()
+
+    data = _cross_batches(6, torch.float64)
+    (whole, whole_opt), (saved, saved_opt), (fresh, fresh_opt) = make(), make(), make()
+    steps(whole, whole_opt, data)
+    steps(saved, saved_opt, data[:3])
+    assert saved_opt._views[id(saved.attn.in_proj_weight)].part_inputs == cross_at_save
+    model_sd, optim_sd = get_state_dict(saved, saved_opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path)
+    model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=tmp_path)
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    weight = fresh.attn.in_proj_weight
+    assert fresh_opt._views[id(weight)].part_inputs == cross_at_save == fresh_opt._packed[id(weight)].separate
+    steps(fresh, fresh_opt, data[3:])
+    for a, b in zip(whole.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+
+
 class Seq2Seq(nn.Module):
     def __init__(self):
         super().__init__()
