@@ -223,7 +223,14 @@ def on_output_grad(output: torch.Tensor, hook: Callable[[torch.Tensor], None]) -
         return
     size, stride = output.size(), output.stride()
     offset = output.storage_offset() - base.storage_offset()
-    base.register_hook(lambda grad: hook(grad.contiguous().as_strided(size, stride, offset)))
+
+    def read_view(grad: torch.Tensor) -> None:
+        # the base's gradient can itself be a view at a storage offset (a slice of a torch.cat's
+        # or torch.stack's gradient, when the output is not its first piece): as_strided counts
+        # from the start of the storage, so the view's offset is added to the gradient's own
+        grad = grad.contiguous()
+        hook(grad.as_strided(size, stride, grad.storage_offset() + offset))
+    base.register_hook(read_view)
 
 
 def grad_scaler_scale(grad_scaler) -> Callable[[], float | torch.Tensor | None]:

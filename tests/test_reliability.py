@@ -254,6 +254,34 @@ def test_inplace_modified_view_output_still_gives_g_statistics(kind):
     assert not torch.allclose(model.proj.weight.grad, raw), "the projection was not preconditioned"
 
 
+@pytest.mark.parametrize("kind", ["Linear", "Conv1D"])
+@pytest.mark.parametrize("join", ["cat0", "stack0", "cat1_batch1"])
+def test_an_output_that_is_not_the_first_piece_of_a_concatenation_gives_its_own_g(kind, join):
+    """The output's gradient reaches the hook as a slice of the concatenation's gradient (a
+    view at a storage offset): a soft prompt or a projector spliced into the sequence, a shared
+    block whose calls are stacked. G must be read from the output's own rows."""
+    torch.manual_seed(0)
+    proj = (nn.Linear(4, 5) if kind == "Linear" else Conv1D(5, 4)).to(F64)
+    precond = KronPreconditioner(proj, damping=LAMBDA, inv_dtype=F64, kl_clip=None)
+    x = torch.randn(1 if join == "cat1_batch1" else 2, 3, 4, dtype=F64)
+    other = torch.full_like(proj(x), 7.0, requires_grad=True)
+    y = proj(x)
+    joined = {"cat0": lambda: torch.cat([other, y], 0), "stack0": lambda: torch.stack([other, y], 0),
+              "cat1_batch1": lambda: torch.cat([other, y], 1)}[join]()
+    weights = torch.randn_like(joined)
+    (joined.square() * weights).sum().backward()
+    precond.step()
+    # Reference: δ = ∂loss/∂y from the same function, y a leaf
+    out = y.detach().requires_grad_(True)
+    again = {"cat0": lambda: torch.cat([other, out], 0), "stack0": lambda: torch.stack([other, out], 0),
+             "cat1_batch1": lambda: torch.cat([other, out], 1)}[join]()
+    (again.square() * weights).sum().backward()
+    rows = out.grad.reshape(-1, 5)
+    g_ref = rows.T @ rows
+    g = precond.layers[""].g_factor
+    assert rel_err(g / g.trace(), g_ref / g_ref.trace()) < 1e-10
+
+
 class Branchy(nn.Module):
     def __init__(self):
         super().__init__()
