@@ -18,6 +18,7 @@ an op count that does not grow with depth, and two gloo ranks against one proces
 """
 from __future__ import annotations
 
+import copy
 import io
 
 import numpy as np
@@ -211,6 +212,35 @@ def test_checkpoint_round_trip_continues_bitwise_and_bad_state_changes_nothing()
     assert torch.equal(resumed.state_dict()["layers"][""]["moment"], before["layers"][""]["moment"])
     resumed.load_state_dict(state)
     torch.testing.assert_close(run(range(4, 8), resumed, resumed_layer), expected, rtol=0, atol=0)
+
+
+def test_a_checkpoint_taken_while_eigenvalues_repeat_resumes_bitwise():
+    """A wide layer's first statistics are rank-deficient (fewer rows than its width): its
+    eigenvalues repeat (zero), and the moment is averaged over each block of them. A checkpoint
+    holds the averaged moment; resumed at any step, the run goes on as the uninterrupted one."""
+    options = dict(method="soap", inv_update_steps=3, factor_decay=0.9, moment_decay=0.9)
+
+    def run(total, resume_at=None):
+        layer = one_layer(12, 10)
+        precond = KronPreconditioner(layer, **options)
+        for step in range(total):
+            if step == resume_at:
+                buffer = io.BytesIO()
+                torch.save(precond.state_dict(), buffer)
+                layer = copy.deepcopy(layer)
+                precond = KronPreconditioner(layer, **options)
+                precond.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=False))
+            backward(layer, step, rows=3)
+            precond.step()
+            with torch.no_grad():  # the preconditioned gradient moves the weight: later rows see it
+                layer.weight -= 0.1 * layer.weight.grad
+                layer.bias -= 0.1 * layer.bias.grad
+            layer.zero_grad()
+        return torch.cat([layer.weight.detach().flatten(), layer.bias.detach()])
+
+    expected = run(8)
+    drifted = [at for at in range(1, 8) if not torch.equal(run(8, resume_at=at), expected)]
+    assert drifted == []
 
 
 def test_failed_decomposition_keeps_the_previous_basis(monkeypatch):

@@ -160,9 +160,12 @@ class SOAPLayer(GradientMatrix, LayerMethod):
     def finalize_refresh(self, ctx: StepContext) -> None:
         """Find each side's clusters of equal eigenvalues (one host sync per layer, on refresh
         steps only); with any repeated eigenvalue, average the moment over the blocks."""
-        self._derive_from_bases()
+        self._derive_from_bases(pool_moment=True)
 
-    def _derive_from_bases(self) -> None:
+    def _derive_from_bases(self, pool_moment: bool) -> None:
+        """The warm-start flags and clusters of equal eigenvalues, from the bases; with
+        ``pool_moment``, the moment averaged over the blocks (a checkpoint holds it averaged
+        already: averaging it again moves its last bits, which near-equal eigenvalues grow)."""
         bases = self._allocated()
         if not self.active:
             return
@@ -170,7 +173,7 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         repeated = torch.stack([size.max() > 1 for _, size in clusters.values()]).tolist()
         self._warm = {side: not rep for side, rep in zip(self.active, repeated)}
         self._clusters = clusters if any(repeated) else None
-        if self._clusters is not None:
+        if self._clusters is not None and pool_moment:
             moment = self._held_moment()
             moment.copy_(self._pooled(moment))
 
@@ -296,7 +299,7 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         self._held_mass().copy_(state["mass"])
         self._held_moment().copy_(state["moment"])
         self.updates = int(state["updates"])
-        self._derive_from_bases()
+        self._derive_from_bases(pool_moment=False)
 
 
 # ---------------------------------------------------------------------- math
