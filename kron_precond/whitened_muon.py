@@ -74,6 +74,7 @@ NS_SCHEDULES = {"muon": ((NS_COEFFICIENTS,), 1.0), "polar_express": (POLAR_EXPRE
 WHITENED, ADAMW = "whitened_muon", "adamw"
 # a packed in_proj's input-side state, one per part in cross-attention (``[3, ...]``)
 _PART_INPUT_ITEMS = ("input_factor", "input_whitener", "input_seen")
+_STEPS_KEY = "statistics_clock"  # a saved param group's entry: the optimizer's step() calls
 # A statistics horizon this long draws a warning: statistics every 100 steps kept 1.03x-1.05x of
 # the best Muon's steps on the d_model 64 GPT where the defaults' 25 steps keep 1.20x (6 seeds).
 LONG_HORIZON = 100
@@ -382,6 +383,49 @@ def _ungated_mlp_inputs(units: list[Selected], views: dict[int, MatrixView],
             if out_dim > in_dim and (in_dim, out_dim) in beside and (out_dim, in_dim) not in beside:
                 chosen.add(key)
     return frozenset(chosen)
+
+
+def _check_state_tensor(item: str, value: Any, shape: tuple[int, ...], where: str) -> None:
+    """A saved state tensor of the expected shape: floating and finite (factors, whiteners,
+    moments), or, for ``nonfinite_steps``, an integer count >= 0. ``ValueError`` otherwise."""
+    if not torch.is_tensor(value):
+        raise ValueError(f"{where}: expected a tensor, got {type(value).__name__}")
+    if is_dtensor(value):  # a sharded model's moment: its global shape (the shards are its own)
+        if tuple(value.shape) != shape:
+            raise ValueError(f"{where}: expected shape {shape}, got {tuple(value.shape)}")
+    elif item == "nonfinite_steps":
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool or tuple(value.shape) != shape:
+            raise ValueError(f"{where}: expected an integer tensor of shape {shape}, got {value.dtype} "
+                             f"{tuple(value.shape)}")
+        if bool(value < 0):
+            raise ValueError(f"{where}: a count must be >= 0, got {int(value)}")
+    else:
+        checks.float_tensor(value, shape, where)  # shape, floating dtype and finiteness
+        if item.endswith("_seen") and not bool(((value == 0) | (value == 1)).all()):
+            raise ValueError(f"{where}: expected 0 or 1 per matrix")
+
+
+def _check_step_count(value: Any, where: str) -> None:
+    """A parameter's step count: a whole number >= 0 (AdamW's bias correction reads it)."""
+    if torch.is_tensor(value):
+        checks.count(value, where)
+    else:
+        checks.integer(value, where)
+
+
+# what a parameter's saved state holds together (an entry without the rest cannot be stepped)
+_TOGETHER = {ADAMW: (("step", "exp_avg", "exp_avg_sq"),),
+             WHITENED: (("step", "momentum_buffer", "nonfinite_steps"),
+                        ("input_factor", "input_whitener", "input_seen"),
+                        ("output_factor", "output_whitener", "output_seen"))}
+
+
+def _check_complete(entry: dict[str, Any], algorithm: str, where: str) -> None:
+    for together in _TOGETHER[algorithm]:
+        present = [item for item in together if item in entry]
+        if present and len(present) < len(together):
+            missing = [item for item in together if item not in entry]
+            raise ValueError(f"{where}: the saved state holds {present} without {missing}")
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
@@ -1185,6 +1229,11 @@ class WhitenedMuon(torch.optim.Optimizer):
                 if torch.is_tensor(entry.get(item)) and not per_part:
                     entry[item] = entry[item].unsqueeze(0).expand(3, *entry[item].shape).clone()
             entry["input_per_part"] = torch.tensor(per_part)
+        for group in saved["param_groups"]:
+            # the statistics schedule's clock: step() calls, those without a whitened gradient too;
+            # in the param groups, which torch.distributed.checkpoint keeps (it drops other keys)
+            if group.get("algorithm", WHITENED) == WHITENED:
+                group[_STEPS_KEY] = self._steps
         return saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1197,6 +1246,10 @@ class WhitenedMuon(torch.optim.Optimizer):
         ``"auto"``).
         Factors, whiteners and counters keep their saved dtype and values (torch.optim's load
         would cast them to each parameter's dtype, e.g. bfloat16)."""
+        missing = [key for key in ("state", "param_groups") if key not in state_dict]
+        if missing:
+            raise ValueError(f"WhitenedMuon.load_state_dict: the checkpoint has no {missing} (not an optimizer's "
+                             f"state_dict)")
         saved_groups = state_dict["param_groups"]
         saved = [g.get("algorithm", WHITENED) for g in saved_groups]
         ours = [g["algorithm"] for g in self.param_groups]
@@ -1208,22 +1261,38 @@ class WhitenedMuon(torch.optim.Optimizer):
                 raise ValueError(f"WhitenedMuon.load_state_dict: saved param group {index} holds "
                                  f"{len(group['params'])} parameters, this optimizer's "
                                  f"{len(self.param_groups[index]['params'])}")
-            _check_group(index, {**self.param_groups[index], **{k: v for k, v in group.items() if k != "params"}})
+            _check_group(index, {**self.param_groups[index], **{k: v for k, v in group.items()
+                                                                 if k not in ("params", _STEPS_KEY)}})
+            if _STEPS_KEY in group:
+                checks.integer(group[_STEPS_KEY], f"WhitenedMuon.load_state_dict: param group {index}'s {_STEPS_KEY}")
         kept, exact, part_inputs = self._checked_state(state_dict)
+        settings = [{k: v for k, v in group.items() if k not in ("params", "param_names")}
+                    for group in self.param_groups]
         for p, on in part_inputs.items():  # a packed in_proj resumes as saved: one input, or one per part
             self._set_part_inputs(p, on)
         super().load_state_dict({**state_dict, "state": kept})
-        for group in self.param_groups:  # a checkpoint from before the setting was stepped by the default
+        clocks = [group.pop(_STEPS_KEY) for group in self.param_groups if _STEPS_KEY in group]
+        for group, ours_before in zip(self.param_groups, settings):
+            # a checkpoint from before a setting existed: stepped by the default (adjust_lr_fn) or,
+            # for any other setting it lacks, by this optimizer's value (as torch.optim's
+            # __setstate__ fills the settings an old optimizer did not have)
             if group["algorithm"] == WHITENED:
                 group.setdefault("adjust_lr_fn", "match_rms_adamw")
+            for setting, value in ours_before.items():
+                group.setdefault(setting, value)
         self._statistics.state = self.state  # torch.optim's load puts a new state dict in place
         self._casts.clear()
         for p, values in exact.items():
             for key, value in values.items():
                 self.state[p][key] = value.to(device=p.device, copy=True)
-        # the statistics schedule resumes from the count of the weight that stepped most (every
-        # weight with a gradient on every step: the optimizer's count)
-        self._steps = max((int(self.state[p].get("step", 0)) for p in self._whitened_params()), default=0)
+        # the statistics schedule resumes from the saved clock; a checkpoint without it, from the
+        # count of the weight that stepped most (every weight with a gradient on every step: the
+        # optimizer's count)
+        self._steps = (int(clocks[0]) if clocks else
+                       max((int(self.state[p].get("step", 0)) for p in self._whitened_params()), default=0))
+        # statistics gathered since the last step belong to a batch the load discards (a rollback)
+        self._statistics.pending.clear()
+        self._statistics.forget_inputs()
         self._capture.collecting = self._statistics_step()
         # the loaded counters were reported by the run that saved them: report what comes after
         self._reported.clear()
@@ -1261,16 +1330,16 @@ class WhitenedMuon(torch.optim.Optimizer):
                 for item, value in saved_entry.items():
                     if item.startswith("output_") and "output" not in self._statistics.sides_of(p):
                         continue  # a side this optimizer does not whiten
-                    if torch.is_tensor(value) and item in shapes:
+                    where = f"WhitenedMuon.load_state_dict: {name}'s {item}"
+                    if item in shapes:
                         # another model's checkpoint, or one of other settings such as block_size
-                        where = f"WhitenedMuon.load_state_dict: {name}'s {item}"
-                        if value.is_floating_point() and not is_dtensor(value):
-                            checks.float_tensor(value, shapes[item], where)  # shape and finiteness
-                        elif tuple(value.shape) != shapes[item]:
-                            raise ValueError(f"{where}: expected shape {shapes[item]}, got {tuple(value.shape)}")
+                        _check_state_tensor(item, value, shapes[item], where)
                         if item.endswith(("_factor", "_whitener", "_seen")) or item == "nonfinite_steps":
                             exact.setdefault(p, {})[item] = value
+                    elif item == "step":
+                        _check_step_count(value, where)
                     entry[item] = value
+                _check_complete(entry, group["algorithm"], f"WhitenedMuon.load_state_dict: {name}")
                 kept[key] = entry
         return kept, exact, part_inputs
 

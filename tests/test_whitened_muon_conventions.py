@@ -132,6 +132,123 @@ def test_a_corrupted_checkpoint_raises_and_changes_nothing(key, bad):
     assert_same_state(before, opt.state_dict())
 
 
+def _frozen_then_unfrozen(total: int, resume_at: int | None = None, unfreeze_at: int = 2) -> list[torch.Tensor]:
+    """A head-only phase (the whitened body without gradients), then the whole model;
+    optionally saved and resumed into a fresh optimizer at ``resume_at``."""
+    model = mlp()
+    make = lambda: WhitenedMuon(model, lr=1e-2, statistics_every=3, skip_layers=["2"])  # noqa: E731
+    opt = make()
+    g = torch.Generator().manual_seed(1)
+    for step in range(total):
+        if step == resume_at:
+            saved = copy.deepcopy(opt.state_dict())
+            opt.remove()
+            opt = make()
+            opt.load_state_dict(saved)
+        opt.zero_grad()
+        model(torch.randn(32, 8, generator=g)).square().mean().backward()
+        if step < unfreeze_at:
+            model[0].weight.grad = model[0].bias.grad = None  # the body takes no step yet
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_the_statistics_schedule_resumes_in_phase_after_steps_without_a_whitened_gradient():
+    """The statistics schedule counts step() calls, also those where no whitened weight had a
+    gradient (a head-only phase): a resumed run collects on the same steps as the uninterrupted one."""
+    expected = _frozen_then_unfrozen(9)
+    for at in (4, 5, 7):
+        for got, want in zip(_frozen_then_unfrozen(9, resume_at=at), expected):
+            assert torch.equal(got, want), at
+
+
+def test_a_rollback_into_the_same_optimizer_drops_the_statistics_of_the_discarded_batch():
+    """Loss-spike recovery: forward and backward on a statistics step, then the last checkpoint
+    loaded into the same optimizer instead of stepping. The discarded batch's statistics must not
+    reach the next refresh: the run goes on as if the batch had never been seen."""
+    def run(rollback_at: int | None) -> list[torch.Tensor]:
+        model = mlp()
+        opt = WhitenedMuon(model, lr=1e-2, statistics_every=3)
+        g = torch.Generator().manual_seed(1)
+        for step in range(8):
+            if step == rollback_at:
+                saved = copy.deepcopy(opt.state_dict())
+                weights = copy.deepcopy(model.state_dict())
+                opt.zero_grad()
+                model(torch.randn(32, 8) * 50).square().mean().backward()  # a batch that is thrown away
+                model.load_state_dict(weights)
+                opt.load_state_dict(saved)
+            opt.zero_grad()
+            model(torch.randn(32, 8, generator=g)).square().mean().backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    expected = run(None)
+    for at in (3, 6):  # statistics steps
+        for got, want in zip(run(at), expected):
+            assert torch.equal(got, want), at
+
+
+def _drop(key):
+    return lambda entry: entry.pop(key)
+
+
+@pytest.mark.parametrize("index, corrupt, match", [
+    (0, _drop("input_seen"), "without.*input_seen"),
+    (0, _drop("input_whitener"), "without.*input_whitener"),
+    (0, _drop("momentum_buffer"), "without.*momentum_buffer"),
+    (0, _drop("step"), "without.*step"),
+    (2, _drop("exp_avg_sq"), "without.*exp_avg_sq"),  # the first bias: AdamW's
+    (0, lambda e: e.__setitem__("input_whitener", e["input_whitener"].long()), "input_whitener.*floating"),
+    (0, lambda e: e["input_seen"].fill_(5), "input_seen.*0 or 1"),
+    (0, lambda e: e["nonfinite_steps"].fill_(-3), "nonfinite_steps.*>= 0"),
+    (0, lambda e: e.__setitem__("nonfinite_steps", e["nonfinite_steps"].float()), "nonfinite_steps.*integer"),
+    (0, lambda e: e.__setitem__("step", -4), "step"),
+    (0, lambda e: e.__setitem__("step", torch.tensor(3.7)), "step"),
+    (0, lambda e: e.__setitem__("momentum_buffer", 0.0), "momentum_buffer.*tensor"),
+])
+def test_a_checkpoint_missing_or_mistyping_an_entry_raises_and_changes_nothing(index, corrupt, match):
+    """Entries that a step needs together, counts that must be whole numbers >= 0, tensors that
+    must be floating: refused with ValueError naming them, before anything changes (torch.optim's
+    load would take them and the next step would raise or step wrongly)."""
+    model = mlp()
+    opt = WhitenedMuon(model, lr=1e-2)
+    train(model, opt, 6)
+    saved = snapshot(opt)
+    corrupt(saved["state"][index])
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(saved)
+    assert_same_state(before, opt.state_dict())
+    train(model, opt, 1)
+
+
+@pytest.mark.parametrize("clock", [-1, 2.5, True])
+def test_a_bad_statistics_clock_raises_and_changes_nothing(clock):
+    model = mlp()
+    opt = WhitenedMuon(model, lr=1e-2)
+    train(model, opt, 4)
+    saved = snapshot(opt)
+    saved["param_groups"][0]["statistics_clock"] = clock
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match="statistics_clock"):
+        opt.load_state_dict(saved)
+    assert_same_state(before, opt.state_dict())
+
+
+def test_a_saved_group_without_a_setting_takes_this_optimizers_value():
+    """As torch.optim fills the settings an older optimizer did not have: the group steps."""
+    model = mlp()
+    opt = WhitenedMuon(model, lr=1e-2, momentum=0.8)
+    train(model, opt, 3)
+    saved = snapshot(opt)
+    betas = opt.param_groups[1]["betas"]
+    del saved["param_groups"][0]["momentum"], saved["param_groups"][1]["betas"]
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["momentum"] == 0.8 and opt.param_groups[1]["betas"] == betas
+    train(model, opt, 1)
+
+
 def test_a_checkpoint_of_another_block_size_raises_and_changes_nothing():
     model = mlp(16)
     opt = WhitenedMuon(model, lr=1e-2, block_size=8)
