@@ -11,6 +11,9 @@ on the wrapper changes the base optimizer's learning rate.
 from __future__ import annotations
 
 import copy
+import sys
+import types
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -20,6 +23,19 @@ from kron_precond.preconditioner import KronPreconditioner
 
 _FORMAT = "kron_precond.PreconditionedOptimizer"
 _FORMAT_VERSION = 1
+
+
+def _called_by_torchs_distributed_state_dict() -> bool:
+    """Whether a caller a few frames up is torch.distributed.checkpoint's state-dict API, which
+    keeps only "state" and "param_groups" of what an optimizer's ``state_dict()`` returns."""
+    frame: types.FrameType | None = sys._getframe(2)  # the caller of state_dict()
+    for _ in range(4):
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
+            return True
+        frame = frame.f_back
+    return False
 
 
 class PreconditionedOptimizer(torch.optim.Optimizer):
@@ -148,6 +164,13 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             result = hook(self, state)
             if result is not None:
                 state = result
+        if _called_by_torchs_distributed_state_dict():
+            warnings.warn("PreconditionedOptimizer.state_dict() was called by torch.distributed.checkpoint's "
+                          "state-dict API (get_state_dict / get_optimizer_state_dict; Accelerate's FSDP "
+                          "checkpoints), which keeps only 'state' and 'param_groups': the preconditioner is not "
+                          "in what it returns. Save optimizer.preconditioner as an entry of its own "
+                          "(dcp.save({..., 'precond': optimizer.preconditioner})) and pass optimizer.optimizer, "
+                          "the base optimizer, to get_state_dict / set_state_dict", UserWarning, stacklevel=2)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -159,7 +182,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         if not isinstance(state_dict, dict) or "preconditioner" not in state_dict:
             keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(f"state_dict has no 'preconditioner' entry (got {keys}); it was not saved by "
-                             "PreconditionedOptimizer.state_dict()")
+                             "PreconditionedOptimizer.state_dict() (torch.distributed.checkpoint's set_state_dict: "
+                             "pass optimizer.optimizer, the base optimizer, and load optimizer.preconditioner "
+                             "as an entry of its own)")
         version = state_dict.get("format_version", _FORMAT_VERSION)
         if version > _FORMAT_VERSION:
             raise ValueError(f"state_dict has format_version={version!r}; this version of kron_precond "
