@@ -234,6 +234,24 @@ def kfac_adapter(module: nn.Module) -> tuple[Any | None, str]:
                   "GPT-2 style Conv1D, fused MoE experts; see register_adapter)")
 
 
+def unknown_parameters(adapter: Any, own: Sequence[tuple[str, torch.Tensor]]) -> str:
+    """Why a Linear-like adapter cannot describe a module with parameters ``own`` (``""`` if
+    it can): it knows a ``weight`` and a ``bias``. Any other parameter of the module's own (the
+    legacy ``nn.utils.weight_norm`` / ``spectral_norm``, whose weight is an attribute computed
+    from ``weight_g``, ``weight_v`` / ``weight_orig``; a subclass whose forward uses a parameter
+    of its own) enters the output in a way the adapter cannot know: it would take the bias for
+    the weight, or whiten by the wrong rows."""
+    if not isinstance(adapter, KFACAdapter):
+        return ""
+    names = [n for n, _ in own]
+    others = [n for n in names if n not in ("weight", "bias")]
+    if others or "weight" not in names:
+        return (f"it holds parameters of its own beyond weight and bias ({', '.join(names)}): how they enter "
+                f"its output is unknown (nn.utils.weight_norm / spectral_norm: use torch.nn.utils.parametrizations; "
+                f"a module of your own: teach it with register_adapter)")
+    return ""
+
+
 def compile_skip_patterns(skip_layers, argument: str = "skip_layers") -> list[re.Pattern]:
     """Validate ``skip_layers`` (a regex or a sequence of regexes) and compile it; errors name
     ``argument``, the constructor argument the patterns came from."""
@@ -316,6 +334,10 @@ def find_kfac_modules(model: nn.Module, is_skipped, log, *, weight_only: bool = 
             continue
         if any(True for child in module.children() for _ in child.parameters()):
             log(f"skipping {label}: not a leaf module (a child module holds parameters)")
+            continue
+        unknown = unknown_parameters(adapter, own)
+        if unknown:
+            log(f"skipping {label}: {unknown}")
             continue
         if name in functional:
             log(f"skipping {label}: nn.MultiheadAttention applies it functionally (no forward hook)")

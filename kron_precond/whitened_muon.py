@@ -41,6 +41,7 @@ import math
 import re
 import warnings
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
@@ -55,7 +56,15 @@ from kron_precond.capture import ActivationCapture, grad_scaler_scale, refuse_fu
 from kron_precond.distributed.sharded import ShardedLayout, is_dtensor
 from kron_precond.health import new_nonfinite_steps
 from kron_precond.methods import state_checks as checks
-from kron_precond.modules import Selected, compile_skip_patterns, find_kfac_modules, is_skipped, kfac_adapter, owners_of
+from kron_precond.modules import (
+    Selected,
+    compile_skip_patterns,
+    find_kfac_modules,
+    is_skipped,
+    kfac_adapter,
+    owners_of,
+    unknown_parameters,
+)
 from kron_precond.whitening import MatrixView, UnitObserver, WhiteningStatistics
 
 logger = logging.getLogger("kron_precond")
@@ -182,6 +191,9 @@ def _listed_units(modules: list) -> tuple[list[Selected], list[Selected]]:
         own = [(n, p) for n, p in module.named_parameters(recurse=False)]
         if not own:
             raise ValueError(f"WhitenedMuon: {label} has no parameters of its own")
+        unknown = unknown_parameters(adapter, own)
+        if unknown:
+            raise ValueError(f"WhitenedMuon: {label} cannot be whitened: {unknown}")
         units.extend(adapter.units(f"modules[{i}]", own))
     return units, plain
 
@@ -1246,6 +1258,12 @@ class WhitenedMuon(torch.optim.Optimizer):
         ``"auto"``).
         Factors, whiteners and counters keep their saved dtype and values (torch.optim's load
         would cast them to each parameter's dtype, e.g. bfloat16)."""
+        # torch.optim's order: the pre-hooks adapt the checkpoint first, then it is checked
+        state_dict = dict(state_dict)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         missing = [key for key in ("state", "param_groups") if key not in state_dict]
         if missing:
             raise ValueError(f"WhitenedMuon.load_state_dict: the checkpoint has no {missing} (not an optimizer's "
@@ -1270,7 +1288,13 @@ class WhitenedMuon(torch.optim.Optimizer):
                     for group in self.param_groups]
         for p, on in part_inputs.items():  # a packed in_proj resumes as saved: one input, or one per part
             self._set_part_inputs(p, on)
-        super().load_state_dict({**state_dict, "state": kept})
+        hooks = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()  # ran above
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()  # run below, once the load is whole
+        try:
+            super().load_state_dict({**state_dict, "state": kept})
+        finally:
+            self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = hooks
         clocks = [group.pop(_STEPS_KEY) for group in self.param_groups if _STEPS_KEY in group]
         for group, ours_before in zip(self.param_groups, settings):
             # a checkpoint from before a setting existed: stepped by the default (adjust_lr_fn) or,
@@ -1297,6 +1321,8 @@ class WhitenedMuon(torch.optim.Optimizer):
         # the loaded counters were reported by the run that saved them: report what comes after
         self._reported.clear()
         new_nonfinite_steps(self, self._reported)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def _checked_state(self, state_dict: dict[str, Any]) -> tuple[dict, dict[nn.Parameter, dict],
                                                                   dict[nn.Parameter, bool]]:

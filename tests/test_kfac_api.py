@@ -696,3 +696,58 @@ def test_steps_counter():
         loss_fn(model, *batch())
         precond.step()
         assert precond.steps == i + 1
+
+
+class _ScaledLinear(nn.Linear):
+    """A Linear whose forward multiplies by a parameter of its own: ``y = (W x + b) * s``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scale = nn.Parameter(torch.full((self.out_features,), 1.5))
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+def _reparametrised(kind: str, bias: bool) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "weight_norm":
+        return nn.utils.weight_norm(nn.Linear(5, 4, bias=bias))
+    if kind == "spectral_norm":
+        return nn.utils.spectral_norm(nn.Linear(5, 4, bias=bias))
+    return _ScaledLinear(5, 4, bias=bias)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "scaled_subclass"])
+@pytest.mark.parametrize("method", ["kfac", "ikfac"])
+def test_a_linear_with_parameters_of_its_own_beyond_weight_and_bias_is_skipped_naming_it(kind, bias, method, caplog):
+    """The legacy nn.utils.weight_norm / spectral_norm keep the weight as a plain attribute
+    computed from weight_g, weight_v / weight_orig; a subclass may use a parameter of its own in
+    its forward. How those enter the output is unknown to the Linear adapter, which would take
+    the bias for the weight or whiten by the wrong rows: the module is skipped, logged by name."""
+    import logging
+
+    model = nn.Sequential(_reparametrised(kind, bias), nn.Tanh(), nn.Linear(4, 3))
+    with caplog.at_level(logging.INFO, logger="kron_precond"):
+        precond = KronPreconditioner(model, method=method)
+    assert list(precond.layers) == ["2"]
+    assert any(r.getMessage().startswith("skipping 0") and "parameters of its own" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    model(torch.randn(6, 5)).square().mean().backward()
+    precond.step()
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "scaled_subclass"])
+def test_whitened_muon_gives_such_a_module_to_adamw_or_refuses_it_in_the_list_form(kind):
+    from kron_precond import WhitenedMuon
+
+    module = _reparametrised(kind, bias=True)
+    model = nn.Sequential(module, nn.Tanh(), nn.Linear(4, 3))
+    opt = WhitenedMuon(model, lr=0.02)
+    whitened = {id(p) for p in opt.param_groups[0]["params"]}
+    assert whitened == {id(model[2].weight)}
+    model(torch.randn(6, 5)).square().mean().backward()
+    opt.step()
+    with pytest.raises(ValueError, match=r"modules\[0\].*parameters of its own"):
+        WhitenedMuon([module], lr=0.02)

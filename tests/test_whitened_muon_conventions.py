@@ -249,6 +249,36 @@ def test_a_saved_group_without_a_setting_takes_this_optimizers_value():
     train(model, opt, 1)
 
 
+def test_load_hooks_run_in_torch_optims_order():
+    """A pre-hook adapts the checkpoint before it is checked (here: drops a group this optimizer
+    does not have, and halves a factor, which is loaded as the hook left it); a post-hook sees
+    the load whole (the saved factors' exact values, the schedule's clock)."""
+    model = mlp()
+    opt = WhitenedMuon(model, lr=1e-2, statistics_every=3)
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "algorithm": "adamw"})
+    train(model, opt, 4)
+    saved = snapshot(opt)
+    fresh = WhitenedMuon(model, lr=1e-2, statistics_every=3)
+
+    def adapt(optimizer, state_dict):
+        state_dict["param_groups"] = state_dict["param_groups"][:-1]
+        state_dict["state"][0]["input_factor"] = state_dict["state"][0]["input_factor"] * 0.5
+        return state_dict
+
+    seen = {}
+
+    def after(optimizer):
+        seen["factor"] = optimizer.state[model[0].weight]["input_factor"].clone()
+        seen["clock"] = optimizer._steps
+
+    fresh.register_load_state_dict_pre_hook(adapt)
+    fresh.register_load_state_dict_post_hook(after)
+    fresh.load_state_dict(copy.deepcopy(saved))
+    want = saved["state"][0]["input_factor"] * 0.5
+    assert torch.equal(fresh.state[model[0].weight]["input_factor"], want)
+    assert torch.equal(seen["factor"], want) and seen["clock"] == 4
+
+
 def test_a_checkpoint_of_another_block_size_raises_and_changes_nothing():
     model = mlp(16)
     opt = WhitenedMuon(model, lr=1e-2, block_size=8)
