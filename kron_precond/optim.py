@@ -17,8 +17,10 @@ in :meth:`Kron.step` besides the one-time scale estimate of ``precond_init_scale
 """
 from __future__ import annotations
 
+import copy
 import math
 import warnings
+from collections import defaultdict
 from typing import Any, Callable, Iterable
 
 import torch
@@ -113,7 +115,8 @@ class Kron(torch.optim.Optimizer):
         precond_init_scale: initial ``P = s²·I``; ``None`` estimates ``s`` from the first
             finite gradient (one host sync per parameter, once).
         mu_dtype: dtype of the momentum (default: the parameter's).
-        precond_dtype: dtype of the factors and of the preconditioning math.
+        precond_dtype: dtype of the factors and of the preconditioning math; the learning
+            rate, weight decay, update scale and RMS norm are computed in float32 or wider.
         clipnorm, clipvalue, global_clipnorm: Keras-style gradient clipping (at most one).
         merge_dims: view tensors of rank > 2 as their most square 2-D matrix.
         precond_update: how Q is fitted: ``'eq'`` (default; triangular factors, DESIGN.md
@@ -145,6 +148,8 @@ class Kron(torch.optim.Optimizer):
         self._q_updates = 0
         self._reported: dict[int, int] = {}
         self._tensors: dict[torch.Tensor, PSGDTensor] = {}
+        # per parameter, the state entries its PSGDTensor was built on (see _tensor_of)
+        self._bound: dict[torch.Tensor, tuple[Any, ...]] = {}
         defaults = dict(lr=lr, b1=b1, weight_decay=weight_decay,
                         max_size_triangular=max_size_triangular,
                         min_ndim_triangular=min_ndim_triangular,
@@ -159,6 +164,9 @@ class Kron(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (validated like the constructor's arguments)."""
         params = param_group["params"]
+        if isinstance(params, set):  # as torch.optim: a set's order changes between runs
+            raise TypeError("optimizer parameters need to be organized in ordered collections, but the "
+                            "ordering of tensors in sets will change between runs. Please use a list instead.")
         params = [params] if isinstance(params, torch.Tensor) else list(params)  # a generator: read once
         tensors = [p[1] if isinstance(p, tuple) else p for p in params]  # (name, parameter) pairs too
         complex_ = [tuple(t.shape) for t in tensors if t.is_complex()]
@@ -212,11 +220,25 @@ class Kron(torch.optim.Optimizer):
             state["lipschitz"] = tensor.factors.lipschitz
         state["nonfinite_steps"] = torch.zeros((), dtype=torch.int32, device=p.device)
         state["uses_per_update"] = 1.0  # decides whether Q_iᵀQ_i is formed (saved: bitwise resume)
+        self._bound[p] = self._state_entries(state)
         return state
 
+    @staticmethod
+    def _state_entries(state: dict[str, Any]) -> tuple[Any, ...]:
+        """The objects in ``state`` that the step reads and writes in place."""
+        lipschitz = state.get("lipschitz")
+        return (state["momentum_buffer"], state["step"], state["Q"], *state["Q"], lipschitz, *(lipschitz or ()))
+
     def _tensor_of(self, p: torch.Tensor, index: int, group: dict[str, Any], state) -> PSGDTensor:
+        """The PSGDTensor working on ``state``'s tensors. Rebuilt from ``state`` whenever an
+        entry is no longer the object it was built on (after ``load_state_dict``, or after
+        ``state[key] = value.to(device)``), so the step always uses what ``opt.state``
+        holds; the check compares identities only (no host sync)."""
         tensor = self._tensors.get(p)
-        if tensor is None or tensor.factors.q is not state["Q"]:  # e.g. after load_state_dict
+        bound = self._bound.get(p)
+        entries = self._state_entries(state)
+        if tensor is None or bound is None or len(bound) != len(entries) or any(
+                a is not b for a, b in zip(bound, entries)):
             tensor = self._make_tensor(p, index, group, 1.0)
             tensor.factors.load_state_dict({"q": state["Q"], "initialized": state["q_initialized"],
                                             "lipschitz": state.get("lipschitz", ())})
@@ -227,6 +249,7 @@ class Kron(torch.optim.Optimizer):
             tensor.steps = state["step"]
             tensor.uses_per_update = state.get("uses_per_update", 1.0)
             self._tensors[p] = tensor
+            self._bound[p] = self._state_entries(state)
         tensor.b1 = group["b1"]  # a scheduler may change it
         return tensor
 
@@ -255,6 +278,8 @@ class Kron(torch.optim.Optimizer):
     def _step(self) -> None:
         for index, group in enumerate(self.param_groups):  # before anything moves
             validation.check_group_numbers("Kron", index, group, STEP_RULES)
+            if any(p.grad is not None and p.grad.is_sparse for p in group["params"]):
+                raise RuntimeError("Kron does not support sparse gradients")
         probability = self._decider.current_probability()
         do_update = self._decider()
         if do_update:
@@ -265,10 +290,8 @@ class Kron(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 index += 1
-                if p.grad is None:
+                if p.grad is None or p.numel() == 0:  # a zero-element tensor: nothing to update
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Kron does not support sparse gradients")
                 grad = self._clip_local(p.grad, group)
                 finite = torch.isfinite(torch.linalg.vector_norm(p.grad, float("inf")))
                 work.append((index, p, group, grad, finite))
@@ -300,13 +323,17 @@ class Kron(torch.optim.Optimizer):
 
         state["nonfinite_steps"].add_((~finite).to(torch.int32))
         tensor.accumulate(grad, finite)  # unchanged if skipped; counts applied steps only
-        bias = tensor.debias(pdtype)
+        # lr, weight decay and the step scale in float32 or wider (the parameter's and the
+        # factors' dtypes promoted with float32): in bfloat16 1 − 1e-4 is 1, in float16 2e-8
+        # is 0 and 1/debias overflows
+        wide = torch.promote_types(torch.promote_types(p.dtype, pdtype), torch.float32)
+        bias = tensor.debias(wide)
 
         if not factors.initialized:
             self._try_initialize(factors, g, state)
         if factors.initialized:
             if do_update:
-                fit = m.to(pdtype) / bias if group["momentum_into_precond_update"] \
+                fit = m.to(pdtype) / bias.to(pdtype) if group["momentum_into_precond_update"] \
                     else g.to(pdtype)
                 lr_q = finite.to(pdtype) * group["precond_lr"]
                 tensor.uses_per_update = state["uses_per_update"] = 1.0 / max(probability, 1e-3)
@@ -316,9 +343,10 @@ class Kron(torch.optim.Optimizer):
             u = m.to(pdtype)  # identity preconditioner until the scale is known
 
         # The update P m̂ = u / bias clipped to RMS ≤ 1.1 is u times min(1/bias, 1.1/rms(u)).
-        rms = torch.linalg.vector_norm(u) / math.sqrt(u.numel())
+        # The norm is taken in float32 or wider too: a float16 one overflows past 65 504.
+        rms = torch.linalg.vector_norm(u, dtype=wide) / math.sqrt(u.numel())
         scale = torch.minimum(1.0 / bias, RMS_CLIP / (rms + 1e-12))
-        lr = finite.to(pdtype) * group["lr"]  # 0 skips this tensor
+        lr = finite.to(wide) * group["lr"]  # 0 skips this tensor
         if group["weight_decay"] != 0 and p.dim() >= 2:  # p -= lr·(u + wd·p), decoupled
             p.mul_(1.0 - lr * group["weight_decay"])
         p.addcmul_(u, -lr * scale)
@@ -356,8 +384,15 @@ class Kron(torch.optim.Optimizer):
 
         All or nothing: every entry is checked (and converted) before anything changes, so
         a checkpoint that does not fit raises ``ValueError`` and leaves the optimizer as it
-        was.
+        was. Hooks as in ``torch.optim``: the ``register_load_state_dict_pre_hook`` hooks run
+        first, on a shallow copy, and what they return is what is checked and loaded; the
+        post-hooks run once everything is loaded.
         """
+        state_dict = dict(state_dict)  # shallow copy, as torch.optim
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         state_dict = dict(state_dict)
         extra = state_dict.pop("kron", None)
         saved_state = state_dict.get("state", {})
@@ -378,24 +413,38 @@ class Kron(torch.optim.Optimizer):
         decider = None
         if extra is not None:
             try:
+                saved = extra["decider"]
+                # the schedule's counters: a NaN accumulator would stop every later update
                 decider = UpdateDecider(0.0)
-                decider.load_state_dict(extra["decider"])
-                q_updates = validation.check_int("q_updates", extra["q_updates"], minimum=0)
+                decider.load_state_dict({
+                    "step": validation.check_int("kron.decider.step", saved["step"], minimum=0),
+                    "acc": validation.check_unit_interval("kron.decider.acc", saved["acc"],
+                                                          low_open=False, high_open=True)})
+                q_updates = validation.check_int("kron.q_updates", extra["q_updates"], minimum=0)
             except (KeyError, TypeError, ValueError) as err:
-                raise ValueError(f"Kron.load_state_dict: bad 'kron' entry ({err!r})") from None
-        # Nothing below can fail on a checked state: torch's own loader validates before
-        # it assigns.
-        state_dict["state"] = {}
-        super().load_state_dict(state_dict)
+                raise ValueError(f"Kron.load_state_dict: bad 'kron' entry: {type(err).__name__}: {err}") from None
+        # Everything is checked: install it as torch.optim's loader does after its hooks (the
+        # saved group settings on this optimizer's params), with the converted per-parameter state.
+        groups = []
+        for saved_group, group in zip(saved_groups, self.param_groups):
+            new_group = copy.deepcopy({k: v for k, v in saved_group.items() if k != "params"})
+            new_group["params"] = group["params"]
+            if "param_names" in group and "param_names" not in new_group:
+                new_group["param_names"] = group["param_names"]
+            groups.append(new_group)
+        state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        state.update(new_states)
+        self.__setstate__({"state": state, "param_groups": groups})
         self._tensors.clear()
-        for p, state in new_states.items():
-            self.state[p] = state
+        self._bound.clear()
         # the loaded counters were reported by the run that saved them: report what comes after
         self._reported.clear()
         new_nonfinite_steps(self, self._reported)
         if decider is not None:
             self._decider.load_state_dict(decider.state_dict())
             self._q_updates = q_updates
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     @staticmethod
     def _load_param_state(saved: dict[str, Any], p: torch.Tensor, group: dict[str, Any],

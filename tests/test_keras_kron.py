@@ -226,3 +226,69 @@ def test_save_load_mid_training_continues_identically(backend):
     assert r["n_optimizer_vars"][0] == r["n_optimizer_vars"][1], r
     assert r["iterations"][0] == r["iterations"][1] and r["q_updates"][0] == r["q_updates"][1]
     assert r["weights_rel_diff"] == 0.0 and r["optimizer_vars_rel_diff"] == 0.0, r
+
+
+# ----------------------------------------------------------------------------- step scalars
+_SCALARS_SCRIPT = r"""
+import json, sys
+import numpy as np, keras
+from kron_precond.keras import Kron
+
+def read(v):
+    return np.asarray(keras.ops.convert_to_numpy(v), dtype=np.float64)
+
+out = {}
+for pd in ("bfloat16", "float16"):
+    v = keras.Variable(np.ones((4, 4), "float32"))
+    opt = Kron(learning_rate=1e-3, weight_decay=0.1, precond_dtype=pd)
+    for _ in range(100):
+        opt.apply([keras.ops.zeros((4, 4))], [v])
+    out[f"decay_{pd}"] = read(v).tolist()
+    for lr in (2e-8, 1e-7, 3e-6):
+        v = keras.Variable(np.zeros((4, 4), "float32"))
+        opt = Kron(learning_rate=lr, precond_dtype=pd, preconditioner_update_probability=0.0)
+        opt.apply([keras.ops.full((4, 4), 10.0)], [v])
+        out[f"lr_{lr}_{pd}"] = read(v).tolist()
+v = keras.Variable(np.zeros((200, 200), "float32"))
+opt = Kron(learning_rate=1e-2, precond_dtype="float16", preconditioner_update_probability=0.0)
+opt.apply([keras.ops.full((200, 200), 4000.0)], [v])
+out["large_gradient"] = [float(read(v).min()), float(read(v).max())]
+v = keras.Variable(np.ones((4, 3), "float32"))
+opt = Kron(learning_rate=0.1, weight_decay=0.1, precond_dtype="float16")
+opt.apply([keras.ops.full((4, 3), float("nan"))], [v])
+out["nan_first"] = read(v).tolist()
+json.dump(out, open(sys.argv[1], "w"))
+"""
+
+
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
+def test_step_scalars_are_computed_in_float32_with_half_precision_factors(backend, tmp_path):
+    """lr, weight decay, the step scale and the RMS clip's norm are float32 even when the
+    factors are bfloat16/float16 (in bfloat16 1 − 1e-4 is 1; in float16 2e-8 is 0 and a norm
+    past 65 504 overflows). References: float64 formulas."""
+    reason = _missing(backend)
+    if reason:
+        pytest.skip(reason)
+    script = tmp_path / "scalars.py"
+    script.write_text(_SCALARS_SCRIPT)
+    env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="",
+               TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1",
+               TF_NUM_INTEROP_THREADS="1")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "out.json")], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads((tmp_path / "out.json").read_text())
+    import numpy as np
+
+    def close(got, expected, rtol):
+        got = np.asarray(got)
+        return np.allclose(got, np.full_like(got, expected), rtol=rtol, atol=0.0)
+
+    for pd in ("bfloat16", "float16"):
+        # zero gradients: only the decoupled decay acts, p ← p·(1 − lr·wd) per step
+        assert close(r[f"decay_{pd}"], (1.0 - 1e-3 * 0.1) ** 100, 1e-5), (pd, r[f"decay_{pd}"][0][0])
+        for lr in (2e-8, 1e-7, 3e-6):
+            # P = I, m̂ = 10 everywhere: the step is −lr·m̂ clipped to RMS 1.1
+            assert close(r[f"lr_{lr}_{pd}"], -lr * 1.1, 1e-5), (pd, lr, r[f"lr_{lr}_{pd}"][0][0])
+    assert close(r["large_gradient"], -1e-2 * 1.1, 1e-3), r["large_gradient"]
+    assert close(r["nan_first"], 1.0, 0.0), r["nan_first"]  # a skipped step changes nothing

@@ -455,3 +455,209 @@ def test_a_resume_reports_only_the_non_finite_steps_after_the_checkpoint():
         train_steps(twin, resumed, 0, 2)  # no new non-finite step: nothing to report
     with pytest.warns(RuntimeWarning, match=r"1 step\(s\), 3 in total"):
         nan_step(twin, resumed)
+
+
+# ----------------------------------------------------------------------------- step scalars
+# The factors may be kept in bfloat16/float16, but lr, weight decay and the step scale are
+# computed in float32 or wider (the parameter's dtype promoted with float32): in bfloat16
+# 1 − 1e-4 is 1, in float16 2e-8 is 0. References are float64 formulas.
+@pytest.mark.parametrize("param_dtype,precond_dtype", [
+    (torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.float64, torch.float32)])
+def test_decoupled_weight_decay_is_exact_whatever_the_factor_dtype(param_dtype, precond_dtype):
+    lr, wd, steps = 1e-3, 0.1, 100
+    weight = nn.Parameter(torch.ones(4, 4, dtype=param_dtype))
+    opt = Kron([weight], lr=lr, weight_decay=wd, precond_dtype=precond_dtype)
+    for _ in range(steps):
+        weight.grad = torch.zeros_like(weight)  # P·0 = 0: only the decay acts
+        opt.step()
+    expected = (1.0 - lr * wd) ** steps  # float64: p ← p·(1 − lr·wd) per step
+    # float32 weights round once per step (≤ 6e-8 each); float64 ones far less
+    rtol = 1e-5 if param_dtype == torch.float32 else 1e-12
+    assert torch.allclose(weight.detach().double(), torch.full((4, 4), expected, dtype=torch.float64),
+                          rtol=rtol, atol=0.0), (float(weight[0, 0]), expected)
+
+
+@pytest.mark.parametrize("precond_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lr", [2e-8, 1e-7, 3e-6])
+def test_a_small_learning_rate_survives_half_precision_factors(precond_dtype, lr):
+    weight = nn.Parameter(torch.zeros(4, 4))
+    opt = Kron([weight], lr=lr, precond_dtype=precond_dtype, preconditioner_update_probability=0.0)
+    weight.grad = torch.full((4, 4), 10.0)  # the debiased momentum is 10, exact in every dtype
+    opt.step()
+    # P = I: the step is lr · m̂ clipped to RMS 1.1, i.e. −lr · 1.1 in every entry (float64)
+    expected = torch.full((4, 4), -lr * 1.1, dtype=torch.float64)
+    assert torch.allclose(weight.detach().double(), expected, rtol=1e-5, atol=0.0), (float(weight[0, 0]), -lr * 1.1)
+
+
+def test_a_large_gradient_steps_under_float16_factors():
+    """The RMS clip's norm is taken in float32: ‖u‖ of 40 000 entries of 400 is 8e4, past
+    float16's 65 504, and an overflowed norm would clip the update to nothing."""
+    weight = nn.Parameter(torch.zeros(200, 200))
+    opt = Kron([weight], lr=1e-2, precond_dtype=torch.float16, preconditioner_update_probability=0.0)
+    weight.grad = torch.full((200, 200), 4000.0)
+    opt.step()
+    # P = I: m̂ = g, RMS 4000 clipped to 1.1 (float64 reference)
+    expected = torch.full((200, 200), -1e-2 * 1.1, dtype=torch.float64)
+    assert torch.allclose(weight.detach().double(), expected, rtol=1e-3, atol=0.0), float(weight[0, 0])
+
+
+def test_a_non_finite_first_gradient_leaves_the_weights_under_float16_factors():
+    """Nothing averaged yet: the debias factor is ~0 and 1/debias overflows float16; the
+    skipped tensor's zero learning rate must not meet an infinite scale (0·inf = NaN)."""
+    weight = nn.Parameter(torch.ones(4, 3))
+    opt = Kron([weight], lr=0.1, weight_decay=0.1, precond_dtype=torch.float16)
+    weight.grad = torch.full((4, 3), float("nan"))
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        opt.step()
+    assert torch.equal(weight.detach(), torch.ones(4, 3))
+
+
+# ----------------------------------------------------------------------------- state edits
+def _replace_state_tensors(opt, how):
+    """What checkpoint and device-moving helpers do to ``opt.state``: new tensors, same values."""
+    for state in opt.state.values():
+        for key, value in list(state.items()):
+            if torch.is_tensor(value):
+                state[key] = value.clone()
+            elif how == "lists_too" and isinstance(value, list):
+                state[key] = [t.clone() for t in value]
+            elif how == "list_items" and isinstance(value, list):
+                for i, t in enumerate(value):
+                    value[i] = t.clone()
+
+
+@pytest.mark.parametrize("rule", ["eq", "procrustes"])
+@pytest.mark.parametrize("how", ["tensors", "lists_too", "list_items"])
+def test_replacing_the_state_tensors_mid_run_changes_nothing(rule, how):
+    """The step uses the tensors in ``opt.state``, not copies it kept: a run whose state
+    tensors were replaced by equal new ones ends bitwise equal to one left alone."""
+    runs = []
+    for replace in (False, True):
+        model = mlp()
+        opt = Kron(model.parameters(), lr=1e-2, weight_decay=0.1, precond_update=rule,
+                   preconditioner_update_probability=0.5)
+        train_steps(model, opt, 0, 3)
+        if replace:
+            _replace_state_tensors(opt, how)
+        train_steps(model, opt, 3, 6)
+        runs.append((model, opt))
+    (model_a, opt_a), (model_b, opt_b) = runs
+    for p, q in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+        assert torch.equal(opt_a.state[p]["momentum_buffer"], opt_b.state[q]["momentum_buffer"])
+        assert torch.equal(opt_a.state[p]["step"], opt_b.state[q]["step"])
+        assert all(torch.equal(x, y) for x, y in zip(opt_a.state[p]["Q"], opt_b.state[q]["Q"]))
+    assert float(opt_b.state[next(model_b.parameters())]["step"]) == 9  # the new tensors were used
+
+
+# ----------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("bad, name", [({"step": 1, "acc": float("nan")}, "acc"),
+                                       ({"step": 1, "acc": float("inf")}, "acc"),
+                                       ({"step": 1, "acc": -0.5}, "acc"),
+                                       ({"step": 1, "acc": 1.5}, "acc"),
+                                       ({"step": -7, "acc": 0.0}, "step"),
+                                       ({"step": 2.5, "acc": 0.0}, "step")])
+def test_a_checkpoint_with_a_bad_schedule_counter_is_refused_and_changes_nothing(bad, name):
+    """A NaN accumulator would stop every later preconditioner update, a negative step
+    count would shift the schedule: refused, naming the counter, with nothing loaded."""
+    model = mlp()
+    opt = Kron(model.parameters(), lr=1e-2, preconditioner_update_probability=0.5)
+    train_steps(model, opt, 0, 3)
+    saved = copy.deepcopy(opt.state_dict())
+    saved["kron"]["decider"] = bad
+    saved["param_groups"][0]["lr"] = 0.5  # would be loaded if anything were
+    target = Kron(model.parameters(), lr=1e-2, preconditioner_update_probability=0.5)
+    train_steps(model, target, 0, 1)
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises(ValueError, match=name):
+        target.load_state_dict(saved)
+    after = target.state_dict()
+    assert after["kron"] == before["kron"] and after["param_groups"][0]["lr"] == 1e-2
+    for index, state in before["state"].items():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                assert torch.equal(after["state"][index][key], value), key
+
+
+def test_a_set_of_params_in_a_group_is_refused_like_torch():
+    """A set's order changes between runs (and with it every per-parameter seed)."""
+    weight, bias = nn.Parameter(torch.randn(3, 3)), nn.Parameter(torch.randn(3))
+    with pytest.raises(TypeError, match="ordered collections"):
+        torch.optim.AdamW([{"params": {weight, bias}}])  # the behaviour followed
+    with pytest.raises(TypeError, match="ordered collections"):
+        Kron([{"params": {weight, bias}}], lr=0.1)
+    opt = Kron([weight], lr=0.1)
+    with pytest.raises(TypeError, match="ordered collections"):
+        opt.add_param_group({"params": {bias}})
+
+
+def test_zero_element_parameters_are_stepped_without_error():
+    """Nothing to update, as in torch's optimizers; the other parameters step exactly as
+    without them (placed last, so the others keep their probe seeds)."""
+    runs = []
+    for with_empty in (False, True):
+        torch.manual_seed(0)
+        weight = nn.Parameter(torch.randn(5, 4))
+        empty = [nn.Parameter(torch.zeros(0)), nn.Parameter(torch.zeros(0, 4))]
+        opt = Kron([weight, *empty] if with_empty else [weight], lr=1e-2, weight_decay=0.1,
+                   global_clipnorm=1.0, preconditioner_update_probability=1.0)
+        for step in range(3):
+            weight.grad = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+            for e in empty:
+                e.grad = torch.zeros_like(e)
+            opt.step()
+        runs.append(weight.detach().clone())
+        if with_empty:
+            assert [tuple(e.shape) for e in empty] == [(0,), (0, 4)]
+            twin = Kron([weight, *empty], lr=1e-2)
+            twin.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_a_sparse_gradient_is_refused_before_anything_changes():
+    dense = nn.Linear(3, 2)
+    emb = nn.Embedding(10, 3, sparse=True)
+    opt = Kron([*dense.parameters(), *emb.parameters()], lr=0.1, preconditioner_update_probability=0.5)
+    before = [p.detach().clone() for p in (*dense.parameters(), *emb.parameters())]
+    (dense(emb(torch.tensor([1, 2]))).sum()).backward()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    assert opt.steps == 0 and opt.update_decider.state_dict() == {"step": 0, "acc": 0.0}
+    assert len(opt.state) == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, (*dense.parameters(), *emb.parameters())))
+
+
+def test_load_state_dict_pre_hooks_run_before_the_checks():
+    """As in torch.optim: a pre-hook may adapt the checkpoint, and what it returns is what
+    is checked and loaded."""
+    model = mlp()
+    opt = Kron(model.parameters(), lr=1e-2)
+    train_steps(model, opt, 0, 2)
+    saved = copy.deepcopy(opt.state_dict())
+
+    def reset_momentum(optimizer, state_dict):
+        state_dict = dict(state_dict)
+        state_dict["state"] = {k: {**v, "momentum_buffer": torch.zeros_like(v["momentum_buffer"])}
+                               for k, v in state_dict["state"].items()}
+        state_dict["param_groups"] = [{**g, "lr": 0.5} for g in state_dict["param_groups"]]
+        return state_dict
+
+    calls = []
+    target = Kron(model.parameters(), lr=1e-2)
+    target.register_load_state_dict_pre_hook(reset_momentum)
+    target.register_load_state_dict_post_hook(
+        lambda o: calls.append(float(o.state[next(model.parameters())]["momentum_buffer"].abs().sum())))
+    target.load_state_dict(saved)
+    assert target.param_groups[0]["lr"] == 0.5
+    assert all(not s["momentum_buffer"].any() for s in target.state.values())
+    assert calls == [0.0]  # once, after the per-parameter state is installed
+
+    def bad_b1(optimizer, state_dict):
+        state_dict["param_groups"] = [{**g, "b1": 1.5} for g in state_dict["param_groups"]]
+        return state_dict
+
+    checked = Kron(model.parameters(), lr=1e-2)
+    checked.register_load_state_dict_pre_hook(bad_b1)
+    with pytest.raises(ValueError, match="b1"):
+        checked.load_state_dict(copy.deepcopy(saved))
+    assert checked.param_groups[0]["b1"] == 0.9

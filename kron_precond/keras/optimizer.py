@@ -143,7 +143,9 @@ class Kron(keras.optimizers.Optimizer):
         precond_init_scale: initial ``P = s²·I``; ``None`` estimates ``s`` in-graph from
             the first finite, non-zero gradient of each variable.
         mu_dtype: dtype name of the momentum (default: the variable's).
-        precond_dtype: dtype name of the factors and of the preconditioning math.
+        precond_dtype: dtype name of the factors and of the preconditioning math; the
+            learning rate, weight decay, update scale and RMS norm are computed in float32
+            or wider.
         merge_dims: view variables of rank > 2 as their most square 2-D matrix.
         seed: seeds the probe vectors, drawn statelessly from ``(seed, variable index,
             step)`` with ``keras.random.normal``.
@@ -367,14 +369,15 @@ class Kron(keras.optimizers.Optimizer):
             weight = ops.cast(fin_f * (1.0 - self.b1), mu.dtype)
             m = ops.add(mu, weight * (ops.cast(g, mu.dtype) - mu))  # unchanged if skipped
             self.assign(mu, m)
-            bias = ops.cast(ops.maximum(1.0 - ops.power(self.b1, count), 1e-30), pdtype)
+            # in float32 (1/bias overflows float16); the fit divides by its pdtype rounding
+            bias = ops.maximum(1.0 - ops.power(self.b1, count), 1e-30)
 
             qs = [ops.convert_to_tensor(q) for q in slot.qs]
             ready = None  # None: always initialised (precond_init_scale given)
             if slot.initialized is not None:
                 qs, ready = self._initialize(slot, qs, g)
             if self.momentum_into_precond_update:
-                fit = ops.cast(m, pdtype) / bias
+                fit = ops.cast(m, pdtype) / ops.cast(bias, pdtype)
             else:
                 fit = ops.cast(g, pdtype)
             lr_q = ops.cast(fin_f, pdtype) * self.precond_lr
@@ -406,14 +409,19 @@ class Kron(keras.optimizers.Optimizer):
             u = psgd_ops.precondition(qs, slot.diagonal, slot.form_p, slot.work_shape, m_p)
             if ready is not None:  # identity preconditioner until the scale is known
                 u = ops.where(ready, u, m_p)
-            # P m̂ = u / bias clipped to RMS ≤ 1.1 is u times min(1/bias, 1.1/rms(u)).
-            rms = ops.sqrt(ops.sum(u * u)) / math.sqrt(slot.numel)
-            scale = ops.minimum(1.0 / bias, _RMS_CLIP / (rms + 1e-12))
-            lr_t = ops.cast(fin, pdtype) * ops.cast(lr, pdtype)  # 0 skips this tensor
+            # P m̂ = u / bias clipped to RMS ≤ 1.1 is u times min(1/bias, 1.1/rms(u)). The
+            # norm, lr, weight decay and scale are computed in float32 or wider (the variable's
+            # and the factors' dtypes promoted with float32): in bfloat16 1 − 1e-4 is 1, in
+            # float16 2e-8 is 0 and a norm past 65 504 overflows.
+            wide = keras.backend.result_type(var.dtype, pdtype, "float32")
+            u_wide = ops.cast(u, wide)
+            rms = ops.sqrt(ops.sum(u_wide * u_wide)) / math.sqrt(slot.numel)
+            scale = ops.minimum(1.0 / ops.cast(bias, wide), _RMS_CLIP / (rms + 1e-12))
+            lr_t = ops.cast(fin, wide) * ops.cast(lr, wide)  # 0 skips this tensor
             p = ops.convert_to_tensor(var)
             if self.weight_decay and len(slot.shape) >= 2 and self._use_weight_decay(var):
                 p = p * ops.cast(1.0 - lr_t * self.weight_decay, p.dtype)
-            delta = ops.reshape(u * (lr_t * scale), slot.shape)
+            delta = ops.reshape(u_wide * (lr_t * scale), slot.shape)
             self.assign(var, p - ops.cast(delta, p.dtype))
 
     def _initialize(self, slot: _Slot, qs, g):
