@@ -12,6 +12,8 @@ A checkpoint holds what is needed to resume on any number of ranks, never rank p
 """
 from __future__ import annotations
 
+import sys
+import types
 from typing import Any, Mapping
 
 FORMAT = "kron_precond"
@@ -50,3 +52,18 @@ def upgrade(state: Mapping[str, Any]) -> dict[str, Any]:
                     schedule=dict(state.get("decider", {})) if method == "psgd" else {},
                     layers=dict(state["layers"]))
     return dict(state)
+
+
+def called_by_torchs_state_dict_api() -> bool:
+    """Whether the caller of the ``state_dict()`` that calls this is torch.distributed.checkpoint's
+    state-dict API (``get_state_dict`` / ``get_optimizer_state_dict``), which keeps only
+    ``"state"`` and ``"param_groups"`` of an optimizer's state dict: an optimizer with more to
+    save warns then, rather than losing it silently."""
+    frame: types.FrameType | None = sys._getframe(2)  # the caller of state_dict()
+    for _ in range(4):
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
+            return True
+        frame = frame.f_back
+    return False

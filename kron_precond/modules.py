@@ -241,14 +241,17 @@ def unknown_parameters(adapter: Any, own: Sequence[tuple[str, torch.Tensor]]) ->
     from ``weight_g``, ``weight_v`` / ``weight_orig``; a subclass whose forward uses a parameter
     of its own) enters the output in a way the adapter cannot know: it would take the bias for
     the weight, or whiten by the wrong rows."""
-    if not isinstance(adapter, KFACAdapter):
-        return ""
+    if not isinstance(adapter, KFACAdapter) or type(adapter).units is not KFACAdapter.units:
+        return ""  # an adapter whose units() says which parameters it takes (a registration's)
     names = [n for n, _ in own]
+    if "weight" not in names:
+        return (f"its weight is not a parameter of its own (its parameters: {', '.join(names)}): a "
+                f"reparametrisation computes it (nn.utils.weight_norm / spectral_norm or "
+                f"torch.nn.utils.parametrizations), and the gradient that reaches it is not the weight's")
     others = [n for n in names if n not in ("weight", "bias")]
-    if others or "weight" not in names:
-        return (f"it holds parameters of its own beyond weight and bias ({', '.join(names)}): how they enter "
-                f"its output is unknown (nn.utils.weight_norm / spectral_norm: use torch.nn.utils.parametrizations; "
-                f"a module of your own: teach it with register_adapter)")
+    if others:
+        return (f"it holds parameters of its own beyond weight and bias ({', '.join(others)}): how they "
+                f"enter its output is unknown (teach the module with register_adapter)")
     return ""
 
 

@@ -27,6 +27,7 @@ import torch
 
 from . import validation
 from .autocast import autocast_disabled
+from .checkpoint import called_by_torchs_state_dict_api
 from .health import new_nonfinite_steps
 from .methods import state_checks as checks
 from .methods.psgd import PSGDFactors, check_memory_save_mode, check_update_rule
@@ -185,6 +186,11 @@ class Kron(torch.optim.Optimizer):
         # would lack the update schedule and the per-tensor preconditioners and fail at its next
         # step; the whole object is copied instead (the tensors keep their sharing in the memo).
         return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # an optimizer pickled by a version without it: its per-parameter tensors are rebuilt
+        self.__dict__.setdefault("_bound", {})
 
     @property
     def steps(self) -> int:
@@ -376,6 +382,13 @@ class Kron(torch.optim.Optimizer):
         """torch.optim's state dict plus ``'kron'``: the update-schedule counter."""
         sd = super().state_dict()
         sd["kron"] = {"decider": self._decider.state_dict(), "q_updates": self._q_updates}
+        if called_by_torchs_state_dict_api():
+            warnings.warn("Kron.state_dict() was called by torch.distributed.checkpoint's state-dict API "
+                          "(get_state_dict / get_optimizer_state_dict; Accelerate's FSDP checkpoints), which keeps "
+                          "only 'state' and 'param_groups': the update schedule's counters ('kron') are not in what "
+                          "it returns, so a run resumed from it starts the preconditioner-update probability "
+                          "schedule over (the factors and momentum are kept). torch.save(optimizer.state_dict()) "
+                          "keeps them", UserWarning, stacklevel=2)
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -81,9 +81,6 @@ POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
                  (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
 NS_SCHEDULES = {"muon": ((NS_COEFFICIENTS,), 1.0), "polar_express": (POLAR_EXPRESS, 1.02)}
 WHITENED, ADAMW = "whitened_muon", "adamw"
-# a packed in_proj's input-side state, one per part in cross-attention (``[3, ...]``)
-_PART_INPUT_ITEMS = ("input_factor", "input_whitener", "input_seen")
-_STEPS_KEY = "statistics_clock"  # a saved param group's entry: the optimizer's step() calls
 # A statistics horizon this long draws a warning: statistics every 100 steps kept 1.03x-1.05x of
 # the best Muon's steps on the d_model 64 GPT where the defaults' 25 steps keep 1.20x (6 seeds).
 LONG_HORIZON = 100
@@ -937,7 +934,10 @@ class WhitenedMuon(torch.optim.Optimizer):
             for members in stacks.values():
                 self._step_stack(members, group)
                 for p in members:
-                    self.state[p]["step"] = self.state[p].get("step", 0) + 1
+                    # the optimizer's step() count after this step, not the weight's own: steps
+                    # without a whitened gradient (a head-only phase) count too, so a resumed
+                    # statistics schedule stays in phase (load_state_dict reads the latest)
+                    self.state[p]["step"] = self._steps + 1
         self._steps += 1
         self._capture.collecting = self._statistics_step()
         if (self._steps - 1) % self.nonfinite_warn_interval == 0:
@@ -1014,7 +1014,9 @@ class WhitenedMuon(torch.optim.Optimizer):
         view.part_inputs = adapter.separate = on
 
     def _drop_statistics(self, weight: torch.Tensor, sides: tuple[str, ...]) -> None:
-        state = self.state[weight]
+        # .get: an empty entry would make the state look initialised (torch's
+        # get_optimizer_state_dict then skips its initialising step, and DCP finds no state)
+        state = self.state.get(weight, {})
         for key in [k for k in state if k.startswith(tuple(f"{side}_" for side in sides))]:
             del state[key]
         for side in sides:
@@ -1222,32 +1224,6 @@ class WhitenedMuon(torch.optim.Optimizer):
                           RuntimeWarning, stacklevel=6)  # the caller of step()
 
     # -- checkpoints -------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """torch.optim's, with one change: the input side of a packed ``in_proj`` stepped as
-        three parts is always saved per part (``[3, ...]``: a self-attention's one factor three
-        times), with ``input_per_part`` saying which it is. The checkpoint's shapes then do not
-        depend on how the attention was called, so ``torch.distributed.checkpoint`` loads it
-        into the state of a fresh optimizer, which holds the self-attention form until a call
-        shows otherwise."""
-        saved = super().state_dict()
-        keys = (key for group in saved["param_groups"] for key in group["params"])
-        for p, key in zip((p for group in self.param_groups for p in group["params"]), keys):
-            entry = saved["state"].get(key)
-            if entry is None or id(p) not in self._packed or self._views[id(p)].parts != 3:
-                continue
-            per_part = self._views[id(p)].part_inputs
-            entry = saved["state"][key] = dict(entry)  # torch.optim's entry is the live state's dict
-            for item in _PART_INPUT_ITEMS:
-                if torch.is_tensor(entry.get(item)) and not per_part:
-                    entry[item] = entry[item].unsqueeze(0).expand(3, *entry[item].shape).clone()
-            entry["input_per_part"] = torch.tensor(per_part)
-        for group in saved["param_groups"]:
-            # the statistics schedule's clock: step() calls, those without a whitened gradient too;
-            # in the param groups, which torch.distributed.checkpoint keeps (it drops other keys)
-            if group.get("algorithm", WHITENED) == WHITENED:
-                group[_STEPS_KEY] = self._steps
-        return saved
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch.optim's load, all or nothing: a checkpoint that does not fit this optimizer (param
         groups of other algorithms or sizes, a state tensor of another shape -- another model,
@@ -1279,10 +1255,7 @@ class WhitenedMuon(torch.optim.Optimizer):
                 raise ValueError(f"WhitenedMuon.load_state_dict: saved param group {index} holds "
                                  f"{len(group['params'])} parameters, this optimizer's "
                                  f"{len(self.param_groups[index]['params'])}")
-            _check_group(index, {**self.param_groups[index], **{k: v for k, v in group.items()
-                                                                 if k not in ("params", _STEPS_KEY)}})
-            if _STEPS_KEY in group:
-                checks.integer(group[_STEPS_KEY], f"WhitenedMuon.load_state_dict: param group {index}'s {_STEPS_KEY}")
+            _check_group(index, {**self.param_groups[index], **{k: v for k, v in group.items() if k != "params"}})
         kept, exact, part_inputs = self._checked_state(state_dict)
         settings = [{k: v for k, v in group.items() if k not in ("params", "param_names")}
                     for group in self.param_groups]
@@ -1295,7 +1268,6 @@ class WhitenedMuon(torch.optim.Optimizer):
             super().load_state_dict({**state_dict, "state": kept})
         finally:
             self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = hooks
-        clocks = [group.pop(_STEPS_KEY) for group in self.param_groups if _STEPS_KEY in group]
         for group, ours_before in zip(self.param_groups, settings):
             # a checkpoint from before a setting existed: stepped by the default (adjust_lr_fn) or,
             # for any other setting it lacks, by this optimizer's value (as torch.optim's
@@ -1309,11 +1281,10 @@ class WhitenedMuon(torch.optim.Optimizer):
         for p, values in exact.items():
             for key, value in values.items():
                 self.state[p][key] = value.to(device=p.device, copy=True)
-        # the statistics schedule resumes from the saved clock; a checkpoint without it, from the
-        # count of the weight that stepped most (every weight with a gradient on every step: the
-        # optimizer's count)
-        self._steps = (int(clocks[0]) if clocks else
-                       max((int(self.state[p].get("step", 0)) for p in self._whitened_params()), default=0))
+        # the statistics schedule resumes from the latest clock a whitened weight holds: its
+        # "step" is the optimizer's step() count when it last stepped (older checkpoints: the
+        # count of its own steps, which is that clock for a weight with a gradient on every step)
+        self._steps = max((int(self.state[p].get("step", 0)) for p in self._whitened_params()), default=0)
         # statistics gathered since the last step belong to a batch the load discards (a rollback)
         self._statistics.pending.clear()
         self._statistics.forget_inputs()
@@ -1337,18 +1308,11 @@ class WhitenedMuon(torch.optim.Optimizer):
             for key, p in zip(saved_group["params"], group["params"]):
                 if key not in saved_state:
                     continue
-                saved_entry = dict(saved_state[key])
-                flag = saved_entry.pop("input_per_part", None)  # state_dict's, not a state entry
+                saved_entry = saved_state[key]
                 saved_input = saved_entry.get("input_factor", saved_entry.get("input_whitener"))
-                if id(p) in self._packed and flag is not None:
-                    part_inputs[p] = bool(flag)
-                    if not part_inputs[p]:  # saved per part: a self-attention's one factor three times
-                        saved_entry.update({item: saved_entry[item][0] for item in _PART_INPUT_ITEMS
-                                            if torch.is_tensor(saved_entry.get(item)) and saved_entry[item].dim()})
-                elif id(p) in self._packed and torch.is_tensor(saved_input):
-                    # a checkpoint without the flag: a cross-attention's factor per part leads with the
-                    # parts, [3, blocks, b, b] (a weight orthogonalised whole has no parts to whiten
-                    # so: its shape check refuses it)
+                if id(p) in self._packed and torch.is_tensor(saved_input):
+                    # a cross-attention's factor per part leads with the parts: [3, blocks, b, b]
+                    # (a weight orthogonalised whole has no parts to whiten so: its shape check refuses it)
                     part_inputs[p] = saved_input.dim() == 4 and self._views[id(p)].parts > 1
                 shapes = self._state_shapes(p, group["algorithm"], part_inputs.get(p))
                 name = self._names.get(id(p), f"parameter {key}")

@@ -11,31 +11,17 @@ on the wrapper changes the base optimizer's learning rate.
 from __future__ import annotations
 
 import copy
-import sys
-import types
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
 
+from kron_precond.checkpoint import called_by_torchs_state_dict_api
 from kron_precond.preconditioner import KronPreconditioner
 
 _FORMAT = "kron_precond.PreconditionedOptimizer"
 _FORMAT_VERSION = 1
-
-
-def _called_by_torchs_distributed_state_dict() -> bool:
-    """Whether a caller a few frames up is torch.distributed.checkpoint's state-dict API, which
-    keeps only "state" and "param_groups" of what an optimizer's ``state_dict()`` returns."""
-    frame: types.FrameType | None = sys._getframe(2)  # the caller of state_dict()
-    for _ in range(4):
-        if frame is None:
-            return False
-        if frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
-            return True
-        frame = frame.f_back
-    return False
 
 
 class PreconditionedOptimizer(torch.optim.Optimizer):
@@ -164,7 +150,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             result = hook(self, state)
             if result is not None:
                 state = result
-        if _called_by_torchs_distributed_state_dict():
+        if called_by_torchs_state_dict_api():
             warnings.warn("PreconditionedOptimizer.state_dict() was called by torch.distributed.checkpoint's "
                           "state-dict API (get_state_dict / get_optimizer_state_dict; Accelerate's FSDP "
                           "checkpoints), which keeps only 'state' and 'param_groups': the preconditioner is not "

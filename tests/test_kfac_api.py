@@ -732,7 +732,8 @@ def test_a_linear_with_parameters_of_its_own_beyond_weight_and_bias_is_skipped_n
     with caplog.at_level(logging.INFO, logger="kron_precond"):
         precond = KronPreconditioner(model, method=method)
     assert list(precond.layers) == ["2"]
-    assert any(r.getMessage().startswith("skipping 0") and "parameters of its own" in r.getMessage()
+    reason = "parameter of its own" if kind != "scaled_subclass" else "parameters of its own beyond"
+    assert any(r.getMessage().startswith("skipping 0") and reason in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
     model(torch.randn(6, 5)).square().mean().backward()
     precond.step()
@@ -749,5 +750,34 @@ def test_whitened_muon_gives_such_a_module_to_adamw_or_refuses_it_in_the_list_fo
     assert whitened == {id(model[2].weight)}
     model(torch.randn(6, 5)).square().mean().backward()
     opt.step()
-    with pytest.raises(ValueError, match=r"modules\[0\].*parameters of its own"):
+    with pytest.raises(ValueError, match=r"modules\[0\].*(is not a parameter|parameters) of its own"):
         WhitenedMuon([module], lr=0.02)
+
+
+def test_a_registered_adapter_that_names_its_own_parameters_is_not_refused():
+    """The rule is the Linear adapter's (weight and bias): an adapter a user registers with its
+    own units() says which parameters it takes, and its module is whitened."""
+    from kron_precond import WhitenedMuon, register_adapter
+    from kron_precond.modules import _ADAPTERS, KFACAdapter, Selected
+
+    class Kernel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.kernel = nn.Parameter(torch.randn(4, 5) * 0.3)
+
+        def forward(self, x):
+            return x @ self.kernel.T
+
+    class KernelAdapter(KFACAdapter):
+        has_bias = False
+
+        def units(self, name, params):
+            return [Selected(name, self.module, [(n, p) for n, p in params if n == "kernel"], self, has_bias=False)]
+
+    register_adapter(Kernel, KernelAdapter)
+    try:
+        module = Kernel()
+        opt = WhitenedMuon([module], lr=0.02)
+        assert [id(p) for p in opt.param_groups[0]["params"]] == [id(module.kernel)]
+    finally:
+        del _ADAPTERS[0]

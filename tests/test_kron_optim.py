@@ -661,3 +661,50 @@ def test_load_state_dict_pre_hooks_run_before_the_checks():
     with pytest.raises(ValueError, match="b1"):
         checked.load_state_dict(copy.deepcopy(saved))
     assert checked.param_groups[0]["b1"] == 0.9
+
+
+def test_torchs_distributed_state_dict_api_warns_that_it_leaves_the_schedule_out():
+    """get_optimizer_state_dict keeps only "state" and "param_groups": the update schedule's
+    counters would be missing from the checkpoint without a word."""
+    import warnings
+
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = Kron(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).square().mean().backward()
+        opt.step()
+    with pytest.warns(UserWarning, match="counters"):
+        saved = get_optimizer_state_dict(model, opt)
+    assert "kron" not in saved
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "kron" in opt.state_dict()  # called directly: nothing to say
+
+
+def test_an_optimizer_pickled_without_the_state_bindings_steps_as_the_original():
+    """A Kron pickled by an earlier version lacks the record of which state tensors each
+    per-parameter preconditioner was built on: it rebuilds them and steps as the original."""
+    import pickle
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = Kron(model.parameters(), lr=1e-2, preconditioner_update_probability=1.0)
+
+    def step(m, o, seed):
+        o.zero_grad()
+        m(torch.randn(8, 4, generator=torch.Generator().manual_seed(seed))).square().mean().backward()
+        o.step()
+
+    step(model, opt, 0)
+    copy_model, copy_opt = pickle.loads(pickle.dumps((model, opt)))
+    del copy_opt.__dict__["_bound"]  # as an older version pickled it
+    copy_opt.__setstate__(copy_opt.__dict__.copy())
+    for seed in (1, 2):
+        step(model, opt, seed)
+        step(copy_model, copy_opt, seed)
+    for a, b in zip(model.parameters(), copy_model.parameters()):
+        assert torch.equal(a, b)

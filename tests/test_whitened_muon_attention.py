@@ -401,10 +401,12 @@ def test_a_checkpoint_resumes_a_packed_attention_as_it_was_saved_bitwise():
 @pytest.mark.parametrize("cross_at_save", [True, False])
 def test_a_dcp_checkpoint_resumes_an_attention_however_it_was_called_bitwise(tmp_path, cross_at_save):
     """torch.distributed.checkpoint loads into the state of a fresh optimizer, whose packed
-    in_proj is in self-attention form until a call shows otherwise: the checkpoint's shapes
-    must not depend on how the attention was called. Saved per part (or as one input) and
-    loaded with DCP into a fresh model and optimizer, the run resumes bitwise."""
+    in_proj is in self-attention form until a call shows otherwise. One training forward of the
+    fresh model before the template is taken (the documented recipe) puts an attention called as
+    cross-attention in its per-part form; the run then resumes bitwise. Without it, DCP refuses
+    the per-part factor's shape, loudly."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     def make():
@@ -412,23 +414,37 @@ def test_a_dcp_checkpoint_resumes_an_attention_however_it_was_called_bitwise(tmp
         model = Cross(dtype=torch.float64)
         return model, WhitenedMuon(model, lr=0.05, statistics_every=2, ns_dtype=torch.float64)
 
+    def call(model, x, memory):
+        return model(x, memory if cross_at_save else x)
+
     def steps(model, opt, data):
         for x, memory, y in data:
             opt.zero_grad()
-            F.mse_loss(model(x, memory if cross_at_save else x), y).backward()
+            F.mse_loss(call(model, x, memory), y).backward()
             opt.step()
 
+    def resume(forward_first: bool):
+        model, opt = make()
+        if forward_first:
+            x, memory, _ = data[0]
+            call(model, x, memory)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=tmp_path)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        return model, opt
+
     data = _cross_batches(6, torch.float64)
-    (whole, whole_opt), (saved, saved_opt), (fresh, fresh_opt) = make(), make(), make()
+    (whole, whole_opt), (saved, saved_opt) = make(), make()
     steps(whole, whole_opt, data)
     steps(saved, saved_opt, data[:3])
     assert saved_opt._views[id(saved.attn.in_proj_weight)].part_inputs == cross_at_save
     model_sd, optim_sd = get_state_dict(saved, saved_opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path)
-    model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=tmp_path)
-    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if cross_at_save:
+        with pytest.raises(CheckpointException, match="Size mismatch"):  # the planner's ValueError
+            resume(forward_first=False)
+    fresh, fresh_opt = resume(forward_first=True)
     weight = fresh.attn.in_proj_weight
     assert fresh_opt._views[id(weight)].part_inputs == cross_at_save == fresh_opt._packed[id(weight)].separate
     steps(fresh, fresh_opt, data[3:])
