@@ -706,3 +706,32 @@ def test_max_size_triangular_zero_means_all_diagonal_in_both_apis():
     model = nn.Linear(4, 3)
     precond = KronPreconditioner(model, method="psgd", max_size_triangular=0)
     assert [q.dim() for q in precond.layers[""].q_factors["weight"]] == [1, 1]
+
+
+@pytest.mark.parametrize("method, options", [
+    ("second_moment", dict(moment_decay=0.9)),
+    ("ikfac", dict(moment_decay=0.9, factor_update_steps=100, inv_update_steps=100)),
+    ("soap", dict(moment_decay=0.9, inv_update_steps=100)),
+])
+def test_a_non_finite_step_leaves_the_moments_bias_correction_as_if_it_never_happened(method, options):
+    """A non-finite gradient leaves a running second moment unchanged, and its bias correction
+    too: the run goes on exactly as the run in which that step never happened (a GradScaler's
+    first steps are often inf)."""
+    def run(with_bad_step: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        layer = nn.Linear(4, 3).to(F64)
+        precond = KronPreconditioner(layer, method=method, **options)
+        for step in range(4):
+            if step == 1 and not with_bad_step:
+                continue
+            x = torch.randn(8, 4, dtype=F64, generator=torch.Generator().manual_seed(10 + step))
+            layer.zero_grad()
+            layer(x).pow(2).mean().backward()
+            if step == 1:
+                layer.weight.grad[0, 0] = float("nan")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the non-finite step is reported
+                precond.step()
+        return layer.weight.grad.clone()
+
+    torch.testing.assert_close(run(True), run(False), rtol=1e-12, atol=0)

@@ -29,7 +29,14 @@ from kron_precond import validation as check
 from kron_precond.attention import input_side_attention_units
 from kron_precond.methods import state_checks as checks
 from kron_precond.methods.base import GradientMatrix, LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
-from kron_precond.methods.second_moment import adopt_stack, check_moment_decay, count_skipped, scale_by_moment
+from kron_precond.methods.second_moment import (
+    adopt_stack,
+    check_moment_decay,
+    count_skipped,
+    count_updates,
+    scale_by_moment,
+    update_counter,
+)
 from kron_precond.modules import find_kfac_modules
 from kron_precond.schedules import IntervalSchedule, StepContext
 
@@ -77,7 +84,7 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
         self.moment_decay, self.moment_eps = moment_decay, moment_eps
         self.moment = (torch.zeros(self.g_dim, self.a_dim, dtype=self.statistics_dtype, device=device)
                        if moment_decay is not None else None)
-        self.updates = 0  # second-moment updates (host-side: the same on every rank)
+        self.updates = update_counter(device)  # second-moment updates
 
     # ------------------------------------------------------------------ statistics
     def observe_activations(self, rows: torch.Tensor) -> None:
@@ -215,11 +222,9 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
         use = valid.bool() & keep
         if moments is not None:
             count_skipped(layers, valid.bool() & ~keep, cache)
-            for layer in layers:
-                layer.updates += 1
+            updates = count_updates(layers, use, cache)
             assert first.moment_decay is not None  # a layer holds moments only with a moment_decay
-            out = scale_by_moment(out, moments, first.moment_decay, first.moment_eps,
-                                  [layer.updates for layer in layers], use)
+            out = scale_by_moment(out, moments, first.moment_decay, first.moment_eps, updates, use)
         return cls.unstack_matrices(layers, torch.where(use.reshape(-1, 1, 1), out.to(matrix.dtype), matrix))
 
     # ------------------------------------------------------------------ estimates, placement
@@ -243,11 +248,12 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
         if self._refreshed is not None:
             self._refreshed = [moved(t, device) for t in self._refreshed]
         self.moment = moved(self.moment, device)
+        self.updates = moved(self.updates, device)
         self.factor_dtype, self._device = factor_dtype, device
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"updates": self.updates}
+        state: dict[str, Any] = {"updates": int(self.updates)}
         if self.a_factor is not None:
             state.update(a_factor=self.a_factor.clone(), seen=self._seen.clone())
         if self.holds_state:
@@ -278,7 +284,7 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
-        self.updates = int(state["updates"])
+        self.updates.fill_(int(state["updates"]))
         if self.a_factor is not None:
             self.a_factor.copy_(state["a_factor"])
             self._seen.copy_(state["seen"].reshape(()))

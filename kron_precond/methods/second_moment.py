@@ -27,14 +27,15 @@ from kron_precond.schedules import IntervalSchedule, StepContext
 
 
 def scale_by_moment(values: torch.Tensor, moment: torch.Tensor, decay: float, eps: float,
-                    updates: int | list[int], keep: torch.Tensor, pool=None) -> torch.Tensor:
+                    updates: torch.Tensor, keep: torch.Tensor, pool=None) -> torch.Tensor:
     """``values / (√(m̂) + eps)`` after folding ``values²`` into ``moment`` in place.
 
     ``values`` and ``moment``: ``[k, out, in]`` (k layers, or one without the leading dim);
     ``keep``: ``[k]`` bools, False for a layer whose values are not finite: its moment keeps
     its value (one bad step must not poison it for good). ``updates``: the moment's update
-    count including this one (Adam's bias correction, host-side: no sync), one per layer
-    (layers that missed a step, e.g. without a gradient, may differ). ``pool``: an optional
+    count including this one, ``[k]`` (or 0-d) on the device (Adam's bias correction; a step a
+    layer skipped, without a gradient or with a non-finite one, is not counted: see
+    :func:`count_updates`). ``pool``: an optional
     map of the squares before they are folded (SOAP's averages over blocks of equal
     eigenvalues)."""
     work = values.to(moment.dtype)
@@ -42,13 +43,10 @@ def scale_by_moment(values: torch.Tensor, moment: torch.Tensor, decay: float, ep
     squares = work * work if pool is None else pool(work * work)
     blended = torch.lerp(moment, squares, 1.0 - decay)
     moment.copy_(torch.where(flags, blended, moment))
-    counts = updates if isinstance(updates, list) else [updates]
-    correction: float | torch.Tensor
-    if len(set(counts)) == 1:
-        correction = 1.0 - decay**counts[0]
-    else:  # rare: a small host-built tensor, no sync
-        correction = torch.tensor([1.0 - decay**n for n in counts], dtype=moment.dtype,
-                                  device=moment.device).reshape(-1, 1, 1)
+    counts = updates.to(moment.dtype)
+    correction = (1.0 - decay**counts).reshape(counts.shape + (1,) * (moment.dim() - counts.dim()))
+    # a layer whose moment has never been updated: any finite correction (its moment is 0)
+    correction = correction.clamp(min=torch.finfo(moment.dtype).tiny)
     scaled = work / ((moment / correction).sqrt() + eps)
     return scaled.to(values.dtype)
 
@@ -73,7 +71,7 @@ class SecondMomentLayer(GradientMatrix, LayerMethod):
         # float32 or better: squares of small gradients underflow a half-precision moment
         self.moment = torch.zeros(self.g_dim, self.a_dim, dtype=torch.promote_types(dtype, torch.float32),
                                   device=device)
-        self.updates = 0  # host-side count (bias correction): the same on every rank
+        self.updates = update_counter(device)
         self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
 
     # the moment is per-step state: nothing to refresh or broadcast
@@ -88,8 +86,8 @@ class SecondMomentLayer(GradientMatrix, LayerMethod):
 
     def apply(self, grads: list[torch.Tensor], ctx: StepContext) -> list[torch.Tensor]:
         matrix = self.grads_to_matrix(grads)
-        self.updates += 1
         keep = torch.isfinite(matrix).all()
+        self.updates.add_(keep.to(self.updates.dtype))
         self.nonfinite.add_((~keep).to(self.nonfinite.dtype))
         return self.matrix_to_grads(scale_by_moment(matrix, self.moment, self.decay, self.eps, self.updates, keep))
 
@@ -104,12 +102,11 @@ class SecondMomentLayer(GradientMatrix, LayerMethod):
         stack = cache.get("moments")
         if stack is None:
             stack = cache["moments"] = adopt_stack(layers, "moment")
-        for layer in layers:
-            layer.updates += 1
+        updates = count_updates(layers, keep, cache)
         matrices = cls.stack_matrices(layers, grads)
         count_skipped(layers, ~keep, cache)
         first = layers[0]
-        out = scale_by_moment(matrices, stack, first.decay, first.eps, [layer.updates for layer in layers], keep)
+        out = scale_by_moment(matrices, stack, first.decay, first.eps, updates, keep)
         return cls.unstack_matrices(layers, torch.where(keep.reshape(-1, 1, 1), out, matrices))
 
     def factor_costs(self) -> dict[str, tuple[float, float]]:
@@ -121,9 +118,10 @@ class SecondMomentLayer(GradientMatrix, LayerMethod):
     def to(self, device: torch.device, dtype: torch.dtype) -> None:
         self.moment = moved(self.moment, device)
         self.nonfinite = moved(self.nonfinite, device)
+        self.updates = moved(self.updates, device)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"moment": self.moment.clone(), "updates": self.updates}
+        return {"moment": self.moment.clone(), "updates": int(self.updates)}
 
     def check_state(self, state: dict[str, Any]) -> None:
         where = f"state of {self.name}"
@@ -133,7 +131,7 @@ class SecondMomentLayer(GradientMatrix, LayerMethod):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
         self.moment.copy_(state["moment"])  # in place: it may be a view into a stack
-        self.updates = int(state["updates"])
+        self.updates.fill_(int(state["updates"]))
 
 
 def adopt_stack(layers: Sequence, attr: str) -> torch.Tensor:
@@ -142,6 +140,26 @@ def adopt_stack(layers: Sequence, attr: str) -> torch.Tensor:
     stack = torch.stack([getattr(layer, attr) for layer in layers])
     for layer, view in zip(layers, stack.unbind(0)):
         setattr(layer, attr, view)
+    return stack
+
+
+def update_counter(device: torch.device) -> torch.Tensor:
+    """A layer's count of moment updates, on the device: advanced by whether each step's update
+    happened, so that a skipped one (a non-finite gradient) leaves the bias correction as if it
+    never was, without a host sync."""
+    return torch.zeros((), dtype=torch.int64, device=device)
+
+
+def count_updates(layers: Sequence, counted: torch.Tensor, cache: dict) -> torch.Tensor:
+    """Advance each layer's ``updates`` by ``counted[i]`` (bools): one op on a stack whose slices
+    the layers' counters become (re-adopted when a layer's counter is no longer its slice: a
+    load, another stack). Returns the stack, the counts including this step."""
+    entry = cache.get("updates")
+    if entry is None or any(layer.updates is not view for layer, view in zip(layers, entry[1])):
+        stack = adopt_stack(layers, "updates")
+        entry = cache["updates"] = (stack, [layer.updates for layer in layers])
+    stack = entry[0]
+    stack.add_(counted.reshape(-1).to(stack.dtype))
     return stack
 
 

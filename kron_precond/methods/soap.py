@@ -38,7 +38,7 @@ from kron_precond import validation as check
 from kron_precond.methods import state_checks as checks
 from kron_precond.methods.base import GradientMatrix, LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
 from kron_precond.methods.ekfac import eigenvalue_clusters
-from kron_precond.methods.second_moment import scale_by_moment
+from kron_precond.methods.second_moment import count_updates, scale_by_moment, update_counter
 from kron_precond.methods.shampoo import eigh_with_retry
 from kron_precond.modules import find_kfac_modules
 from kron_precond.schedules import IntervalSchedule, StepContext
@@ -74,7 +74,7 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         self._mass: torch.Tensor | None = None
         self._bases: dict[str, list[torch.Tensor]] | None = None  # side -> [Q, eigenvalue estimates]
         self.moment: torch.Tensor | None = None
-        self.updates = 0  # moment updates (host-side count: the same on every gradient worker)
+        self.updates = update_counter(device)  # moment updates
         # Derived at each refresh from the (broadcast) bases, identically on every gradient
         # worker: the sides whose next refresh may warm-start, and the clusters to average the
         # moment over (None: every eigenvalue distinct).
@@ -199,7 +199,7 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         matrix = self.grads_to_matrix(grads)
         keep = torch.isfinite(matrix).all()
         bases = self._allocated()
-        self.updates += 1
+        self.updates.add_(keep.to(self.updates.dtype))
         pool = self._pooled if self._clusters is not None else None
         out = _rotated_step(matrix, {side: bases[side][0] for side in self.active}, self._held_moment(),
                             self.moment_decay, self.moment_eps, self.updates, keep, pool)
@@ -222,12 +222,11 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         # a layer that was averaged alone in the meantime may have joined another stack
         if stacks is None or any(layer.moment is not view for layer, view in zip(layers, stacks["views"])):
             stacks = cache["stacks"] = _adopt_into_stacks(layers)
-        for layer in layers:
-            layer.updates += 1
+        updates = count_updates(layers, keep, cache)
         first = layers[0]
         matrices = cls.stack_matrices(layers, grads)
         out = _rotated_step(matrices, stacks["bases"], stacks["moment"], first.moment_decay, first.moment_eps,
-                            [layer.updates for layer in layers], keep, None)
+                            updates, keep, None)
         return cls.unstack_matrices(layers, torch.where(keep.reshape(-1, 1, 1), out, matrices))
 
     # ------------------------------------------------------------------ estimates
@@ -257,6 +256,7 @@ class SOAPLayer(GradientMatrix, LayerMethod):
             self._clusters = {k: (moved(index, device), moved(size, device))
                               for k, (index, size) in self._clusters.items()}
         self.nonfinite = moved(self.nonfinite, device)
+        self.updates = moved(self.updates, device)
         self.device = device
 
     # ------------------------------------------------------------------ state
@@ -264,7 +264,7 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         stats, bases = self._statistics(), self._allocated()
         return {"sides": list(self.active), "statistics": {k: t.clone() for k, t in stats.items()},
                 "mass": self._held_mass().clone(), "bases": {k: [t.clone() for t in v] for k, v in bases.items()},
-                "moment": self._held_moment().clone(), "updates": self.updates}
+                "moment": self._held_moment().clone(), "updates": int(self.updates)}
 
     def check_state(self, state: dict[str, Any]) -> None:
         where = f"state of {self.name}"
@@ -298,7 +298,7 @@ class SOAPLayer(GradientMatrix, LayerMethod):
                 dst.copy_(src)
         self._held_mass().copy_(state["mass"])
         self._held_moment().copy_(state["moment"])
-        self.updates = int(state["updates"])
+        self.updates.fill_(int(state["updates"]))
         self._derive_from_bases(pool_moment=False)
 
 
