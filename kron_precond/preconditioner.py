@@ -104,7 +104,7 @@ class KronPreconditioner:
     Args (keyword-only after ``model``):
         model: the module to scan (a DDP- or ``torch.compile``-wrapped model or its module).
         method: a registered method name: ``"kfac"``, ``"psgd"``, ``"ekfac"``, ``"shampoo"``,
-            ``"ikfac"``, ``"second_moment"``
+            ``"ikfac"``, ``"second_moment"``, ``"soap"``
             (or a :class:`~kron_precond.Method`).
         skip_layers: regex or list of regexes; a module is skipped when one matches
             (``re.search``) its qualified name or its class name.
@@ -300,6 +300,12 @@ class KronPreconditioner:
         (and ``kl_clip``) must see true gradients. Inside an autocast region the step still
         runs in its own dtypes (autocast is turned off for it).
         """
+        if self._skipped_by_scaler():
+            # the scaler will skip the optimizer's step: this step never happens here either (its
+            # statistics dropped, nothing counted), so the schedule and the first refresh see the
+            # next iteration's data, as in a run without it
+            self.discard_statistics()
+            return
         with torch.no_grad(), autocast_disabled():
             for layer in self._layers:
                 self._follow_parameters(layer)
@@ -330,6 +336,39 @@ class KronPreconditioner:
             self._schedule.advance(ctx.step)
             self._steps += 1
             self._update_collecting(after_step=True)
+
+    def _skipped_by_scaler(self) -> bool:
+        """Whether the ``torch.amp.GradScaler`` given as ``grad_scaler`` found an Inf or NaN when
+        it unscaled this iteration's gradients, so that its ``step()`` will skip the optimizer.
+        Read from the scaler's record of ``unscale_`` (the one host read its own ``step()``
+        makes too); ``False`` for another ``grad_scaler`` or before ``unscale_``."""
+        scaler = self._grad_scaler
+        if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
+            return False
+        try:
+            from torch.amp.grad_scaler import OptState
+            found = [v for state in scaler._per_optimizer_states.values() if state["stage"] is OptState.UNSCALED
+                     for v in state["found_inf_per_device"].values()]
+        except (AttributeError, ImportError, KeyError, TypeError):  # another torch's GradScaler internals
+            return False
+        if not found:
+            return False
+        skipped = torch.stack([v.reshape(()).float() for v in found]).sum()
+        if self._runtime.sharding is not None and self.world_size > 1:
+            # each rank unscaled its own shards: the ranks skip together, or none does
+            self._runtime.sum_over_shards(skipped)
+        return bool(skipped > 0)
+
+    def discard_statistics(self) -> None:
+        """Drop the statistics gathered since the last step (the forward and backward of an
+        iteration whose step will not happen). :class:`PreconditionedOptimizer` calls it when a
+        ``GradScaler`` skipped its step; ``step()`` itself, when the ``grad_scaler`` it was given
+        found an overflow."""
+        self._wait_for_statistics()  # a reduction still in flight belongs to the last step
+        for layer in self._layers:
+            discard = getattr(layer.method, "discard_statistics", None)
+            if discard is not None:
+                discard()
 
     def _plan(self, step_lr=None) -> StepContext:
         """This step's decisions and hyperparameters, all checked before anything changes."""

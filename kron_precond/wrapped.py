@@ -64,6 +64,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                              "build both on the same model (or skip_layers= those modules)")
         self.optimizer = optimizer
         self.preconditioner = preconditioner
+        self._stepped = True  # a step() since the last zero_grad() (see zero_grad)
         # What torch.optim.Optimizer.__init__ sets up, minus parameter groups of our own.
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
@@ -120,10 +121,17 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.preconditioner.step(lr=self.param_groups[0]["lr"])
         self.optimizer.step()
+        self._stepped = True
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The base optimizer's ``zero_grad`` (every parameter it steps)."""
+        """The base optimizer's ``zero_grad`` (every parameter it steps). If no ``step()`` came
+        since the last ``zero_grad`` (a ``GradScaler`` skipped it: ``scaler.step(optimizer)``
+        calls nothing on an overflow), the statistics of that abandoned iteration are dropped,
+        so they do not enter the next step's factors."""
+        if not self._stepped:
+            self.preconditioner.discard_statistics()
+        self._stepped = False
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

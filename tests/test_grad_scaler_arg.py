@@ -56,3 +56,101 @@ def test_other_grad_scaler_values_are_rejected_at_construction(method, value):
 def test_grad_scaler_instance_and_none_are_accepted():
     KronPreconditioner(_model(), grad_scaler=None).remove()
     KronPreconditioner(_model(), grad_scaler=torch.amp.GradScaler("cpu")).remove()
+
+
+def _overflow_once(model: nn.Module, bad: bool):
+    """A hook on the model's output that turns its gradient to inf on a bad iteration: every
+    layer's output gradient and weight gradient overflow, as a float16 loss scale does."""
+    def hook(grad):
+        return grad * float("inf") if bad else grad
+    return hook
+
+
+def _amp_run(method: str, options: dict, *, bad_step: int | None, wrapped: bool, steps: int = 6) -> list:
+    """The documented AMP loop on CPU (a GradScaler; float64 model, so the scale is divided out
+    exactly); iteration ``bad_step`` overflows and the scaler skips it."""
+    from kron_precond import PreconditionedOptimizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    precond = KronPreconditioner(model, method=method, grad_scaler=scaler, **options)
+    base = torch.optim.SGD(model.parameters(), lr=0.05)
+    optimizer = PreconditionedOptimizer(base, precond) if wrapped else base
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 5, generator=g, dtype=torch.float64), torch.randn(16, 3, generator=g,
+                                                                               dtype=torch.float64))
+            for _ in range(steps)]
+    for i, (x, y) in enumerate(data):
+        optimizer.zero_grad()
+        out = model(x) * 1.0  # a tensor after the model's: its hook changes what every layer sees
+        out.register_hook(_overflow_once(model, i == bad_step))
+        scaler.scale(F.mse_loss(out, y)).backward()
+        scaler.unscale_(optimizer)
+        if not wrapped:
+            precond.step()
+        scaler.step(optimizer)
+        scaler.update()
+    return [p.detach().clone() for p in model.parameters()], precond
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+@pytest.mark.parametrize("method, options", [
+    ("kfac", dict(factor_update_steps=2, inv_update_steps=4, damping=0.1)),
+    ("ekfac", dict(factor_update_steps=2, inv_update_steps=4, damping=0.1)),
+])
+def test_a_step_the_scaler_skips_leaves_the_preconditioner_as_if_it_never_happened(method, options, wrapped):
+    """An overflow on the first iteration (routine at a float16 run's initial loss scale): the
+    scaler skips the optimizer's step, and the preconditioner must neither count the step nor
+    keep its statistics, so the first refresh still sees data. The run ends where the run
+    without that iteration ends (the data after it shifted by one)."""
+    with_overflow, precond = _amp_run(method, options, bad_step=0, wrapped=wrapped, steps=7)
+    assert precond.steps == 6
+    torch.manual_seed(0)
+    without, _ = _amp_run_without_first(method, options, wrapped)
+    for a, b in zip(with_overflow, without):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def _amp_run_without_first(method: str, options: dict, wrapped: bool) -> tuple:
+    """The same as ``_amp_run(..., bad_step=0, steps=7)`` with the first iteration left out."""
+    from kron_precond import PreconditionedOptimizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**9)  # halved by the skipped step's update
+    precond = KronPreconditioner(model, method=method, grad_scaler=scaler, **options)
+    base = torch.optim.SGD(model.parameters(), lr=0.05)
+    optimizer = PreconditionedOptimizer(base, precond) if wrapped else base
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 5, generator=g, dtype=torch.float64), torch.randn(16, 3, generator=g,
+                                                                               dtype=torch.float64))
+            for _ in range(7)][1:]
+    for x, y in data:
+        optimizer.zero_grad()
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+        scaler.unscale_(optimizer)
+        if not wrapped:
+            precond.step()
+        scaler.step(optimizer)
+        scaler.update()
+    return [p.detach().clone() for p in model.parameters()], precond
+
+
+def test_an_overflowing_call_is_left_out_of_g_and_the_others_kept():
+    """Output-gradient rows that are not finite (one micro-batch of a window overflowed) are left
+    out of G call by call: G is the mean over the finite calls' rows, not thrown away whole."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3).double()
+    precond = KronPreconditioner(layer, method="kfac", factor_update_steps=1, inv_update_steps=1,
+                                 accumulation_steps=2, kl_clip=None)
+    x1, x2 = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    out = layer(x1) * 1.0  # after the layer's output: the layer sees the overflowed gradient
+    out.register_hook(lambda grad: grad * float("inf"))
+    (out.square().mean() / 2).backward()
+    out2 = layer(x2)
+    out2.retain_grad()
+    (out2.square().mean() / 2).backward()
+    precond.step()
+    rows = out2.grad * 6 * 2  # δ = grad · n · accumulation steps
+    torch.testing.assert_close(precond.layers[""].g_factor, rows.T @ rows / 6, rtol=1e-12, atol=0)

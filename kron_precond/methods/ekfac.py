@@ -128,11 +128,11 @@ class EKFACLayer(KFACLayer):
         if activation_rows != rows.shape[0]:
             raise RuntimeError(f"kron_precond: {self.name} saw {activation_rows} activation rows but "
                                f"{rows.shape[0]} output-gradient rows in one call")
-        rows = self.statistics_subset(rows)
+        rows, usable = self.usable_rows(rows)
         projected = (rows.to(self._work_dtype) @ self._basis("G")).mul_(scale).square_()
         self._held_s_sum().view(self.g_dim, self.a_dim).addmm_(projected.t().to(self.scaling_dtype),
                                                          call.to(self.scaling_dtype))
-        self._s_rows.add_(rows.shape[0])
+        self._s_rows.add_(usable.to(self._s_rows.dtype) * rows.shape[0])
 
     def _held_s_sum(self) -> torch.Tensor:
         """This step's flat sum of ``s``, allocated with K-FAC's sums (``_allocate_statistics``)."""

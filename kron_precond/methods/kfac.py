@@ -175,14 +175,24 @@ class KFACLayer(GradientMatrix, LayerMethod):
 
     def observe_output_grads(self, rows: torch.Tensor, scale: float, call: Any = None) -> None:
         """Accumulate ``Σ δ δᵀ`` (``Σ δ²`` for a diagonal G) for output-gradient rows
-        ``[N, out]``, ``δ = scale · rows`` (``call`` is not needed here)."""
-        rows = self.statistics_subset(rows).to(self.statistics_dtype)
+        ``[N, out]``, ``δ = scale · rows`` (``call`` is not needed here). A call whose rows are
+        not finite is left out (:meth:`usable_rows`)."""
+        rows, usable = self.usable_rows(rows)
         _, g_sum = self._allocate_statistics()
         if self.diagonal["G"]:
             g_sum.add_(rows.square().sum(0), alpha=scale * scale)
         else:
             g_sum.addmm_(rows.t(), rows, alpha=scale * scale)
-        self._rows[1].add_(rows.shape[0])
+        self._rows[1].add_(usable.to(self._rows.dtype) * rows.shape[0])
+
+    def usable_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, usable)``: the call's statistics rows in the statistics dtype, zeros in place
+        of a call holding a NaN or Inf (a micro-batch whose loss scale overflowed), and whether
+        they were finite, decided on the device. Such a call is left out of the sum and its rows
+        out of the count, so the step's other calls still make the factor."""
+        rows = self.statistics_subset(rows).to(self.statistics_dtype)
+        usable = torch.isfinite(rows).all()
+        return torch.where(usable, rows, torch.zeros((), dtype=rows.dtype, device=rows.device)), usable
 
     def statistics_subset(self, rows: torch.Tensor) -> torch.Tensor:
         """The rows that enter the statistics: a prefix, so that the activation and
