@@ -2,7 +2,7 @@
 ``PreconditionedOptimizer`` like any optimizer, and ``accelerator.accumulate`` decides when
 it steps.
 
-    pip install -c /tmp/kron_precond_constraints.txt -e ".[trainers]"
+    pip install -e ".[trainers]" "torch==$(python -c 'import torch;print(torch.__version__)')"
     python examples/accelerate_digits.py --method kfac --accumulate 2
     accelerate launch --num_processes 2 examples/accelerate_digits.py   # DDP
 

@@ -4,7 +4,7 @@
 A small GPT-2 built from a config (no download) learns the bytes of Python's standard
 library. K-FAC preconditions GPT-2's ``Conv1D`` layers; the tied ``lm_head`` is skipped.
 
-    pip install -c /tmp/kron_precond_constraints.txt -e ".[trainers]"
+    pip install -e ".[trainers]" "torch==$(python -c 'import torch;print(torch.__version__)')"
     python examples/hf_trainer.py --method kfac
     python examples/hf_trainer.py --method psgd --max-steps 200 --grad-accum 2
 """

@@ -2,7 +2,7 @@
 ``PreconditionedOptimizer``, and Lightning's own loop (closures, ``accumulate_grad_batches``,
 checkpoints, LR scheduling) does the rest.
 
-    pip install -c /tmp/kron_precond_constraints.txt -e ".[trainers]"
+    pip install -e ".[trainers]" "torch==$(python -c 'import torch;print(torch.__version__)')"
     python examples/lightning_digits.py --method kfac --accumulate 2
     python examples/lightning_digits.py --method psgd --epochs 5
 

@@ -67,6 +67,9 @@ class ActivationCapture:
         # rows stay out (a validation pass must not enter the statistics), and an owner that saw
         # no training forward on the step can say why
         self.eval_forward = False
+        # a replica of a registered module ran forward in training mode (nn.DataParallel): the
+        # owner can say why no statistics came
+        self.replica_forward = False
         self._warned_float16 = False
         by_module: dict[int, tuple[nn.Module, object, dict[int, object]]] = {}
         for layer in layers:
@@ -106,8 +109,12 @@ class ActivationCapture:
         placed_on = weakref.ref(module)
 
         def hook(module: nn.Module, inputs, kwargs, output):
-            if self.collecting and torch.is_grad_enabled() and module is placed_on():
-                if module.training:
+            if self.collecting and torch.is_grad_enabled():
+                if module is not placed_on():
+                    # a replica sharing the module's hooks (nn.DataParallel's replicate copies
+                    # modules shallowly; a deep copy's hooks are inert): its rows stay out
+                    self.replica_forward = self.replica_forward or module.training
+                elif module.training:
                     observe(module, inputs, kwargs, output)
                 else:
                     self.eval_forward = True

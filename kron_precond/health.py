@@ -172,8 +172,9 @@ class Health:
             if unseen:
                 warnings.warn(f"kron_precond: layers {unseen} are registered but their hooks saw no data "
                               "before the first refresh (did the model run in eval() mode? statistics are "
-                              "gathered in training mode only; is the module called functionally? an expert "
-                              "routed no token?); until they do, their gradients pass through "
+                              "gathered in training mode only; did it run as nn.DataParallel replicas, whose "
+                              "hooks gather nothing (use DistributedDataParallel)? is the module called "
+                              "functionally? an expert routed no token?); until they do, their gradients pass through "
                               "unpreconditioned",
                               RuntimeWarning, stacklevel=3)
 

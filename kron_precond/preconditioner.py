@@ -704,9 +704,13 @@ def _method_settings(spec_class: type[MethodSpec], given: dict[str, Any], engine
     if unknown:
         raise TypeError(f"KronPreconditioner() got unexpected keyword argument(s) {unknown}; "
                         f"method={spec_class.name!r} takes {sorted(spec_class.options)}")
+    # A setting this method does not have is ignored, said so unless its value is the default of
+    # the first registered method that has it (K-FAC for K-FAC's settings, PSGD for PSGD's): a
+    # config shared between methods. Not "any method's default": Shampoo's grafting=True would
+    # then pass silently with method="ekfac", which does not graft.
     ignored = [name for name, value in given.items() if name not in spec_class.options
                and not _is_default(value, [s.options[name].default for s in registry.all_specs()
-                                           if name in s.options])]
+                                           if name in s.options][:1])]
     ignored += [name for name, (applies, default) in _ENGINE_ONLY_IF.items()
                 if not applies(spec_class) and not _is_default(engine_args[name], [default])]
     if ignored:

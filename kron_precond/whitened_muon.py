@@ -750,6 +750,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         self._reported: dict[int, int] = {}
         self._unobserved_warned: set[int] = set()
         self._eval_warned = False
+        self._replica_warned = False
         self._steps = 0  # step() calls: the statistics schedule and the non-finite report's interval
         self._casts: dict[tuple[int, ...], tuple] = {}  # stacked whiteners in ns_dtype, per stack
 
@@ -909,9 +910,10 @@ class WhitenedMuon(torch.optim.Optimizer):
                 self._check_known(index, group["params"])
         # a forward in eval() mode since the last step (the hooks flag it on statistics steps only)
         eval_forward, self._capture.eval_forward = self._capture.eval_forward, False
+        replica_forward, self._capture.replica_forward = self._capture.replica_forward, False
         due = [p for p in self._whitened_params() if p.grad is not None and self._due(p)]
         if due:
-            self._warn_unobserved(due, eval_forward)
+            self._warn_unobserved(due, eval_forward, replica_forward)
             self._statistics.refresh(due)
             self._casts.clear()
         self._statistics.forget_inputs()
@@ -944,11 +946,19 @@ class WhitenedMuon(torch.optim.Optimizer):
             self._report_nonfinite()
             self._report_unfrozen()
 
-    def _warn_unobserved(self, due: list[nn.Parameter], eval_forward: bool) -> None:
+    def _warn_unobserved(self, due: list[nn.Parameter], eval_forward: bool, replica_forward: bool = False) -> None:
         """A weight with a gradient whose module never delivered rows is applied outside its
         module's forward (e.g. a functional call): it is stepped as plain Muon. Said once. A
-        statistics step whose forwards all ran in ``eval()`` mode gathers nothing: said once too."""
+        statistics step whose forwards all ran in ``eval()`` mode, or in replicas of the model
+        (``nn.DataParallel``), gathers nothing: said once too."""
         if not self._statistics.observed_this_step:  # no training forward (e.g. a state-initialising step)
+            if replica_forward and not self._replica_warned:
+                self._replica_warned = True
+                warnings.warn("WhitenedMuon: the model ran forward as replicas of itself (nn.DataParallel, which "
+                              "Hugging Face's Trainer uses on several GPUs without torchrun), whose hooks gather no "
+                              "whitening statistics: every weight takes Muon's step with the identity whitener. "
+                              "Use DistributedDataParallel (launch with torchrun)", RuntimeWarning,
+                              stacklevel=6)  # the caller of step()
             if eval_forward and not self._eval_warned:
                 self._eval_warned = True
                 names = ", ".join(self._names[id(p)] for p in due)

@@ -38,7 +38,7 @@ def require(module: str, extra: str = "trainers"):
         return importlib.import_module(module)
     except ImportError as err:
         pytest.skip(f"{module} is not importable ({err}); install it with "
-                    f"`pip install -c /tmp/kron_precond_constraints.txt -e '.[{extra}]'`")
+                    f"`pip install -e '.[{extra}]' \"torch==$(python -c 'import torch;print(torch.__version__)')\"`")
 
 
 def digits(n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

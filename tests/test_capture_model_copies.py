@@ -66,3 +66,31 @@ def test_the_model_saved_whole_loads_and_its_forwards_feed_nothing(kind, tmp_pat
     net(batch(3) * 5).square().mean().backward()
     owner.step()
     assert not torch.equal(factor(owner, net), before)
+
+
+def _replicate(module: nn.Module) -> nn.Module:
+    """nn.DataParallel's replicate() on one device (the real one needs CUDA to broadcast): each
+    module a ``_replicate_for_data_parallel()`` copy sharing its hooks, parameters as views."""
+    replica = module._replicate_for_data_parallel()
+    for key, p in module._parameters.items():
+        if p is not None:
+            setattr(replica, key, p.view_as(p))
+    for name, child in module._modules.items():
+        replica._modules[name] = _replicate(child)
+    return replica
+
+
+def test_whitened_muon_says_so_when_the_model_runs_as_data_parallel_replicas():
+    """nn.DataParallel (Hugging Face's Trainer on several GPUs without torchrun) runs replicas
+    that share the modules' hooks; their rows stay out of the statistics, so every weight would
+    take Muon's plain step without a word: a warning names DataParallel."""
+    from kron_precond import WhitenedMuon
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    opt = WhitenedMuon(model, lr=0.01, statistics_every=1)
+    with pytest.warns(RuntimeWarning, match="DataParallel"):
+        for _ in range(2):
+            opt.zero_grad()
+            _replicate(model)(torch.randn(32, 8)).pow(2).mean().backward()
+            opt.step()

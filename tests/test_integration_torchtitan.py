@@ -39,8 +39,8 @@ import torch._dynamo  # noqa: E402,F401
 
 # The trainer, not just the package: torchtitan's trainer also needs triton importable.
 pytest.importorskip(
-    "torchtitan.trainer", reason="torchtitan's trainer is not importable; install it with `pip install -c "
-    "/tmp/kron_precond_constraints.txt -e '.[torchtitan]'` and `triton --no-deps` (see .ci/run)")
+    "torchtitan.trainer", reason="torchtitan's trainer is not importable; install it with `pip install -e "
+    "'.[torchtitan]'` beside the installed torch (README, Install) and `triton --no-deps`")
 
 from dist_utils import run_workers  # noqa: E402
 from torchtitan_worker import TITAN_EXAMPLE, run_phases  # noqa: E402

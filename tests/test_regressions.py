@@ -611,3 +611,15 @@ def test_keyword_input_is_observed_like_a_positional_one():
         factors.append((precond.layers[""].a_factor.clone(), precond.layers[""].g_factor.clone()))
     assert factors[1][0].abs().sum() > 0
     assert torch.equal(factors[0][0], factors[1][0]) and torch.equal(factors[0][1], factors[1][1])
+
+
+@pytest.mark.parametrize("method,kw", [
+    ("ekfac", dict(grafting=True)),  # Shampoo's default, not K-FAC's: EK-FAC does not graft
+    ("ekfac", dict(max_factor_size=4096)),  # SOAP's default
+    ("psgd", dict(inv_update_steps=10)),  # EK-FAC's and SOAP's default
+    ("second_moment", dict(factor_decay=0.99)),  # Shampoo's default
+    ("kfac", dict(moment_decay=0.95)),  # second_moment's and SOAP's default
+])
+def test_a_setting_at_another_methods_default_that_this_method_ignores_warns(method, kw):
+    caught = _inapplicable_warnings(method, **kw)
+    assert len(caught) == 1 and next(iter(kw)) in str(caught[0].message), [str(w.message) for w in caught]

@@ -13,7 +13,7 @@ does not whiten, with the stock AdamW group's settings)::
 
       torchrun --nproc_per_node=8 -m torchtitan.train --module llama3 --config llama3_8b \\
         --override.imports 'kron_precond.integrations.torchtitan.whitened_muon_optimizers={"lr": 0.02,
-            "skip_layers": ["tok_embeddings", "output"]}'
+            "skip_layers": ["lm_head"]}'
 
 Two ways in for the preconditioner:
 
