@@ -689,10 +689,11 @@ class KronPreconditioner:
 
 # ---------------------------------------------------------------------- arguments
 # Engine arguments that only some methods use: warn (and ignore) when given to others.
-_ENGINE_ONLY_IF = {
-    "accumulation_steps": (lambda spec: spec.captures, 1),
-    "grad_scaler": (lambda spec: spec.captures, None),
-    "symmetry_aware": (lambda spec: spec.reduces_statistics, False),
+_ENGINE_ONLY_IF = {  # name: (applies(spec, value), default)
+    "accumulation_steps": (lambda spec, value: spec.captures, 1),
+    # every method skips a step its GradScaler skips; a callable (a scale alone) serves the statistics
+    "grad_scaler": (lambda spec, value: spec.captures or isinstance(value, torch.amp.GradScaler), None),
+    "symmetry_aware": (lambda spec, value: spec.reduces_statistics, False),
 }
 
 
@@ -712,7 +713,7 @@ def _method_settings(spec_class: type[MethodSpec], given: dict[str, Any], engine
                and not _is_default(value, [s.options[name].default for s in registry.all_specs()
                                            if name in s.options][:1])]
     ignored += [name for name, (applies, default) in _ENGINE_ONLY_IF.items()
-                if not applies(spec_class) and not _is_default(engine_args[name], [default])]
+                if not applies(spec_class, engine_args[name]) and not _is_default(engine_args[name], [default])]
     if ignored:
         warnings.warn(f"{', '.join(ignored)} do(es) not apply to method={spec_class.name!r} and "
                       "will be ignored", UserWarning, stacklevel=3)

@@ -154,3 +154,25 @@ def test_an_overflowing_call_is_left_out_of_g_and_the_others_kept():
     precond.step()
     rows = out2.grad * 6 * 2  # δ = grad · n · accumulation steps
     torch.testing.assert_close(precond.layers[""].g_factor, rows.T @ rows / 6, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("method", ["shampoo", "soap", "psgd", "second_moment"])
+def test_a_gradscaler_applies_to_methods_without_statistics_hooks(method):
+    """They read no output gradients, but skip the steps the scaler skips: no warning that it is
+    ignored (a callable, a scale alone, still is)."""
+    import warnings
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        KronPreconditioner(model, method=method, grad_scaler=torch.amp.GradScaler("cpu")).remove()
+    with pytest.warns(UserWarning, match="grad_scaler"):
+        KronPreconditioner(model, method=method, grad_scaler=lambda: 2.0).remove()
+
+
+def test_a_shampoo_step_the_scaler_skips_leaves_its_state_as_if_it_never_happened():
+    with_overflow, precond = _amp_run("shampoo", dict(inv_update_steps=2), bad_step=0, wrapped=False, steps=7)
+    assert precond.steps == 6
+    without, _ = _amp_run_without_first("shampoo", dict(inv_update_steps=2), wrapped=False)
+    for a, b in zip(with_overflow, without):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
