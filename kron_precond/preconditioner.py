@@ -347,13 +347,22 @@ class KronPreconditioner:
             return False
         try:
             from torch.amp.grad_scaler import OptState
-            found = [v for state in scaler._per_optimizer_states.values() if state["stage"] is OptState.UNSCALED
-                     for v in state["found_inf_per_device"].values()]
+            unscaled = [list(state["found_inf_per_device"].values())
+                        for state in scaler._per_optimizer_states.values() if state["stage"] is OptState.UNSCALED]
         except (AttributeError, ImportError, KeyError, TypeError):  # another torch's GradScaler internals
             return False
-        if not found:
+        if not unscaled:  # unscale_ not called yet (or after update()): nothing to read
             return False
-        skipped = torch.stack([v.reshape(()).float() for v in found]).sum()
+        device = self._layers[0].params[0][1].device
+        found = [v.reshape(()).float().to(device) for per_device in unscaled for v in per_device]
+        skipped = torch.stack(found).sum() if found else torch.zeros((), device=device)
+        if len(unscaled) > 1:
+            # several optimizers share the scaler, each skipped on its own: this one's is the one
+            # holding the registered layers, skipped here only if one of their gradients overflowed
+            grads = [self._runtime.local(g) for layer in self._layers for g in layer.gradients() if g is not None]
+            finite = [torch.isfinite(g).all().to(device) for g in grads]
+            overflowed = ~torch.stack(finite).all() if finite else torch.zeros((), dtype=torch.bool, device=device)
+            skipped = skipped * overflowed.to(skipped.dtype)
         if self._runtime.sharding is not None and self.world_size > 1:
             # each rank unscaled its own shards: the ranks skip together, or none does
             self._runtime.sum_over_shards(skipped)

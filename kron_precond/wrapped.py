@@ -65,6 +65,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.preconditioner = preconditioner
         self._stepped = True  # a step() since the last zero_grad() (see zero_grad)
+        self._grads_at_zero: list | None = None  # the registered gradients as zero_grad() left them
         # What torch.optim.Optimizer.__init__ sets up, minus parameter groups of our own.
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
@@ -125,14 +126,22 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The base optimizer's ``zero_grad`` (every parameter it steps). If no ``step()`` came
-        since the last ``zero_grad`` (a ``GradScaler`` skipped it: ``scaler.step(optimizer)``
-        calls nothing on an overflow), the statistics of that abandoned iteration are dropped,
-        so they do not enter the next step's factors."""
-        if not self._stepped:
+        """The base optimizer's ``zero_grad`` (every parameter it steps). If a backward wrote
+        gradients since the last ``zero_grad`` and no ``step()`` came (a ``GradScaler`` skipped
+        it: ``scaler.step(optimizer)`` calls nothing on an overflow), that iteration was
+        abandoned: its statistics are dropped, so they do not enter the next step's factors. A
+        second ``zero_grad`` with no backward in between (after the forward, say) drops nothing."""
+        if not self._stepped and self._grads_at_zero is not None and self._registered_grads() != self._grads_at_zero:
             self.preconditioner.discard_statistics()
         self._stepped = False
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._grads_at_zero = self._registered_grads()
+
+    def _registered_grads(self) -> list:
+        """Each registered parameter's gradient as an identity and version (``None`` for none):
+        a backward creates the tensor or accumulates into it in place, which changes its version."""
+        return [None if p.grad is None else (id(p.grad), p.grad._version)
+                for layer in self.preconditioner.layers.values() for _, p in layer.params]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the base optimizer (its parameters are stepped, not preconditioned)."""

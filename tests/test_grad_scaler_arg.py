@@ -176,3 +176,59 @@ def test_a_shampoo_step_the_scaler_skips_leaves_its_state_as_if_it_never_happene
     without, _ = _amp_run_without_first("shampoo", dict(inv_update_steps=2), wrapped=False)
     for a, b in zip(with_overflow, without):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_a_second_zero_grad_before_the_backward_keeps_the_iterations_statistics():
+    """Tutorials call zero_grad at the top of the loop and again between forward and backward:
+    no backward came between the two, so nothing was abandoned, and the statistics stay (the
+    preconditioned steps equal those of a loop with one zero_grad)."""
+    from kron_precond import PreconditionedOptimizer
+
+    def run(twice: bool) -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+        precond = KronPreconditioner(model, method="kfac", factor_update_steps=1, inv_update_steps=1, damping=0.1)
+        optimizer = PreconditionedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), precond)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x, y = torch.randn(16, 5, generator=g, dtype=torch.float64), torch.randn(16, 3, generator=g,
+                                                                                       dtype=torch.float64)
+            optimizer.zero_grad()
+            out = model(x)
+            if twice:
+                optimizer.zero_grad()
+            F.mse_loss(out, y).backward()
+            optimizer.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)
+
+
+def test_with_two_optimizers_on_one_scaler_the_other_ones_overflow_does_not_skip_this_one():
+    """torch's AMP recipe for several optimizers shares one GradScaler, which skips each on its
+    own. An overflow in the other optimizer's parameters must not skip this preconditioner: its
+    optimizer steps, on preconditioned gradients."""
+    torch.manual_seed(0)
+    body, other = nn.Linear(5, 4).double(), nn.Linear(5, 4).double()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    precond = KronPreconditioner(body, method="kfac", factor_update_steps=1, inv_update_steps=1, damping=0.1,
+                                 grad_scaler=scaler)
+    opt_a, opt_b = torch.optim.SGD(body.parameters(), lr=0.1), torch.optim.SGD(other.parameters(), lr=0.1)
+    x = torch.randn(8, 5, dtype=torch.float64)
+    for overflow in (False, True):
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        loss = body(x).square().mean() + other(x).square().mean()
+        scaler.scale(loss).backward()
+        if overflow:
+            other.weight.grad[0, 0] = float("inf")
+        scaler.unscale_(opt_a)
+        scaler.unscale_(opt_b)
+        raw = body.weight.grad.clone()
+        precond.step()
+        assert not torch.equal(raw, body.weight.grad)  # preconditioned
+        scaler.step(opt_a)
+        scaler.step(opt_b)
+        scaler.update()
+    assert precond.steps == 2

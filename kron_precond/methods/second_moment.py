@@ -43,8 +43,12 @@ def scale_by_moment(values: torch.Tensor, moment: torch.Tensor, decay: float, ep
     squares = work * work if pool is None else pool(work * work)
     blended = torch.lerp(moment, squares, 1.0 - decay)
     moment.copy_(torch.where(flags, blended, moment))
-    counts = updates.to(moment.dtype)
-    correction = (1.0 - decay**counts).reshape(counts.shape + (1,) * (moment.dim() - counts.dim()))
+    # 1 − βᵗ in float64 (where the device has it): in float32, β rounded first and the
+    # subtraction's cancellation cost 1e-5 of the correction at β = 0.999
+    wide = torch.float32 if moment.device.type == "mps" else torch.float64
+    counts = updates.to(wide)
+    correction = (1.0 - decay**counts).to(moment.dtype)
+    correction = correction.reshape(counts.shape + (1,) * (moment.dim() - counts.dim()))
     # a layer whose moment has never been updated: any finite correction (its moment is 0)
     correction = correction.clamp(min=torch.finfo(moment.dtype).tiny)
     scaled = work / ((moment / correction).sqrt() + eps)
