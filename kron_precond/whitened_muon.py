@@ -751,6 +751,8 @@ class WhitenedMuon(torch.optim.Optimizer):
         self._unobserved_warned: set[int] = set()
         self._eval_warned = False
         self._replica_warned = False
+        self._stepped = True  # a step() since the last zero_grad() (see zero_grad)
+        self._grads_at_zero: list | None = None  # the whitened gradients as zero_grad() left them
         self._steps = 0  # step() calls: the statistics schedule and the non-finite report's interval
         self._casts: dict[tuple[int, ...], tuple] = {}  # stacked whiteners in ns_dtype, per stack
 
@@ -900,6 +902,24 @@ class WhitenedMuon(torch.optim.Optimizer):
             self._step()
         return loss
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch.optim's ``zero_grad``. If a backward wrote gradients since the last one and no
+        ``step()`` came (a ``GradScaler`` skipped it: ``scaler.step(optimizer)`` calls nothing on
+        an overflow), that iteration was abandoned: the statistics it gathered are dropped, so
+        the next step's whiteners do not see them. A second ``zero_grad`` with no backward in
+        between drops nothing."""
+        if not self._stepped and self._grads_at_zero is not None and self._whitened_grads() != self._grads_at_zero:
+            self._statistics.pending.clear()
+            self._statistics.forget_inputs()
+        self._stepped = False
+        super().zero_grad(set_to_none=set_to_none)
+        self._grads_at_zero = self._whitened_grads()
+
+    def _whitened_grads(self) -> list:
+        """Each whitened weight's gradient as an identity and version (``None`` for none): a
+        backward creates the tensor or accumulates into it in place, which changes its version."""
+        return [None if p.grad is None else (id(p.grad), p.grad._version) for p in self._whitened_params()]
+
     def _whitened_params(self) -> list[nn.Parameter]:
         return [p for g in self.param_groups if g["algorithm"] == WHITENED for p in g["params"]]
 
@@ -941,6 +961,7 @@ class WhitenedMuon(torch.optim.Optimizer):
                     # statistics schedule stays in phase (load_state_dict reads the latest)
                     self.state[p]["step"] = self._steps + 1
         self._steps += 1
+        self._stepped = True
         self._capture.collecting = self._statistics_step()
         if (self._steps - 1) % self.nonfinite_warn_interval == 0:
             self._report_nonfinite()
