@@ -66,31 +66,41 @@ def _overflow_once(model: nn.Module, bad: bool):
     return hook
 
 
-def _amp_run(method: str, options: dict, *, bad_step: int | None, wrapped: bool, steps: int = 6) -> list:
+def _iterations(model: nn.Module, optimizer, scaler, *, leave_out_first: bool, precond=None) -> None:
+    """7 iterations of the AMP loop whose first overflows (the scaler skips it), or without it;
+    ``precond``: stepped by hand between ``unscale_`` and the scaler's step."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 5, generator=g, dtype=torch.float64), torch.randn(16, 3, generator=g,
+                                                                               dtype=torch.float64))
+            for _ in range(7)]
+    for i, (x, y) in enumerate(data):
+        if leave_out_first and i == 0:
+            continue
+        optimizer.zero_grad()
+        out = model(x) * 1.0  # a tensor after the model's: its hook changes what every layer sees
+        out.register_hook(_overflow_once(model, i == 0))
+        scaler.scale(F.mse_loss(out, y)).backward()
+        if precond is not None:
+            scaler.unscale_(optimizer)
+            precond.step()
+        scaler.step(optimizer)  # unscales if not yet, and skips the step on an overflow
+        scaler.update()
+
+
+def _amp_run(method: str, options: dict, *, wrapped: bool, leave_out_first: bool = False) -> tuple:
     """The documented AMP loop on CPU (a GradScaler; float64 model, so the scale is divided out
-    exactly); iteration ``bad_step`` overflows and the scaler skips it."""
+    exactly) over 7 iterations whose first overflows, so that the scaler skips it; or, with
+    ``leave_out_first``, the same loop without that iteration (its scale already halved, as
+    the skipped iteration's update() leaves it)."""
     from kron_precond import PreconditionedOptimizer
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**9 if leave_out_first else 2.0**10)
     precond = KronPreconditioner(model, method=method, grad_scaler=scaler, **options)
     base = torch.optim.SGD(model.parameters(), lr=0.05)
     optimizer = PreconditionedOptimizer(base, precond) if wrapped else base
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(16, 5, generator=g, dtype=torch.float64), torch.randn(16, 3, generator=g,
-                                                                               dtype=torch.float64))
-            for _ in range(steps)]
-    for i, (x, y) in enumerate(data):
-        optimizer.zero_grad()
-        out = model(x) * 1.0  # a tensor after the model's: its hook changes what every layer sees
-        out.register_hook(_overflow_once(model, i == bad_step))
-        scaler.scale(F.mse_loss(out, y)).backward()
-        scaler.unscale_(optimizer)
-        if not wrapped:
-            precond.step()
-        scaler.step(optimizer)
-        scaler.update()
+    _iterations(model, optimizer, scaler, leave_out_first=leave_out_first, precond=None if wrapped else precond)
     return [p.detach().clone() for p in model.parameters()], precond
 
 
@@ -98,43 +108,18 @@ def _amp_run(method: str, options: dict, *, bad_step: int | None, wrapped: bool,
 @pytest.mark.parametrize("method, options", [
     ("kfac", dict(factor_update_steps=2, inv_update_steps=4, damping=0.1)),
     ("ekfac", dict(factor_update_steps=2, inv_update_steps=4, damping=0.1)),
+    ("shampoo", dict(inv_update_steps=2)),
 ])
 def test_a_step_the_scaler_skips_leaves_the_preconditioner_as_if_it_never_happened(method, options, wrapped):
     """An overflow on the first iteration (routine at a float16 run's initial loss scale): the
     scaler skips the optimizer's step, and the preconditioner must neither count the step nor
     keep its statistics, so the first refresh still sees data. The run ends where the run
-    without that iteration ends (the data after it shifted by one)."""
-    with_overflow, precond = _amp_run(method, options, bad_step=0, wrapped=wrapped, steps=7)
+    without that iteration ends."""
+    with_overflow, precond = _amp_run(method, options, wrapped=wrapped)
     assert precond.steps == 6
-    torch.manual_seed(0)
-    without, _ = _amp_run_without_first(method, options, wrapped)
+    without, _ = _amp_run(method, options, wrapped=wrapped, leave_out_first=True)
     for a, b in zip(with_overflow, without):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
-
-
-def _amp_run_without_first(method: str, options: dict, wrapped: bool) -> tuple:
-    """The same as ``_amp_run(..., bad_step=0, steps=7)`` with the first iteration left out."""
-    from kron_precond import PreconditionedOptimizer
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**9)  # halved by the skipped step's update
-    precond = KronPreconditioner(model, method=method, grad_scaler=scaler, **options)
-    base = torch.optim.SGD(model.parameters(), lr=0.05)
-    optimizer = PreconditionedOptimizer(base, precond) if wrapped else base
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(16, 5, generator=g, dtype=torch.float64), torch.randn(16, 3, generator=g,
-                                                                               dtype=torch.float64))
-            for _ in range(7)][1:]
-    for x, y in data:
-        optimizer.zero_grad()
-        scaler.scale(F.mse_loss(model(x), y)).backward()
-        scaler.unscale_(optimizer)
-        if not wrapped:
-            precond.step()
-        scaler.step(optimizer)
-        scaler.update()
-    return [p.detach().clone() for p in model.parameters()], precond
 
 
 def test_an_overflowing_call_is_left_out_of_g_and_the_others_kept():
@@ -168,14 +153,6 @@ def test_a_gradscaler_applies_to_methods_without_statistics_hooks(method):
         KronPreconditioner(model, method=method, grad_scaler=torch.amp.GradScaler("cpu")).remove()
     with pytest.warns(UserWarning, match="grad_scaler"):
         KronPreconditioner(model, method=method, grad_scaler=lambda: 2.0).remove()
-
-
-def test_a_shampoo_step_the_scaler_skips_leaves_its_state_as_if_it_never_happened():
-    with_overflow, precond = _amp_run("shampoo", dict(inv_update_steps=2), bad_step=0, wrapped=False, steps=7)
-    assert precond.steps == 6
-    without, _ = _amp_run_without_first("shampoo", dict(inv_update_steps=2), wrapped=False)
-    for a, b in zip(with_overflow, without):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
 def test_a_second_zero_grad_before_the_backward_keeps_the_iterations_statistics():
@@ -242,19 +219,7 @@ def _whitened_muon_amp_run(skip_first: bool) -> list:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**9 if skip_first else 2.0**10)
     optimizer = WhitenedMuon(model, lr=0.02, statistics_every=2, output_side=True, grad_scaler=scaler,
                              ns_dtype=torch.float64)
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(16, 5, generator=g, dtype=torch.float64), torch.randn(16, 3, generator=g,
-                                                                               dtype=torch.float64))
-            for _ in range(7)]
-    for i, (x, y) in enumerate(data):
-        if skip_first and i == 0:
-            continue
-        optimizer.zero_grad()
-        out = model(x) * 1.0
-        out.register_hook(_overflow_once(model, i == 0))
-        scaler.scale(F.mse_loss(out, y)).backward()
-        scaler.step(optimizer)  # unscales, and skips the step on an overflow
-        scaler.update()
+    _iterations(model, optimizer, scaler, leave_out_first=skip_first)
     return [p.detach().clone() for p in model.parameters()]
 
 
