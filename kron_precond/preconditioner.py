@@ -31,7 +31,7 @@ from kron_precond import checkpoint, validation
 from kron_precond.apply import precondition_exchanged, precondition_gradients
 from kron_precond.attention import PackedInputAdapter, ranks_agree
 from kron_precond.autocast import autocast_disabled
-from kron_precond.capture import ActivationCapture, grad_scaler_scale, refuse_fullgraph, weakly
+from kron_precond.capture import ActivationCapture, ForwardHook, grad_scaler_scale, refuse_fullgraph, weakly
 from kron_precond.distributed.assignment import WorkAssignment, assign_work
 from kron_precond.distributed.runtime import Runtime
 from kron_precond.enums import AssignmentStrategy, DistributedStrategy
@@ -247,6 +247,29 @@ class KronPreconditioner:
                            else None)
         if self._finalizer is not None:
             self._finalizer.atexit = False
+        # The model's training forwards before the first step, counted to check
+        # accumulation_steps once (it scales the output-gradient statistics by its square);
+        # the hook is removed at the first step, so later steps pay nothing.
+        self._forwards_before_first_step = [0]
+        self._forward_counter = (model.register_forward_hook(
+            ForwardHook(_count_training_forwards(self._forwards_before_first_step)), with_kwargs=True)
+            if self._spec.captures and self._spec.captures_output_grads else None)
+
+    def _check_accumulation(self) -> None:
+        """Once, at the first step: warn if the model's training forwards since construction
+        differ from ``accumulation_steps`` (each forward one micro-batch, as usual)."""
+        if self._forward_counter is None:
+            return
+        self._forward_counter.remove()
+        self._forward_counter = None
+        ran = self._forwards_before_first_step[0]
+        if ran not in (0, self.accumulation_steps):
+            warnings.warn(f"KronPreconditioner: accumulation_steps={self.accumulation_steps}, but the model ran "
+                          f"forward {ran} times in training mode before the first step. If each forward is a "
+                          f"micro-batch of one optimizer step, set accumulation_steps={ran}: the output-gradient "
+                          f"statistics are scaled by its square (K-FAC's damping is then off by that factor). "
+                          f"If the model runs forward more than once per micro-batch, ignore this",
+                          UserWarning, stacklevel=3)  # the caller of step()
 
     def _ranks_agree(self, same: bool, device: torch.device) -> bool:
         """Whether every rank read an attention call as self-attention
@@ -306,6 +329,7 @@ class KronPreconditioner:
             # next iteration's data, as in a run without it
             self.discard_statistics()
             return
+        self._check_accumulation()
         with torch.no_grad(), autocast_disabled():
             for layer in self._layers:
                 self._follow_parameters(layer)
@@ -374,6 +398,7 @@ class KronPreconditioner:
         ``GradScaler`` skipped its step; ``step()`` itself, when the ``grad_scaler`` it was given
         found an overflow."""
         self._wait_for_statistics()  # a reduction still in flight belongs to the last step
+        self._forwards_before_first_step[0] = 0  # the abandoned iteration's forwards were no micro-batches
         for layer in self._layers:
             discard = getattr(layer.method, "discard_statistics", None)
             if discard is not None:
@@ -670,6 +695,9 @@ class KronPreconditioner:
         """Remove the hooks; the preconditioner no longer observes the model."""
         if self._finalizer is not None:
             self._finalizer()
+        if self._forward_counter is not None:
+            self._forward_counter.remove()
+            self._forward_counter = None
 
     def __reduce_ex__(self, protocol):
         raise TypeError("KronPreconditioner cannot be copied or pickled: it holds hooks on the model's modules, "
@@ -733,6 +761,14 @@ def _method_settings(spec_class: type[MethodSpec], given: dict[str, Any], engine
             value = option.check(name, value)
         settings[name] = value
     return settings
+
+
+def _count_training_forwards(count: list[int]) -> Callable[..., None]:
+    @torch.compiler.disable  # a counter of Python ints: outside any compiled graph
+    def hook(module: nn.Module, inputs, kwargs, output) -> None:
+        if module.training and torch.is_grad_enabled():
+            count[0] += 1
+    return hook
 
 
 def _is_default(value, defaults) -> bool:

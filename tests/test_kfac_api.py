@@ -781,3 +781,31 @@ def test_a_registered_adapter_that_names_its_own_parameters_is_not_refused():
         assert [id(p) for p in opt.param_groups[0]["params"]] == [id(module.kernel)]
     finally:
         del _ADAPTERS[0]
+
+
+@pytest.mark.parametrize("given, ran, warns", [(1, 4, True), (4, 4, False), (2, 1, True), (1, 1, False)])
+def test_accumulation_steps_that_differ_from_the_first_steps_forwards_are_warned_about(given, ran, warns):
+    """accumulation_steps scales G by its square; a trainer's accumulation the user forgot to
+    pass on is a silent factor of k² in K-FAC's damping. The first step's training forwards
+    (evaluation forwards not counted) are checked once."""
+    import warnings as _warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    precond = KronPreconditioner(model, method="kfac", accumulation_steps=given)
+    with torch.no_grad():
+        model.eval()
+        model(torch.randn(3, 4))  # an evaluation pass: not a micro-batch
+        model.train()
+    for _ in range(ran):
+        (model(torch.randn(8, 4)).square().mean() / ran).backward()
+    with _warnings.catch_warnings(record=True) as caught:
+        _warnings.simplefilter("always")
+        precond.step()
+        for _ in range(ran + 1):  # later steps are not checked
+            model(torch.randn(8, 4)).square().mean().backward()
+        precond.step()
+    said = [str(w.message) for w in caught if "accumulation_steps" in str(w.message)]
+    assert len(said) == (1 if warns else 0), said
+    if warns:
+        assert f"set accumulation_steps={ran}" in said[0]

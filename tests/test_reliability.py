@@ -264,7 +264,7 @@ def test_an_output_that_is_not_the_first_piece_of_a_concatenation_gives_its_own_
     proj = (nn.Linear(4, 5) if kind == "Linear" else Conv1D(5, 4)).to(F64)
     precond = KronPreconditioner(proj, damping=LAMBDA, inv_dtype=F64, kl_clip=None)
     x = torch.randn(1 if join == "cat1_batch1" else 2, 3, 4, dtype=F64)
-    other = torch.full_like(proj(x), 7.0, requires_grad=True)
+    other = torch.full((*x.shape[:-1], 5), 7.0, dtype=F64, requires_grad=True)
     y = proj(x)
     joined = {"cat0": lambda: torch.cat([other, y], 0), "stack0": lambda: torch.stack([other, y], 0),
               "cat1_batch1": lambda: torch.cat([other, y], 1)}[join]()
