@@ -203,6 +203,35 @@ def refuse_fullgraph(root: nn.Module, hooked: Sequence[nn.Module], who: str) -> 
                              f"--compile.enable false), or leave its modules out with skip_layers")
 
 
+class AbandonedIterations:
+    """Tells, at ``zero_grad()``, whether the iteration since the previous one was abandoned: a
+    backward wrote gradients and no ``step()`` came (a ``GradScaler`` skipped it:
+    ``scaler.step(optimizer)`` calls nothing on an overflow). Its statistics must then be
+    dropped. A backward shows in the gradients of ``params()``: it creates a tensor or
+    accumulates into one in place, which changes its version; a second ``zero_grad`` with no
+    backward in between (after the forward, say) shows nothing."""
+
+    def __init__(self, params: Callable[[], Sequence[torch.Tensor]]) -> None:
+        self._params = params
+        self._stepped = True
+        self._at_zero: list | None = None  # the gradients as the last zero_grad() left them
+
+    def _marks(self) -> list:
+        return [None if p.grad is None else (id(p.grad), p.grad._version) for p in self._params()]
+
+    def stepped(self) -> None:
+        self._stepped = True
+
+    def abandoned(self) -> bool:
+        """Called before zeroing."""
+        return not self._stepped and self._at_zero is not None and self._marks() != self._at_zero
+
+    def zeroed(self) -> None:
+        """Called after zeroing."""
+        self._stepped = False
+        self._at_zero = self._marks()
+
+
 def weakly(method: Callable[..., Any], default: Any = None) -> Callable[..., Any]:
     """``method`` called through a weak reference to its object (``default`` once it is freed):
     for callbacks the model's hooks reach, which must not keep their owner alive."""

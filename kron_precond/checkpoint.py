@@ -67,3 +67,16 @@ def called_by_torchs_state_dict_api() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def run_load_pre_hooks(optimizer, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` as ``optimizer``'s ``register_load_state_dict_pre_hook`` hooks leave it
+    (torch.optim runs them first, on a shallow copy, and loads what they return), as a new
+    dict the caller may change: an optimizer that checks a checkpoint before loading it
+    checks this."""
+    state_dict = dict(state_dict)
+    for hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
+        result = hook(optimizer, state_dict)
+        if result is not None:
+            state_dict = result
+    return dict(state_dict)

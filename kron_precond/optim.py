@@ -27,7 +27,7 @@ import torch
 
 from . import validation
 from .autocast import autocast_disabled
-from .checkpoint import called_by_torchs_state_dict_api
+from .checkpoint import called_by_torchs_state_dict_api, run_load_pre_hooks
 from .health import new_nonfinite_steps
 from .methods import state_checks as checks
 from .methods.psgd import PSGDFactors, check_memory_save_mode, check_update_rule
@@ -401,12 +401,7 @@ class Kron(torch.optim.Optimizer):
         first, on a shallow copy, and what they return is what is checked and loaded; the
         post-hooks run once everything is loaded.
         """
-        state_dict = dict(state_dict)  # shallow copy, as torch.optim
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        state_dict = dict(state_dict)
+        state_dict = run_load_pre_hooks(self, state_dict)
         extra = state_dict.pop("kron", None)
         saved_state = state_dict.get("state", {})
         saved_groups = state_dict.get("param_groups")

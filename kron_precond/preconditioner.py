@@ -400,9 +400,7 @@ class KronPreconditioner:
         self._wait_for_statistics()  # a reduction still in flight belongs to the last step
         self._forwards_before_first_step[0] = 0  # the abandoned iteration's forwards were no micro-batches
         for layer in self._layers:
-            discard = getattr(layer.method, "discard_statistics", None)
-            if discard is not None:
-                discard()
+            layer.method.discard_statistics()
 
     def _plan(self, step_lr=None) -> StepContext:
         """This step's decisions and hyperparameters, all checked before anything changes."""

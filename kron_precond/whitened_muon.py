@@ -52,7 +52,8 @@ import torch.nn as nn
 from kron_precond import validation
 from kron_precond.attention import PackedInputAdapter, attention_units, model_attention_units, ranks_agree
 from kron_precond.autocast import autocast_disabled
-from kron_precond.capture import ActivationCapture, grad_scaler_scale, refuse_fullgraph, weakly
+from kron_precond.capture import AbandonedIterations, ActivationCapture, grad_scaler_scale, refuse_fullgraph, weakly
+from kron_precond.checkpoint import run_load_pre_hooks
 from kron_precond.distributed.sharded import ShardedLayout, is_dtensor
 from kron_precond.health import new_nonfinite_steps
 from kron_precond.methods import state_checks as checks
@@ -751,8 +752,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         self._unobserved_warned: set[int] = set()
         self._eval_warned = False
         self._replica_warned = False
-        self._stepped = True  # a step() since the last zero_grad() (see zero_grad)
-        self._grads_at_zero: list | None = None  # the whitened gradients as zero_grad() left them
+        self._iterations = AbandonedIterations(self._whitened_params)  # see zero_grad
         self._steps = 0  # step() calls: the statistics schedule and the non-finite report's interval
         self._casts: dict[tuple[int, ...], tuple] = {}  # stacked whiteners in ns_dtype, per stack
 
@@ -908,17 +908,11 @@ class WhitenedMuon(torch.optim.Optimizer):
         an overflow), that iteration was abandoned: the statistics it gathered are dropped, so
         the next step's whiteners do not see them. A second ``zero_grad`` with no backward in
         between drops nothing."""
-        if not self._stepped and self._grads_at_zero is not None and self._whitened_grads() != self._grads_at_zero:
+        if self._iterations.abandoned():
             self._statistics.pending.clear()
             self._statistics.forget_inputs()
-        self._stepped = False
         super().zero_grad(set_to_none=set_to_none)
-        self._grads_at_zero = self._whitened_grads()
-
-    def _whitened_grads(self) -> list:
-        """Each whitened weight's gradient as an identity and version (``None`` for none): a
-        backward creates the tensor or accumulates into it in place, which changes its version."""
-        return [None if p.grad is None else (id(p.grad), p.grad._version) for p in self._whitened_params()]
+        self._iterations.zeroed()
 
     def _whitened_params(self) -> list[nn.Parameter]:
         return [p for g in self.param_groups if g["algorithm"] == WHITENED for p in g["params"]]
@@ -961,7 +955,7 @@ class WhitenedMuon(torch.optim.Optimizer):
                     # statistics schedule stays in phase (load_state_dict reads the latest)
                     self.state[p]["step"] = self._steps + 1
         self._steps += 1
-        self._stepped = True
+        self._iterations.stepped()
         self._capture.collecting = self._statistics_step()
         if (self._steps - 1) % self.nonfinite_warn_interval == 0:
             self._report_nonfinite()
@@ -1266,11 +1260,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         Factors, whiteners and counters keep their saved dtype and values (torch.optim's load
         would cast them to each parameter's dtype, e.g. bfloat16)."""
         # torch.optim's order: the pre-hooks adapt the checkpoint first, then it is checked
-        state_dict = dict(state_dict)
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
+        state_dict = run_load_pre_hooks(self, state_dict)
         missing = [key for key in ("state", "param_groups") if key not in state_dict]
         if missing:
             raise ValueError(f"WhitenedMuon.load_state_dict: the checkpoint has no {missing} (not an optimizer's "

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from kron_precond.capture import AbandonedIterations
 from kron_precond.checkpoint import called_by_torchs_state_dict_api
 from kron_precond.preconditioner import KronPreconditioner
 
@@ -64,8 +65,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                              "build both on the same model (or skip_layers= those modules)")
         self.optimizer = optimizer
         self.preconditioner = preconditioner
-        self._stepped = True  # a step() since the last zero_grad() (see zero_grad)
-        self._grads_at_zero: list | None = None  # the registered gradients as zero_grad() left them
+        self._iterations = AbandonedIterations(  # see zero_grad
+            lambda: [p for layer in preconditioner.layers.values() for _, p in layer.params])
         # What torch.optim.Optimizer.__init__ sets up, minus parameter groups of our own.
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
@@ -122,7 +123,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.preconditioner.step(lr=self.param_groups[0]["lr"])
         self.optimizer.step()
-        self._stepped = True
+        self._iterations.stepped()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -131,17 +132,10 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         it: ``scaler.step(optimizer)`` calls nothing on an overflow), that iteration was
         abandoned: its statistics are dropped, so they do not enter the next step's factors. A
         second ``zero_grad`` with no backward in between (after the forward, say) drops nothing."""
-        if not self._stepped and self._grads_at_zero is not None and self._registered_grads() != self._grads_at_zero:
+        if self._iterations.abandoned():
             self.preconditioner.discard_statistics()
-        self._stepped = False
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        self._grads_at_zero = self._registered_grads()
-
-    def _registered_grads(self) -> list:
-        """Each registered parameter's gradient as an identity and version (``None`` for none):
-        a backward creates the tensor or accumulates into it in place, which changes its version."""
-        return [None if p.grad is None else (id(p.grad), p.grad._version)
-                for layer in self.preconditioner.layers.values() for _, p in layer.params]
+        self._iterations.zeroed()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the base optimizer (its parameters are stepped, not preconditioned)."""

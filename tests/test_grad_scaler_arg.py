@@ -228,3 +228,57 @@ def test_whitened_muon_drops_the_statistics_of_a_step_the_scaler_skipped():
     without a step and drops that iteration's rows, so the run ends where the run without it ends."""
     for a, b in zip(_whitened_muon_amp_run(False), _whitened_muon_amp_run(True)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def _skipped_step_worker(rank: int, world: int, out_dir: str, wrapped: bool):
+    """The AMP loop on ``world`` ranks (gradients averaged as DDP does), the full batch split
+    between them; the first iteration overflows on rank 0 only, which the average carries to
+    every rank, so every rank's scaler skips it."""
+    import torch.distributed as dist
+
+    from dist_utils import average_gradients_by_hand, ranks_identical
+    from kron_precond import PreconditionedOptimizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    params = list(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    precond = KronPreconditioner(model, method="kfac", factor_update_steps=2, inv_update_steps=4, damping=0.1,
+                                 grad_scaler=scaler)
+    base = torch.optim.SGD(params, lr=0.05)
+    optimizer = PreconditionedOptimizer(base, precond) if wrapped else base
+    g = torch.Generator().manual_seed(1)
+    identical = []
+    for i in range(6):
+        x, y = torch.randn(16, 5, generator=g, dtype=torch.float64), torch.randn(16, 3, generator=g,
+                                                                                   dtype=torch.float64)
+        rows = slice(rank * 16 // world, (rank + 1) * 16 // world)
+        optimizer.zero_grad()
+        out = model(x[rows]) * 1.0
+        out.register_hook(_overflow_once(model, i == 0 and rank == 0))
+        scaler.scale(F.mse_loss(out, y[rows])).backward()
+        if world > 1:
+            average_gradients_by_hand(params, world, dist.all_reduce)
+        scaler.unscale_(optimizer)
+        if not wrapped:
+            precond.step()
+        scaler.step(optimizer)
+        scaler.update()
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        identical.append(world == 1 or ranks_identical(flat, world, dist.all_gather))
+    return {"params": [p.detach().clone() for p in params], "identical": identical, "steps": precond.steps}
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_step_skipped_on_every_rank_gives_the_one_process_result(tmp_path, wrapped):
+    """An overflow on one rank reaches every rank through DDP's average: every rank skips the
+    step (none enters a collective the others skip), the ranks stay identical, and the run ends
+    where one process on the full batch ends."""
+    from dist_utils import run_workers
+
+    single = run_workers(_skipped_step_worker, 1, tmp_path / "w1", wrapped, timeout=60)[0]
+    assert single["steps"] == 5
+    for r in run_workers(_skipped_step_worker, 2, tmp_path / "w2", wrapped, timeout=90):
+        assert all(r["identical"]) and r["steps"] == 5
+        for got, want in zip(r["params"], single["params"]):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -93,6 +93,10 @@ class LayerMethod(abc.ABC):
     def fold_statistics(self, ctx: StepContext) -> None:  # noqa: B027 (optional hook, a no-op by default)
         """Fold this step's (reduced) statistics into the running state."""
 
+    def discard_statistics(self) -> None:  # noqa: B027 (optional hook, a no-op by default)
+        """Drop the statistics gathered since the last fold (an iteration whose step will not
+        happen). Default: a method that gathers none between steps has nothing to drop."""
+
     def release_statistics_state(self) -> None:  # noqa: B027 (optional hook, a no-op by default)
         """Drop the running statistics state (K-FAC: the factors) on a rank that does not own
         this layer, when the engine reduces statistics to owners only (sharded models).
