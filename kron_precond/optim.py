@@ -87,6 +87,16 @@ def _check_group(group: dict[str, Any], global_clipnorm: float | None, *, schedu
     return out
 
 
+# The group settings that fix the shapes and dtypes of a parameter's state when it is made:
+# the step cannot follow a change of them, so a change is refused (see Kron._check_structure).
+STRUCTURE_KEYS = ("precond_dtype", "mu_dtype", "merge_dims", "max_size_triangular",
+                  "min_ndim_triangular", "memory_save_mode", "precond_update")
+
+
+def _structure(group: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(group.get(key, "eq" if key == "precond_update" else None) for key in STRUCTURE_KEYS)
+
+
 # A param group's settings, checked before every step (a scheduler or a user may set any value).
 STEP_RULES: tuple[validation.GroupRule, ...] = (
     ("lr", ">= 0", lambda v: v >= 0), ("precond_lr", "> 0", lambda v: v > 0),
@@ -100,7 +110,9 @@ class Kron(torch.optim.Optimizer):
     Args:
         params: parameters or parameter groups. Every argument below except
             ``preconditioner_update_probability``, ``global_clipnorm`` and ``seed`` can be
-            set per group (and an LR scheduler may write ``group['lr']``).
+            set per group (and an LR scheduler may write ``group['lr']``); those that fix
+            the state's shapes and dtypes (:data:`STRUCTURE_KEYS`) cannot change once a
+            parameter has state (``ValueError`` at the next step).
         lr: learning rate (> 0).
         b1: momentum coefficient in [0, 1).
         weight_decay: decoupled weight decay (≥ 0), applied to tensors with ≥ 2 dims.
@@ -151,6 +163,8 @@ class Kron(torch.optim.Optimizer):
         self._tensors: dict[torch.Tensor, PSGDTensor] = {}
         # per parameter, the state entries its PSGDTensor was built on (see _tensor_of)
         self._bound: dict[torch.Tensor, tuple[Any, ...]] = {}
+        # per parameter with state, the group settings its state was made or loaded under
+        self._made_with: dict[torch.Tensor, tuple[Any, ...]] = {}
         defaults = dict(lr=lr, b1=b1, weight_decay=weight_decay,
                         max_size_triangular=max_size_triangular,
                         min_ndim_triangular=min_ndim_triangular,
@@ -191,6 +205,7 @@ class Kron(torch.optim.Optimizer):
         super().__setstate__(state)
         # an optimizer pickled by a version without it: its per-parameter tensors are rebuilt
         self.__dict__.setdefault("_bound", {})
+        self.__dict__.setdefault("_made_with", {})
 
     @property
     def steps(self) -> int:
@@ -227,6 +242,7 @@ class Kron(torch.optim.Optimizer):
         state["nonfinite_steps"] = torch.zeros((), dtype=torch.int32, device=p.device)
         state["uses_per_update"] = 1.0  # decides whether Q_iᵀQ_i is formed (saved: bitwise resume)
         self._bound[p] = self._state_entries(state)
+        self._made_with[p] = _structure(group)
         return state
 
     @staticmethod
@@ -286,6 +302,7 @@ class Kron(torch.optim.Optimizer):
             validation.check_group_numbers("Kron", index, group, STEP_RULES)
             if any(p.grad is not None and p.grad.is_sparse for p in group["params"]):
                 raise RuntimeError("Kron does not support sparse gradients")
+            self._check_structure(index, group)
         probability = self._decider.current_probability()
         do_update = self._decider()
         if do_update:
@@ -315,6 +332,21 @@ class Kron(torch.optim.Optimizer):
 
         if (self._decider.step - 1) % self.nonfinite_warn_interval == 0:
             self._report_nonfinite()
+
+    def _check_structure(self, index: int, group: dict[str, Any]) -> None:
+        """``ValueError`` when a setting in :data:`STRUCTURE_KEYS` differs from the one a
+        parameter's state was made under: its factors and momentum keep their shapes and
+        dtypes, so the step would silently ignore the new value."""
+        now = _structure(group)
+        for p in group["params"]:
+            made = self._made_with.get(p, now)
+            if made != now:
+                changed = [f"{key} from {a!r} to {b!r}" for key, a, b in zip(STRUCTURE_KEYS, made, now) if a != b]
+                raise ValueError(
+                    f"Kron: param group {index} changed {', '.join(changed)} after its parameters' "
+                    "preconditioner state was made; these settings fix the state's shapes and dtypes, so the "
+                    "step cannot follow them. Set them before the first step (or in the optimizer a "
+                    "checkpoint is loaded into), or set them back")
 
     def _update_param(self, index: int, p: torch.Tensor, group: dict[str, Any],
                       grad: torch.Tensor, finite: torch.Tensor, do_update: bool, probability: float) -> None:
@@ -409,6 +441,7 @@ class Kron(torch.optim.Optimizer):
             raise ValueError("Kron.load_state_dict: the saved param_groups do not match this "
                              "optimizer's groups")
         new_states: dict[torch.Tensor, dict[str, Any]] = {}
+        saved_settings: dict[torch.Tensor, dict[str, Any]] = {}
         for index, (saved_group, group) in enumerate(zip(saved_groups, self.param_groups)):
             if not isinstance(saved_group, dict) or len(saved_group.get("params", ())) != len(group["params"]):
                 raise ValueError(f"Kron.load_state_dict: param group {index} has a different "
@@ -418,6 +451,7 @@ class Kron(torch.optim.Optimizer):
             for key, p in zip(saved_group["params"], group["params"]):
                 if key in saved_state:
                     new_states[p] = self._load_param_state(saved_state[key], p, settings, f"state[{key!r}]")
+                    saved_settings[p] = settings
         decider = None
         if extra is not None:
             try:
@@ -445,6 +479,7 @@ class Kron(torch.optim.Optimizer):
         self.__setstate__({"state": state, "param_groups": groups})
         self._tensors.clear()
         self._bound.clear()
+        self._made_with = {p: _structure(saved_settings[p]) for p in new_states}
         # the loaded counters were reported by the run that saved them: report what comes after
         self._reported.clear()
         new_nonfinite_steps(self, self._reported)

@@ -708,3 +708,60 @@ def test_an_optimizer_pickled_without_the_state_bindings_steps_as_the_original()
         step(copy_model, copy_opt, seed)
     for a, b in zip(model.parameters(), copy_model.parameters()):
         assert torch.equal(a, b)
+
+
+def conv_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(12, 2))
+
+
+def conv_steps(model, opt, start, count, extra=None):
+    for s in range(start, start + count):
+        gen = torch.Generator().manual_seed(2000 + s)
+        opt.zero_grad()
+        loss = model(torch.randn(4, 2, 4, 4, generator=gen)).square().mean()
+        if extra is not None:
+            loss = loss + extra.square().sum()
+        loss.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("key,value", [
+    ("precond_dtype", torch.float64), ("mu_dtype", torch.float64), ("merge_dims", True),
+    ("max_size_triangular", 2), ("min_ndim_triangular", 3), ("memory_save_mode", "all_diag"),
+    ("precond_update", "procrustes")])
+@pytest.mark.parametrize("after_load", [False, True])
+def test_a_setting_that_shapes_the_state_changed_mid_run_is_refused_before_anything_moves(key, value, after_load):
+    """These settings fix the shapes and dtypes of a parameter's factors and momentum when its
+    state is made: changed on a group later (by hand or by a scheduler), the step would keep
+    the old ones and ignore the new value. It raises, naming the setting, and moves nothing;
+    set back, the run goes on."""
+    model = conv_model()
+    opt = Kron(model.parameters(), lr=1e-2, preconditioner_update_probability=1.0)
+    conv_steps(model, opt, 0, 2)
+    if after_load:
+        saved = copy.deepcopy(opt.state_dict())
+        opt = Kron(model.parameters(), lr=1e-2, preconditioner_update_probability=1.0)
+        opt.load_state_dict(saved)
+    old = opt.param_groups[0][key]
+    opt.param_groups[0][key] = value
+    before = [p.detach().clone() for p in model.parameters()]
+    steps = opt.steps
+    with pytest.raises(ValueError, match=key):
+        conv_steps(model, opt, 2, 1)
+    assert opt.steps == steps
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    opt.param_groups[0][key] = old
+    conv_steps(model, opt, 2, 1)
+    assert opt.steps == steps + 1
+
+
+def test_a_group_added_later_takes_its_own_settings():
+    """The check concerns a parameter's own state: a new group with other settings is fine."""
+    model = conv_model()
+    extra = nn.Parameter(torch.randn(3, 2, 2, 2))
+    opt = Kron(model.parameters(), lr=1e-2, preconditioner_update_probability=1.0)
+    conv_steps(model, opt, 0, 1)
+    opt.add_param_group({"params": [extra], "merge_dims": True, "precond_dtype": torch.float64})
+    conv_steps(model, opt, 1, 2, extra)
+    assert opt.state[extra]["Q"][0].dtype == torch.float64
