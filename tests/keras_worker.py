@@ -268,6 +268,13 @@ def scenario_keras_arguments() -> dict:
     accumulated = run(Kron(gradient_accumulation_steps=2, **kw), [g1, g2])
     averaged = run(Kron(**kw), [[(a + b) / 2 for a, b in zip(g1, g2)]])
     first_only = run(Kron(gradient_accumulation_steps=2, **kw), [g1])
+    # over several updates with a schedule of the step: Keras counts the optimizer's steps,
+    # not the micro-batches, so the schedule and the probes follow the updates
+    micro = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(8)]
+    schedule = lambda step: ops.where(step < 2, 1.0, 0.0)  # noqa: E731
+    scheduled = run(Kron(gradient_accumulation_steps=2, preconditioner_update_probability=schedule, **kw), micro)
+    scheduled_mean = run(Kron(preconditioner_update_probability=schedule, **kw),
+                         [[(a + b) / 2 for a, b in zip(micro[i], micro[i + 1])] for i in range(0, 8, 2)])
     scaled = run(Kron(loss_scale_factor=64.0, **kw), [[g * 64.0 for g in g1]])
     plain = run(Kron(**kw), [g1])
     ema_opt = Kron(use_ema=True, ema_momentum=0.5, **kw)
@@ -281,6 +288,7 @@ def scenario_keras_arguments() -> dict:
     got_avg = [to_numpy(v) for v in ema_opt._model_variables_moving_average]
     return {
         "accumulation_vs_average": max(rel_err(a, b) for a, b in zip(accumulated, averaged)),
+        "accumulation_over_a_schedule_vs_average": max(rel_err(a, b) for a, b in zip(scheduled, scheduled_mean)),
         "accumulation_holds_until_update": max(rel_err(a, b)
                                                for a, b in zip(first_only, init)),
         "loss_scale_vs_plain": max(rel_err(a, b) for a, b in zip(scaled, plain)),

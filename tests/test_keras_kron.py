@@ -192,12 +192,13 @@ def test_config_round_trip_and_defaults(backend):
 
 @pytest.mark.parametrize("backend", _backends_with("keras_arguments"))
 def test_keras_optimizer_arguments(backend):
-    """gradient_accumulation_steps=2 equals one step on the mean gradient (and holds the
-    variables until then); loss_scale_factor unscales exactly; use_ema keeps the Keras
-    moving average."""
+    """gradient_accumulation_steps=2 equals one step on the mean gradient, over several steps
+    of an update-probability schedule too (and holds the variables until then);
+    loss_scale_factor unscales exactly; use_ema keeps the Keras moving average."""
     r = scenario(backend, "keras_arguments")
     assert r["step_moves"] > 1e-3, r
     assert r["accumulation_vs_average"] < TOLERANCE, r
+    assert r["accumulation_over_a_schedule_vs_average"] < TOLERANCE, r
     assert r["accumulation_holds_until_update"] == 0.0, r
     assert r["loss_scale_vs_plain"] < TOLERANCE, r
     assert r["ema_vs_formula"] < TOLERANCE, r
