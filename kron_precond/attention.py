@@ -28,7 +28,7 @@ them no output side.
 """
 from __future__ import annotations
 
-from typing import Callable, cast
+from typing import Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -64,10 +64,16 @@ class PackedInputAdapter:
     ``separate`` (cross-attention), the query's, the key's and the value's rows (slots 0, 1, 2:
     the parts they project).
 
-    A call with another key or value while not ``separate`` calls
+    A call with another key or value while not ``separate`` sets ``cross_seen`` and calls
     ``on_cross_attention(weight, name)``, which the optimizer sets; it returns whether the parts
     are now whitened by their own inputs (``separate`` is then set by the optimizer) or the
-    weight takes Muon's step unwhitened (no rows)."""
+    call delivers no rows (the weight takes Muon's step unwhitened, or the optimizer refuses the
+    call at its next step).
+
+    The call is read on this rank alone: another rank's batch may read otherwise (padding on one
+    rank only), or not call the module at all, so no collective can run here. An optimizer whose
+    ranks must agree reconciles ``cross_seen`` at its next statistics step with
+    :func:`any_rank`, which every rank reaches."""
 
     def __init__(self, module: nn.MultiheadAttention, name: str, separate: bool = False) -> None:
         self.module, self.name, self.separate = module, name, separate
@@ -75,16 +81,14 @@ class PackedInputAdapter:
         # copy in the module's attribute
         self.weight = module.in_proj_weight
         self.on_cross_attention: Callable[[torch.Tensor, str], bool] | None = None
-        # ``agree(same, device)``: the verdict of every rank (self-attention only if every rank
-        # read its key and value as the query), set by an optimizer whose ranks must take the
-        # same path into their collectives; ``None`` (or a ``None`` returned): this rank's own
-        self.agree: Callable[[bool, torch.device], bool | None] | None = None
+        self.cross_seen = separate  # a call read as cross-attention (on this rank)
 
     def forward_rows(self, inputs: tuple, kwargs: dict, output: object):
         query, key, value = _arguments(inputs, kwargs)
         if not isinstance(query, torch.Tensor):
             return None
         if not self.separate and not self._self_attention(query, key, value):
+            self.cross_seen = True
             if self.on_cross_attention is None:  # set by the optimizer that placed the hook
                 raise RuntimeError(f"nn.MultiheadAttention {self.name!r} was called as cross-attention, and "
                                    "PackedInputAdapter.on_cross_attention is not set")
@@ -96,15 +100,12 @@ class PackedInputAdapter:
                 if isinstance(x, torch.Tensor)]
         return rows, 1
 
-    def _self_attention(self, query: torch.Tensor, key: object, value: object) -> bool:
-        """Key and value are the query. The same objects decide it alike on every rank (the
-        model's code passes them); other tensors are read by their values, which can differ
-        between ranks' batches, so the ranks then agree."""
+    @staticmethod
+    def _self_attention(query: torch.Tensor, key: object, value: object) -> bool:
+        """Key and value are the query: the same objects, or other tensors of equal values."""
         if key is query and value is query:
             return True
-        same = _same_input(key, query) and _same_input(value, query)
-        agreed = self.agree(same, query.device) if self.agree is not None else None
-        return same if agreed is None else agreed
+        return _same_input(key, query) and _same_input(value, query)
 
     delivers_output_grads = False  # the module's output is out_proj's, not the projections'
 
@@ -215,7 +216,9 @@ def input_side_attention_units(model: nn.Module, is_skipped: Callable[[str, nn.M
     ``nn.TransformerDecoderLayer``: its parts read inputs of their own, and the method keeps one
     factor per unit), separate projections (``kdim`` / ``vdim``: three weights and one bias), a
     frozen or tied ``in_proj``. A module taken here that is later called with another key or
-    value raises ``RuntimeError`` at that call, naming it: its factor would read the wrong rows.
+    value is refused with ``RuntimeError``, naming it: its factor would read the wrong rows (in
+    one process at that call; across ranks at the next statistics step, on every rank, by the
+    optimizer, which sets ``on_cross_attention`` then).
     The ``out_proj``, whose input no hook sees, is the module search's (which logs it)."""
     owners = owners_of(model)
     cross = _known_cross_attention(model)
@@ -239,24 +242,31 @@ def input_side_attention_units(model: nn.Module, is_skipped: Callable[[str, nn.M
         if not usable_parameters(owners, name, label, own, log):
             continue
         adapter = PackedInputAdapter(module, label)
-        adapter.on_cross_attention = _refuse_cross_attention
+        adapter.on_cross_attention = refuse_cross_attention
         units.append(Selected(name, module, cast(list, own), adapter, has_bias=module.in_proj_bias is not None))
     return units
 
 
-def ranks_agree(same: bool, device: torch.device, group) -> bool:
-    """Whether every rank of ``group`` read an attention call as self-attention (a one-element
-    all-reduce): the ranks then take the same path into the statistics' all-reduce. Entered
-    only where key or value is another tensor than the query, on statistics steps: conditions
-    alike on every rank."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return same
-    differs = torch.tensor(0 if same else 1, dtype=torch.int32, device=device)
-    dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=group)
-    return not bool(differs.item())
+def several_ranks(group) -> bool:
+    """Whether ``group`` (``None``: the default group) spans more than one process."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def _refuse_cross_attention(weight: torch.Tensor, name: str) -> bool:
+def any_rank(flags: Sequence[bool], device: torch.device, group) -> list[bool]:
+    """Per flag, whether any rank of ``group`` set it: one small all-reduce and a host read.
+    For decisions every rank must take alike (whether an attention is cross-attention), made
+    in an optimizer's step on a schedule every rank shares; a collective in a forward hook
+    would go out of step with the ranks that do not call the module or read it otherwise."""
+    if not flags or not several_ranks(group):
+        return list(flags)
+    seen = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
+    return [bool(v) for v in seen.tolist()]
+
+
+def refuse_cross_attention(weight: torch.Tensor, name: str) -> bool:
+    """``RuntimeError`` naming the packed attention ``name``, which a method reading the
+    query's rows alone cannot precondition as cross-attention."""
     raise RuntimeError(f"nn.MultiheadAttention {name!r} was called as cross-attention (a key or value other "
                        f"than its query): its preconditioner reads the query's rows alone, which would be the "
                        f"wrong input for the key's and value's parts. Leave it to the optimizer with "

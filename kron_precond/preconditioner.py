@@ -29,7 +29,7 @@ from torch import nn
 
 from kron_precond import checkpoint, validation
 from kron_precond.apply import precondition_exchanged, precondition_gradients
-from kron_precond.attention import PackedInputAdapter, ranks_agree
+from kron_precond.attention import PackedInputAdapter, any_rank, refuse_cross_attention, several_ranks
 from kron_precond.autocast import autocast_disabled
 from kron_precond.capture import ActivationCapture, ForwardHook, grad_scaler_scale, refuse_fullgraph, weakly
 from kron_precond.distributed.assignment import WorkAssignment, assign_work
@@ -42,6 +42,12 @@ from kron_precond.modules import Selected, compile_skip_patterns, is_skipped
 from kron_precond.schedules import StepContext, resolve
 
 logger = logging.getLogger("kron_precond")
+
+
+def _no_rows(weight: torch.Tensor, name: str) -> bool:
+    """A packed attention's call read as cross-attention under several ranks: no rows; the
+    step refuses it on every rank (``KronPreconditioner._refuse_cross_attention_on_any_rank``)."""
+    return False
 
 _KL_CLIP_DEFAULT = object()  # the method's default: 1e-3 for K-FAC; off for PSGD (already whitened)
 _LR_FALLBACK = 0.1  # kl_clip's lr when none is given anywhere (with a warning)
@@ -236,9 +242,15 @@ class KronPreconditioner:
                                            before_observe=weakly(self._follow_parameters),
                                            output_grads=self._spec.captures_output_grads)
                          if self._spec.captures else None)
-        for adapter in {id(layer.adapter): layer.adapter for layer in self._layers}.values():
-            if isinstance(adapter, PackedInputAdapter):  # refused as cross-attention by every rank alike
-                adapter.agree = weakly(self._ranks_agree, default=None)
+        # packed attentions a call as cross-attention is refused for: in one process at that call;
+        # across ranks at the next statistics step, on every rank (another rank may not have read
+        # the call so, or not made it: a raise on one rank alone would leave the others waiting)
+        self._packed_attention = [adapter for adapter in {id(layer.adapter): layer.adapter
+                                                          for layer in self._layers}.values()
+                                  if isinstance(adapter, PackedInputAdapter)]
+        if several_ranks(self.process_group):
+            for adapter in self._packed_attention:
+                adapter.on_cross_attention = _no_rows
         self._collecting = False
         self._update_collecting()
         # The hooks reach this object only weakly: one the caller drops is freed, and this
@@ -271,10 +283,16 @@ class KronPreconditioner:
                           f"If the model runs forward more than once per micro-batch, ignore this",
                           UserWarning, stacklevel=3)  # the caller of step()
 
-    def _ranks_agree(self, same: bool, device: torch.device) -> bool:
-        """Whether every rank read an attention call as self-attention
-        (:func:`~kron_precond.attention.ranks_agree`)."""
-        return ranks_agree(same, device, self.process_group)
+    def _refuse_cross_attention_on_any_rank(self) -> None:
+        """On a statistics step under several ranks: ``RuntimeError`` on every rank if any rank
+        read a call of a packed attention as cross-attention since the last one."""
+        adapters = self._packed_attention
+        if not adapters or not several_ranks(self.process_group):
+            return
+        seen = any_rank([a.cross_seen for a in adapters], adapters[0].weight.device, self.process_group)
+        for adapter, cross in zip(adapters, seen):
+            if cross:
+                refuse_cross_attention(adapter.weight, adapter.name)
 
     def _setup_sharding(self) -> None:
         """Sharded models (docs/design.md, "FSDP2 and HSDP"): statistics are reduced to each
@@ -335,6 +353,8 @@ class KronPreconditioner:
                 self._follow_parameters(layer)
             self._health.poll()
             ctx = self._plan(lr)  # raises before any state changes
+            if ctx.statistics:
+                self._refuse_cross_attention_on_any_rank()
             grads = self._gradients()
             if ctx.statistics:
                 self._statistics_steps += 1

@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from kron_precond import validation
-from kron_precond.attention import PackedInputAdapter, attention_units, model_attention_units, ranks_agree
+from kron_precond.attention import PackedInputAdapter, any_rank, attention_units, model_attention_units, several_ranks
 from kron_precond.autocast import autocast_disabled
 from kron_precond.capture import AbandonedIterations, ActivationCapture, grad_scaler_scale, refuse_fullgraph, weakly
 from kron_precond.checkpoint import run_load_pre_hooks
@@ -319,6 +319,17 @@ def _refuse_complex(named_parameters: Iterable[tuple[str, nn.Parameter]]) -> Non
     names = [name for name, p in named_parameters if p.requires_grad and p.is_complex()]
     if names:
         raise TypeError(f"WhitenedMuon does not support complex parameters; got {', '.join(names)}")
+
+
+def _refuse_sparse(named_modules: Iterable[tuple[str, nn.Module]]) -> None:
+    """``TypeError`` naming a module with a trainable weight that gets sparse gradients
+    (``nn.Embedding(sparse=True)``): neither half's step takes them (as ``torch.optim.AdamW``)."""
+    names = [name or "<root>" for name, m in named_modules if getattr(m, "sparse", False) is True
+             and any(p.requires_grad for p in m.parameters(recurse=False))]
+    if names:
+        raise TypeError(f"WhitenedMuon does not support sparse gradients; {', '.join(names)} "
+                        f"{'has' if len(names) == 1 else 'have'} sparse=True. Build it with sparse=False, or "
+                        f"leave it to an optimizer that takes sparse gradients (torch.optim.SparseAdam)")
 
 
 GROUP_RULES: dict[str, tuple[validation.GroupRule, ...]] = {  # per algorithm, checked before every step
@@ -739,7 +750,10 @@ class WhitenedMuon(torch.optim.Optimizer):
                                       else ((unit.slot, unit.index or 0),))]
         for adapter in self._packed.values():
             adapter.on_cross_attention = weakly(self._cross_attention, default=False)
-            adapter.agree = weakly(self._ranks_agree, default=None)
+        # packed in_proj weights taken for self-attention: a call that one rank reads as
+        # cross-attention switches it there at once; the others follow at the next statistics step
+        self._undecided_attention = [_weight(u) for u in units if isinstance(u.adapter, PackedInputAdapter)
+                                     and not u.adapter.separate]
         if isinstance(params, nn.Module):
             refuse_fullgraph(params, [layer.module for layer in layers], "WhitenedMuon")
         self._capture = ActivationCapture(layers, accumulation_steps=1, loss_scale=loss_scale,
@@ -805,6 +819,7 @@ class WhitenedMuon(torch.optim.Optimizer):
             taken = {id(_weight(u)) for u in units + plain}
             rest = [p for p in params.parameters() if p.requires_grad and id(p) not in taken]
             _refuse_complex(params.named_parameters())
+            _refuse_sparse(params.named_modules())
             return units, plain, rest
         if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
             raise TypeError(f"WhitenedMuon: params must be an nn.Module (the model) or a list of modules, "
@@ -922,6 +937,12 @@ class WhitenedMuon(torch.optim.Optimizer):
             _check_group(index, group)
             if group["algorithm"] == WHITENED:
                 self._check_known(index, group["params"])
+            sparse = [i for i, p in enumerate(group["params"]) if p.grad is not None and p.grad.is_sparse]
+            if sparse:
+                raise TypeError(f"WhitenedMuon does not support sparse gradients: param group {index}, entries "
+                                f"{sparse} ({', '.join(self._names.get(id(group['params'][i]), '?') for i in sparse)})")
+        if self._statistics_step():
+            self._agree_on_cross_attention()
         # a forward in eval() mode since the last step (the hooks flag it on statistics steps only)
         eval_forward, self._capture.eval_forward = self._capture.eval_forward, False
         replica_forward, self._capture.replica_forward = self._capture.replica_forward, False
@@ -933,8 +954,6 @@ class WhitenedMuon(torch.optim.Optimizer):
         self._statistics.forget_inputs()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if any(p.grad.is_sparse for p in params):
-                raise TypeError("WhitenedMuon does not support sparse gradients")
             if group["algorithm"] == ADAMW:
                 self._adamw_step(params, group)
                 continue
@@ -959,7 +978,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         self._capture.collecting = self._statistics_step()
         if (self._steps - 1) % self.nonfinite_warn_interval == 0:
             self._report_nonfinite()
-            self._report_unfrozen()
+        self._report_unfrozen()  # every step: host-side checks only, none once each is said
 
     def _warn_unobserved(self, due: list[nn.Parameter], eval_forward: bool, replica_forward: bool = False) -> None:
         """A weight with a gradient whose module never delivered rows is applied outside its
@@ -1005,10 +1024,22 @@ class WhitenedMuon(torch.optim.Optimizer):
                 f"whiteners stay on the old ones. Build WhitenedMuon on the model once it is sharded, after "
                 f"the wrapper has replaced its parameters")
 
-    def _ranks_agree(self, same: bool, device: torch.device) -> bool:
-        """Whether every rank of the statistics' group read an attention call as self-attention
-        (:func:`~kron_precond.attention.ranks_agree`)."""
-        return ranks_agree(same, device, self.process_group)
+    def _agree_on_cross_attention(self) -> None:
+        """On a statistics step under several ranks: a packed attention that any rank read as
+        cross-attention since the last one is cross-attention on every rank, so that every rank
+        takes the same path into the statistics' all-reduce (one small all-reduce and a host read
+        per statistics step, while a packed attention is still taken for self-attention)."""
+        undecided = self._undecided_attention
+        if not undecided or not several_ranks(self.process_group):
+            return
+        seen = any_rank([self._packed[id(w)].cross_seen for w in undecided], undecided[0].device,
+                        self.process_group)
+        for weight, cross in zip(undecided, seen):
+            adapter = self._packed[id(weight)]
+            if cross and not adapter.cross_seen:  # another rank's call: this rank follows
+                adapter.cross_seen = True
+                self._cross_attention(weight, adapter.name)
+        self._undecided_attention = [w for w, cross in zip(undecided, seen) if not cross]
 
     def _cross_attention(self, weight: torch.Tensor, name: str) -> bool:
         """An ``nn.MultiheadAttention``'s packed ``in_proj_weight`` called as cross-attention:
@@ -1035,7 +1066,13 @@ class WhitenedMuon(torch.optim.Optimizer):
         (cross-attention); the side's statistics so far are dropped when it changes."""
         view, adapter = self._views[id(weight)], self._packed[id(weight)]
         if view.part_inputs != on:
+            # rows read as self-attention are the query's, the key's and the value's alike: the
+            # pending ones carry over to each part (a rank that follows another's call then sums
+            # what one process gathering both calls would)
+            pending = self._statistics.pending.get((id(weight), "input")) if on else None
             self._drop_statistics(weight, ("input",))
+            if pending is not None:
+                self._statistics.pending[(id(weight), "input")] = [t.expand(3, *t.shape[1:]).clone() for t in pending]
         view.part_inputs = adapter.separate = on
 
     def _drop_statistics(self, weight: torch.Tensor, sides: tuple[str, ...]) -> None:
@@ -1234,7 +1271,7 @@ class WhitenedMuon(torch.optim.Optimizer):
     def _report_unfrozen(self) -> None:
         """Parameters frozen when the optimizer was built, in no param group, that now have a
         gradient: nothing steps them. Said once."""
-        if not self._frozen_at_build:
+        if not any(p.grad is not None for _, p in self._frozen_at_build):
             return
         grouped = {id(p) for g in self.param_groups for p in g["params"]}
         unfrozen = [(n, p) for n, p in self._frozen_at_build if p.grad is not None and id(p) not in grouped]
@@ -1301,7 +1338,10 @@ class WhitenedMuon(torch.optim.Optimizer):
         self._casts.clear()
         for p, values in exact.items():
             for key, value in values.items():
-                self.state[p][key] = value.to(device=p.device, copy=True)
+                # factors and whiteners in the dtype this optimizer makes them in (the parameter's,
+                # float32 or wider: a checkpoint of a float64 run loads into a float32 model)
+                dtype = value.dtype if key == "nonfinite_steps" else torch.promote_types(p.dtype, torch.float32)
+                self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)
         # the statistics schedule resumes from the latest clock a whitened weight holds: its
         # "step" is the optimizer's step() count when it last stepped (older checkpoints: the
         # count of its own steps, which is that clock for a weight with a gradient on every step)

@@ -187,3 +187,28 @@ def test_a_call_read_as_cross_attention_on_one_rank_raises_on_every_rank(tmp_pat
 
     for r in run_workers(_cross_attention_on_one_rank_worker, 2, tmp_path, timeout=60):
         assert r["raised"] is not None and "'attn'" in r["raised"] and "cross-attention" in r["raised"], r
+
+
+def _context_on_one_rank_worker(rank: int, world: int, out_dir: str):
+    from test_whitened_muon_attention import _context_batches, _ContextOnSomeBatches
+
+    torch.manual_seed(0)
+    model = _ContextOnSomeBatches()
+    precond = KronPreconditioner(model, factor_update_steps=1, inv_update_steps=1, method="ikfac", damping=0.1)
+    x, memory, y = _context_batches(1)[0][rank]  # rank 0's half has a context, rank 1's none
+    try:
+        F.mse_loss(model(x, memory), y).backward()
+        precond.step()
+    except RuntimeError as error:
+        return {"raised": str(error)}
+    return {"raised": None}
+
+
+def test_a_call_as_cross_attention_on_one_rank_while_the_other_passes_the_query_itself_raises_on_every_rank(tmp_path):
+    """The model's code picks the key and value per batch: one rank calls cross-attention, the
+    other self-attention with the query itself, so only one rank's forward sees anything to
+    decide (a collective there would go out of step). Every rank refuses at the step."""
+    from dist_utils import run_workers
+
+    for r in run_workers(_context_on_one_rank_worker, 2, tmp_path, timeout=60):
+        assert r["raised"] is not None and "'attn'" in r["raised"] and "cross-attention" in r["raised"], r

@@ -1063,7 +1063,7 @@ def test_a_parameter_frozen_at_construction_and_unfrozen_later_is_warned_about()
         opt.step()
     for p in net[0].parameters():
         p.requires_grad_(True)
-    opt.nonfinite_warn_interval = 1  # the checks run when the counters are read
+    opt.step()  # a step with nothing new: the warning comes at the first step with the gradients
     before = net[0].weight.detach().clone()
     with pytest.warns(RuntimeWarning, match=r"0\.weight, 0\.bias.*frozen.*built"):
         opt.zero_grad()
@@ -1105,3 +1105,51 @@ def test_a_parameter_swapped_into_a_group_after_construction_is_refused_by_name(
     with pytest.raises(RuntimeError, match=r"not one it was built on.*sharded.*after"):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+
+
+def test_a_sparse_embedding_is_refused_at_construction_and_a_sparse_gradient_before_anything_moves():
+    """Neither half steps sparse gradients (as torch.optim.AdamW): the model form refuses a
+    module that makes them, naming it; a sparse gradient that reaches a group anyway (the list
+    form with add_param_group) is refused at the step before any weight moves."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 8, sparse=True), nn.Linear(8, 8), nn.Linear(8, 2))
+    with pytest.raises(TypeError, match=r"sparse.*\b0\b.*sparse=True"):
+        WhitenedMuon(model, lr=1e-2)
+    model[0].weight.requires_grad_(False)  # a frozen sparse embedding makes no gradient: fine
+    WhitenedMuon(model, lr=1e-2)
+    model[0].weight.requires_grad_(True)
+    opt = WhitenedMuon([model[1], model[2]], lr=1e-2)
+    opt.add_param_group({"params": [model[0].weight], "algorithm": "adamw"})
+    model(torch.randint(0, 10, (4, 3))).square().mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match="sparse gradients: param group 1"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all("step" not in opt.state[p] for p in model.parameters())
+
+
+@pytest.mark.parametrize("saved_dtype,loaded_dtype", [(torch.float64, torch.float32), (torch.float32, torch.float64)])
+def test_a_checkpoint_loads_into_the_model_in_another_dtype_and_steps(saved_dtype, loaded_dtype):
+    """Factors and whiteners are made in the parameter's dtype, float32 or wider: loaded into
+    the model in another dtype they take this one (its refresh adds this model's statistics
+    to them), as a model cast with .to() before the load expects."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).to(saved_dtype)
+    opt = WhitenedMuon(net, lr=1e-2, statistics_every=1)
+    x = torch.randn(32, 8)
+    for _ in range(2):
+        opt.zero_grad()
+        net(x.to(saved_dtype)).square().mean().backward()
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    other = copy.deepcopy(net).to(loaded_dtype)
+    resumed = WhitenedMuon(other, lr=1e-2, statistics_every=1)
+    resumed.load_state_dict(saved)
+    factor = resumed.state[other[0].weight]["input_factor"]
+    assert factor.dtype == loaded_dtype
+    torch.testing.assert_close(factor, saved["state"][0]["input_factor"].to(loaded_dtype))
+    for _ in range(2):
+        resumed.zero_grad()
+        other(x.to(loaded_dtype)).square().mean().backward()
+        resumed.step()
+    assert all(torch.isfinite(p).all() for p in other.parameters())

@@ -870,3 +870,69 @@ def test_a_compiled_cross_attention_is_whitened_per_part_as_in_eager():
             a, b = a[[*range(E), *range(2 * E, 3 * E)]], b[[*range(E), *range(2 * E, 3 * E)]]  # AdamW follows
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert (weights[1] - make().attn.in_proj_weight).abs().max() > 1e-3
+
+
+class _ContextOnSomeBatches(nn.Module):
+    """Self-attention, or cross-attention to a context when the batch has one: the model's own
+    code decides, so ranks whose batches differ call the attention differently."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, E, dtype=torch.float64)
+        self.attn = nn.MultiheadAttention(E, HEADS, batch_first=True, dtype=torch.float64)
+        self.head = nn.Linear(E, 2, dtype=torch.float64)
+
+    def forward(self, x, memory=None):
+        h = self.inp(x)
+        kv = h if memory is None else memory
+        return self.head(self.attn(h, kv, kv, need_weights=False)[0])
+
+
+def _context_batches(steps: int):
+    """Per step, two halves: the first with a context, the second without."""
+    g = torch.Generator().manual_seed(11)
+    return [[(torch.randn(2, T, 4, generator=g, dtype=torch.float64),
+              torch.randn(2, 3, E, generator=g, dtype=torch.float64) if half == 0 else None,
+              torch.randn(2, T, 2, generator=g, dtype=torch.float64)) for half in (0, 1)]
+            for _ in range(steps)]
+
+
+def _context_on_one_rank_worker(rank: int, world: int, out_dir: str, order=(0, 1)):
+    """2 ranks: rank 0's half has the context, rank 1's has none. One process (world 1): both
+    halves as two micro-batches of one step, in ``order``."""
+    from dist_utils import step_as_ddp
+
+    torch.manual_seed(0)
+    model = _ContextOnSomeBatches()
+    opt = WhitenedMuon(model, lr=0.05, statistics_every=1, ns_dtype=torch.float64)
+    params = list(model.parameters())
+    identical = []
+    for halves in _context_batches(3):
+        opt.zero_grad()
+        for half in ((rank,) if world > 1 else order):
+            x, memory, y = halves[half]
+            (F.mse_loss(model(x, memory), y) / (1 if world > 1 else 2)).backward()
+        identical.append(step_as_ddp(opt, params, world))
+    return {"params": [p.detach().clone() for p in params], "identical": identical,
+            "per_part": opt.state[model.attn.in_proj_weight]["input_whitener"].shape == (3, 1, E, E)}
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_an_attention_called_as_cross_attention_on_one_rank_only_is_whitened_per_part_on_every_rank(tmp_path, order):
+    """The model's code picks the key and value per batch: the rank whose batch has a context
+    calls cross-attention, the other self-attention with the query itself (no collective of its
+    own could run in the forward: the ranks' calls differ). Every rank whitens per part from
+    that step on, stays bitwise identical to the others, and ends where one process ends with
+    both halves as micro-batches of each step, in either order (the self-attention call's rows
+    are the query's, the key's and the value's alike)."""
+    from dist_utils import run_workers
+
+    single = run_workers(_context_on_one_rank_worker, 1, tmp_path / "w1", order, timeout=90)[0]
+    assert single["per_part"]
+    names = [n for n, _ in _ContextOnSomeBatches().named_parameters()]
+    for r in run_workers(_context_on_one_rank_worker, 2, tmp_path / "w2", timeout=90):
+        assert r["per_part"] and all(r["identical"])
+        for name, got, want in zip(names, r["params"], single["params"]):
+            # the key's bias has no gradient but rounding noise, which AdamW's steps follow to ~1e-10
+            atol = 1e-9 if name.endswith("in_proj_bias") else 1e-12
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=atol)
