@@ -765,3 +765,20 @@ def test_a_group_added_later_takes_its_own_settings():
     opt.add_param_group({"params": [extra], "merge_dims": True, "precond_dtype": torch.float64})
     conv_steps(model, opt, 1, 2, extra)
     assert opt.state[extra]["Q"][0].dtype == torch.float64
+
+
+@pytest.mark.parametrize("b1", [0.9, 0.9999, 0.0])
+def test_the_momentum_bias_correction_is_exact_to_float32(b1):
+    """With a constant gradient g the debiased momentum is g at every step: 1 − b1^t divides
+    out exactly what the average built up. In float32 pow rounds b1 first and the subtraction
+    magnifies that (2e-4 at b1 = 0.9999): the step must be lr·g to float32's precision."""
+    g = torch.tensor([0.3, -0.2, 0.1], dtype=torch.float64)
+    weight = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    lr = 1e-3
+    opt = Kron([weight], lr=lr, b1=b1, precond_dtype=torch.float64, preconditioner_update_probability=0.0)
+    for _ in range(50):
+        before = weight.detach().clone()
+        weight.grad = g.clone()
+        opt.step()
+        step = (before - weight.detach()) / lr
+        torch.testing.assert_close(step, g, rtol=1e-6, atol=0)

@@ -370,7 +370,10 @@ class Kron(keras.optimizers.Optimizer):
             m = ops.add(mu, weight * (ops.cast(g, mu.dtype) - mu))  # unchanged if skipped
             self.assign(mu, m)
             # in float32 (1/bias overflows float16); the fit divides by its pdtype rounding
-            bias = ops.maximum(1.0 - ops.power(self.b1, count), 1e-30)
+            # 1 − b1^t as −expm1(t · log b1), log b1 in float64: accurate in float32 (pow there
+            # rounds b1 first, and the subtraction magnifies it: 2e-4 at b1 = 0.9999)
+            bias = ops.maximum(-ops.expm1(count * math.log(self.b1)) if self.b1 > 0.0
+                               else ops.cast(ops.greater(count, 0.0), "float32"), 1e-30)
 
             qs = [ops.convert_to_tensor(q) for q in slot.qs]
             ready = None  # None: always initialised (precond_init_scale given)
