@@ -9,6 +9,10 @@ So the number of kernels a plain step launches does not grow with the number of 
 A layer whose gradient holds a NaN or Inf is not preconditioned: its gradient passes through
 (scaled by the same ``kl_clip`` factor as the others) and is left out of ``kl_clip``'s sum, so
 it cannot poison the other layers; the engine warns naming it.
+
+A layer without any gradient (not called this step) is not preconditioned, on any path: a
+stateful method (moments, update counts) must not fold zeros in. Where other ranks receive
+results from its holder, it still travels, as zeros, so every rank's collectives keep one layout.
 """
 from __future__ import annotations
 
@@ -57,24 +61,34 @@ def precondition_gradients(layers: Sequence, *, holds: Callable, owner_of: Calla
     """
     communicate = runtime.world_size > 1 and runtime.has_receivers
     work: list[_Work] = []
+    # With receivers, every layer travels from its gradient workers, in registration order, so
+    # that the broadcasts have one layout on every rank whatever has a gradient: a layer without
+    # any (not called this step, so on every rank) travels as zeros. It is not preconditioned,
+    # as with one process: a stateful method (moments, update counts) must not see it.
+    travelling: list[tuple[object, int | None, list[torch.Tensor]]] = []
     for layer in layers:
         raw = grads[layer.name] if grads is not None else layer.gradients()
-        if all(g is None for g in raw) and not communicate:
+        if all(g is None for g in raw):
+            if communicate:
+                travelling.append((layer, None, _zeros_for_none(layer, raw)))
             continue
+        if communicate:
+            travelling.append((layer, len(work), []))
         work.append(_Work(layer, raw, _zeros_for_none(layer, raw), holds(layer)))
     if not work:
+        if communicate and travelling:  # nothing to write; the ranks' broadcasts still pair up
+            runtime.receive_gradients(_by_owner([(layer, zeros) for layer, _, zeros in travelling], owner_of))
         return None
 
     finite = _finite_per_layer([w.grads for w in work], cache)
     held = [i for i, w in enumerate(work) if w.holds]
     outputs = _apply_held(work, held, finite, ctx, cache)
     if communicate:
-        by_owner: dict[int, list[torch.Tensor]] = {}
         for i, w in enumerate(work):
             if not w.holds:  # receives its preconditioned gradient below
                 outputs[i] = [torch.empty_like(g) for g in w.grads]
-            by_owner.setdefault(owner_of(w.layer), []).extend(_output(outputs, i))
-        runtime.receive_gradients(by_owner)
+        runtime.receive_gradients(_by_owner([(layer, zeros if i is None else _output(outputs, i))
+                                             for layer, i, zeros in travelling], owner_of))
 
     sources, destinations, tensor_layer, params = [], [], [], []
     for i, w in enumerate(work):
@@ -107,16 +121,24 @@ def precondition_exchanged(layers: Sequence, *, owner_of: Callable, runtime, ctx
     scatter back into its gradient shards. Returns the owned layers' finiteness flags and
     update norms."""
     rank = runtime.rank
-    mine = [layer for layer in layers if owner_of(layer) == rank]
-    # every owned layer is preconditioned (the scatter sends each owner's results in order); a
-    # parameter without a gradient as zeros, as the other paths do, and nothing is written to it
-    work = [_Work(layer, grads[layer.name], _zeros_for_none(layer, grads[layer.name]), True) for layer in mine]
+    owned = [layer for layer in layers if owner_of(layer) == rank]
+    # The scatter sends each owner's results in order, one for every owned layer. A layer without
+    # any gradient (not called this step, so on every rank) is not preconditioned, as with one
+    # process (a stateful method must not see it): it travels as zeros and nobody writes it. A
+    # parameter without a gradient in a layer that has some is preconditioned as zeros, as the
+    # other paths do, and nothing is written to it.
+    work = [_Work(layer, grads[layer.name], _zeros_for_none(layer, grads[layer.name]), True) for layer in owned
+            if any(g is not None for g in grads[layer.name])]
+    mine = [w.layer for w in work]
     finite: torch.Tensor | None = None
-    outputs: list[list[torch.Tensor]] = []
+    results: list[list[torch.Tensor]] = []
     if work:
         finite = _finite_per_layer([w.grads for w in work], cache)
         # every layer of work is held here: _apply_held fills every output
-        outputs = cast(list[list[torch.Tensor]], _apply_held(work, list(range(len(work))), finite, ctx, cache))
+        results = cast(list[list[torch.Tensor]], _apply_held(work, list(range(len(work))), finite, ctx, cache))
+    computed = iter(results)
+    outputs = [next(computed) if any(g is not None for g in grads[layer.name])
+               else _zeros_for_none(layer, grads[layer.name]) for layer in owned]
     scale = None
     if kl_clip is not None:
         reference = layers[0].params[0][1]
@@ -124,7 +146,7 @@ def precondition_exchanged(layers: Sequence, *, owner_of: Callable, runtime, ctx
         accumulate = functools.reduce(torch.promote_types, (p.dtype for layer in layers for _, p in layer.params),
                                       torch.float32)
         total = torch.zeros((), dtype=accumulate, device=reference.device)
-        values = [v for out in outputs for v in out]
+        values = [v for out in results for v in out]
         if values:
             tensor_layer = [i for i, w in enumerate(work) for _ in w.grads]
             assert finite is not None  # values come from work
@@ -147,8 +169,8 @@ def precondition_exchanged(layers: Sequence, *, owner_of: Callable, runtime, ctx
     if not work:
         return None
     assert finite is not None  # set for a non-empty work
-    owned = [v for out in outputs for v in out]
-    norms = _update_norms(owned, [i for i, w in enumerate(work) for _ in w.grads], finite, scale, cache)
+    norms = _update_norms([v for out in results for v in out], [i for i, w in enumerate(work) for _ in w.grads],
+                          finite, scale, cache)
     return finite, mine, norms
 
 
@@ -178,6 +200,15 @@ def _apply_held(work: list[_Work], held: list[int], finite: torch.Tensor, ctx: S
         for i, result in zip(members, results):
             outputs[i] = result
     return outputs
+
+
+def _by_owner(travelling: list[tuple[object, list[torch.Tensor]]], owner_of: Callable
+              ) -> dict[int, list[torch.Tensor]]:
+    """Each layer's tensors (in registration order), keyed by the layer's owner."""
+    by_owner: dict[int, list[torch.Tensor]] = {}
+    for layer, tensors in travelling:
+        by_owner.setdefault(owner_of(layer), []).extend(tensors)
+    return by_owner
 
 
 def _output(outputs: list[list[torch.Tensor] | None], i: int) -> list[torch.Tensor]:

@@ -659,8 +659,56 @@ class KronPreconditioner:
         ``nn.Module.load_state_dict(strict=False)`` does); a layer of this model missing
         from the checkpoint always raises. On a sharded (FSDP2 / HSDP) model with
         ``grad_worker_fraction < 1`` it is a collective (as ``dcp.load`` is): call it on every
-        rank.
+        rank. Each rank then checks the layers it holds, and the ranks agree on the outcome
+        before anything changes: a state rejected on any rank raises ``ValueError`` on every
+        rank (naming the ranks that rejected it, and on those ranks why), and no rank loads it.
         """
+        # Sharded with fewer gradient workers than ranks: each rank checks (and loads) only the
+        # layers it holds, so the checks' outcome differs by rank and must be agreed on
+        per_rank = self._runtime.sharding is not None and self.world_size > 1 and self.grad_workers < self.world_size
+        error: Exception | None = None
+        try:
+            checked = self._checked_state(state, strict)
+        except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
+            if not per_rank:
+                raise
+            error = err
+        if per_rank:
+            # a collective entered by every rank (every rank calls load_state_dict), before
+            # anything changes and before any other collective of the load
+            failed = self._runtime.failed_ranks(error is not None, self._layers[0].params[0][1].device)
+            if failed:
+                reason = ("see the error raised there" if error is None else
+                          f"on this rank ({self.rank}): "
+                          f"{error if isinstance(error, ValueError) else f'{type(error).__name__}: {error}'}")
+                raise ValueError(f"load_state_dict(): the state was rejected on rank(s) {failed} (each rank checks "
+                                 f"the layers it holds); no rank loaded it; {reason}") from error
+        layers, needed, counters, schedule, unexpected = checked
+        if unexpected:
+            warnings.warn(f"kron_precond: ignored the state of layers this model does not have: "
+                          f"{unexpected}", UserWarning, stacklevel=2)
+        self._wait_for_statistics()
+        self._steps = counters["steps"]
+        self._statistics_steps = counters["statistics_steps"]
+        self._refreshes = counters["refreshes"]
+        self._schedule.load_state_dict(schedule)
+        self._apply_cache.clear()
+        for layer in needed:
+            layer.method.load_state_dict(layers[layer.name])
+            if not self._holds_state(layer):
+                layer.method.release_refreshed()
+        if per_rank:
+            # A sharded load gives a rank only the layers it holds; the tensors every rank needs
+            # to gather statistics come from their owners, as after a refresh (the same test on
+            # every rank: every rank joins)
+            self._share_statistics_tensors()
+        self._update_collecting()
+
+    def _checked_state(self, state: dict[str, Any], strict: bool
+                       ) -> tuple[dict[str, Any], list[Layer], dict[str, int], Any, list[str]]:
+        """:meth:`load_state_dict`'s checks, changing nothing: ``ValueError`` for a rejected
+        state; else the layer entries, the layers this rank loads, the counters, the schedule's
+        state and the names of the checkpoint's layers this model does not have."""
         state = checkpoint.upgrade(state)
         if state["method"] != self.method:
             raise ValueError(f"state_dict is for method={state['method']!r}, "
@@ -689,25 +737,7 @@ class KronPreconditioner:
             raise ValueError(f"state_dict: bad 'schedule' entry ({err!r})") from None
         for layer in needed:  # all checks first: a rejected state changes nothing
             layer.method.check_state(layers[layer.name])
-        if unexpected:
-            warnings.warn(f"kron_precond: ignored the state of layers this model does not have: "
-                          f"{unexpected}", UserWarning, stacklevel=2)
-        self._wait_for_statistics()
-        self._steps = counters["steps"]
-        self._statistics_steps = counters["statistics_steps"]
-        self._refreshes = counters["refreshes"]
-        self._schedule.load_state_dict(state["schedule"])
-        self._apply_cache.clear()
-        for layer in needed:
-            layer.method.load_state_dict(layers[layer.name])
-            if not self._holds_state(layer):
-                layer.method.release_refreshed()
-        if self._runtime.sharding is not None and self.world_size > 1 and self.grad_workers < self.world_size:
-            # A sharded load gives a rank only the layers it holds; the tensors every rank needs
-            # to gather statistics come from their owners, as after a refresh (the same test on
-            # every rank: every rank joins)
-            self._share_statistics_tensors()
-        self._update_collecting()
+        return layers, needed, counters, state["schedule"], unexpected
 
     def remove(self) -> None:
         """Remove the hooks; the preconditioner no longer observes the model."""

@@ -19,7 +19,8 @@ gradients captured with ``retain_grad``, and follows the documented rules (docs/
 * where a factor has clusters of equal eigenvalues (a null space: fewer rows than its
   dimension), ``eigh``'s basis of the cluster is arbitrary: every ``s`` (measured or reset)
   is replaced on each block ``C_G × C_A`` by its mean there, found by a Python loop over the
-  sorted eigenvalues (neighbours closer than ``n · eps · max`` chain into one cluster).
+  sorted eigenvalues (a cluster takes every eigenvalue within ``(n + √n) · eps · max`` of
+  its smallest one: float64 factors decomposed in float64).
 """
 from __future__ import annotations
 
@@ -115,12 +116,13 @@ class DenseEKFAC:
 
 
 def _clusters(eigenvalues: torch.Tensor) -> list[list[int]]:
-    """Index lists of the runs of ascending eigenvalues whose neighbours are closer than
-    ``n · eps · max``."""
-    tolerance = len(eigenvalues) * torch.finfo(eigenvalues.dtype).eps * float(eigenvalues.abs().max())
+    """Index lists of the runs of ascending eigenvalues within ``(n + √n) · eps · max`` of
+    the run's first (anchored: not a chain of close neighbours)."""
+    n = len(eigenvalues)
+    tolerance = (n + n**0.5) * torch.finfo(eigenvalues.dtype).eps * float(eigenvalues.abs().max())
     clusters = [[0]]
-    for i in range(1, len(eigenvalues)):
-        if float(eigenvalues[i] - eigenvalues[i - 1]) > tolerance:
+    for i in range(1, n):
+        if float(eigenvalues[i] - eigenvalues[clusters[-1][0]]) > tolerance:
             clusters.append([])
         clusters[-1].append(i)
     return clusters

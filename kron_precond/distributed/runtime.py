@@ -74,6 +74,16 @@ class Runtime:
             raise ValueError(f"model parameters differ across ranks (checksums {checksums}); "
                              "initialise every rank from the same seed or broadcast the model first")
 
+    def failed_ranks(self, failed: bool, device: torch.device) -> list[int]:
+        """The ranks of the group (in order) that passed ``failed=True``: every rank learns the
+        outcome of a check each rank made on its own (one small all-gather). A collective."""
+        if self.world_size == 1:
+            return [0] if failed else []
+        local = torch.tensor([int(failed)], dtype=torch.int32, device=device)
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local, group=self.process_group)
+        return [rank for rank, flag in enumerate(torch.cat(gathered).tolist()) if flag]
+
     def create_grid(self, grad_workers: int) -> None:
         self.grid = WorkerGrid(self.world_size, self.rank, grad_workers, self.process_group)
 

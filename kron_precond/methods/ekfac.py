@@ -42,9 +42,12 @@ and Shampoo do not notice (their scaling is constant on a cluster), but a diagon
 measured in an arbitrary basis of the cluster is arbitrary too. So ``s`` is averaged over
 each cluster (columns over A's clusters, rows over G's): ``Σ_{j∈C} (q_jᵀ ã)² = ‖P_C ã‖²``
 does not depend on the basis, and neither does the update on the cluster,
-``Q_C (s̄ + λ)⁻¹ Q_Cᵀ = (s̄ + λ)⁻¹ P_C``. Clusters chain consecutive eigenvalues closer than
-``n · eps · max(d)`` (the numerical-rank tolerance of the decomposition's dtype); they are
-found on refreshes, on the device, and applied where ``s`` is folded or reset.
+``Q_C (s̄ + λ)⁻¹ Q_Cᵀ = (s̄ + λ)⁻¹ P_C``. A cluster takes the eigenvalues within
+``(n · eps + √n · eps_factor) · max(d)`` of its smallest one (:func:`eigenvalue_clusters`):
+``eps`` of the dtype ``eigh`` ran in (float32 for a bfloat16 ``inv_dtype``), ``eps_factor``
+of the one the factors were summed in -- how far apart a null space's eigenvalues come out.
+Anchored, not chained, so that distinct eigenvalues of a decaying spectrum stay apart; found
+on refreshes, on the device, and applied where ``s`` is folded or reset.
 
 Where things live. Every rank projects its own rows, so every rank needs the bases: they
 are the layer's ``statistics_tensors`` (the engine broadcasts them to all ranks when a
@@ -62,7 +65,7 @@ from kron_precond import validation as check
 from kron_precond.enums import ComputeMethod
 from kron_precond.methods import state_checks as checks
 from kron_precond.methods.base import Option, Selected, moved, tensor_bytes
-from kron_precond.methods.kfac import FACTORS, KFACLayer, KFACSpec
+from kron_precond.methods.kfac import FACTORS, KFACLayer, KFACSpec, _decomposition_dtype
 from kron_precond.schedules import StepContext
 
 
@@ -209,7 +212,10 @@ class EKFACLayer(KFACLayer):
         """``scaling`` averaged over each cluster of A's eigenvalues (columns) and of G's
         (rows): the part of it that does not depend on the basis ``eigh`` chose."""
         if not self._clusters:
-            self._clusters = {part: eigenvalue_clusters(self._allocated()[part][1]) for part in FACTORS}
+            eps = torch.finfo(_decomposition_dtype(self.inv_dtype)).eps  # eigh's dtype, not the stored one
+            factor_eps = torch.finfo(self.statistics_dtype).eps  # what the factors were summed in
+            self._clusters = {part: eigenvalue_clusters(self._allocated()[part][1], eps, factor_eps)
+                              for part in FACTORS}
         for dim, part in ((1, "A"), (0, "G")):
             index, size = self._clusters[part]
             sums = torch.zeros_like(scaling).index_add_(dim, index, scaling)
@@ -352,18 +358,39 @@ def _adopt_into_stacks(layers: Sequence[EKFACLayer]) -> list[torch.Tensor]:
     return stacks
 
 
-def eigenvalue_clusters(eigenvalues: torch.Tensor, eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def eigenvalue_clusters(eigenvalues: torch.Tensor, eps: float | None = None,
+                        factor_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """For ascending ``eigenvalues`` of one factor: each one's cluster index and each
-    cluster's size (``n`` entries, zero past the last cluster). A cluster chains neighbours
-    closer than ``n · eps · max``, by default with ``eps`` of the decomposition's dtype,
-    below which ``eigh`` cannot tell their eigenvectors apart. On the device, no host sync."""
+    cluster's size (``n`` entries, zero past the last cluster, clamped to 1).
+
+    A cluster starts at its smallest eigenvalue and takes every later one within
+    ``(n · eps + √n · factor_eps) · max|d|`` of it: how far apart eigenvalues that are equal
+    in exact arithmetic (a null space) may come out. ``n · eps · ‖A‖`` bounds the error of a
+    decomposition run at ``eps`` (by default the eigenvalues' dtype's, float32's for
+    bfloat16: no decomposition runs coarser); ``√n · factor_eps · ‖A‖ ≥ ‖E‖_F`` bounds a
+    factor rounded entrywise to ``factor_eps`` (what a float32 factor brings to a float64
+    decomposition). Anchored, not chained: neighbours each closer than that to the previous
+    one would chain a decaying spectrum's tail far up into one cluster of eigenvalues that
+    differ many times over. Compared in float32 or finer.
+
+    On the device, no host sync: the cluster starts are the orbit of the first eigenvalue
+    under "the next eigenvalue out of reach", found by doubling the jump ``⌈log₂(n+1)⌉`` times.
+    """
     n = eigenvalues.shape[0]
-    eps = torch.finfo(eigenvalues.dtype).eps if eps is None else eps
-    tolerance = n * eps * eigenvalues.abs().max()
-    starts = (eigenvalues[1:] - eigenvalues[:-1]) > tolerance
-    index = torch.cat([starts.new_zeros(1, dtype=torch.long), starts.long().cumsum(0)])
-    size = torch.zeros(n, dtype=torch.long, device=eigenvalues.device).index_add_(
-        0, index, torch.ones_like(index))
+    values = eigenvalues.to(torch.promote_types(eigenvalues.dtype, torch.float32))
+    eps = torch.finfo(values.dtype).eps if eps is None else eps
+    tolerance = (n * eps + n**0.5 * factor_eps) * values.abs().max()
+    # out of reach of i: the first index whose value exceeds values[i] + tolerance (n: none)
+    jump = torch.searchsorted(values, values + tolerance, right=True)
+    jump = torch.cat([jump, jump.new_full((1,), n)])  # n jumps to itself
+    # starts reached from 0 in fewer than 2^k jumps, k = 0, 1, ... (at most n - 1 are needed)
+    start = torch.zeros(n + 1, dtype=torch.long, device=values.device)
+    start[0] = 1
+    for _ in range(n.bit_length()):
+        start = start | (torch.zeros_like(start).index_add_(0, jump, start) > 0).long()
+        jump = jump[jump]
+    index = start[:n].cumsum(0) - 1
+    size = torch.zeros(n, dtype=torch.long, device=values.device).index_add_(0, index, torch.ones_like(index))
     return index, size.clamp_min(1)
 
 
