@@ -72,10 +72,16 @@ def grad_matrix(module: nn.Linear) -> torch.Tensor:
     return w if module.bias is None else torch.cat([w, module.bias.grad[:, None]], dim=1)
 
 
+# factor_update_steps=2, inv_update_steps=4 with the warm-up (steps 1, 2: powers of two below 4)
+REFERENCE_STATISTICS_STEPS = {0, 1, 2, 4, 6, 8}
+REFERENCE_REFRESH_STEPS = {0, 1, 2, 4, 8}
+
+
 @pytest.mark.parametrize("moment_decay", [None, 0.9])
 def test_matches_dense_reference(moment_decay):
-    """Statistics every 2 steps, refresh every 4: V = ∇ (A + λI)⁻¹ with the A and λ of the
-    last refresh, then (optionally) V / (√(m / (1 − βᵗ)) + ε)."""
+    """Statistics every 2 steps, refresh every 4, and both on the warm-up steps 1 and 2:
+    V = ∇ (A + λI)⁻¹ with the A and λ of the last refresh, then (optionally)
+    V / (√(m / (1 − βᵗ)) + ε). The k-th statistics step folds with weight max(1 − decay, 1/k)."""
     net = make_net()
     damping, decay, eps = 0.3, 0.8, 1e-8
     precond = KronPreconditioner(net, method="ikfac", factor_update_steps=2, inv_update_steps=4,
@@ -86,16 +92,19 @@ def test_matches_dense_reference(moment_decay):
     factor = {n: None for n in layers}
     inverse = {n: None for n in layers}
     moment = {n: torch.zeros_like(grad_matrix_shape(m)) for n, m in layers.items()}
+    statistics_steps = 0
     for step in range(9):
         net.zero_grad()
         loss_of(net, *batch(step)).backward()
         raw = {n: grad_matrix(m).clone() for n, m in layers.items()}
-        if step % 2 == 0:
+        if step in REFERENCE_STATISTICS_STEPS:
+            statistics_steps += 1
+            weight = max(1 - decay, 1 / statistics_steps)  # 1, 1/2, 1/3, 1/4, then 1 - decay = 0.2
             for n in layers:
                 a = rows.rows[n]
                 new = a.t() @ a / a.shape[0]
-                factor[n] = new if factor[n] is None else decay * factor[n] + (1 - decay) * new
-        if step % 4 == 0:
+                factor[n] = new if factor[n] is None else (1 - weight) * factor[n] + weight * new
+        if step in REFERENCE_REFRESH_STEPS:
             for n in layers:
                 dim = factor[n].shape[0]
                 ridge = damping * torch.trace(factor[n]) / dim
@@ -152,14 +161,20 @@ def test_statistics_only_on_statistics_steps_and_no_backward_hook(monkeypatch):
         net.zero_grad()
         loss_of(net, *batch(step)).backward()
         precond.step()
-    assert sorted(set(seen)) == [0, 3, 6]
-    assert len(seen) == 3 * len(precond.layers)
+    assert sorted(set(seen)) == [0, 1, 2, 3, 6]  # 1 and 2: the warm-up (powers of two below 3)
+    assert len(seen) == 5 * len(precond.layers)
 
 
-def test_checkpoint_round_trip():
+@pytest.mark.parametrize("options,saved_at,until", [
+    (dict(factor_update_steps=2, inv_update_steps=4, damping=0.2, moment_decay=0.9), 5, 10),
+    # the default intervals (32), saved inside the warm-up: the resumed run still refreshes on
+    # steps 4, 8 and 16 (the schedule follows the saved step counter), as the uninterrupted one
+    (dict(moment_decay=0.9), 3, 18),
+], ids=["intervals", "inside-warm-up"])
+def test_checkpoint_round_trip(options, saved_at, until):
     """Saved mid-run and loaded into a fresh preconditioner on a copy of the model, the
     continuation gives the same gradients as the uninterrupted run."""
-    options = dict(method="ikfac", factor_update_steps=2, inv_update_steps=4, damping=0.2, moment_decay=0.9)
+    options = dict(method="ikfac", **options)
     net = make_net()
     precond = KronPreconditioner(net, **options)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
@@ -174,10 +189,10 @@ def test_checkpoint_round_trip():
             optimizer.step()
         return grads
 
-    train(net, precond, optimizer, range(5))
+    train(net, precond, optimizer, range(saved_at))
     buffer = io.BytesIO()
     torch.save({"model": net.state_dict(), "precond": precond.state_dict(), "opt": optimizer.state_dict()}, buffer)
-    expected = train(net, precond, optimizer, range(5, 10))
+    expected = train(net, precond, optimizer, range(saved_at, until))
 
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=False)
@@ -187,7 +202,7 @@ def test_checkpoint_round_trip():
     optimizer2 = torch.optim.SGD(resumed.parameters(), lr=0.05)
     precond2.load_state_dict(saved["precond"])
     optimizer2.load_state_dict(saved["opt"])
-    got = train(resumed, precond2, optimizer2, range(5, 10))
+    got = train(resumed, precond2, optimizer2, range(saved_at, until))
     for step_expected, step_got in zip(expected, got):
         for e, g in zip(step_expected, step_got):
             torch.testing.assert_close(g, e, rtol=0, atol=0)
@@ -225,10 +240,10 @@ def test_second_moment_method_matches_adam_scaling():
 # ---------------------------------------------------------------------- distributed
 def _distributed_worker(rank, world_size, out_dir):
     net = make_net()
-    precond = KronPreconditioner(net, method="ikfac", factor_update_steps=2, inv_update_steps=2,
+    precond = KronPreconditioner(net, method="ikfac", factor_update_steps=2, inv_update_steps=4,
                                  damping=0.2, inv_dtype=F64, moment_decay=0.9)
     grads = []
-    for step in range(5):
+    for step in range(6):  # warm-up statistics and refreshes on steps 1 and 2
         net.zero_grad()
         x, y = batch(step)
         shard = slice(rank * 3, (rank + 1) * 3)
@@ -244,9 +259,9 @@ def _distributed_worker(rank, world_size, out_dir):
 def test_two_ranks_equal_one_process_on_the_full_batch(tmp_path):
     results = run_workers(_distributed_worker, 2, tmp_path)
     net = make_net()
-    precond = KronPreconditioner(net, method="ikfac", factor_update_steps=2, inv_update_steps=2,
+    precond = KronPreconditioner(net, method="ikfac", factor_update_steps=2, inv_update_steps=4,
                                  damping=0.2, inv_dtype=F64, moment_decay=0.9)
-    for step in range(5):
+    for step in range(6):
         net.zero_grad()
         loss_of(net, *batch(step)).backward()
         precond.step()
@@ -268,6 +283,69 @@ def test_plain_step_op_count_does_not_grow_with_depth(method):
         sys.path.pop(0)
     small, large = (sum(count_plain_step(method, b, 8, 32, torch.device("cpu")).values()) for b in (2, 8))
     assert large == small, (small, large)
+
+
+# ---------------------------------------------------------------------- start of a run
+def test_default_schedule_warms_up_then_keeps_its_interval():
+    """Defaults (statistics and refresh every 32 steps): both also on steps 1, 2, 4, 8, 16,
+    then every 32nd step only. K-FAC's schedule has no warm-up."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    precond = KronPreconditioner(net, method="ikfac")
+    kfac = KronPreconditioner(nn.Sequential(nn.Linear(4, 3)), method="kfac", inv_update_steps=32)
+    refreshed, observed = [], []
+    method = precond.layers["0"].method
+    real_refresh, real_observe = method.refresh, method.observe_activations
+    method.refresh = lambda *a, **k: (refreshed.append(precond.steps), real_refresh(*a, **k))[1]
+    method.observe_activations = lambda rows: (observed.append(precond.steps), real_observe(rows))[1]
+    for _ in range(70):
+        net.zero_grad()
+        net(torch.randn(8, 4)).square().mean().backward()
+        precond.step()
+    assert refreshed == observed == [0, 1, 2, 4, 8, 16, 32, 64]
+    assert [s for s in range(70) if kfac._schedule.refreshes(s)] == [0, 32, 64]
+
+
+def _train_default_ikfac(first: str, lr: float, steps: int = 40):
+    """The reviewer's repro in small: default ikfac + SGD on a linear regression, where only
+    the FIRST batch is unusual. Returns the losses and the final parameters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    precond = KronPreconditioner(model, method="ikfac")
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    target = torch.randn(10, 32)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(64, 32)
+        if step == 0:
+            x = {"zero": x * 0, "scale1e-2": x * 1e-2, "normal": x}[first]
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), x @ target.T)
+        loss.backward()
+        precond.step()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("lr", [0.01, 0.1])
+@pytest.mark.parametrize("first", ["zero", "scale1e-2"])
+def test_an_unusual_first_batch_does_not_set_the_inverse_for_an_interval(first, lr):
+    """A first batch of zeros (or scaled by 1e-2) gives a tiny ``tr A``, so a tiny λ, and
+    ``(A + λI)⁻¹`` some 1e4 too large for normal batches; applied for the default 32 steps it
+    sent the loss from 34 to 4e9 by step 5 and to NaN by step 10. Now the run stays finite, its
+    loss never exceeds 1.5x that of its first normal batch and ends below it, and after 40
+    steps its parameters are within 0.4 (relative) of the run whose first batch was normal --
+    no further than another normal first batch takes them (0.11 to 0.32 here). Measured with
+    the fix: 0.15 (lr 0.01) and 0.26 (lr 0.1); with the warm-up schedule alone (a refresh on
+    steps 1, 2, 4, ..., A still an exponential average from the first batch): 1.23, and NaN."""
+    losses, params = _train_default_ikfac(first, lr)
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert max(losses[1:]) <= 1.5 * losses[1], losses
+    assert losses[-1] < losses[1], losses
+    _, reference = _train_default_ikfac("normal", lr)
+    distance = ((params - reference).norm() / reference.norm()).item()
+    assert distance < 0.4, distance
 
 
 def test_failed_cholesky_keeps_the_previous_inverse(monkeypatch):

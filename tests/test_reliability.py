@@ -716,7 +716,11 @@ def test_max_size_triangular_zero_means_all_diagonal_in_both_apis():
 def test_a_non_finite_step_leaves_the_moments_bias_correction_as_if_it_never_happened(method, options):
     """A non-finite gradient leaves a running second moment unchanged, and its bias correction
     too: the run goes on exactly as the run in which that step never happened (a GradScaler's
-    first steps are often inf)."""
+    first steps are often inf). One input batch, with targets that change every step: ikfac's
+    A, and so its inverse, is then the same in both runs (its warm-up refreshes on steps 1, 2
+    and 4 fall on different data steps in the two), and the gradients still differ per step."""
+    x = torch.randn(8, 4, dtype=F64, generator=torch.Generator().manual_seed(10))
+
     def run(with_bad_step: bool) -> torch.Tensor:
         torch.manual_seed(0)
         layer = nn.Linear(4, 3).to(F64)
@@ -724,9 +728,9 @@ def test_a_non_finite_step_leaves_the_moments_bias_correction_as_if_it_never_hap
         for step in range(4):
             if step == 1 and not with_bad_step:
                 continue
-            x = torch.randn(8, 4, dtype=F64, generator=torch.Generator().manual_seed(10 + step))
+            y = torch.randn(8, 3, dtype=F64, generator=torch.Generator().manual_seed(20 + step))
             layer.zero_grad()
-            layer(x).pow(2).mean().backward()
+            (layer(x) - y).pow(2).mean().backward()
             if step == 1:
                 layer.weight.grad[0, 0] = float("nan")
             with warnings.catch_warnings():

@@ -58,12 +58,18 @@ class DenseShampoo:
     """The textbook formula, one parameter at a time, from every recorded gradient."""
 
     def __init__(self, *, decay, epsilon, exponent, grafting=True, max_factor_size=8192,
-                 factor_every=1, refresh_every=1):
+                 factor_every=1, refresh_every=1, warmup=True):
         self.decay, self.epsilon, self.exponent = decay, epsilon, exponent
         self.grafting, self.max_size = grafting, max_factor_size
-        self.factor_every, self.refresh_every = factor_every, refresh_every
+        self.factor_every, self.refresh_every, self.warmup = factor_every, refresh_every, warmup
         self.history: dict[str, list[torch.Tensor]] = {}
         self.roots: dict[str, tuple] = {}
+
+    def warming_up(self, step: int) -> bool:
+        """The documented warm-up: statistics and roots on steps 1, 2, 4, 8, ... below the
+        longer interval too."""
+        return (self.warmup and step in {2 ** k for k in range(20)}
+                and step < max(self.factor_every, self.refresh_every))
 
     @staticmethod
     def as_matrix(grad: torch.Tensor) -> torch.Tensor:
@@ -87,10 +93,10 @@ class DenseShampoo:
             for i, grad in enumerate(layer_grads):
                 key = f"{layer}.{i}"
                 matrix = self.as_matrix(grad.double())
-                if step % self.factor_every == 0 and torch.isfinite(matrix).all():  # else: skipped
+                if (step % self.factor_every == 0 or self.warming_up(step)) and torch.isfinite(matrix).all():
                     self.history.setdefault(key, []).append(matrix)
                 sides = [s for s, n in (("L", matrix.shape[0]), ("R", matrix.shape[1])) if n > 1] or ["L"]
-                if step % self.refresh_every == 0:
+                if step % self.refresh_every == 0 or self.warming_up(step):
                     exponent = 2 * self.exponent / len(sides)
                     self.roots[key] = {s: dense_power(self.statistic(key, s), self.epsilon, exponent)
                                        for s in sides}
@@ -337,7 +343,7 @@ def test_callable_options_follow_the_step():
         model.zero_grad()
         F.mse_loss(model(x), y).backward()
         precond.step()
-    assert seen == [0, 2]  # resolved on refresh steps only
+    assert seen == [0, 1, 2]  # resolved on refresh steps only (step 1: the warm-up's, below the interval 2)
 
 
 def test_kfac_options_warn_and_options_are_shown():
@@ -512,7 +518,8 @@ def test_eigh_returning_nan_is_retried_in_float64(monkeypatch):
 def test_eigh_failing_in_every_dtype_keeps_the_previous_roots(monkeypatch):
     model = small_model()
     precond = KronPreconditioner(model, method="shampoo", inv_dtype=F64)
-    dense = DenseShampoo(decay=0.99, epsilon=1e-4, exponent=0.25, refresh_every=10**9)  # keeps step 0's roots
+    dense = DenseShampoo(decay=0.99, epsilon=1e-4, exponent=0.25, refresh_every=10**9,
+                         warmup=False)  # keeps step 0's roots
     layers = {name: [p for _, p in layer.params] for name, layer in precond.layers.items()}
     real_eigh = torch.linalg.eigh
     for step in range(3):
@@ -531,3 +538,49 @@ def test_eigh_failing_in_every_dtype_keeps_the_previous_roots(monkeypatch):
             for p, want in zip(params, expected[name]):
                 err = ((p.grad - want).norm() / want.norm()).item()
                 assert err < 1e-10, (step, name, tuple(p.shape), err)
+
+
+@pytest.mark.parametrize("every, expected", [
+    (100, [0, 1, 2, 4, 8, 16, 32, 64, 100]), (10, [0, 1, 2, 4, 8, 10, 20, 30, 40]), (1, list(range(41)))])
+def test_roots_refreshed_rarely_warm_up_first(every, expected):
+    """Roots every 100 steps, as other libraries set them: the first ones, from one or two
+    gradients, are also refreshed on steps 1, 2, 4, ... below the interval, instead of being
+    applied for a whole interval (the default, every step, is unchanged)."""
+    model = small_model()
+    precond = KronPreconditioner(model, method="shampoo", inv_update_steps=every)
+    refreshed = []
+    for step in range(max(expected) + 1):
+        x, y = small_batch(step)
+        model.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        before = precond.state_dict()["refreshes"]
+        precond.step()
+        if precond.state_dict()["refreshes"] > before:
+            refreshed.append(step)
+    assert refreshed == expected
+
+
+@pytest.mark.parametrize("first", ["zeros", "scaled"])
+def test_an_unusual_first_batch_does_not_set_ungrafted_roots_for_an_interval(first):
+    """Ungrafted roots from a first batch of zeros, or scaled by 1e-2, are far too large for
+    the next gradients: applied for an interval of 10 they sent the loss to NaN by step 5. The
+    warm-up's refreshes replace them: the run stays finite and ends below where it started."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 10))
+    precond = KronPreconditioner(model, method="shampoo", grafting=False, inv_update_steps=10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    target = torch.randn(10, 32, generator=torch.Generator().manual_seed(1))
+    data = torch.Generator().manual_seed(2)
+    losses = []
+    for step in range(60):
+        x = torch.randn(64, 32, generator=data)
+        if step == 0:
+            x = torch.zeros_like(x) if first == "zeros" else x * 1e-2
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), x @ target.T)
+        loss.backward()
+        precond.step()
+        opt.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses), losses
+    assert max(losses[1:]) < 3 * losses[1] and losses[-1] < losses[1], losses

@@ -14,6 +14,16 @@ them into A by an exponential average, and on refresh steps inverts ``A + λI`` 
 Cholesky factorisation (float32 or better; float64 retry; on failure the previous inverse
 is kept). A plain step is one batched matmul per group of layers of equal shape.
 
+Start of a run. The first refresh has one batch to invert; with the long default intervals
+(32) an unusual first batch (all zeros, or scaled by 1e-2: a tiny ``tr A``, so a tiny λ)
+would set ``(A + λI)⁻¹`` ~1e4 too large for a whole interval. So the schedule warms up
+(:class:`~kron_precond.schedules.IntervalSchedule` ``warmup``: statistics and a refresh on
+steps 1, 2, 4, ... below the interval too), and the k-th statistics step folds with weight
+``max(1 − decay, 1/k)`` (K-FAC's ``ε = min(1 − 1/k, decay)``, Martens & Grosse 2015, §5):
+A is the plain mean of the first statistics until the exponential average takes over, so
+each warm-up refresh dilutes the first batch to 1/k instead of keeping ``decay^(k−1)`` of it.
+Both follow the step counters alone (same on every rank, restored by checkpoints).
+
 Optionally (``moment_decay``) the result is then divided elementwise by the root of its
 running second moment, as :mod:`kron_precond.methods.second_moment` does.
 """
@@ -117,7 +127,8 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
         self.a_factor = None
 
     def fold_statistics(self, ctx: StepContext) -> None:
-        """``A ← lerp(A, mean, 1 − decay)``; the first statistics are taken as they are; no rows
+        """``A ← lerp(A, mean, max(1 − decay, 1/k))`` on the k-th statistics step (a running
+        mean of the first ones); a layer's first statistics are taken as they are; no rows
         or non-finite statistics leave A unchanged (decided on the device)."""
         if self._a_sum is None:
             self._missed.add_(1)
@@ -128,7 +139,8 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
         rows = self._rows[0]
         new = self._a_sum / rows.clamp_min(1.0)
         new = (new + new.t()) * 0.5
-        blended = torch.where(self._seen, torch.lerp(self.a_factor.to(new.dtype), new, 1.0 - ctx["factor_decay"]),
+        weight = max(1.0 - ctx["factor_decay"], 1.0 / max(ctx.statistics_count, 1))
+        blended = torch.where(self._seen, torch.lerp(self.a_factor.to(new.dtype), new, weight),
                               new).to(self.a_factor.dtype)
         finite = torch.isfinite(blended).all()
         has_rows = rows > 0
@@ -391,5 +403,6 @@ class InputKFACSpec(MethodSpec):
         return layer
 
     def make_schedule(self) -> IntervalSchedule:
+        # warm-up refreshes (and statistics) on steps 1, 2, 4, ...: see the module docstring
         return IntervalSchedule(self.settings["factor_update_steps"], self.settings["inv_update_steps"],
-                                check=check.check_int)
+                                check=check.check_int, warmup=True)

@@ -488,5 +488,8 @@ class ShampooSpec(MethodSpec):
         return layer
 
     def make_schedule(self) -> IntervalSchedule:
+        # warm-up statistics and roots on steps 1, 2, 4, ... below the intervals: a root from the
+        # first gradient alone, kept for a whole interval of 100, stalled a grafted run and sent an
+        # ungrafted one to NaN after an unusual first batch
         return IntervalSchedule(self.settings["factor_update_steps"], self.settings["inv_update_steps"],
-                                check=check.check_int)
+                                check=check.check_int, warmup=True)
