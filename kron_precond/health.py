@@ -192,7 +192,9 @@ class Health:
                 continue  # never observed at all: the first-refresh check reports it
             self._stale.add(layer.name)
             if not missed_a:
-                what = "activations but no output gradients (is its output detached or unused?)"
+                what = ("activations but no usable output gradients (none arrived: is its output detached or "
+                        "unused? or they held NaN or Inf, which are left out: a diverging run, or float16 without "
+                        "a GradScaler?)")
             elif not missed_g:
                 what = "output gradients but no activations"
             elif getattr(layer, "expert", None) is not None:

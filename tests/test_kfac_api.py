@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import io
 import re
+import warnings
 from collections.abc import Mapping
 
 import pytest
@@ -809,3 +810,22 @@ def test_accumulation_steps_that_differ_from_the_first_steps_forwards_are_warned
     assert len(said) == (1 if warns else 0), said
     if warns:
         assert f"set accumulation_steps={ran}" in said[0]
+
+
+def test_output_gradients_that_turn_non_finite_are_named_as_a_cause_of_stale_statistics():
+    """K-FAC leaves non-finite output-gradient rows out of G: a layer whose output gradients
+    are NaN or Inf on every statistics step stops updating G, and the warning says that this
+    is one of the two causes (not only a detached output)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    precond = KronPreconditioner(model, method="kfac", factor_update_steps=1, inv_update_steps=1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for step in range(8):
+            model.zero_grad()
+            out = model(torch.randn(16, 4))
+            scale = 1.0 if step < 2 else float("inf")  # from step 2 on, every output gradient is Inf
+            (out * scale).sum().backward()
+            precond.step()
+    stale = [str(w.message) for w in record if "no usable output gradients" in str(w.message)]
+    assert stale and "NaN or Inf" in stale[0], [str(w.message) for w in record]
