@@ -284,6 +284,9 @@ def _kl_sum(values, grads, keep: torch.Tensor) -> torch.Tensor:
 
 
 def _kl_clip_factor(total: torch.Tensor, kl_clip: float, lr: float | None) -> torch.Tensor:
-    """``min(1, sqrt(κ / |lr² total|))``; a zero sum gives inf, clamped to 1."""
+    """``min(1, sqrt(κ / |lr² total|))``; a zero sum gives inf, clamped to 1. A sum past the
+    accumulation dtype's range (both signs overflowing to ``inf − inf``) is NaN: read as the
+    infinite sum it is, so the scale is 0 instead of NaN in every layer."""
     assert lr is not None, "kron_precond: kl_clip needs the learning rate"
+    total = torch.nan_to_num(total, nan=float("inf"))
     return torch.sqrt(kl_clip / (total * lr**2).abs()).clamp(max=1.0)

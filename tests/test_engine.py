@@ -384,3 +384,18 @@ def test_kl_sum_and_finiteness_match_float64_references():
         layers[2][0][0, 0] = float("-inf")
         layers[3][0] = torch.full((64, 48), 2000.0, dtype=dtype)  # norm 1.1e5: past float16's max
         assert _finite_per_layer(layers, {}).tolist() == [True, False, False, True]
+
+
+def test_a_kl_sum_past_float32s_range_clips_to_zero_not_nan():
+    """⟨V, ∇⟩ summed as ‖max(x, 0)‖₁ − ‖min(x, 0)‖₁: with both signs past float32's range the
+    difference is inf − inf. The sum is then infinite in size, and kl_clip's scale
+    min(1, sqrt(κ / |lr² Σ|)) is 0, not NaN (which would turn every layer's update to NaN)."""
+    from kron_precond.apply import _kl_clip_factor, _kl_sum
+
+    values = [torch.tensor([3e38, -3e38, 1.0])]
+    grads = [torch.tensor([10.0, 10.0, 1.0])]
+    total = _kl_sum(values, grads, torch.tensor([True]))
+    scale = _kl_clip_factor(total, 1e-3, 0.1)
+    assert scale.item() == 0.0
+    finite = _kl_clip_factor(torch.tensor(4.0), 1e-3, 0.1)  # sqrt(1e-3 / (0.01 · 4)) = 0.158...
+    assert abs(finite.item() - (1e-3 / 0.04) ** 0.5) < 1e-7
