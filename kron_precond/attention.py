@@ -72,8 +72,8 @@ class PackedInputAdapter:
 
     The call is read on this rank alone: another rank's batch may read otherwise (padding on one
     rank only), or not call the module at all, so no collective can run here. An optimizer whose
-    ranks must agree reconciles ``cross_seen`` at its next statistics step with
-    :func:`any_rank`, which every rank reaches."""
+    ranks must agree reconciles ``cross_seen`` with :func:`any_rank` at a step every rank
+    reaches (``WhitenedMuon``: its next statistics step; ``ikfac``: its next refresh)."""
 
     def __init__(self, module: nn.MultiheadAttention, name: str, separate: bool = False) -> None:
         self.module, self.name, self.separate = module, name, separate
@@ -217,7 +217,7 @@ def input_side_attention_units(model: nn.Module, is_skipped: Callable[[str, nn.M
     factor per unit), separate projections (``kdim`` / ``vdim``: three weights and one bias), a
     frozen or tied ``in_proj``. A module taken here that is later called with another key or
     value is refused with ``RuntimeError``, naming it: its factor would read the wrong rows (in
-    one process at that call; across ranks at the next statistics step, on every rank, by the
+    one process at that call; across ranks at the next refresh step, on every rank, by the
     optimizer, which sets ``on_cross_attention`` then).
     The ``out_proj``, whose input no hook sees, is the module search's (which logs it)."""
     owners = owners_of(model)

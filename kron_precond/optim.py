@@ -93,8 +93,12 @@ STRUCTURE_KEYS = ("precond_dtype", "mu_dtype", "merge_dims", "max_size_triangula
                   "min_ndim_triangular", "memory_save_mode", "precond_update")
 
 
-def _structure(group: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple(group.get(key, "eq" if key == "precond_update" else None) for key in STRUCTURE_KEYS)
+def _structure(group: dict[str, Any], p: torch.Tensor) -> tuple[Any, ...]:
+    """The values of :data:`STRUCTURE_KEYS` for ``p`` in ``group``, resolved (``mu_dtype=None``:
+    the parameter's dtype), so that a setting spelled another way with the same effect passes."""
+    values = {key: group.get(key, "eq" if key == "precond_update" else None) for key in STRUCTURE_KEYS}
+    values["mu_dtype"] = values["mu_dtype"] or p.dtype
+    return tuple(values[key] for key in STRUCTURE_KEYS)
 
 
 # A param group's settings, checked before every step (a scheduler or a user may set any value).
@@ -242,7 +246,7 @@ class Kron(torch.optim.Optimizer):
         state["nonfinite_steps"] = torch.zeros((), dtype=torch.int32, device=p.device)
         state["uses_per_update"] = 1.0  # decides whether Q_iᵀQ_i is formed (saved: bitwise resume)
         self._bound[p] = self._state_entries(state)
-        self._made_with[p] = _structure(group)
+        self._made_with[p] = _structure(group, p)
         return state
 
     @staticmethod
@@ -337,16 +341,18 @@ class Kron(torch.optim.Optimizer):
         """``ValueError`` when a setting in :data:`STRUCTURE_KEYS` differs from the one a
         parameter's state was made under: its factors and momentum keep their shapes and
         dtypes, so the step would silently ignore the new value."""
-        now = _structure(group)
         for p in group["params"]:
-            made = self._made_with.get(p, now)
+            made = self._made_with.get(p)
+            if made is None:
+                continue
+            now = _structure(group, p)
             if made != now:
                 changed = [f"{key} from {a!r} to {b!r}" for key, a, b in zip(STRUCTURE_KEYS, made, now) if a != b]
                 raise ValueError(
                     f"Kron: param group {index} changed {', '.join(changed)} after its parameters' "
                     "preconditioner state was made; these settings fix the state's shapes and dtypes, so the "
-                    "step cannot follow them. Set them before the first step (or in the optimizer a "
-                    "checkpoint is loaded into), or set them back")
+                    "step cannot follow them. Set them back; they can only be chosen before a parameter's "
+                    "first step (a loaded checkpoint brings its own)")
 
     def _update_param(self, index: int, p: torch.Tensor, group: dict[str, Any],
                       grad: torch.Tensor, finite: torch.Tensor, do_update: bool, probability: float) -> None:
@@ -479,7 +485,7 @@ class Kron(torch.optim.Optimizer):
         self.__setstate__({"state": state, "param_groups": groups})
         self._tensors.clear()
         self._bound.clear()
-        self._made_with = {p: _structure(saved_settings[p]) for p in new_states}
+        self._made_with = {p: _structure(saved_settings[p], p) for p in new_states}
         # the loaded counters were reported by the run that saved them: report what comes after
         self._reported.clear()
         new_nonfinite_steps(self, self._reported)

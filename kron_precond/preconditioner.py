@@ -45,8 +45,8 @@ logger = logging.getLogger("kron_precond")
 
 
 def _no_rows(weight: torch.Tensor, name: str) -> bool:
-    """A packed attention's call read as cross-attention under several ranks: no rows; the
-    step refuses it on every rank (``KronPreconditioner._refuse_cross_attention_on_any_rank``)."""
+    """A packed attention's call read as cross-attention under several ranks: no rows; the next
+    refresh step refuses it on every rank (``KronPreconditioner._refuse_cross_attention_on_any_rank``)."""
     return False
 
 _KL_CLIP_DEFAULT = object()  # the method's default: 1e-3 for K-FAC; off for PSGD (already whitened)
@@ -243,8 +243,8 @@ class KronPreconditioner:
                                            output_grads=self._spec.captures_output_grads)
                          if self._spec.captures else None)
         # packed attentions a call as cross-attention is refused for: in one process at that call;
-        # across ranks at the next statistics step, on every rank (another rank may not have read
-        # the call so, or not made it: a raise on one rank alone would leave the others waiting)
+        # across ranks at the next refresh step, on every rank (another rank may not have read the
+        # call so, or not made it: a raise on one rank alone would leave the others waiting)
         self._packed_attention = [adapter for adapter in {id(layer.adapter): layer.adapter
                                                           for layer in self._layers}.values()
                                   if isinstance(adapter, PackedInputAdapter)]
@@ -284,8 +284,9 @@ class KronPreconditioner:
                           UserWarning, stacklevel=3)  # the caller of step()
 
     def _refuse_cross_attention_on_any_rank(self) -> None:
-        """On a statistics step under several ranks: ``RuntimeError`` on every rank if any rank
-        read a call of a packed attention as cross-attention since the last one."""
+        """On a refresh step under several ranks: ``RuntimeError`` on every rank if any rank read
+        a call of a packed attention as cross-attention (one small all-reduce and host read, on
+        refresh steps only)."""
         adapters = self._packed_attention
         if not adapters or not several_ranks(self.process_group):
             return
@@ -353,7 +354,7 @@ class KronPreconditioner:
                 self._follow_parameters(layer)
             self._health.poll()
             ctx = self._plan(lr)  # raises before any state changes
-            if ctx.statistics:
+            if ctx.refresh:  # the call gave no rows (no layout to keep): a refresh step may read
                 self._refuse_cross_attention_on_any_rank()
             grads = self._gradients()
             if ctx.statistics:

@@ -752,8 +752,8 @@ class WhitenedMuon(torch.optim.Optimizer):
             adapter.on_cross_attention = weakly(self._cross_attention, default=False)
         # packed in_proj weights taken for self-attention: a call that one rank reads as
         # cross-attention switches it there at once; the others follow at the next statistics step
-        self._undecided_attention = [_weight(u) for u in units if isinstance(u.adapter, PackedInputAdapter)
-                                     and not u.adapter.separate]
+        self._packed_order = [_weight(u) for u in units if isinstance(u.adapter, PackedInputAdapter)]
+        self._undecided_attention = [w for w in self._packed_order if not self._packed[id(w)].separate]
         if isinstance(params, nn.Module):
             refuse_fullgraph(params, [layer.module for layer in layers], "WhitenedMuon")
         self._capture = ActivationCapture(layers, accumulation_steps=1, loss_scale=loss_scale,
@@ -1061,6 +1061,20 @@ class WhitenedMuon(torch.optim.Optimizer):
                       f"parts stepped each, each whitened by its own input) to whiten it", UserWarning, stacklevel=2)
         return False
 
+    def _settle_attention(self, loaded: dict[nn.Parameter, bool]) -> None:
+        """After a load (the same checkpoint on every rank): the packed in_proj weights it set to
+        one input per part are agreed cross-attention; those it set back to one input are taken
+        for self-attention again, and a call that reads otherwise is agreed on anew. Weights
+        without saved input statistics keep their standing."""
+        undecided = {id(w) for w in self._undecided_attention}
+        for p, on in loaded.items():
+            self._packed[id(p)].cross_seen = on
+            if on:
+                undecided.discard(id(p))
+            elif id(p) not in self._plain:
+                undecided.add(id(p))
+        self._undecided_attention = [w for w in self._packed_order if id(w) in undecided]
+
     def _set_part_inputs(self, weight: torch.Tensor, on: bool) -> None:
         """A packed in_proj's input side as one factor (self-attention) or one per part
         (cross-attention); the side's statistics so far are dropped when it changes."""
@@ -1319,6 +1333,7 @@ class WhitenedMuon(torch.optim.Optimizer):
                     for group in self.param_groups]
         for p, on in part_inputs.items():  # a packed in_proj resumes as saved: one input, or one per part
             self._set_part_inputs(p, on)
+        self._settle_attention(part_inputs)
         hooks = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()  # ran above
         self._optimizer_load_state_dict_post_hooks = OrderedDict()  # run below, once the load is whole

@@ -782,3 +782,13 @@ def test_the_momentum_bias_correction_is_exact_to_float32(b1):
         opt.step()
         step = (before - weight.detach()) / lr
         torch.testing.assert_close(step, g, rtol=1e-6, atol=0)
+
+
+def test_a_setting_spelled_another_way_with_the_same_effect_is_not_a_change():
+    """``mu_dtype=None`` means the parameter's dtype: setting that dtype by name changes nothing."""
+    model = conv_model()
+    opt = Kron(model.parameters(), lr=1e-2, preconditioner_update_probability=1.0)
+    conv_steps(model, opt, 0, 1)
+    opt.param_groups[0]["mu_dtype"] = torch.float32
+    conv_steps(model, opt, 1, 1)
+    assert opt.steps == 2

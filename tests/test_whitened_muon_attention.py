@@ -936,3 +936,42 @@ def test_an_attention_called_as_cross_attention_on_one_rank_only_is_whitened_per
             # the key's bias has no gradient but rounding noise, which AdamW's steps follow to ~1e-10
             atol = 1e-9 if name.endswith("in_proj_bias") else 1e-12
             torch.testing.assert_close(got, want, rtol=1e-10, atol=atol)
+
+
+def _rollback_worker(rank: int, world: int, out_dir: str):
+    """Self-attention at step 0 (saved), a context on rank 0's batch at step 1 (every rank goes
+    per part), the step-0 checkpoint loaded back, then a context on rank 0's batch again."""
+    from dist_utils import step_as_ddp
+
+    torch.manual_seed(0)
+    model = _ContextOnSomeBatches()
+    opt = WhitenedMuon(model, lr=0.05, statistics_every=1, ns_dtype=torch.float64)
+    params = list(model.parameters())
+    batches = _context_batches(3)
+    weight = model.attn.in_proj_weight
+    identical, shapes = [], []
+    saved = None
+    for step, halves in enumerate(batches):
+        x, memory, y = halves[rank]
+        opt.zero_grad()
+        F.mse_loss(model(x, None if step == 0 else memory), y).backward()
+        identical.append(step_as_ddp(opt, params, world))
+        shapes.append(tuple(opt.state[weight]["input_whitener"].shape))
+        if step == 0:
+            saved = copy.deepcopy(opt.state_dict())
+        if step == 1:
+            opt.load_state_dict(saved)
+            shapes.append(tuple(opt.state[weight]["input_whitener"].shape))
+    return {"identical": identical, "shapes": shapes}
+
+
+def test_a_rollback_to_self_attention_is_agreed_on_again_when_one_rank_reads_cross_attention(tmp_path):
+    """A checkpoint saved as self-attention, loaded after the ranks went per part, takes the
+    attention back to one input on every rank; a call that one rank then reads as
+    cross-attention is agreed on anew (the other rank follows), so the ranks' statistics keep
+    one layout and stay identical."""
+    from dist_utils import run_workers
+
+    for r in run_workers(_rollback_worker, 2, tmp_path, timeout=90):
+        assert all(r["identical"]), r
+        assert r["shapes"] == [(1, E, E), (3, 1, E, E), (1, E, E), (3, 1, E, E)], r

@@ -21,7 +21,9 @@ would set ``(A + λI)⁻¹`` ~1e4 too large for a whole interval. So the schedul
 steps 1, 2, 4, ... below the interval too), and the k-th statistics step folds with weight
 ``max(1 − decay, 1/k)`` (K-FAC's ``ε = min(1 − 1/k, decay)``, Martens & Grosse 2015, §5):
 A is the plain mean of the first statistics until the exponential average takes over, so
-each warm-up refresh dilutes the first batch to 1/k instead of keeping ``decay^(k−1)`` of it.
+each warm-up refresh dilutes the first batch to 1/k instead of keeping ``decay^(k−1)`` of it
+(``k`` counts the run's statistics steps, one count for all layers: a layer first called
+later goes over to the exponential average sooner).
 Both follow the step counters alone (same on every rank, restored by checkpoints).
 
 Optionally (``moment_decay``) the result is then divided elementwise by the root of its
