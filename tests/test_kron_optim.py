@@ -32,6 +32,16 @@ def train_steps(model, opt, start, count):
         opt.step()
 
 
+def assert_refused_before_anything_moves(model, opt, step, key):
+    """``step()`` raises ``ValueError`` naming ``key``, and neither the weights nor the step count moved."""
+    before = [p.detach().clone() for p in model.parameters()]
+    steps = opt.steps
+    with pytest.raises(ValueError, match=key):
+        step()
+    assert opt.steps == steps
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 # ----------------------------------------------------------------------------- arguments
 @pytest.mark.parametrize("kwargs,name", [
     (dict(lr=0.0), "lr"), (dict(lr=-1e-3), "lr"),
@@ -395,12 +405,7 @@ def test_a_bad_value_set_on_a_group_raises_at_the_next_step_before_anything_move
     opt = Kron(model.parameters(), lr=1e-2)
     train_steps(model, opt, 0, 2)
     opt.param_groups[0][key] = value
-    before = [p.detach().clone() for p in model.parameters()]
-    steps = opt.steps
-    with pytest.raises(ValueError, match=key):
-        train_steps(model, opt, 2, 1)
-    assert opt.steps == steps
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert_refused_before_anything_moves(model, opt, lambda: train_steps(model, opt, 2, 1), key)
 
 
 @pytest.mark.parametrize("key, bad", [("step", float("nan")), ("step", -3.0), ("step", 2.5), ("step", float("inf")),
@@ -745,12 +750,8 @@ def test_a_setting_that_shapes_the_state_changed_mid_run_is_refused_before_anyth
         opt.load_state_dict(saved)
     old = opt.param_groups[0][key]
     opt.param_groups[0][key] = value
-    before = [p.detach().clone() for p in model.parameters()]
     steps = opt.steps
-    with pytest.raises(ValueError, match=key):
-        conv_steps(model, opt, 2, 1)
-    assert opt.steps == steps
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert_refused_before_anything_moves(model, opt, lambda: conv_steps(model, opt, 2, 1), key)
     opt.param_groups[0][key] = old
     conv_steps(model, opt, 2, 1)
     assert opt.steps == steps + 1

@@ -656,6 +656,17 @@ def _masked_value_worker(rank: int, world: int, out_dir: str):
             "per_part": opt.state[model.attn.in_proj_weight]["input_whitener"].shape == (3, 1, E, E)}
 
 
+def _assert_per_part_as_one_process(results: list, single: dict, names: list[str]) -> None:
+    """Every rank whitened the attention per part, stayed bitwise identical to the others after
+    every step, and ended where one process ended."""
+    for r in results:
+        assert r["per_part"] and all(r["identical"])
+        for name, got, want in zip(names, r["params"], single["params"]):
+            # the key's bias has no gradient but rounding noise, which AdamW's steps follow to ~1e-10
+            atol = 1e-9 if name.endswith("in_proj_bias") else 1e-12
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=atol)
+
+
 def test_whether_an_attention_is_cross_attention_is_decided_alike_on_every_rank(tmp_path):
     """Whether key and value are the query is read from their values when they are other
     tensors. Ranks whose batches differ can read differently (padding on one rank only); the
@@ -666,12 +677,8 @@ def test_whether_an_attention_is_cross_attention_is_decided_alike_on_every_rank(
     single = run_workers(_masked_value_worker, 1, tmp_path / "w1", timeout=90)[0]
     assert single["per_part"]  # one process sees the padding: per part
     names = [n for n, _ in _MaskedValue().named_parameters()]
-    for r in run_workers(_masked_value_worker, 2, tmp_path / "w2", timeout=90):
-        assert r["per_part"] and all(r["identical"])
-        for name, got, want in zip(names, r["params"], single["params"]):
-            # the key's bias has no gradient but rounding noise, which AdamW's steps follow to ~1e-10
-            atol = 1e-9 if name.endswith("in_proj_bias") else 1e-12
-            torch.testing.assert_close(got, want, rtol=1e-10, atol=atol)
+    _assert_per_part_as_one_process(run_workers(_masked_value_worker, 2, tmp_path / "w2", timeout=90),
+                                    single, names)
 
 
 def test_self_attention_whose_arguments_a_pre_hook_rebuilt_is_still_self_attention():
@@ -930,12 +937,8 @@ def test_an_attention_called_as_cross_attention_on_one_rank_only_is_whitened_per
     single = run_workers(_context_on_one_rank_worker, 1, tmp_path / "w1", order, timeout=90)[0]
     assert single["per_part"]
     names = [n for n, _ in _ContextOnSomeBatches().named_parameters()]
-    for r in run_workers(_context_on_one_rank_worker, 2, tmp_path / "w2", timeout=90):
-        assert r["per_part"] and all(r["identical"])
-        for name, got, want in zip(names, r["params"], single["params"]):
-            # the key's bias has no gradient but rounding noise, which AdamW's steps follow to ~1e-10
-            atol = 1e-9 if name.endswith("in_proj_bias") else 1e-12
-            torch.testing.assert_close(got, want, rtol=1e-10, atol=atol)
+    _assert_per_part_as_one_process(run_workers(_context_on_one_rank_worker, 2, tmp_path / "w2", timeout=90),
+                                    single, names)
 
 
 def _rollback_worker(rank: int, world: int, out_dir: str):
