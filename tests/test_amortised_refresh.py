@@ -41,9 +41,8 @@ NORMALISED = {
     "psgd": "the whitened gradient, of unit scale whatever the gradient's",
 }
 # (name, interval) -> a known failure, kept visible: strict, so a fix makes the test fail
-# (ikfac, 100) was one -- the inverse of step 0's input statistics, kept for 100 steps, let the
-# loss reach ~6e3 at lr 0.1 -- until ikfac's warm-up refreshes (steps 1, 2, 4, ..., 64) and its
-# running mean of the first statistics steps
+# (ikfac at interval 100 passes through its warm-up: refreshes on steps 1, 2, 4, ..., 64 and A
+# the running mean of its first statistics steps, not step 0's statistics for 100 steps)
 KNOWN_FAILURES: dict[tuple[str, int], str] = {}
 
 
