@@ -146,11 +146,16 @@ def speedup(budget_steps: Sequence[float], budget_losses: Sequence[float], our_s
 
 
 def mean_spread(values: Sequence[float]) -> dict:
-    """Mean, sample standard deviation (n - 1; 0 for one value), min and max."""
+    """Mean, sample standard deviation (n - 1; 0 for one value), min and max. A seed whose
+    budget is unreached (inf) or undetermined (nan) makes the mean inf or nan and the spread
+    nan: reported as such, not dropped."""
     values = list(values)
     if not values:
         raise ValueError("no values")
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    if not all(math.isfinite(v) for v in values):
+        sd = math.nan
+    else:
+        sd = statistics.stdev(values) if len(values) > 1 else 0.0
     return {"mean": statistics.fmean(values), "sd": sd, "min": min(values), "max": max(values), "n": len(values)}
 
 

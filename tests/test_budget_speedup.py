@@ -77,6 +77,15 @@ def test_mean_spread():
     assert bs.mean_spread([1.3])["sd"] == 0.0
 
 
+@pytest.mark.parametrize("odd", [math.inf, math.nan])
+def test_a_seed_with_an_unreached_or_undetermined_budget_is_reported_not_a_crash(odd):
+    """matching_budget returns inf (unreached) or nan (undetermined) for a seed; the seeds'
+    mean is then inf or nan and the spread nan, reported as such."""
+    stats = bs.mean_spread([1.2, odd])
+    assert math.isnan(stats["sd"]) and stats["n"] == 2
+    assert stats["mean"] == math.inf if odd == math.inf else math.isnan(stats["mean"])
+
+
 def _run(name: str, lr: float, loss: float, seconds: float, steps: int = 4) -> dict:
     return {"name": name, "lr": lr, "eval_steps": [0, steps], "eval_losses": [5.0, loss],
             "eval_train_seconds": [0.0, seconds * steps], "step_seconds": [seconds] * steps, "state_bytes": {}}
@@ -312,3 +321,22 @@ def test_a_seed_without_every_budget_is_named_as_left_out(tmp_path):
     defaults = next(line for line in table.splitlines() if line.startswith("| wmuon (defaults)"))
     assert defaults.startswith("| wmuon (defaults) | 1.8000 ± 0.0000 (1.8000) | **1.25 ± 0.00** (1.25) |")
     assert "seed 1 left out: no records at 1.5x" in table
+
+
+def test_report_with_one_seed_unreached_prints_it(tmp_path):
+    """Seed 0's Muon curve rises after 1.25x and ours ends below all of it: unreached (inf).
+    Seed 1 reads 1.25x. The report prints the row with an infinite mean, no crash."""
+    out = tmp_path / "records"
+    for seed, curve, ours, part in ((0, (1.90, 1.80, 1.85), 1.70, "grid"), (1, (1.90, 1.80, 1.70), 1.80, "chosen")):
+        muon = [_run("muon{mom=0.8} lr=0.01", 0.01, loss, 1.0) for loss in curve]
+        _write(out, seed, 1.0, part, [muon[0], _run("wmuon lr=0.016", 0.016, ours, 1.1)])
+        _write(out, seed, 1.25, part, [muon[1]])
+        _write(out, seed, 1.5, part, [muon[2]])
+
+    class Args:
+        pass
+
+    args = Args()
+    args.out, args.budgets, args.steps, args.sweep_ours, args.baselines = out, [1.0, 1.25, 1.5], 100, False, ("muon",)
+    ours = next(line for line in bs.report(args).splitlines() if line.startswith("| wmuon (defaults)"))
+    assert "inf" in ours and "1.25" in ours, ours
