@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from dist_utils import run_workers
 from kron_precond import KronPreconditioner
@@ -338,3 +339,40 @@ def test_two_ranks_equal_one_process_on_the_full_batch(tmp_path):
         for rank_result in results:
             for got, p in zip(rank_result[step], net.parameters()):
                 torch.testing.assert_close(got, p.grad, rtol=1e-9, atol=1e-12)
+
+
+def test_a_layer_without_gradients_is_left_as_it_is_by_the_refreshes():
+    """Two branches used on alternate steps, a refresh on every step: on the steps branch ``b``
+    is not used, its basis, moment and counts stay as they are, so its preconditioned gradients
+    equal those of a preconditioner that only ever sees ``b``'s steps."""
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(6, 4).double(), nn.Linear(6, 4).double()
+
+        def forward(self, x, which):
+            return (self.a if which == "a" else self.b)(x)
+
+    torch.manual_seed(1)
+    two = Two()
+    alone = nn.ModuleDict({"b": copy.deepcopy(two.b)})
+    pc_two = KronPreconditioner(two, method="soap", inv_update_steps=1)
+    pc_alone = KronPreconditioner(alone, method="soap", inv_update_steps=1)
+    opt_two = torch.optim.SGD(two.parameters(), lr=0.05)
+    opt_alone = torch.optim.SGD(alone.parameters(), lr=0.05)
+    data = torch.Generator().manual_seed(2)
+    for step in range(8):
+        x, y = torch.randn(10, 6, generator=data).double(), torch.randn(10, 4, generator=data).double()
+        which = "a" if step % 2 == 0 else "b"
+        opt_two.zero_grad()
+        F.mse_loss(two(x, which), y).backward()
+        pc_two.step()
+        opt_two.step()
+        if which == "b":
+            opt_alone.zero_grad()
+            F.mse_loss(alone["b"](x), y).backward()
+            pc_alone.step()
+            for got, want in zip(two.b.parameters(), alone["b"].parameters()):
+                torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=1e-14)
+            opt_alone.step()

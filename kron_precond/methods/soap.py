@@ -75,6 +75,10 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         self._bases: dict[str, list[torch.Tensor]] | None = None  # side -> [Q, eigenvalue estimates]
         self.moment: torch.Tensor | None = None
         self.updates = update_counter(device)  # moment updates
+        # whether the layer had gradients since its last refresh: a refresh of a layer that had
+        # none (a branch not taken) would move its basis by another warm-started iteration and
+        # re-pool its moment, where a layer that is not used must be left as it is
+        self._used = False
         # Derived at each refresh from the (broadcast) bases, identically on every gradient
         # worker: the sides whose next refresh may warm-start, and the clusters to average the
         # moment over (None: every eigenvalue distinct).
@@ -114,7 +118,10 @@ class SOAPLayer(GradientMatrix, LayerMethod):
     def observe_gradients(self, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:
         """On statistics steps, fold ``V Vᵀ`` and ``Vᵀ V`` into the statistics (gradient workers
         only); a non-finite gradient leaves them unchanged (decided on the device) and is counted."""
-        if not ctx.statistics or not self.holds_state or not self.active or any(g is None for g in grads):
+        if any(g is None for g in grads):
+            return
+        self._used = True
+        if not ctx.statistics or not self.holds_state or not self.active:
             return
         decay = ctx["factor_decay"]
         stats = self._statistics()
@@ -133,8 +140,9 @@ class SOAPLayer(GradientMatrix, LayerMethod):
     def refresh(self, part: str, grads, ctx: StepContext) -> None:
         """The eigenbasis of one side (on its owner): ``eigh`` the first time and after a
         repeated eigenvalue, else one warm-started subspace-iteration step. The previous basis
-        is kept if the statistic holds nothing or the decomposition fails."""
-        if part not in self.active:
+        is kept if the statistic holds nothing or the decomposition fails; a layer without
+        gradients since its last refresh is left as it is."""
+        if part not in self.active or not self._used:
             return
         basis, estimates = self._allocated()[part]
         stats = self._statistics()
@@ -159,7 +167,11 @@ class SOAPLayer(GradientMatrix, LayerMethod):
 
     def finalize_refresh(self, ctx: StepContext) -> None:
         """Find each side's clusters of equal eigenvalues (one host sync per layer, on refresh
-        steps only); with any repeated eigenvalue, average the moment over the blocks."""
+        steps only); with any repeated eigenvalue, average the moment over the blocks. A layer
+        without gradients since its last refresh is left as it is."""
+        if not self._used:
+            return
+        self._used = False
         self._derive_from_bases(pool_moment=True)
 
     def _derive_from_bases(self, pool_moment: bool) -> None:
