@@ -341,11 +341,14 @@ class Kron(torch.optim.Optimizer):
         """``ValueError`` when a setting in :data:`STRUCTURE_KEYS` differs from the one a
         parameter's state was made under: its factors and momentum keep their shapes and
         dtypes, so the step would silently ignore the new value."""
+        resolved: dict[torch.dtype, tuple[Any, ...]] = {}  # the group's settings, per parameter dtype
         for p in group["params"]:
             made = self._made_with.get(p)
             if made is None:
                 continue
-            now = _structure(group, p)
+            now = resolved.get(p.dtype)
+            if now is None:
+                now = resolved[p.dtype] = _structure(group, p)
             if made != now:
                 changed = [f"{key} from {a!r} to {b!r}" for key, a, b in zip(STRUCTURE_KEYS, made, now) if a != b]
                 raise ValueError(

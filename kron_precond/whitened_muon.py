@@ -752,8 +752,7 @@ class WhitenedMuon(torch.optim.Optimizer):
             adapter.on_cross_attention = weakly(self._cross_attention, default=False)
         # packed in_proj weights taken for self-attention: a call that one rank reads as
         # cross-attention switches it there at once; the others follow at the next statistics step
-        self._packed_order = [_weight(u) for u in units if isinstance(u.adapter, PackedInputAdapter)]
-        self._undecided_attention = [w for w in self._packed_order if not self._packed[id(w)].separate]
+        self._undecided_attention = [a.weight for a in self._packed.values() if not a.separate]
         if isinstance(params, nn.Module):
             refuse_fullgraph(params, [layer.module for layer in layers], "WhitenedMuon")
         self._capture = ActivationCapture(layers, accumulation_steps=1, loss_scale=loss_scale,
@@ -1073,7 +1072,7 @@ class WhitenedMuon(torch.optim.Optimizer):
                 undecided.discard(id(p))
             elif id(p) not in self._plain:
                 undecided.add(id(p))
-        self._undecided_attention = [w for w in self._packed_order if id(w) in undecided]
+        self._undecided_attention = [a.weight for a in self._packed.values() if id(a.weight) in undecided]
 
     def _set_part_inputs(self, weight: torch.Tensor, on: bool) -> None:
         """A packed in_proj's input side as one factor (self-attention) or one per part
