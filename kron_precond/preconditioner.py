@@ -186,6 +186,10 @@ class KronPreconditioner:
         self.symmetry_aware = validation.check_bool("symmetry_aware", symmetry_aware)
         self.colocate_factors = validation.check_bool("colocate_factors", colocate_factors)
         self._grad_scaler = grad_scaler
+        # set by PreconditionedOptimizer: scaler.step(optimizer) calls step() only after finding the
+        # gradients finite, so the scaler's record is not read again (a second host sync, and under
+        # sharding a collective that a rank whose scaler skipped would never join)
+        self._scaler_read_by_caller = False
         loss_scale = grad_scaler_scale(grad_scaler)  # TypeError for anything else, whatever the method
 
         # ---- distributed context
@@ -388,7 +392,7 @@ class KronPreconditioner:
         Read from the scaler's record of ``unscale_`` (the one host read its own ``step()``
         makes too); ``False`` for another ``grad_scaler`` or before ``unscale_``."""
         scaler = self._grad_scaler
-        if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
+        if self._scaler_read_by_caller or not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
             return False
         try:
             from torch.amp.grad_scaler import OptState

@@ -65,6 +65,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                              "build both on the same model (or skip_layers= those modules)")
         self.optimizer = optimizer
         self.preconditioner = preconditioner
+        # a GradScaler's skip never reaches step() (scaler.step calls nothing on an overflow;
+        # zero_grad then drops the abandoned iteration's statistics): no second read of it there
+        preconditioner._scaler_read_by_caller = True
         self._iterations = AbandonedIterations(  # see zero_grad
             lambda: [p for layer in preconditioner.layers.values() for _, p in layer.params])
         # What torch.optim.Optimizer.__init__ sets up, minus parameter groups of our own.

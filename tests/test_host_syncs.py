@@ -96,3 +96,30 @@ def test_standalone_optimizer_steps_make_no_host_sync(monkeypatch, name):
         forbid_host_syncs(m, name)
         train(model, 8, optimizer)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_the_wrapper_under_a_grad_scaler_reads_its_record_no_second_time(monkeypatch):
+    """``scaler.step(optimizer)`` reads the overflow record and calls ``step()`` only when the
+    gradients are finite: the wrapped preconditioner's step does not read it again (no second
+    host sync, and no collective a skipping rank would never join)."""
+    from kron_precond import PreconditionedOptimizer
+
+    model = make_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    precond = KronPreconditioner(model, method="kfac", inv_update_steps=50, grad_scaler=scaler)
+    optimizer = PreconditionedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), precond)
+
+    def iteration(forbid: bool):
+        x, y = torch.randn(32, 8), torch.randn(32, 4)
+        optimizer.zero_grad()
+        scaler.scale((model(x) - y).square().mean()).backward()
+        scaler.unscale_(optimizer)
+        with monkeypatch.context() as m:
+            if forbid:
+                forbid_host_syncs(m, "wrapped")
+            optimizer.step()  # what scaler.step calls once it found the gradients finite
+        scaler.update()
+
+    for step in range(8):
+        iteration(forbid=step >= 2)  # past the first refresh, which may read
+    assert all(torch.isfinite(p).all() for p in model.parameters())
