@@ -480,7 +480,7 @@ def report(args) -> str:
                   "benchmarks/whitening_levers.py measures its step beside Muon"]
     lines += ["", f"\\* one asterisk per seed whose matching budget lies outside {args.budgets[0]:g}x-"
               f"{args.budgets[-1]:g}x (extrapolated "
-              "along the end segment: rough)", "",
+              "along the end segment: rough; inf: the baseline's curve never reaches it, nan: undetermined)", "",
               "baselines' final loss per budget (the point chosen on the tuning seed at that budget):", "",
               "| baseline | " + " | ".join(f"{b:g}x ({round(args.steps * b)} steps)" for b in args.budgets) + " |",
               "|---|" + "---|" * len(args.budgets)]

@@ -109,6 +109,9 @@ def _amp_run(method: str, options: dict, *, wrapped: bool, leave_out_first: bool
     ("kfac", dict(factor_update_steps=2, inv_update_steps=4, damping=0.1)),
     ("ekfac", dict(factor_update_steps=2, inv_update_steps=4, damping=0.1)),
     ("shampoo", dict(inv_update_steps=2)),
+    ("soap", dict(inv_update_steps=2)),
+    ("psgd", {}),
+    ("second_moment", {}),
 ])
 def test_a_step_the_scaler_skips_leaves_the_preconditioner_as_if_it_never_happened(method, options, wrapped):
     """An overflow on the first iteration (routine at a float16 run's initial loss scale): the

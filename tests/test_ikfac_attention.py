@@ -160,55 +160,51 @@ def test_fsdp2_ranks_equal_one_process_on_the_full_batch(tmp_path):
                     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
-def _cross_attention_on_one_rank_worker(rank: int, world: int, out_dir: str):
+def _masked_value_call(rank: int, world: int):
+    """Padding in the last sequence only (on rank 1 of 2): the value differs from the query there."""
     from test_whitened_muon_attention import T, _MaskedValue
 
-    torch.manual_seed(0)
     model = _MaskedValue()
-    precond = KronPreconditioner(model, factor_update_steps=1, inv_update_steps=1, method="ikfac", damping=0.1)
     x = torch.randn(4, T, E, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     keep = torch.ones(4, T, 1, dtype=torch.float64)
-    keep[3, -1] = 0  # padding in the last sequence only: on rank 1 of 2
+    keep[3, -1] = 0
     per = x.shape[0] // world
     rows = slice(rank * per, (rank + 1) * per)
-    try:
-        model(x[rows], keep[rows]).square().mean().backward()
-        precond.step()
-    except RuntimeError as error:
-        return {"raised": str(error)}
-    return {"raised": None}
+    return model, lambda: model(x[rows], keep[rows]).square().mean()
 
 
-def test_a_call_read_as_cross_attention_on_one_rank_raises_on_every_rank(tmp_path):
-    """Whether another key or value is the query is read from its values, which differ between
-    ranks' batches (padding on one rank only). Every rank must refuse the call, not only the rank
-    that saw it: the others would otherwise wait in the statistics' all-reduce."""
-    from dist_utils import run_workers
-
-    for r in run_workers(_cross_attention_on_one_rank_worker, 2, tmp_path, timeout=60):
-        assert r["raised"] is not None and "'attn'" in r["raised"] and "cross-attention" in r["raised"], r
-
-
-def _context_on_one_rank_worker(rank: int, world: int, out_dir: str):
+def _context_call(rank: int, world: int):
+    """A context on rank 0's batch, the query itself as key and value on rank 1's."""
     from test_whitened_muon_attention import _context_batches, _ContextOnSomeBatches
 
-    torch.manual_seed(0)
     model = _ContextOnSomeBatches()
+    x, memory, y = _context_batches(1)[0][rank]
+    return model, lambda: F.mse_loss(model(x, memory), y)
+
+
+CROSS_ON_ONE_RANK = {"padding": _masked_value_call, "context": _context_call}
+
+
+def _cross_attention_on_one_rank_worker(rank: int, world: int, out_dir: str, case: str):
+    torch.manual_seed(0)
+    model, loss = CROSS_ON_ONE_RANK[case](rank, world)
     precond = KronPreconditioner(model, factor_update_steps=1, inv_update_steps=1, method="ikfac", damping=0.1)
-    x, memory, y = _context_batches(1)[0][rank]  # rank 0's half has a context, rank 1's none
     try:
-        F.mse_loss(model(x, memory), y).backward()
+        loss().backward()
         precond.step()
     except RuntimeError as error:
         return {"raised": str(error)}
     return {"raised": None}
 
 
-def test_a_call_as_cross_attention_on_one_rank_while_the_other_passes_the_query_itself_raises_on_every_rank(tmp_path):
-    """The model's code picks the key and value per batch: one rank calls cross-attention, the
-    other self-attention with the query itself, so only one rank's forward sees anything to
-    decide (a collective there would go out of step). Every rank refuses at the step."""
+@pytest.mark.parametrize("case", sorted(CROSS_ON_ONE_RANK))
+def test_a_call_read_as_cross_attention_on_one_rank_raises_on_every_rank(tmp_path, case):
+    """One rank reads a call as cross-attention, the other not: from the values (padding on one
+    rank only), or because the model's code passes a context on one rank's batch and the query
+    itself on the other's, so only one rank's forward sees anything to decide (a collective
+    there would go out of step). Every rank must refuse at the step, not only the rank that saw
+    it: the others would otherwise wait in the statistics' all-reduce."""
     from dist_utils import run_workers
 
-    for r in run_workers(_context_on_one_rank_worker, 2, tmp_path, timeout=60):
+    for r in run_workers(_cross_attention_on_one_rank_worker, 2, tmp_path, case, timeout=60):
         assert r["raised"] is not None and "'attn'" in r["raised"] and "cross-attention" in r["raised"], r

@@ -42,6 +42,19 @@ def assert_refused_before_anything_moves(model, opt, step, key):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+def assert_load_refused_and_unchanged(opt, saved, match):
+    """``load_state_dict(saved)`` raises ``ValueError`` matching ``match``, and every state tensor
+    is as it was."""
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(saved)
+    after = opt.state_dict()
+    for index, state in before["state"].items():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                assert torch.equal(after["state"][index][key], value), key
+
+
 # ----------------------------------------------------------------------------- arguments
 @pytest.mark.parametrize("kwargs,name", [
     (dict(lr=0.0), "lr"), (dict(lr=-1e-3), "lr"),
@@ -420,14 +433,7 @@ def test_a_checkpoint_with_an_impossible_counter_is_refused_and_changes_nothing(
     before = copy.deepcopy(opt.state_dict())
     saved = copy.deepcopy(before)  # torch.optim's state_dict holds the live per-parameter dicts
     saved["state"][0][key] = torch.tensor(bad, dtype=saved["state"][0][key].dtype)
-    with pytest.raises(ValueError, match=key):
-        opt.load_state_dict(saved)
-    after = opt.state_dict()
-    for index, state in before["state"].items():
-        for name, value in state.items():
-            got = after["state"][index][name]
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(got, value), name
+    assert_load_refused_and_unchanged(opt, saved, key)
     opt.load_state_dict(before)  # the good checkpoint still loads
     train_steps(model, opt, 2, 1)
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -574,14 +580,10 @@ def test_a_checkpoint_with_a_bad_schedule_counter_is_refused_and_changes_nothing
     target = Kron(model.parameters(), lr=1e-2, preconditioner_update_probability=0.5)
     train_steps(model, target, 0, 1)
     before = copy.deepcopy(target.state_dict())
-    with pytest.raises(ValueError, match=name):
-        target.load_state_dict(saved)
+    assert_load_refused_and_unchanged(target, saved, name)
     after = target.state_dict()
     assert after["kron"] == before["kron"] and after["param_groups"][0]["lr"] == 1e-2
-    for index, state in before["state"].items():
-        for key, value in state.items():
-            if torch.is_tensor(value):
-                assert torch.equal(after["state"][index][key], value), key
+    target.load_state_dict(copy.deepcopy(before))  # the good checkpoint still loads
 
 
 def test_a_set_of_params_in_a_group_is_refused_like_torch():
