@@ -362,7 +362,7 @@ def _loss(run: dict) -> float:
     return run["eval_losses"][-1]
 
 
-def _mean_step(runs: Sequence[dict]) -> float:
+def mean_step(runs: Sequence[dict]) -> float:
     """Mean step time of ``runs``, each without its first step: that one carries one-off work
     (allocations, lazy initialisation, a GPU's first launches) that no later step pays."""
     seconds = [s for r in runs for s in (r["step_seconds"][1:] or r["step_seconds"])]
@@ -386,9 +386,9 @@ def seed_measures(out: Path, seed: int, budgets: Sequence[float], base_steps: in
         curves[m] = points
     # Step times from the 1x interleaved process only; the tuned wmuon (swept in a process of
     # its own) is charged the default wmuon's: lr and momentum do not change a step's cost.
-    step_seconds = {m: _mean_step([r for r in main if _point(r)[0] == m]) for m in methods}
+    step_seconds = {m: mean_step([r for r in main if _point(r)[0] == m]) for m in methods}
     default = next(r for r in by_budget[1.0] if r["name"] == f"{OURS} lr={DEFAULT_LRS[OURS]:g}")
-    step_seconds["wmuon (defaults)"] = _mean_step([default])
+    step_seconds["wmuon (defaults)"] = mean_step([default])
     rows = {"wmuon (defaults)": {"loss": _loss(default), "run": default["name"]}}
     unmeasured = set()
     for m in methods:

@@ -221,13 +221,13 @@ def run_part(args) -> Path:
 def table(out: Path, steps: int) -> str:
     """One row per lever (and per process's baseline): loss, speed-up in steps over best
     Muon's seed-0 curve, step time over Muon's in the same interleaved process."""
-    from benchmarks.budget_speedup import speedup
+    from benchmarks.budget_speedup import mean_step, speedup
     lines = ["| lever | process | final loss at 350 | × best Muon: steps (matching budget) | "
              "step time × Muon | × best Muon: wall-clock |", "|---|---|---|---|---|---|"]
     for path in sorted(out.glob("s0_b1_*.json")):
         runs = json.loads(path.read_text())["runs"]
         muon = next(r for r in runs if r["name"].startswith("muon"))
-        muon_step = sum(muon["step_seconds"]) / len(muon["step_seconds"])
+        muon_step = mean_step([muon])  # without the first step, as budget_speedup.py's report
         part = path.stem.split("_", 2)[2]
         lines.append(f"| best Muon (in this process) | {part} | {muon['eval_losses'][-1]:.4f} | - | 1 | - |")
         for r in runs:
@@ -237,7 +237,7 @@ def table(out: Path, steps: int) -> str:
             if loss is None or not math.isfinite(loss):  # recorded as null: the run diverged
                 lines.append(f"| {LABELS.get(r['name'], r['name'])} | {part} | diverged | - | - | - |")
                 continue
-            step = sum(r["step_seconds"]) / len(r["step_seconds"])
+            step = mean_step([r])
             s = speedup([b for b, _ in MUON_CURVE], [x for _, x in MUON_CURVE], steps, loss, step, muon_step)
             flag = "" if s["how"] == "interpolated" else f" ({s['how']})"
             lines.append(f"| {LABELS.get(r['name'], r['name'])} | {part} | {loss:.4f} | "

@@ -691,10 +691,10 @@ def main(argv: list[str] | None = None) -> None:
             if not args.other_machine:
                 raise SystemExit(f"{message}: not the same cell (--other-machine on another CPU)")
             print(f"warning: {message}", flush=True)
-        base_step = statistics.mean(baseline["step_seconds"])
+        base_step = bs.mean_step([baseline])  # without the first step, as budget_speedup.py's report
         for run in runs[1:]:
             s = bs.speedup([c["steps"] for c in curve], [c["loss"] for c in curve], cell.steps,
-                           run["eval_losses"][-1], statistics.mean(run["step_seconds"]), base_step)
+                           run["eval_losses"][-1], bs.mean_step([run]), base_step)
             rows.append((run["name"], seed, run["eval_losses"][-1], s))
     print(f"| variant | seed | final loss | × best {label}, steps | step × {label} | × best {label}, wall-clock |")
     print("|---|---|---|---|---|---|")

@@ -116,10 +116,10 @@ def test_step_time_leaves_out_each_runs_first_step():
     slow_start["step_seconds"] = [9.0, 1.0, 1.0, 1.0]
     other = _run("muon{mom=0.8} lr=0.01", 0.01, 2.0, 3.0)
     other["step_seconds"] = [0.5, 3.0, 3.0, 3.0]
-    assert bs._mean_step([slow_start]) == pytest.approx(1.0)
-    assert bs._mean_step([slow_start, other]) == pytest.approx(2.0)
+    assert bs.mean_step([slow_start]) == pytest.approx(1.0)
+    assert bs.mean_step([slow_start, other]) == pytest.approx(2.0)
     one = _run("wmuon lr=0.016", 0.016, 2.0, 1.0, steps=1)  # a run of one step keeps it
-    assert bs._mean_step([one]) == pytest.approx(1.0)
+    assert bs.mean_step([one]) == pytest.approx(1.0)
 
 
 def test_report_on_hand_made_records(tmp_path):
