@@ -84,7 +84,7 @@ class ActivationCapture:
         return bool(self.output_grads)
 
     def _forward_hook(self, module: nn.Module, adapter, units: dict, output_grads: bool):
-        @torch.compiler.disable  # see the module docstring
+        @torch.compiler.disable(reason=FULLGRAPH_REASON)  # see the module docstring
         def observe(module: nn.Module, inputs, kwargs, output):
             with torch.no_grad(), autocast_disabled():
                 observed = adapter.forward_rows(inputs, kwargs, output)
@@ -175,6 +175,13 @@ class InertHook:
 
     def __call__(self, *args: Any) -> None:
         return None
+
+
+# What dynamo's error says when a model compiled with fullgraph=True after the hooks were placed
+# reaches one (a model compiled so before construction is refused then: refuse_fullgraph).
+FULLGRAPH_REASON = ("kron_precond's statistics hooks (WhitenedMuon, KronPreconditioner) observe each registered "
+                    "module outside the compiled graph, a graph break per module: compile the model without "
+                    "fullgraph=True, or leave the module out with skip_layers")
 
 
 def _fullgraph(module: nn.Module) -> bool:

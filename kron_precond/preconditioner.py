@@ -31,7 +31,14 @@ from kron_precond import checkpoint, validation
 from kron_precond.apply import precondition_exchanged, precondition_gradients
 from kron_precond.attention import PackedInputAdapter, any_rank, refuse_cross_attention, several_ranks
 from kron_precond.autocast import autocast_disabled
-from kron_precond.capture import ActivationCapture, ForwardHook, grad_scaler_scale, refuse_fullgraph, weakly
+from kron_precond.capture import (
+    FULLGRAPH_REASON,
+    ActivationCapture,
+    ForwardHook,
+    grad_scaler_scale,
+    refuse_fullgraph,
+    weakly,
+)
 from kron_precond.distributed.assignment import WorkAssignment, assign_work
 from kron_precond.distributed.runtime import Runtime
 from kron_precond.enums import AssignmentStrategy, DistributedStrategy
@@ -817,7 +824,7 @@ def _method_settings(spec_class: type[MethodSpec], given: dict[str, Any], engine
 
 
 def _count_training_forwards(count: list[int]) -> Callable[..., None]:
-    @torch.compiler.disable  # a counter of Python ints: outside any compiled graph
+    @torch.compiler.disable(reason=FULLGRAPH_REASON)  # a counter of Python ints: outside any compiled graph
     def hook(module: nn.Module, inputs, kwargs, output) -> None:
         if module.training and torch.is_grad_enabled():
             count[0] += 1

@@ -110,3 +110,19 @@ def test_blocks_compiled_with_fullgraph_are_refused_at_construction_by_name(kind
     plain = _Blocks()
     plain.layers["1"].compile()
     _build(kind, plain)
+
+
+@pytest.mark.parametrize("kind", ["whitened_muon", "kfac"])
+def test_compiled_with_fullgraph_after_construction_fails_with_our_explanation(kind):
+    """Compiled with ``fullgraph=True`` only after the hooks are in place, the model cannot be
+    refused at construction: the first forward's tracing error must then say what to change
+    (compile without fullgraph, or leave the module out with skip_layers), not only dynamo's
+    "remove the torch.compiler.disable call"."""
+    torch._dynamo.reset()  # no cached frame of the blocks from the tests before: this one is traced
+    torch.manual_seed(0)
+    model = _Blocks()
+    built = _build(kind, model)  # kept alive: a collected optimizer or preconditioner removes its hooks
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match=r"(?s)outside the compiled graph.*without fullgraph=True.*skip_layers"):
+        compiled(torch.randn(4, 8)).sum().backward()
+    del built
