@@ -289,10 +289,14 @@ class Kron(torch.optim.Optimizer):
             return grad * (group["clipnorm"] / norm.clamp_min(group["clipnorm"])).to(grad.dtype)
         return grad
 
+    # Run eagerly inside a compiled function (torch.compile(optimizer.step) or a compiled training
+    # step): code traced for one parameter was reused for others of its shape, crossing their states.
+    @torch.compiler.disable(reason="Kron's step runs eagerly: its per-parameter state is read by Python lookups "
+                                   "that a traced step would share between parameters of one shape")
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         """One optimization step. ``closure``, if given, re-evaluates the model and returns the
-        loss, which ``step`` returns."""
+        loss, which ``step`` returns. Under ``torch.compile`` it runs eagerly (a graph break)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -444,8 +448,11 @@ class Kron(torch.optim.Optimizer):
         """
         state_dict = run_load_pre_hooks(self, state_dict)
         extra = state_dict.pop("kron", None)
-        saved_state = state_dict.get("state", {})
-        saved_groups = state_dict.get("param_groups")
+        missing = [key for key in ("state", "param_groups") if key not in state_dict]
+        if missing:
+            raise ValueError(f"Kron.load_state_dict: the checkpoint has no {missing} (not an optimizer's state_dict)")
+        saved_state = state_dict["state"]
+        saved_groups = state_dict["param_groups"]
         if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups):
             raise ValueError("Kron.load_state_dict: the saved param_groups do not match this "
                              "optimizer's groups")

@@ -905,9 +905,14 @@ class WhitenedMuon(torch.optim.Optimizer):
     def _statistics_step(self) -> bool:
         return self._steps % self.statistics_every == 0
 
+    # Run eagerly inside a compiled function (torch.compile(optimizer.step) or a compiled training
+    # step): the stacks and whiteners change shape and membership at refreshes, which tracing cannot follow.
+    @torch.compiler.disable(reason="WhitenedMuon's step runs eagerly: its stacked whiteners change at each "
+                                   "refresh, outside what a traced step can guard")
     @torch.no_grad()
     def step(self, closure=None):
-        """One step of every parameter with a gradient; refreshes the whiteners on statistics steps."""
+        """One step of every parameter with a gradient; refreshes the whiteners on statistics steps.
+        Under ``torch.compile`` it runs eagerly (a graph break)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -126,3 +126,41 @@ def test_compiled_with_fullgraph_after_construction_fails_with_our_explanation(k
     with pytest.raises(Exception, match=r"(?s)outside the compiled graph.*without fullgraph=True.*skip_layers"):
         compiled(torch.randn(4, 8)).sum().backward()
     del built
+
+
+def _deep(seed: int = 0) -> nn.Sequential:
+    """Hidden weights of one shape (most models have them): a compiled step must keep apart
+    the states of parameters that its traced code would treat alike."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 4))
+
+
+def _optimizer(kind, model):
+    from kron_precond import Kron, WhitenedMuon
+    if kind == "whitened_muon":
+        return WhitenedMuon(model, lr=1e-2, statistics_every=2)
+    return Kron(model.parameters(), lr=1e-2, preconditioner_update_probability=0.5)
+
+
+@pytest.mark.parametrize("kind", ["kron", "whitened_muon"])
+def test_a_compiled_optimizer_step_equals_the_eager_step(kind):
+    """``torch.compile(optimizer.step)``, torch's recipe for compiling an optimizer: the step runs
+    as the eager one does (bitwise, every parameter with its own state), not with the states of
+    same-shaped parameters crossed or a tracing error at the first step."""
+    torch._dynamo.reset()
+    eager, compiled = _deep(), _deep()
+    opt_eager, opt_compiled = _optimizer(kind, eager), _optimizer(kind, compiled)
+    step = torch.compile(opt_compiled.step, backend="eager")  # no inductor: no rounding of its own
+    for s in range(4):
+        x, y = _batch(s)
+        for model, opt, do in ((eager, opt_eager, opt_eager.step), (compiled, opt_compiled, step)):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            do()
+        for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+            assert torch.equal(a, b), f"step {s}, {name}"
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        for key, value in opt_eager.state[a].items():
+            if torch.is_tensor(value):
+                assert torch.equal(value, opt_compiled.state[b][key]), key

@@ -795,3 +795,17 @@ def test_a_setting_spelled_another_way_with_the_same_effect_is_not_a_change():
     opt.param_groups[0]["mu_dtype"] = torch.float32
     conv_steps(model, opt, 1, 1)
     assert opt.steps == 2
+
+
+@pytest.mark.parametrize("key", ["state", "param_groups"])
+def test_a_checkpoint_without_an_entry_raises_and_changes_nothing(key):
+    """A dict missing ``state`` (or ``param_groups``) is not an optimizer's checkpoint: refused
+    naming the entry, as torch.optim refuses it, not loaded as "no state" over the momenta and
+    factors this optimizer holds."""
+    model = mlp()
+    opt = Kron(model.parameters(), lr=1e-2, preconditioner_update_probability=1.0)
+    train_steps(model, opt, 0, 3)
+    saved = copy.deepcopy(opt.state_dict())
+    del saved[key]
+    assert_load_refused_and_unchanged(opt, saved, key)
+    assert len(opt.state) == len(list(model.parameters()))
