@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from kron_precond.autocast import autocast_disabled
+from kron_precond.compiled import run_eagerly
 
 
 class ActivationCapture:
@@ -84,7 +85,7 @@ class ActivationCapture:
         return bool(self.output_grads)
 
     def _forward_hook(self, module: nn.Module, adapter, units: dict, output_grads: bool):
-        @torch.compiler.disable(reason=FULLGRAPH_REASON)  # see the module docstring
+        @run_eagerly(FULLGRAPH_REASON)  # see the module docstring
         def observe(module: nn.Module, inputs, kwargs, output):
             with torch.no_grad(), autocast_disabled():
                 observed = adapter.forward_rows(inputs, kwargs, output)

@@ -28,6 +28,7 @@ import torch
 from . import validation
 from .autocast import autocast_disabled
 from .checkpoint import called_by_torchs_state_dict_api, run_load_pre_hooks
+from .compiled import run_eagerly
 from .health import new_nonfinite_steps
 from .methods import state_checks as checks
 from .methods.psgd import PSGDFactors, check_memory_save_mode, check_update_rule
@@ -291,8 +292,8 @@ class Kron(torch.optim.Optimizer):
 
     # Run eagerly inside a compiled function (torch.compile(optimizer.step) or a compiled training
     # step): code traced for one parameter was reused for others of its shape, crossing their states.
-    @torch.compiler.disable(reason="Kron's step runs eagerly: its per-parameter state is read by Python lookups "
-                                   "that a traced step would share between parameters of one shape")
+    @run_eagerly("Kron's step runs eagerly: its per-parameter state is read by Python lookups that a traced "
+                 "step would share between parameters of one shape")
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         """One optimization step. ``closure``, if given, re-evaluates the model and returns the

@@ -39,6 +39,7 @@ from kron_precond.capture import (
     refuse_fullgraph,
     weakly,
 )
+from kron_precond.compiled import run_eagerly
 from kron_precond.distributed.assignment import WorkAssignment, assign_work
 from kron_precond.distributed.runtime import Runtime
 from kron_precond.enums import AssignmentStrategy, DistributedStrategy
@@ -824,7 +825,7 @@ def _method_settings(spec_class: type[MethodSpec], given: dict[str, Any], engine
 
 
 def _count_training_forwards(count: list[int]) -> Callable[..., None]:
-    @torch.compiler.disable(reason=FULLGRAPH_REASON)  # a counter of Python ints: outside any compiled graph
+    @run_eagerly(FULLGRAPH_REASON)  # a counter of Python ints: outside any compiled graph
     def hook(module: nn.Module, inputs, kwargs, output) -> None:
         if module.training and torch.is_grad_enabled():
             count[0] += 1

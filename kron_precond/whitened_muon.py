@@ -54,6 +54,7 @@ from kron_precond.attention import PackedInputAdapter, any_rank, attention_units
 from kron_precond.autocast import autocast_disabled
 from kron_precond.capture import AbandonedIterations, ActivationCapture, grad_scaler_scale, refuse_fullgraph, weakly
 from kron_precond.checkpoint import run_load_pre_hooks
+from kron_precond.compiled import run_eagerly
 from kron_precond.distributed.sharded import ShardedLayout, is_dtensor
 from kron_precond.health import new_nonfinite_steps
 from kron_precond.methods import state_checks as checks
@@ -907,8 +908,8 @@ class WhitenedMuon(torch.optim.Optimizer):
 
     # Run eagerly inside a compiled function (torch.compile(optimizer.step) or a compiled training
     # step): the stacks and whiteners change shape and membership at refreshes, which tracing cannot follow.
-    @torch.compiler.disable(reason="WhitenedMuon's step runs eagerly: its stacked whiteners change at each "
-                                   "refresh, outside what a traced step can guard")
+    @run_eagerly("WhitenedMuon's step runs eagerly: its stacked whiteners change at each refresh, outside "
+                 "what a traced step can guard")
     @torch.no_grad()
     def step(self, closure=None):
         """One step of every parameter with a gradient; refreshes the whiteners on statistics steps.

@@ -164,3 +164,34 @@ def test_a_compiled_optimizer_step_equals_the_eager_step(kind):
         for key, value in opt_eager.state[a].items():
             if torch.is_tensor(value):
                 assert torch.equal(value, opt_compiled.state[b][key]), key
+
+
+def test_run_eagerly_takes_a_torch_whose_disable_has_no_reason(monkeypatch):
+    """Before torch 2.8, ``torch.compiler.disable`` takes no ``reason``: the library still
+    imports and its decorated code still runs eagerly under compile."""
+    import importlib
+
+    import kron_precond.compiled as compiled
+
+    original = torch.compiler.disable
+
+    def disable_without_reason(fn=None, recursive=True):
+        return original(fn, recursive=recursive)
+
+    monkeypatch.setattr(torch.compiler, "disable", disable_without_reason)
+    try:
+        old = importlib.reload(compiled)
+        assert not old._TAKES_REASON
+        calls = []
+
+        @old.run_eagerly("why")
+        def count(x):
+            calls.append(torch.compiler.is_compiling())
+            return x + 1
+
+        torch._dynamo.reset()
+        out = torch.compile(lambda x: count(x) * 2, backend="eager")(torch.ones(2))
+        assert torch.equal(out, torch.full((2,), 4.0)) and calls == [False]
+    finally:
+        monkeypatch.undo()
+        importlib.reload(compiled)
