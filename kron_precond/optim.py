@@ -1,6 +1,7 @@
 """``Kron``: the standalone PSGD Kron optimizer (a ``torch.optim.Optimizer``).
 
-Per step, for every parameter with a gradient (DESIGN.md §3):
+Per step, for every parameter with a gradient (the Q update's formula:
+:mod:`kron_precond.methods.psgd`'s docstring):
 
 1. clip the gradient (``clipvalue`` elementwise, ``clipnorm`` per tensor, or
    ``global_clipnorm`` over all tensors -- at most one of them, as in Keras);
@@ -137,9 +138,10 @@ class Kron(torch.optim.Optimizer):
             rate, weight decay, update scale and RMS norm are computed in float32 or wider.
         clipnorm, clipvalue, global_clipnorm: Keras-style gradient clipping (at most one).
         merge_dims: view tensors of rank > 2 as their most square 2-D matrix.
-        precond_update: how Q is fitted: ``'eq'`` (default; triangular factors, DESIGN.md
-            §3) or ``'procrustes'`` (dense near-SPD factors, Xi-Lin Li's matmul-only
-            ``Q0.5EQ1.5`` rule; see :class:`~kron_precond.methods.psgd.PSGDFactors`).
+        precond_update: how Q is fitted: ``'eq'`` (default; triangular factors, the update
+            in :mod:`kron_precond.methods.psgd`'s docstring) or ``'procrustes'`` (dense
+            near-SPD factors, Xi-Lin Li's matmul-only ``Q0.5EQ1.5`` rule; see
+            :class:`~kron_precond.methods.psgd.PSGDFactors`).
         seed: seeds the probe vectors, drawn from ``(seed, parameter index, step)``.
     """
 

@@ -80,7 +80,8 @@ class KronOptimizersContainer(OptimizersContainer):
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config):
         method: str = "kfac"
-        """Preconditioner method: "kfac", "ekfac", "shampoo" or "psgd"."""
+        """Preconditioner method: any registered method name, as KronPreconditioner's
+        ``method`` ("kfac", "psgd", "ekfac", "shampoo", "ikfac", "second_moment", "soap")."""
 
         skip_layers: list[str] = field(default_factory=list)
         """Regexes of module names / class names to leave alone (e.g. "lm_head")."""

@@ -1,7 +1,8 @@
 """``Kron``: PSGD Kron as a Keras 3 optimizer, written with ``keras.ops`` only.
 
-The same algorithm, arguments and defaults as the torch :class:`kron_precond.Kron`
-(see its docstring): per step, clip the gradients, update the momentum, on
+The algorithm of the torch :class:`kron_precond.Kron` with its default ``'eq'`` Q update
+(see its docstring; the arguments differ as :class:`Kron`'s docstring says): per step,
+clip the gradients, update the momentum, on
 preconditioner-update steps fit the Kronecker factors ``Q_i`` to the debiased momentum,
 then step along ``P m̂`` clipped to RMS ≤ 1.1 with decoupled weight decay on tensors of
 ≥ 2 dims. A tensor whose gradient is not finite skips the step (arithmetic masks).
@@ -122,8 +123,10 @@ class Kron(keras.optimizers.Optimizer):
     """PSGD Kron (Xi-Lin Li) for Keras 3 on any backend (TensorFlow, JAX, PyTorch).
 
     Momentum preconditioned by a learned Kronecker-factored whitening preconditioner
-    ``P = ⊗_i Q_iᵀQ_i`` per variable. Same arguments and defaults as the torch
-    :class:`kron_precond.Kron` (``lr`` is called ``learning_rate`` here):
+    ``P = ⊗_i Q_iᵀQ_i`` per variable. The arguments and defaults of the torch
+    :class:`kron_precond.Kron` (``lr`` is called ``learning_rate`` here), except that there
+    is no ``precond_update`` (the Q update is always ``'eq'``, triangular factors) and
+    ``max_size_triangular`` must be ≥ 1:
 
     Args:
         learning_rate: float > 0, a ``LearningRateSchedule`` or a callable (Keras rules).

@@ -5,7 +5,7 @@ upper-triangular ``[n_i, n_i]`` or diagonal ``[n_i]``, and precondition with
 
     P = Q_1ᵀQ_1 ⊗ … ⊗ Q_rᵀQ_r,      P G = G ×_1 Q_1ᵀQ_1 … ×_r Q_rᵀQ_r.
 
-One Q update with a fitting gradient ``G`` and a probe ``V ~ N(0, I)`` (DESIGN.md §3):
+One Q update with a fitting gradient ``G`` and a probe ``V ~ N(0, I)`` (:meth:`PSGDFactors.update`):
 
     A = G ×_i Q_i                    B = V ×_i Q_i^{-T}   (triangular solves)
     T1_i = A_(i) A_(i)ᵀ              T2_i = B_(i) B_(i)ᵀ   (contract all dims but i)
@@ -372,7 +372,7 @@ class PSGDFactors:
         merge_dims: view tensors of rank > 2 as the most square 2-D matrix
             (:func:`most_square_split`), transparently in :meth:`update` / :meth:`precondition`.
         update_rule: ``'eq'`` (default): upper-triangular factors, ``dQ = E Q`` with
-            triangular solves (DESIGN.md §3); ``'procrustes'``: dense factors kept near SPD,
+            triangular solves (the module docstring's formula); ``'procrustes'``: dense factors kept near SPD,
             Li's matmul-only ``dQ = Q^0.5 E Q^1.5`` rule (see the section comment above
             :func:`procrustes_rotation`). Both fit the same whitening preconditioner.
 
