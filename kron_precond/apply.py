@@ -13,11 +13,16 @@ it cannot poison the other layers; the engine warns naming it.
 A layer without any gradient (not called this step) is not preconditioned, on any path: a
 stateful method (moments, update counts) must not fold zeros in. Where other ranks receive
 results from its holder, it still travels, as zeros, so every rank's collectives keep one layout.
+A layer the engine passes through (``passed_through``: a layer whose parameters are
+preconditioned together, some of them frozen after construction) is treated the same way, and
+its gradients are left exactly as they are: not preconditioned, not scaled by ``kl_clip``,
+nothing written. The engine decides it from ``requires_grad`` and ``.grad is None`` (host
+reads, the same on every rank), so the collectives keep their layout there too.
 """
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence, cast
+from typing import Callable, Collection, Sequence, cast
 
 import torch
 
@@ -37,9 +42,14 @@ def _zeros_for_none(layer, raw: list) -> list[torch.Tensor]:
             for g, (_, p), shape in zip(raw, layer.params, layer.shapes)]
 
 
+def _zeros(layer) -> list[torch.Tensor]:
+    """A zero gradient for each of ``layer``'s parameters (what a layer left alone sends)."""
+    return _zeros_for_none(layer, [None] * len(layer.params))
+
+
 def precondition_gradients(layers: Sequence, *, holds: Callable, owner_of: Callable, runtime, ctx: StepContext,
                            kl_clip: float | None, lr: float | None, cache: dict,
-                           grads: dict[str, list] | None = None
+                           grads: dict[str, list] | None = None, passed_through: Collection[str] = ()
                            ) -> tuple[torch.Tensor, list, torch.Tensor | None] | None:
     """Rewrite ``.grad`` of every registered parameter with its preconditioned value.
 
@@ -54,6 +64,8 @@ def precondition_gradients(layers: Sequence, *, holds: Callable, owner_of: Calla
         grads: per layer name, the full gradients to precondition (sharded models: assembled
             from the DTensor shards); default: each parameter's ``.grad``. Results are
             written into ``.grad``; for a sharded parameter, this rank's rows into its shard.
+        passed_through: names of layers left alone this step, as if they had no gradient
+            (their gradients are neither preconditioned nor written).
 
     Returns ``(finite, layers, norms)``: per listed layer, whether its gradient was finite
     (for the engine's warning) and the norm of the update written for it (``None`` if nothing
@@ -68,9 +80,9 @@ def precondition_gradients(layers: Sequence, *, holds: Callable, owner_of: Calla
     travelling: list[tuple[object, int | None, list[torch.Tensor]]] = []
     for layer in layers:
         raw = grads[layer.name] if grads is not None else layer.gradients()
-        if all(g is None for g in raw):
+        if layer.name in passed_through or all(g is None for g in raw):
             if communicate:
-                travelling.append((layer, None, _zeros_for_none(layer, raw)))
+                travelling.append((layer, None, _zeros(layer)))
             continue
         if communicate:
             travelling.append((layer, len(work), []))
@@ -114,21 +126,27 @@ def precondition_gradients(layers: Sequence, *, holds: Callable, owner_of: Calla
 
 def precondition_exchanged(layers: Sequence, *, owner_of: Callable, runtime, ctx: StepContext,
                            kl_clip: float | None, lr: float | None, cache: dict,
-                           grads: dict[str, list]) -> tuple[torch.Tensor, list, torch.Tensor | None] | None:
+                           grads: dict[str, list], passed_through: Collection[str] = ()
+                           ) -> tuple[torch.Tensor, list, torch.Tensor | None] | None:
     """Owner-exchange mode (FSDP2, one gradient worker per layer): ``grads`` holds the full
     gradients of the layers this rank owns (gathered to it); it preconditions them, completes
     ``kl_clip``'s sum with one scalar all-reduce, and every rank writes the rows the owners
     scatter back into its gradient shards. Returns the owned layers' finiteness flags and
-    update norms."""
+    update norms. ``passed_through``: as for :func:`precondition_gradients` (decided alike on
+    every rank: such a layer still travels, as zeros, and no rank writes it)."""
     rank = runtime.rank
     owned = [layer for layer in layers if owner_of(layer) == rank]
     # The scatter sends each owner's results in order, one for every owned layer. A layer without
     # any gradient (not called this step, so on every rank) is not preconditioned, as with one
-    # process (a stateful method must not see it): it travels as zeros and nobody writes it. A
-    # parameter without a gradient in a layer that has some is preconditioned as zeros, as the
+    # process (a stateful method must not see it): it travels as zeros and nobody writes it; so
+    # does a layer passed through. A parameter without a gradient in a layer that has some (a
+    # method that preconditions each parameter on its own) is preconditioned as zeros, as the
     # other paths do, and nothing is written to it.
+    def computed_here(layer) -> bool:
+        return layer.name not in passed_through and any(g is not None for g in grads[layer.name])
+
     work = [_Work(layer, grads[layer.name], _zeros_for_none(layer, grads[layer.name]), True) for layer in owned
-            if any(g is not None for g in grads[layer.name])]
+            if computed_here(layer)]
     mine = [w.layer for w in work]
     finite: torch.Tensor | None = None
     results: list[list[torch.Tensor]] = []
@@ -137,8 +155,7 @@ def precondition_exchanged(layers: Sequence, *, owner_of: Callable, runtime, ctx
         # every layer of work is held here: _apply_held fills every output
         results = cast(list[list[torch.Tensor]], _apply_held(work, list(range(len(work))), finite, ctx, cache))
     computed = iter(results)
-    outputs = [next(computed) if any(g is not None for g in grads[layer.name])
-               else _zeros_for_none(layer, grads[layer.name]) for layer in owned]
+    outputs = [next(computed) if computed_here(layer) else _zeros(layer) for layer in owned]
     scale = None
     if kl_clip is not None:
         reference = layers[0].params[0][1]
@@ -155,13 +172,15 @@ def precondition_exchanged(layers: Sequence, *, owner_of: Callable, runtime, ctx
         runtime.sum_over_shards(total)
         scale = _kl_clip_factor(total, kl_clip, lr)
     by_owner: dict[int, list] = {r: [] for r in range(runtime.world_size)}
+    written: dict[int, list[bool]] = {r: [] for r in range(runtime.world_size)}
     for layer in layers:
         by_owner[owner_of(layer)].extend(p for _, p in layer.params)
+        written[owner_of(layer)].extend([layer.name not in passed_through] * len(layer.params))
     rows = runtime.scatter_from_owners(by_owner, [v for out in outputs for v in out])
     destinations, sources = [], []
     for owner, params in by_owner.items():
-        for p, piece in zip(params, rows.get(owner, [])):
-            if p.grad is not None:
+        for p, write, piece in zip(params, written[owner], rows.get(owner, [])):
+            if write and p.grad is not None:
                 destinations.append(runtime.local(p.grad))
                 sources.append(piece)
     if destinations:

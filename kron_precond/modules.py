@@ -23,9 +23,11 @@ library's module kind is added with :func:`register_adapter` (fused MoE experts:
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -349,18 +351,69 @@ def find_kfac_modules(model: nn.Module, is_skipped, log, *, weight_only: bool = 
         if weight_only and not all(u.params[0][1].requires_grad for u in units):
             log(f"skipping {label}: its weight does not require grad")
             continue
-        if not usable_parameters(owners, name, label, own, log, frozen_ok=weight_only):
+        if not usable_parameters(owners, name, label, own, log, frozen_ok=weight_only, module=module):
             continue
         found.extend(units)
     return found
 
 
+@dataclass(frozen=True, eq=False)
+class FrozenModule:
+    """A module a search left out (or took only in part) because parameters of it were frozen
+    (``requires_grad=False``) then; it would have been taken had they trained.
+
+    Attributes:
+        label: the module's qualified name (``<root>`` for the model itself).
+        params: ``(attribute name, parameter)`` of its parameters that were frozen.
+        module: the module, if known: its parameters are then looked up by name (``to_empty()``
+            makes new ones).
+    """
+
+    label: str
+    params: tuple[tuple[str, torch.Tensor], ...]
+    module: nn.Module | None = None
+
+    def unfrozen(self) -> list[str]:
+        """The names of those parameters that have a gradient now (host reads, no sync)."""
+        current = [(n, p if self.module is None else getattr(self.module, n, p)) for n, p in self.params]
+        return [n for n, p in current if getattr(p, "grad", None) is not None]
+
+
+_FROZEN: contextvars.ContextVar[list[FrozenModule] | None] = contextvars.ContextVar("kron_precond_frozen",
+                                                                                   default=None)
+
+
+@contextlib.contextmanager
+def recording_frozen() -> Iterator[list[FrozenModule]]:
+    """Within the block, the searches below (:func:`find_kfac_modules`,
+    :func:`find_parameter_modules`, :func:`usable_parameters`) list in the yielded list every
+    module they leave out, in whole or in part, only because parameters of it are frozen: the
+    engine tells the user when such a parameter gets a gradient later (it was never registered)."""
+    found: list[FrozenModule] = []
+    token = _FROZEN.set(found)
+    try:
+        yield found
+    finally:
+        _FROZEN.reset(token)
+
+
+def _record_frozen(label: str, params: Iterable[tuple[str, torch.Tensor]], module: nn.Module | None) -> None:
+    found = _FROZEN.get()
+    frozen = tuple((n, p) for n, p in params if not p.requires_grad)
+    if found is not None and frozen:
+        found.append(FrozenModule(label, frozen, module))
+
+
 def usable_parameters(owners: dict[int, list[str]], name: str, label: str, own: Sequence[tuple[str, torch.Tensor]],
-                      log, *, frozen_ok: bool = False) -> bool:
+                      log, *, frozen_ok: bool = False, module: nn.Module | None = None) -> bool:
     """Whether a unit's parameters ``own`` all train (unless ``frozen_ok``) and belong to the
-    module ``name`` alone (``owners``: :func:`owners_of`); a refusal is logged under ``label``."""
+    module ``name`` alone (``owners``: :func:`owners_of`); a refusal is logged under ``label``.
+    A refusal because of frozen parameters alone is also recorded (:func:`recording_frozen`;
+    ``module``: the module holding ``own``, if it is one)."""
     if not frozen_ok and not all(p.requires_grad for _, p in own):
         log(f"skipping {label}: not all of its parameters require grad")
+        if not tied_elsewhere(owners, name, (p for _, p in own)):
+            _record_frozen(label, own, module)
         return False
     shared = tied_elsewhere(owners, name, (p for _, p in own))
     if shared:
@@ -378,6 +431,8 @@ def find_parameter_modules(model: nn.Module, is_skipped, log) -> list[Selected]:
         if getattr(module, "sparse", False) is True:
             log(f"skipping {label}: sparse gradients cannot be preconditioned")
             continue
+        _record_frozen(label, [(n, p) for n, p in own if id(p) not in taken], module)
+        taken.update(id(p) for _, p in own if not p.requires_grad)  # a frozen tied weight: recorded once
         own = [(n, p) for n, p in own if p.requires_grad and id(p) not in taken]
         if own:
             taken.update(id(p) for _, p in own)

@@ -1,6 +1,6 @@
 """KronPreconditioner: the façade over the engine.
 
-One step, as data flows (DESIGN.md §1)::
+One step, as data flows (docs/design.md, "The engine")::
 
     forward hook ─ a ─┐                                       (capture.py, methods that capture)
     tensor hook  ─ g ─┴─> statistics ─> reduce (async, bucketed; distributed/runtime.py)
@@ -46,7 +46,7 @@ from kron_precond.enums import AssignmentStrategy, DistributedStrategy
 from kron_precond.health import Health
 from kron_precond.methods import registry
 from kron_precond.methods.base import LayerMethod, MethodSpec
-from kron_precond.modules import Selected, compile_skip_patterns, is_skipped
+from kron_precond.modules import Selected, compile_skip_patterns, is_skipped, recording_frozen
 from kron_precond.schedules import StepContext, resolve
 
 logger = logging.getLogger("kron_precond")
@@ -124,13 +124,15 @@ class KronPreconditioner:
             (``re.search``) its qualified name or its class name.
         kl_clip: scale preconditioned gradients by
             ``min(1, sqrt(kl_clip / |Σ lr² ⟨V, ∇⟩|))``; ``None`` disables. Default: the
-            method's (1e-3 for K-FAC, off for PSGD). A value or a callable of the step.
+            method's (1e-3 for K-FAC and EK-FAC, off for the others). A value or a callable of
+            the step.
         lr: learning rate used only by ``kl_clip`` (a value or a callable of the step).
             ``None`` (default): the ``lr`` given to :meth:`step` —
             :class:`~kron_precond.PreconditionedOptimizer` passes its current learning rate
             at every step, so ``kl_clip`` follows the optimizer and its scheduler.
         accumulation_steps: backward passes per step for methods that capture activations;
-            each micro-batch loss is assumed divided by it.
+            each micro-batch loss is assumed divided by it. The attribute of that name may
+            be set between steps.
         grad_scaler: a ``torch.amp.GradScaler``, or a callable returning the current loss
             scale (float or tensor; kfac-pytorch's ``scaler.get_scale``), whose scale is
             divided out of the output gradients seen by the hooks (mixed precision).
@@ -150,7 +152,8 @@ class KronPreconditioner:
             ``statistics_rows``; PSGD:
             ``preconditioner_update_probability``, ``precond_lr``, ``memory_save_mode``, ...).
             Numeric ones marked per-step also accept a callable of the step. A setting of
-            another method warns and is ignored; an unknown name raises ``TypeError``.
+            another method is ignored, with a warning when its value differs from that
+            setting's default; an unknown name raises ``TypeError``.
     """
 
     def __init__(
@@ -188,7 +191,7 @@ class KronPreconditioner:
         if lr is not None and not callable(lr):  # 0 is meaningful: a warm-up from 0 (scale 1)
             lr = validation.check_non_negative("lr", lr)
         self._kl_clip, self._lr = kl_clip, lr
-        self.accumulation_steps = validation.check_int("accumulation_steps", accumulation_steps)
+        self._accumulation_steps = validation.check_int("accumulation_steps", accumulation_steps)
         bucket_cap = validation.check_non_negative("allreduce_bucket_cap_mb", allreduce_bucket_cap_mb)
         self.skip_layers = skip_layers
         self.symmetry_aware = validation.check_bool("symmetry_aware", symmetry_aware)
@@ -215,7 +218,12 @@ class KronPreconditioner:
 
         # ---- registration
         patterns = compile_skip_patterns(skip_layers)
-        selected = self._spec.select(model, lambda name, module: is_skipped(name, module, patterns), logger.info)
+        with recording_frozen() as frozen_at_build:
+            selected = self._spec.select(model, lambda name, module: is_skipped(name, module, patterns),
+                                         logger.info)
+        # Modules left out (in whole or in part) because parameters of them were frozen: one of
+        # those parameters with a gradient later (unfrozen) is said once (_report_unfrozen).
+        self._frozen_at_build = frozen_at_build
         if not selected:
             raise ValueError(f"no module of {type(model).__name__} can be preconditioned with "
                              f"method={self.method!r} (skip_layers={skip_layers!r})")
@@ -243,13 +251,14 @@ class KronPreconditioner:
         self._steps = 0
         self._statistics_steps = 0  # identical on every rank
         self._refreshes = 0  # identical on every rank
-        self._pending_statistics: tuple[Any, StepContext] | None = None
+        self._pending_statistics: tuple[Any, StepContext, frozenset[str]] | None = None
         self._warned_lr_fallback = False
+        self._warned_frozen_in_part: set[str] = set()
         self._apply_cache: dict = {}
         self._health = Health(self._layers, captures=self._spec.captures)
         if self._spec.captures:
             refuse_fullgraph(model, [layer.module for layer in self._layers], "KronPreconditioner")
-        self._capture = (ActivationCapture(self._layers, accumulation_steps=self.accumulation_steps,
+        self._capture = (ActivationCapture(self._layers, accumulation_steps=self._accumulation_steps,
                                            loss_scale=loss_scale, before_write=weakly(self._wait_for_statistics),
                                            before_observe=weakly(self._follow_parameters),
                                            output_grads=self._spec.captures_output_grads)
@@ -278,6 +287,21 @@ class KronPreconditioner:
         self._forward_counter = (model.register_forward_hook(
             ForwardHook(_count_training_forwards(self._forwards_before_first_step)), with_kwargs=True)
             if self._spec.captures and self._spec.captures_output_grads else None)
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Backward passes (micro-batches) per step, each micro-batch loss assumed divided by it;
+        methods that capture statistics scale the output-gradient rows by it. It may be set
+        between steps (on every rank alike): checked as the constructor checks it
+        (``ValueError``), it scales the rows captured from then on."""
+        return self._accumulation_steps
+
+    @accumulation_steps.setter
+    def accumulation_steps(self, value: int) -> None:
+        value = validation.check_int("accumulation_steps", value)
+        self._accumulation_steps = value
+        if self._capture is not None:  # the hooks read the capture's copy
+            self._capture.accumulation_steps = value
 
     def _check_accumulation(self) -> None:
         """Once, at the first step: warn if the model's training forwards since construction
@@ -361,6 +385,7 @@ class KronPreconditioner:
             self.discard_statistics()
             return
         self._check_accumulation()
+        self._report_unfrozen()
         with torch.no_grad(), autocast_disabled():
             for layer in self._layers:
                 self._follow_parameters(layer)
@@ -368,21 +393,24 @@ class KronPreconditioner:
             ctx = self._plan(lr)  # raises before any state changes
             if ctx.refresh:  # the call gave no rows (no layout to keep): a refresh step may read
                 self._refuse_cross_attention_on_any_rank()
+            passed = self._left_alone()
             grads = self._gradients()
+            if passed:  # seen as layers without gradients by every method verb below
+                grads = {name: [None] * len(g) if name in passed else g for name, g in grads.items()}
             if ctx.statistics:
                 self._statistics_steps += 1
-                self._fold_or_reduce(ctx)
+                self._fold_or_reduce(ctx, passed)
             for layer in self._layers:
                 layer.method.observe_gradients(grads[layer.name], ctx)
             if ctx.refresh:
-                self._refresh(ctx, grads)
+                self._refresh(ctx, grads, passed)
             elif ctx.statistics and self._spec.apply_reads_statistics:
                 self._wait_for_statistics()
             apply = precondition_exchanged if self._exchange else functools.partial(
                 precondition_gradients, holds=self._holds_state)
             written = apply(self._layers, owner_of=self._layer_owner, runtime=self._runtime, ctx=ctx,
                             kl_clip=ctx.hparams.get("kl_clip"), lr=ctx.hparams.get("lr"),
-                            cache=self._apply_cache, grads=grads)
+                            cache=self._apply_cache, grads=grads, passed_through=passed)
             if written is not None:
                 finite, written_layers, update_norms = written
                 self._health.record_gradients(finite, written_layers)
@@ -393,6 +421,52 @@ class KronPreconditioner:
             self._schedule.advance(ctx.step)
             self._steps += 1
             self._update_collecting(after_step=True)
+
+    def _left_alone(self) -> frozenset[str]:
+        """The layers this step leaves alone although they have gradients: layers whose parameters
+        are preconditioned together (``joint_gradients``: K-FAC's ``[W | b]``) of which a
+        parameter has a gradient to precondition (``requires_grad`` and a ``.grad``) and another
+        has none -- frozen after construction (``requires_grad=False``, even with a stale
+        ``.grad``), or ``.grad`` None. Such a layer is treated as one not called this step: not
+        preconditioned, its gradients unchanged, its state (statistics gathered by its hooks,
+        factors, moments, refreshes) untouched, as a layer frozen so at construction is not
+        registered. Said once per layer. Reads flags and ``.grad is None`` only: no host sync,
+        and the same on every rank (the collectives keep one layout)."""
+        left = []
+        for layer in self._layers:
+            if not layer.method.joint_gradients:  # each parameter alone: one without a gradient is left out
+                continue
+            missing = [n for n, p in layer.params if p.grad is None or not p.requires_grad]
+            if not missing or len(missing) == len(layer.params):
+                continue  # every gradient, or none to precondition (not called): the usual paths
+            left.append(layer.name)
+            if layer.name not in self._warned_frozen_in_part:
+                self._warned_frozen_in_part.add(layer.name)
+                warnings.warn(
+                    f"kron_precond: layer {layer.name!r} has no gradient for {', '.join(missing)} (requires_grad=False "
+                    f"or .grad is None) while its other parameters have one. method={self.method!r} preconditions "
+                    f"the layer's parameters together, so while this lasts its gradients pass through "
+                    f"unpreconditioned and its state is left unchanged, as for a layer frozen so when the "
+                    f"preconditioner is built (which is not registered). Unfreeze {', '.join(missing)} to have it "
+                    f"preconditioned again", UserWarning, stacklevel=3)  # the caller of step()
+        return frozenset(left)
+
+    def _report_unfrozen(self) -> None:
+        """Modules left out at construction, in whole or in part, because parameters of them were
+        frozen, once one of those parameters has a gradient: it is never preconditioned (no state,
+        no hooks were made for it). Said once per module; host reads only (``.grad is None``)."""
+        if not self._frozen_at_build:
+            return
+        unfrozen = [(module, module.unfrozen()) for module in self._frozen_at_build]
+        said = [(module, names) for module, names in unfrozen if names]
+        if not said:
+            return
+        self._frozen_at_build = [module for module, names in unfrozen if not names]
+        described = "; ".join(f"{module.label} ({', '.join(names)})" for module, names in said)
+        warnings.warn(f"kron_precond: {described} now have gradients but were frozen (requires_grad=False) when "
+                      f"the KronPreconditioner was built, so method={self.method!r} did not register them: they "
+                      f"stay unpreconditioned (their gradients pass through unchanged). Build the preconditioner "
+                      f"after unfreezing them to precondition them", UserWarning, stacklevel=3)  # the caller of step()
 
     def _skipped_by_scaler(self) -> bool:
         """Whether the ``torch.amp.GradScaler`` given as ``grad_scaler`` found an Inf or NaN when
@@ -471,10 +545,12 @@ class KronPreconditioner:
                           UserWarning, stacklevel=4)
         return _LR_FALLBACK
 
-    def _fold_or_reduce(self, ctx: StepContext) -> None:
+    def _fold_or_reduce(self, ctx: StepContext, passed: frozenset[str] = frozenset()) -> None:
+        """Fold this step's statistics, or start their reduction (folded when waited on); the
+        layers ``passed`` (:meth:`_left_alone`) drop theirs instead (after the reduction, whose
+        layout they keep)."""
         if self.world_size == 1 or not self._spec.reduces_statistics:
-            for layer in self._layers:
-                layer.method.fold_statistics(ctx)
+            self._fold(ctx, passed)
             return
         # Sums and row counts are reduced, then folded when waited on: lazily, so the
         # reduction overlaps with the rest of this step and the next ones, until a refresh
@@ -487,19 +563,29 @@ class KronPreconditioner:
         else:
             tensors = [t for layer in self._layers for t in layer.method.shared_statistics()]
             handle = self._runtime.reduce_statistics(tensors)
-        self._pending_statistics = (handle, ctx)
+        self._pending_statistics = (handle, ctx, passed)
 
     def _wait_for_statistics(self) -> None:
         if self._pending_statistics is not None:
-            handle, ctx = self._pending_statistics
+            handle, ctx, passed = self._pending_statistics
             self._pending_statistics = None
             handle.wait()
-            for layer in self._layers:
+            self._fold(ctx, passed)
+
+    def _fold(self, ctx: StepContext, passed: frozenset[str]) -> None:
+        for layer in self._layers:
+            if layer.name in passed:
+                layer.method.discard_statistics()
+            else:
                 layer.method.fold_statistics(ctx)
 
-    def _refresh(self, ctx: StepContext, grads: dict[str, list]) -> None:
+    def _refresh(self, ctx: StepContext, grads: dict[str, list], passed: frozenset[str] = frozenset()) -> None:
+        """Refresh every part on its owner, share the results; the layers ``passed``
+        (:meth:`_left_alone`) are not refreshed (their refreshed tensors still travel)."""
         self._wait_for_statistics()
         for layer in self._layers:
+            if layer.name in passed:
+                continue
             for part in layer.method.parts:
                 if self.assignment.owner(layer.name, part) == self.rank:
                     layer.method.refresh(part, grads[layer.name], ctx)
@@ -513,7 +599,7 @@ class KronPreconditioner:
             if self.grad_workers < self.world_size:  # else every rank got them above
                 self._share_statistics_tensors()
         for layer in self._layers:
-            if self._holds_state(layer):
+            if self._holds_state(layer) and layer.name not in passed:
                 layer.method.finalize_refresh(ctx)
 
     def _share_statistics_tensors(self) -> None:

@@ -69,6 +69,11 @@ class LayerMethod(abc.ABC):
     parts: tuple[str, ...]
     nonfinite: torch.Tensor  # count of updates skipped for non-finite inputs (on device)
     holds_state: bool = True  # set by the engine: this rank is a gradient worker of the layer
+    #: the layer's parameters are preconditioned as one (K-FAC's ``[W | b]``), so a step on
+    #: which some of them have no gradient (frozen after construction) cannot be applied: the
+    #: engine then passes the layer's gradients through and leaves its state alone. ``False``:
+    #: each parameter is preconditioned on its own, one without a gradient is left out.
+    joint_gradients: bool = False
 
     # ------------------------------------------------------------------ statistics
     def observe_activations(self, rows: torch.Tensor) -> Any:
@@ -185,6 +190,8 @@ class GradientMatrix:
     """A Linear / ConvNd-like unit's gradients as one ``[out, in(+1)]`` matrix, the bias (if
     any) as its last column: the form the Kronecker-factored layer methods work on. A weight
     stored ``[in, out]`` (GPT-2's ``Conv1D``) is transposed on the way in and out."""
+
+    joint_gradients = True  # see LayerMethod: [W | b] needs every parameter's gradient
 
     def set_matrix_layout(self, weight_shape, has_bias: bool, weight_transposed: bool) -> None:
         self.weight_shape = torch.Size(weight_shape)

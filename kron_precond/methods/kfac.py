@@ -71,7 +71,7 @@ class KFACLayer(GradientMatrix, LayerMethod):
         compute_method: EIGEN or INVERSE.
         eigenvalue_outer_product: cache ``1 / (d_G d_Aᵀ + λ)`` at refresh time (EIGEN),
             trading ``out·in`` memory for a cheaper ``apply``.
-        factor_dtype: dtype of A and G and of the statistics.
+        factor_dtype: dtype of A and G; their statistics are summed in it, or in float32 if it is narrower.
         inv_dtype: dtype of the stored decompositions / inverses.
         statistics_rows: at most this many rows of each module call enter the factor
             statistics, the first in the layer's row order: for a batch-first Linear input
@@ -144,7 +144,9 @@ class KFACLayer(GradientMatrix, LayerMethod):
         self._damping_used: float | None = None
         # True once a refresh step has finalised this layer (decided from the step count).
         self.ready = False
-        # factor_dtype was not given: factors take the parameters' dtype, also after a move.
+        # factor_dtype was not given: factors take the parameters' dtype, float32 or wider (a
+        # bfloat16 running average stalls once (1 - decay)(new - F) is below half an ulp), also
+        # after a move.
         self.factor_dtype_follows = False
 
     def _factor_shape(self, part: str) -> tuple[int, ...]:
@@ -461,9 +463,9 @@ class KFACLayer(GradientMatrix, LayerMethod):
 
     # ------------------------------------------------------------------ placement
     def to(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Move the state to ``device``; factors and statistics also to ``dtype`` when
-        ``factor_dtype`` follows the parameters. Decompositions keep ``inv_dtype``."""
-        factor_dtype = dtype if self.factor_dtype_follows else self.factor_dtype
+        """Move the state to ``device``; factors and statistics also to ``dtype`` (float32 or
+        wider) when ``factor_dtype`` follows the parameters. Decompositions keep ``inv_dtype``."""
+        factor_dtype = default_factor_dtype(dtype) if self.factor_dtype_follows else self.factor_dtype
         statistics_dtype = torch.promote_types(factor_dtype, torch.float32)
         self.a_factor = moved(self.a_factor, device, factor_dtype)
         self.g_factor = moved(self.g_factor, device, factor_dtype)
@@ -569,6 +571,13 @@ def _precondition(grad: torch.Tensor, parts: dict, compute_method: ComputeMethod
     a_inv, g_inv = parts["A"][0], parts["G"][0]
     out = grad * g_inv.unsqueeze(-1) if diagonal_g else g_inv @ grad
     return out * a_inv.unsqueeze(-2) if diagonal_a else out @ a_inv
+
+
+def default_factor_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """The factors' dtype when ``factor_dtype`` is not given: the parameters', float32 or wider.
+    A half-precision running average ``F ← F + (1 − decay)(new − F)`` stops moving once the
+    step is below half an ulp of F (bfloat16, decay 0.99: stuck 20% short of the average)."""
+    return torch.promote_types(param_dtype, torch.float32)
 
 
 def _trace(factor: torch.Tensor) -> torch.Tensor:
@@ -701,7 +710,7 @@ class KFACSpec(MethodSpec):
         weight = selected.params[0][1]  # weight first (an expert: its row of the stacked weight)
         layer = self.layer_class(
             selected.name, selected.shapes[0], selected.has_bias,
-            factor_dtype=self.settings["factor_dtype"] or weight.dtype,
+            factor_dtype=self.settings["factor_dtype"] or default_factor_dtype(weight.dtype),
             inv_dtype=self.settings["inv_dtype"], device=weight.device,
             weight_transposed=selected.weight_transposed,
             statistics_rows=self.settings["statistics_rows"], **method_kwargs)

@@ -120,7 +120,9 @@ class SecondMomentLayer(GradientMatrix, LayerMethod):
         return {"moments": tensor_bytes([self.moment])}
 
     def to(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.moment = moved(self.moment, device)
+        """Move the state to ``device``; the moment to the parameters' new dtype, float32 or
+        wider (as when it is made)."""
+        self.moment = moved(self.moment, device, torch.promote_types(dtype, torch.float32))
         self.nonfinite = moved(self.nonfinite, device)
         self.updates = moved(self.updates, device)
 
