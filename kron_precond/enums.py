@@ -46,6 +46,18 @@ class DistributedStrategy(enum.Enum):
     MEM_OPT = 0.0  # stands for 1 / world_size: one rank per layer keeps state
 
 
+def strategy_by_name(value: Any) -> Any:
+    """``value``, or the :class:`DistributedStrategy` a string names (case-insensitive):
+    ``"comm_opt"``, ``"hybrid_opt"``, ``"mem_opt"``. An unknown name raises ``ValueError``."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return DistributedStrategy[value.upper()]
+    except KeyError:
+        choices = ", ".join(repr(s.name.lower()) for s in DistributedStrategy)
+        raise ValueError(f"grad_worker_fraction={value!r} is not one of {choices} or a float") from None
+
+
 def __getattr__(name: str) -> Any:
     # ``Method`` comes from the registry, whose method modules import this module: resolve it
     # on first use instead of at import time.

@@ -42,7 +42,7 @@ from kron_precond.capture import (
 from kron_precond.compiled import run_eagerly
 from kron_precond.distributed.assignment import WorkAssignment, assign_work
 from kron_precond.distributed.runtime import Runtime
-from kron_precond.enums import AssignmentStrategy, DistributedStrategy
+from kron_precond.enums import AssignmentStrategy, DistributedStrategy, strategy_by_name
 from kron_precond.health import Health
 from kron_precond.methods import registry
 from kron_precond.methods.base import LayerMethod, MethodSpec
@@ -142,8 +142,9 @@ class KronPreconditioner:
         assignment_strategy: ``"compute"`` or ``"memory"``: what placing work on ranks balances.
         colocate_factors: keep all of a layer's expensive work on one rank. ``False``
             needs ``grad_worker_fraction=COMM_OPT``.
-        grad_worker_fraction: :class:`DistributedStrategy` or a float f in (0, 1]; each
-            layer has ``world·f`` gradient workers (HYBRID_OPT rounds down to a divisor).
+        grad_worker_fraction: :class:`DistributedStrategy` (or its name, case-insensitive) or a
+            float f in (0, 1]; each layer has ``world·f`` gradient workers (HYBRID_OPT rounds
+            down to a divisor).
         symmetry_aware: all-reduce only the upper triangles of symmetric statistics.
         process_group: the data-parallel group (default: the world, if initialised).
         **options: the method's own settings; see ``docs/API.md`` and each method's spec
@@ -210,7 +211,7 @@ class KronPreconditioner:
         self.world_size, self.rank = self._runtime.world_size, self._runtime.rank
         # FSDP2 / HSDP: DTensor parameters are validated before anything touches them
         self._runtime.detect_sharding(model.named_parameters())
-        self.grad_worker_fraction = grad_worker_fraction
+        self.grad_worker_fraction = grad_worker_fraction = strategy_by_name(grad_worker_fraction)
         self.grad_workers = _grad_workers(grad_worker_fraction, self.world_size)
         if not self.colocate_factors and self.grad_workers != self.world_size:
             raise ValueError("colocate_factors=False needs grad_worker_fraction=COMM_OPT: a layer's "

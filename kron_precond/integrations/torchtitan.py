@@ -47,7 +47,7 @@ from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config import derive, override
 
-from kron_precond.enums import DistributedStrategy
+from kron_precond.enums import strategy_by_name
 from kron_precond.methods import registry
 from kron_precond.preconditioner import KronPreconditioner
 from kron_precond.whitened_muon import WhitenedMuon
@@ -105,13 +105,8 @@ class KronOptimizersContainer(OptimizersContainer):
         if fields:
             raise ValueError(f"options={config.options!r}: {fields} are fields of the optimizer config, "
                              "not options; set them there")
-        if isinstance(options.get("grad_worker_fraction"), str):
-            name = options["grad_worker_fraction"]
-            try:
-                options["grad_worker_fraction"] = DistributedStrategy[name.upper()]
-            except KeyError:
-                choices = ", ".join(repr(s.name.lower()) for s in DistributedStrategy)
-                raise ValueError(f"grad_worker_fraction={name!r} is not one of {choices} or a float") from None
+        if "grad_worker_fraction" in options:
+            options["grad_worker_fraction"] = strategy_by_name(options["grad_worker_fraction"])
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if spec.captures:
             given = config.accumulation_steps
