@@ -29,7 +29,7 @@ import torch
 from . import validation
 from .autocast import autocast_disabled
 from .checkpoint import called_by_torchs_state_dict_api, run_load_pre_hooks
-from .compiled import run_eagerly
+from .compiled import step_eagerly
 from .health import new_nonfinite_steps
 from .methods import state_checks as checks
 from .methods.psgd import PSGDFactors, check_memory_save_mode, check_update_rule
@@ -181,6 +181,10 @@ class Kron(torch.optim.Optimizer):
                         mu_dtype=mu_dtype, precond_dtype=precond_dtype, clipnorm=clipnorm,
                         clipvalue=clipvalue, merge_dims=merge_dims, precond_update=precond_update)
         defaults.update(_check_group(defaults, self.global_clipnorm))
+        # a traced step would reuse the code traced for one parameter for the others of its shape,
+        # whose states its Python lookups would then cross
+        step_eagerly(Kron, "Kron's step runs eagerly: its per-parameter state is read by Python lookups that "
+                           "a traced step would share between parameters of one shape")
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -292,10 +296,6 @@ class Kron(torch.optim.Optimizer):
             return grad * (group["clipnorm"] / norm.clamp_min(group["clipnorm"])).to(grad.dtype)
         return grad
 
-    # Run eagerly inside a compiled function (torch.compile(optimizer.step) or a compiled training
-    # step): code traced for one parameter was reused for others of its shape, crossing their states.
-    @run_eagerly("Kron's step runs eagerly: its per-parameter state is read by Python lookups that a traced "
-                 "step would share between parameters of one shape")
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         """One optimization step. ``closure``, if given, re-evaluates the model and returns the

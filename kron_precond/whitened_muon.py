@@ -54,7 +54,7 @@ from kron_precond.attention import PackedInputAdapter, any_rank, attention_units
 from kron_precond.autocast import autocast_disabled
 from kron_precond.capture import AbandonedIterations, ActivationCapture, grad_scaler_scale, refuse_fullgraph, weakly
 from kron_precond.checkpoint import run_load_pre_hooks
-from kron_precond.compiled import run_eagerly
+from kron_precond.compiled import step_eagerly
 from kron_precond.distributed.sharded import ShardedLayout, is_dtensor
 from kron_precond.health import new_nonfinite_steps
 from kron_precond.methods import state_checks as checks
@@ -716,6 +716,9 @@ class WhitenedMuon(torch.optim.Optimizer):
         if isinstance(params, nn.Module):  # named parameters: torch.optim keeps "param_names" per group,
             for group in groups:           # which FQN-keyed checkpoints (torchtitan, DCP) read
                 group["params"] = [(self._names[id(p)], p) for p in group["params"]]
+        # the stacks and whiteners change at each refresh, outside what a traced step can guard
+        step_eagerly(WhitenedMuon, "WhitenedMuon's step runs eagerly: its stacked whiteners change at each "
+                                   "refresh, outside what a traced step can guard")
         super().__init__(groups, defaults)
         self.process_group = process_group
         self._sharded = self._sharded_layout([(self._names[id(w)], w) for w in whitened], process_group)
@@ -906,10 +909,6 @@ class WhitenedMuon(torch.optim.Optimizer):
     def _statistics_step(self) -> bool:
         return self._steps % self.statistics_every == 0
 
-    # Run eagerly inside a compiled function (torch.compile(optimizer.step) or a compiled training
-    # step): the stacks and whiteners change shape and membership at refreshes, which tracing cannot follow.
-    @run_eagerly("WhitenedMuon's step runs eagerly: its stacked whiteners change at each refresh, outside "
-                 "what a traced step can guard")
     @torch.no_grad()
     def step(self, closure=None):
         """One step of every parameter with a gradient; refreshes the whiteners on statistics steps.

@@ -128,6 +128,28 @@ def test_importing_kron_precond_never_imports_keras():
     assert proc.returncode == 0, proc.stderr
 
 
+def test_importing_kron_precond_loads_no_compiler():
+    """``import kron_precond`` leaves ``torch._dynamo`` unloaded: loaded after TensorFlow, it
+    aborts the process (LLVM's options registered twice), and Keras users import TensorFlow
+    first. The library's compiler settings are applied when its objects are built."""
+    code = ("import sys, kron_precond, kron_precond.optim, kron_precond.whitened_muon, kron_precond.methods.psgd\n"
+            "assert 'torch._dynamo' not in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_keras_kron_imports_after_tensorflow():
+    """The order of docs/keras.md on the TensorFlow backend: Keras (and TensorFlow) first."""
+    missing = _missing("tensorflow")
+    if missing:
+        pytest.skip(missing)
+    code = "import keras\nfrom kron_precond.keras import Kron\nprint(Kron.__name__)\n"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), KERAS_BACKEND="tensorflow"))
+    assert proc.returncode == 0 and proc.stdout.strip() == "Kron", (proc.returncode, proc.stderr[-2000:])
+
+
 def test_setup_declares_keras_extra_without_torch():
     text = (ROOT / "setup.py").read_text()
     start = text.index('"keras":')
