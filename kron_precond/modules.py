@@ -374,9 +374,16 @@ class FrozenModule:
     module: nn.Module | None = None
 
     def unfrozen(self) -> list[str]:
-        """The names of those parameters that have a gradient now (host reads, no sync)."""
-        current = [(n, p if self.module is None else getattr(self.module, n, p)) for n, p in self.params]
-        return [n for n, p in current if getattr(p, "grad", None) is not None]
+        """The names of those parameters that have a gradient now (host reads, no sync; checked
+        at every step, so the module's parameter dict is read directly, not through
+        ``nn.Module.__getattr__``)."""
+        return [n for n, p in self.params if getattr(self._current(n, p), "grad", None) is not None]
+
+    def _current(self, name: str, param: torch.Tensor) -> Any:
+        if self.module is None:
+            return param
+        found = self.module._parameters.get(name)
+        return found if found is not None else getattr(self.module, name, param)
 
 
 _FROZEN: contextvars.ContextVar[list[FrozenModule] | None] = contextvars.ContextVar("kron_precond_frozen",

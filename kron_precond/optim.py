@@ -109,6 +109,12 @@ STEP_RULES: tuple[validation.GroupRule, ...] = (
     ("weight_decay", ">= 0", lambda v: v >= 0), ("b1", "in [0, 1)", lambda v: 0 <= v < 1))
 
 
+# A traced step would reuse the code traced for one parameter for the others of its shape, whose
+# states its Python lookups would then cross: the step runs eagerly inside compiled functions.
+_EAGER_REASON = ("Kron's step runs eagerly: its per-parameter state is read by Python lookups that a traced "
+                 "step would share between parameters of one shape")
+
+
 class Kron(torch.optim.Optimizer):
     """PSGD Kron (Xi-Lin Li): momentum preconditioned by a learned Kronecker-factored
     whitening preconditioner ``P = ⊗_i Q_iᵀQ_i`` per parameter tensor.
@@ -181,10 +187,7 @@ class Kron(torch.optim.Optimizer):
                         mu_dtype=mu_dtype, precond_dtype=precond_dtype, clipnorm=clipnorm,
                         clipvalue=clipvalue, merge_dims=merge_dims, precond_update=precond_update)
         defaults.update(_check_group(defaults, self.global_clipnorm))
-        # a traced step would reuse the code traced for one parameter for the others of its shape,
-        # whose states its Python lookups would then cross
-        step_eagerly(Kron, "Kron's step runs eagerly: its per-parameter state is read by Python lookups that "
-                           "a traced step would share between parameters of one shape")
+        step_eagerly(Kron, _EAGER_REASON)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -213,6 +216,7 @@ class Kron(torch.optim.Optimizer):
         return dict(self.__dict__)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        step_eagerly(Kron, _EAGER_REASON)  # unpickled in a process that has built no Kron
         super().__setstate__(state)
         # an optimizer pickled by a version without it: its per-parameter tensors are rebuilt
         self.__dict__.setdefault("_bound", {})

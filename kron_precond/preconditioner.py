@@ -394,10 +394,12 @@ class KronPreconditioner:
             ctx = self._plan(lr)  # raises before any state changes
             if ctx.refresh:  # the call gave no rows (no layout to keep): a refresh step may read
                 self._refuse_cross_attention_on_any_rank()
-            passed = self._left_alone()
+            passed, frozen = self._left_alone()
             grads = self._gradients()
-            if passed:  # seen as layers without gradients by every method verb below
-                grads = {name: [None] * len(g) if name in passed else g for name, g in grads.items()}
+            if passed or frozen:  # seen as layers (parameters) without gradients by every method verb below
+                grads = {layer.name: [None] * len(grads[layer.name]) if layer.name in passed else
+                         [None if id(p) in frozen else g for (_, p), g in zip(layer.params, grads[layer.name])]
+                         for layer in self._layers}
             if ctx.statistics:
                 self._statistics_steps += 1
                 self._fold_or_reduce(ctx, passed)
@@ -423,34 +425,41 @@ class KronPreconditioner:
             self._steps += 1
             self._update_collecting(after_step=True)
 
-    def _left_alone(self) -> frozenset[str]:
-        """The layers this step leaves alone although they have gradients: layers whose parameters
-        are preconditioned together (``joint_gradients``: K-FAC's ``[W | b]``) of which a
-        parameter has a gradient to precondition (``requires_grad`` and a ``.grad``) and another
-        has none -- frozen after construction (``requires_grad=False``, even with a stale
-        ``.grad``), or ``.grad`` None. Such a layer is treated as one not called this step: not
-        preconditioned, its gradients unchanged, its state (statistics gathered by its hooks,
-        factors, moments, refreshes) untouched, as a layer frozen so at construction is not
-        registered. Said once per layer. Reads flags and ``.grad is None`` only: no host sync,
-        and the same on every rank (the collectives keep one layout)."""
-        left = []
+    def _left_alone(self) -> tuple[frozenset[str], frozenset[int]]:
+        """``(layers, parameters)`` this step leaves alone although they may hold gradients.
+
+        Layers: those whose parameters are preconditioned together (``joint_gradients``: K-FAC's
+        ``[W | b]``) of which a parameter is frozen (``requires_grad=False``, even with a stale
+        ``.grad``), or has no ``.grad`` while another has one. Such a layer is treated as one
+        not called this step: not preconditioned, its gradients unchanged, its state (statistics
+        gathered by its hooks, factors, moments, refreshes) untouched, as a layer frozen so at
+        construction is not registered. Said once per layer. Parameters (``id``): the frozen
+        ones of the methods that precondition each parameter alone (Shampoo, PSGD), seen as
+        having no gradient. Reads flags and ``.grad is None`` only: no host sync, and the same
+        on every rank (the collectives keep one layout)."""
+        left: list[str] = []
+        frozen_params: list[int] = []
         for layer in self._layers:
+            frozen = [n for n, p in layer.params if not p.requires_grad]
             if not layer.method.joint_gradients:  # each parameter alone: one without a gradient is left out
+                frozen_params.extend(id(p) for _, p in layer.params if not p.requires_grad)
                 continue
             missing = [n for n, p in layer.params if p.grad is None or not p.requires_grad]
-            if not missing or len(missing) == len(layer.params):
-                continue  # every gradient, or none to precondition (not called): the usual paths
+            if not missing or (len(missing) == len(layer.params) and not frozen):
+                continue  # every gradient, or none (not called this step): the usual paths
             left.append(layer.name)
             if layer.name not in self._warned_frozen_in_part:
                 self._warned_frozen_in_part.add(layer.name)
+                what = ("is frozen (requires_grad=False)" if len(frozen) == len(layer.params) else
+                        f"has no gradient for {', '.join(missing)} (requires_grad=False or .grad is None) while "
+                        f"its other parameters have one")
                 warnings.warn(
-                    f"kron_precond: layer {layer.name!r} has no gradient for {', '.join(missing)} (requires_grad=False "
-                    f"or .grad is None) while its other parameters have one. method={self.method!r} preconditions "
-                    f"the layer's parameters together, so while this lasts its gradients pass through "
-                    f"unpreconditioned and its state is left unchanged, as for a layer frozen so when the "
-                    f"preconditioner is built (which is not registered). Unfreeze {', '.join(missing)} to have it "
-                    f"preconditioned again", UserWarning, stacklevel=3)  # the caller of step()
-        return frozenset(left)
+                    f"kron_precond: layer {layer.name!r} {what}. method={self.method!r} preconditions the layer's "
+                    f"parameters together, so while this lasts its gradients pass through unpreconditioned and its "
+                    f"state is left unchanged, as for a layer frozen so when the preconditioner is built (which is "
+                    f"not registered). Unfreeze {', '.join(missing)} to have it preconditioned again",
+                    UserWarning, stacklevel=3)  # the caller of step()
+        return frozenset(left), frozenset(frozen_params)
 
     def _report_unfrozen(self) -> None:
         """Modules left out at construction, in whole or in part, because parameters of them were

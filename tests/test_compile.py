@@ -195,3 +195,33 @@ def test_run_eagerly_takes_a_torch_whose_disable_has_no_reason(monkeypatch):
     finally:
         monkeypatch.undo()
         importlib.reload(compiled)
+
+
+def test_a_kron_unpickled_where_none_was_built_steps_eagerly_under_compile(tmp_path):
+    """A process that only unpickles a ``Kron`` (a resumed job) gets the same eager step under
+    ``torch.compile(optimizer.step)`` as one that built it: every parameter keeps its own state."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    save = ("import torch, pickle, torch.nn as nn\nfrom kron_precond import Kron\n"
+            "torch.manual_seed(0)\n"
+            "m = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))\n"
+            "opt = Kron(m.parameters(), lr=1e-2, preconditioner_update_probability=0.5)\n"
+            f"pickle.dump((m, opt), open({str(tmp_path / 'k.pkl')!r}, 'wb'))\n")
+    load = ("import torch, pickle, torch.nn.functional as F\n"
+            f"path = {str(tmp_path / 'k.pkl')!r}\n"
+            "(a, oa), (b, ob) = pickle.load(open(path, 'rb')), pickle.load(open(path, 'rb'))\n"
+            "step = torch.compile(ob.step, backend='eager')\n"
+            "for s in range(4):\n"
+            "    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(s))\n"
+            "    for m, o, do in ((a, oa, oa.step), (b, ob, step)):\n"
+            "        o.zero_grad(); m(x).square().mean().backward(); do()\n"
+            "print(max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters())))\n")
+    env = {**__import__("os").environ, "PYTHONPATH": str(root)}
+    for code in (save, load):
+        proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                              timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert float(proc.stdout.strip().splitlines()[-1]) == 0.0, proc.stdout

@@ -161,6 +161,45 @@ def test_a_layer_frozen_in_part_keeps_its_state_and_resumes_when_unfrozen(method
     assert not torch.allclose(written[0], raw[0]), f"{method}: not preconditioned again after unfreezing"
 
 
+@pytest.mark.parametrize("set_to_none", [False, True])
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_a_layer_frozen_whole_after_construction_keeps_its_state(method, set_to_none):
+    """The whole first layer frozen for two steps in the middle of a run (progressive freezing):
+    its stale gradients (``zero_grad(set_to_none=False)``) are not preconditioned, its state
+    (factors, statistics from its hooks, moments, counters) does not move, the other layer is
+    preconditioned as usual, and unfrozen again the layer is preconditioned again."""
+    model = Net().to(F64)
+    precond = build(method, model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def run(step: int):
+        opt.zero_grad(set_to_none=set_to_none)
+        backward(model, step)
+        raw = [None if p.grad is None else p.grad.clone() for p in model.body.parameters()]
+        precond.step()
+        written = [None if p.grad is None else p.grad.clone() for p in model.body.parameters()]
+        opt.step()
+        return raw, written
+
+    for step in range(3):
+        run(step)
+    state = copy.deepcopy(precond.state_dict()["layers"])
+    body = [k for k in state if k.startswith("body")]
+    model.body.requires_grad_(False)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        for step in range(3, 5):
+            raw, written = run(step)
+            for r, w in zip(raw, written):
+                assert (r is None and w is None) or torch.equal(w, r), f"{method}: a frozen gradient was changed"
+    after = precond.state_dict()["layers"]
+    for key in body:
+        _assert_same_state(after[key], state[key], f"{method}: {key}")
+    model.body.requires_grad_(True)
+    raw, written = run(5)
+    assert not torch.allclose(written[0], raw[0]), f"{method}: not preconditioned again after unfreezing"
+
+
 def _assert_same_state(got, want, where):
     if isinstance(want, torch.Tensor):
         assert torch.equal(got, want), where
