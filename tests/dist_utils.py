@@ -321,6 +321,15 @@ def ranks_identical(params: torch.Tensor, world: int, all_gather: Callable) -> b
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
+def average_gradients_as_ddp(model: torch.nn.Module, world: int) -> None:
+    """DDP's mean over the ranks of every gradient that exists (one all-reduce per parameter;
+    a parameter whose ``.grad`` is None, on every rank alike, is left as it is)."""
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world
+
+
 def step_as_ddp(optimizer: Any, params: list, world: int) -> bool:
     """Average the gradients over the ranks as DDP would, step, and say whether every rank
     then holds bitwise the same ``params`` (``True`` on one rank)."""

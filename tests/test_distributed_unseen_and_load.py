@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dist_utils import ranks_identical, run_workers
+from dist_utils import average_gradients_as_ddp, ranks_identical, run_workers
 from kron_precond import DistributedStrategy, KronPreconditioner
 
 F64 = torch.float64
@@ -97,11 +97,8 @@ def train(method: str, path: str | None = None, rank: int = 0, world: int = 1) -
             opt.zero_grad(set_to_none=True)
             out = model(x[rank * rows:(rank + 1) * rows], use_b=step != SKIPPED_AT)
             F.mse_loss(out, y[rank * rows:(rank + 1) * rows]).backward()
-            if path == "ddp":  # DDP's mean over the gradients that exist (b's is None everywhere when skipped)
-                for p in model.parameters():
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad)
-                        p.grad /= world
+            if path == "ddp":  # b's gradient is None everywhere when skipped
+                average_gradients_as_ddp(model, world)
             precond.step()
             opt.step()
             trajectory.append(flat(model))

@@ -135,13 +135,7 @@ def test_a_layer_frozen_in_part_keeps_its_state_and_resumes_when_unfrozen(method
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def run(step: int):
-        opt.zero_grad(set_to_none=False)
-        backward(model, step)
-        raw = [p.grad.clone() for p in model.body.parameters()]
-        precond.step()
-        written = [p.grad.clone() for p in model.body.parameters()]
-        opt.step()
-        return raw, written
+        return _step_reading_body(model, precond, opt, step, set_to_none=False)
 
     for step in range(3):
         run(step)
@@ -173,13 +167,7 @@ def test_a_layer_frozen_whole_after_construction_keeps_its_state(method, set_to_
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def run(step: int):
-        opt.zero_grad(set_to_none=set_to_none)
-        backward(model, step)
-        raw = [None if p.grad is None else p.grad.clone() for p in model.body.parameters()]
-        precond.step()
-        written = [None if p.grad is None else p.grad.clone() for p in model.body.parameters()]
-        opt.step()
-        return raw, written
+        return _step_reading_body(model, precond, opt, step, set_to_none=set_to_none)
 
     for step in range(3):
         run(step)
@@ -198,6 +186,21 @@ def test_a_layer_frozen_whole_after_construction_keeps_its_state(method, set_to_
     model.body.requires_grad_(True)
     raw, written = run(5)
     assert not torch.allclose(written[0], raw[0]), f"{method}: not preconditioned again after unfreezing"
+
+
+def _step_reading_body(model, precond, opt, step: int, set_to_none: bool):
+    """One training step; ``(raw, written)``: the first layer's gradients before and after the
+    preconditioner (``None`` where a parameter has none)."""
+    def read():
+        return [None if p.grad is None else p.grad.clone() for p in model.body.parameters()]
+
+    opt.zero_grad(set_to_none=set_to_none)
+    backward(model, step)
+    raw = read()
+    precond.step()
+    written = read()
+    opt.step()
+    return raw, written
 
 
 def _assert_same_state(got, want, where):
@@ -463,7 +466,7 @@ def dist_train(method: str, schedule: str, path: str | None = None, rank: int = 
     before construction: b is not registered), "middle" (frozen on ``FROZEN_STEPS`` only)."""
     import torch.distributed as dist
 
-    from dist_utils import ranks_identical
+    from dist_utils import average_gradients_as_ddp, ranks_identical
     from kron_precond import DistributedStrategy
 
     model = DistNet().to(F64)
@@ -491,10 +494,7 @@ def dist_train(method: str, schedule: str, path: str | None = None, rank: int = 
             opt.zero_grad(set_to_none=True)
             F.mse_loss(model(x[rank * rows:(rank + 1) * rows]), y[rank * rows:(rank + 1) * rows]).backward()
             if path == "ddp":
-                for p in model.parameters():
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad)
-                        p.grad /= world
+                average_gradients_as_ddp(model, world)
             precond.step()
             opt.step()
             trajectory.append(_flat(model))

@@ -831,7 +831,8 @@ def test_output_gradients_that_turn_non_finite_are_named_as_a_cause_of_stale_sta
     assert stale and "NaN or Inf" in stale[0], [str(w.message) for w in record]
 
 
-@pytest.mark.parametrize("name,member", [("comm_opt", "COMM_OPT"), ("MEM_OPT", "MEM_OPT"), ("Hybrid_Opt", "HYBRID_OPT")])
+@pytest.mark.parametrize("name,member", [("comm_opt", "COMM_OPT"), ("MEM_OPT", "MEM_OPT"),
+                                         ("Hybrid_Opt", "HYBRID_OPT")])
 def test_grad_worker_fraction_takes_the_strategys_name_as_the_other_enums_do(name, member):
     """Like ``method``, ``compute_method`` and ``assignment_strategy``, the strategy may be given
     by its name, in any case; an unknown name is refused naming the argument and the choices."""
