@@ -8,21 +8,27 @@
   on the device, read on refresh steps (one host sync, next to the refresh's own work) or
   every ``check_every`` steps.
 * Updates that blow up: per layer and step, the norm of the update written into ``.grad``
-  over the layer's reference before that step; the largest since the last read is read with
-  the counters above. The reference is the larger of the layer's first usable (finite,
-  non-zero) update norm and a running geometric mean of its usable update norms in which
-  the k-th enters with weight ``min(1, UPDATE_REFERENCE_SPAN / k)`` (4: weights growing as
-  k³, about the last quarter of the updates so far). A layer whose update reached
-  ``UPDATE_GROWTH_WARNING`` times its reference, or became non-finite from a finite
-  gradient, is reported: training is diverging.
+  over the layer's reference before that step, and over its first usable (finite, non-zero)
+  update norm; the largest of each since the last read are read with the counters above. The
+  reference is the larger of the first usable norm and a running geometric mean of the usable
+  norms in which the k-th enters with weight ``min(1, UPDATE_REFERENCE_SPAN / k)`` (4: weights
+  growing as k³, about the last quarter of the updates so far). A layer whose update reached
+  ``UPDATE_GROWTH_WARNING`` (1e3) times its reference or ``UPDATE_FIRST_GROWTH_WARNING`` (1e6)
+  times its first norm, or became non-finite from a finite gradient, is reported: training is
+  diverging.
 
   - Not the first update alone: a layer's usual update may grow by orders of magnitude over
     a healthy start (a deep tanh stack passing more signal to its first layer; PSGD's factors,
     which start at the identity, learning the gradients' scale), while the base optimizer
     (AdamW) normalises it away.
   - A mean over a span that grows with the run: it follows such a shift within a fraction of
-    the run, and a sustained growth outruns it, so a blow-up that keeps growing is reported,
-    later than a jump.
+    the run, so a jump over the level a layer settled at is reported at 1e3; a steady climb
+    ``r**k`` outruns it only as ``r**(k/5)``.
+  - Its first norm, with a larger bar: a steady climb is reported when it reaches 1e6 times
+    the first norm, at any rate (x1.1 a step: step 145; x1.3: 53; x2: 20). Healthy starts stay
+    below 5.2e4 (PSGD learning its scale). Neither bar can be much lower, nor the mean slower
+    (capped entries, a count of steps above it): that climb runs at x1.3-x1.6 a step for 25-45
+    steps, as a diverging one does.
   - The first norm as a floor: updates shrink as a run converges, and a mean that followed
     them down would flag ordinary noise. With the floor the check is never stricter than
     against the first update.
@@ -54,6 +60,12 @@ UPDATE_GROWTH_WARNING = 1e3
 # far. Larger follows a healthy start sooner (PSGD on the autoencoder: 760 times its reference
 # at 3) and reports a steady growth later.
 UPDATE_REFERENCE_SPAN = 4
+# Growth of a layer's update norm over its first usable one that is reported as well: a steady
+# climb outruns the running mean only slowly (as r**(k/5) for r**k), so it is caught here, at
+# this growth whatever its rate. Healthy runs reach 5.2e4 (PSGD in front of AdamW on the digits
+# autoencoder, lr 1e-4 to 3e-3, learning its scale from the identity: a climb of x1.3-x1.6 a step
+# that then stops; it grows as the first gradient is smaller, hence the margin).
+UPDATE_FIRST_GROWTH_WARNING = 1e6
 
 
 def new_nonfinite_steps(optimizer: torch.optim.Optimizer, reported: dict[int, int]) -> list[tuple]:
@@ -83,9 +95,9 @@ class Health:
         self._observed_checked = False
         self._stale: set[str] = set()  # layers reported as no longer receiving statistics
         self._pending: list[tuple[torch.Tensor, torch.cuda.Event | None, list]] = []
-        # [4, layers] on the device, per layer (by column): the first usable update norm, the
-        # mean log of the usable update norms so far, their count, and the largest growth (update
-        # norm over the reference before it) since the last read
+        # [5, layers] on the device, per layer (by column): the first usable update norm, the
+        # mean log of the usable update norms so far, their count, and the largest growths since
+        # the last read of the update norm over the reference before it and over the first norm
         self._updates: torch.Tensor | None = None
         self._update_index: dict[tuple, torch.Tensor] = {}
 
@@ -127,54 +139,69 @@ class Health:
         """``norms[i]``: the norm of the update written for ``layers[i]`` this step (0: none,
         or a non-finite gradient passed through). Device ops only: read in :meth:`report_state`.
 
-        The step's growth is its norm over the layer's reference *before* this step (0 before
-        any; NaN for a non-finite norm, kept by the running maximum until the next read). A
+        The step's growths are its norm over the layer's reference *before* this step and over
+        its first norm (0 before any; NaN for a non-finite norm, kept by the running maxima until
+        the next read). A
         usable norm (finite, > 0) then enters the reference: it sets the first norm if there is
         none, and the running geometric mean (see the module's docstring)."""
         if norms is None:
             return
         if self._updates is None or self._updates.device != norms.device:
-            self._updates = torch.zeros(4, len(self._layers), dtype=torch.float32, device=norms.device)
+            self._updates = torch.zeros(5, len(self._layers), dtype=torch.float32, device=norms.device)
             self._update_index.clear()
         key = tuple(layer.index for layer in layers)
         index = self._update_index.get(key)
         if index is None:
             index = self._update_index[key] = torch.tensor(key, dtype=torch.int64, device=norms.device)
         norms = norms.to(torch.float32)  # (float64 is not available on every device)
-        first, log_mean, count, peak = self._updates.index_select(1, index).unbind(0)
+        updates = self._updates.index_select(1, index)
+        first, log_mean, count = updates[:3].unbind(0)
         seen = count > 0  # the reference exists
-        # (where a condition is false, the other branch's inf or NaN is discarded)
-        ratio = torch.where(seen, norms / torch.maximum(first, log_mean.exp()), 0.0)
         finite = norms < float("inf")  # a norm is >= 0: false for +inf and NaN
-        # NaN for a non-finite norm: torch.maximum keeps it visible until the next read
-        growth = torch.where(finite, ratio.clamp(max=2.0**62), float("nan"))
+        # [2, n]: over the reference and over the first norm (where a condition is false, the
+        # other branch's inf or NaN is discarded); NaN for a non-finite norm: torch.maximum
+        # keeps it visible until the next read
+        growth = norms / torch.stack([torch.maximum(first, log_mean.exp()), first])
+        growth = torch.where(finite, torch.where(seen, growth.clamp(max=2.0**62), 0.0), float("nan"))
         usable = finite & (norms > 0)
         count = count + usable  # float32: exact up to 2**24 norms, then still a running mean
         # the k-th usable norm enters with weight min(1, UPDATE_REFERENCE_SPAN / k)
         log_mean = torch.where(usable, log_mean.addcdiv(norms.log() - log_mean, count.clamp(min=UPDATE_REFERENCE_SPAN),
                                                         value=UPDATE_REFERENCE_SPAN), log_mean)
         first = torch.where(seen, first, norms)  # (not read while the count is 0)
-        self._updates.index_copy_(1, index, torch.stack([first, log_mean, count, torch.maximum(peak, growth)]))
+        self._updates.index_copy_(1, index, torch.cat([torch.stack([first, log_mean, count]),
+                                                       torch.maximum(updates[3:], growth)]))
 
     def _update_growth(self) -> torch.Tensor:
-        """Per layer, as int64: the largest growth since the last read (rounded down; 0 before
-        any reference), ``-1`` if it is not finite. Resets it."""
+        """As int64, per layer the largest growth over the reference since the last read, then per
+        layer the largest over the first norm (rounded down; 0 before any reference), ``-1`` if
+        it is not finite. Resets them."""
         if self._updates is None:
             return torch.zeros(0, dtype=torch.int64)
-        peak = self._updates[3]
+        peak = self._updates[3:].reshape(-1)
         growth = torch.where(torch.isfinite(peak), peak.floor(), torch.full_like(peak, -1.0))
         growth = growth.to(torch.int64)
         peak.zero_()
         return growth
 
     def _report_updates(self, growth: list[int]) -> None:
-        grown = [(layer.name, g) for layer, g in zip(self._layers, growth) if g < 0 or g >= UPDATE_GROWTH_WARNING]
-        if not grown:
+        if not growth:
             return
-        described = ", ".join(f"{name} ({'non-finite' if g < 0 else f'{g:.3g}x'})" for name, g in grown)
-        warnings.warn(f"kron_precond: the preconditioned update of {described} grew to at least "
+        n = len(self._layers)
+        described = []
+        for layer, g, g_first in zip(self._layers, growth[:n], growth[n:]):
+            if g < 0 or g_first < 0:
+                described.append(f"{layer.name} (non-finite)")
+            elif g >= UPDATE_GROWTH_WARNING:
+                described.append(f"{layer.name} ({g:.3g}x)")
+            elif g_first >= UPDATE_FIRST_GROWTH_WARNING:
+                described.append(f"{layer.name} ({g_first:.3g}x its first norm)")
+        if not described:
+            return
+        warnings.warn(f"kron_precond: the preconditioned update of {', '.join(described)} grew to at least "
                       f"{UPDATE_GROWTH_WARNING:g} times its usual norm (the larger of its first norm and a "
-                      "running geometric mean of its recent norms) since the last check: training is diverging. "
+                      f"running geometric mean of its recent norms), or {UPDATE_FIRST_GROWTH_WARNING:g} times "
+                      "its first norm, since the last check: training is diverging. "
                       "Lower the learning rate or refresh the preconditioner more often "
                       "(method='shampoo': grafting=True)", RuntimeWarning, stacklevel=4)
 
