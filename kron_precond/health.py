@@ -172,6 +172,12 @@ class Health:
         self._updates.index_copy_(1, index, torch.cat([torch.stack([first, log_mean, count]),
                                                        torch.maximum(updates[3:], growth)]))
 
+    def forget_updates(self) -> None:
+        """Drop every layer's update references and peaks (after a checkpoint is loaded: a run
+        rolled back from a blow-up must not keep the blown-up norms in its reference)."""
+        self._updates = None
+        self._update_index.clear()
+
     def _update_growth(self) -> torch.Tensor:
         """As int64, per layer the largest growth over the reference since the last read, then per
         layer the largest over the first norm (rounded down; 0 before any reference), ``-1`` if

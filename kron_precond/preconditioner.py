@@ -802,6 +802,7 @@ class KronPreconditioner:
         self._refreshes = counters["refreshes"]
         self._schedule.load_state_dict(schedule)
         self._apply_cache.clear()
+        self._health.forget_updates()  # the loaded state's updates are measured afresh
         for layer in needed:
             layer.method.load_state_dict(layers[layer.name])
             if not self._holds_state(layer):

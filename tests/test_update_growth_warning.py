@@ -261,3 +261,29 @@ def test_a_non_finite_update_is_reported_also_before_any_reference(norms):
     # the first usable norm sets the reference; a non-finite update before it is still a blow-up
     messages = _feed(norms)
     assert len(messages) == 1 and "non-finite" in messages[0], messages
+
+
+def test_a_run_rolled_back_from_a_blow_up_measures_its_updates_afresh():
+    """Loaded back to a checkpoint from before a blow-up, the preconditioner does not keep the
+    blown-up norms in its reference: a later jump over the healthy level is reported."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    precond = KronPreconditioner(model, method="shampoo", inv_update_steps=10)
+    data = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 8, generator=data), torch.randn(32, 4, generator=data)
+
+    def steps(first: int, count: int, scale: float) -> list[str]:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            for _ in range(count):
+                model.zero_grad()
+                ((model(x) - y).square().mean() * scale).backward()
+                precond.step()  # no optimizer: only the gradients' scale changes
+        return _growth_warnings(record)
+
+    assert steps(0, 11, 1.0) == []
+    saved = precond.state_dict()
+    assert steps(11, 30, 1e4) != []  # the blow-up, reported
+    precond.load_state_dict(saved)
+    assert steps(11, 10, 1.0) == []
+    assert steps(21, 10, 3e3) != [], "a 3e3-fold jump after the rollback was not reported"
