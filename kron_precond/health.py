@@ -141,9 +141,8 @@ class Health:
 
         The step's growths are its norm over the layer's reference *before* this step and over
         its first norm (0 before any; NaN for a non-finite norm, kept by the running maxima until
-        the next read). A
-        usable norm (finite, > 0) then enters the reference: it sets the first norm if there is
-        none, and the running geometric mean (see the module's docstring)."""
+        the next read). A usable norm (finite, > 0) then enters the reference: it sets the first
+        norm if there is none, and the running geometric mean (see the module's docstring)."""
         if norms is None:
             return
         if self._updates is None or self._updates.device != norms.device:
