@@ -580,7 +580,8 @@ class WhitenedMuon(torch.optim.Optimizer):
             refresh's steps must not synchronise.
         block_size: a side wider than this (and divisible by it) keeps only the diagonal
             ``block_size``-blocks of its factor: its statistics, refresh and whitening cost fall
-            by ``width / block_size``. ``None``: every side whole.
+            by ``width / block_size``. A wider side it does not divide is whitened whole, and a
+            warning at construction names it. ``None``: every side whole.
         ns_steps: Newton-Schulz iterations. Keep Muon's 5; lower it only where Newton-Schulz
             dominates the step and a run of your own shows the loss unchanged (four lost
             steps on GPT-2 and at 16k tokens per step).
@@ -745,6 +746,8 @@ class WhitenedMuon(torch.optim.Optimizer):
                                                statistics_rows=statistics_rows,
                                                root=root, block_size=block_size, process_group=process_group,
                                                centered=centered, outputs=outputs, output_damping=output_damping)
+        if block_size is not None:
+            self._warn_undivided(whitened, block_size)
         # a packed in_proj's rows come in three slots once its parts read inputs of their own
         # (the query's, the key's, the value's), each its part's unit
         layers = [_CaptureLayer(unit.module, unit.adapter, slot,
@@ -839,6 +842,21 @@ class WhitenedMuon(torch.optim.Optimizer):
         if len({id(w) for w in weights}) != len(weights):
             raise ValueError("WhitenedMuon: a weight appears twice in modules (tied or repeated module)")
         return units, plain, []
+
+    def _warn_undivided(self, whitened: list[nn.Parameter], block_size: int) -> None:
+        """Names the sides wider than ``block_size`` that it does not divide: they are whitened
+        whole, at the dense whitener's cost a blocked run is set to avoid."""
+        undivided = []
+        for weight in whitened:
+            view = self._views[id(weight)]
+            for side in self._statistics.sides_of(weight):
+                width = view.part_shape[0] if side == "output" and view.parts > 1 else view.width(side)
+                if width > block_size and self._statistics.blocks(width) == 1:
+                    undivided.append(f"{self._names[id(weight)]!r} {side} ({width} wide)")
+        if undivided:
+            warnings.warn(f"WhitenedMuon: block_size={block_size} does not divide these sides, which are "
+                          f"whitened whole: {', '.join(undivided)}; a block size that divides them blocks "
+                          f"them too", UserWarning, stacklevel=3)
 
     @staticmethod
     def _sharded_layout(named: list[tuple[str, nn.Parameter]], process_group: Any) -> ShardedLayout | None:

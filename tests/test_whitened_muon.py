@@ -1153,3 +1153,26 @@ def test_a_checkpoint_loads_into_the_model_in_another_dtype_and_steps(saved_dtyp
         other(x.to(loaded_dtype)).square().mean().backward()
         resumed.step()
     assert all(torch.isfinite(p).all() for p in other.parameters())
+
+
+def test_a_side_block_size_does_not_divide_is_named_at_construction():
+    """``block_size`` blocks only the sides it divides: a wider side it does not divide is
+    whitened whole (its factor one ``width x width`` block), and a warning at construction
+    names it, so a mistyped size does not silently cost the dense whitener."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(12, 9, bias=False), nn.Linear(9, 8, bias=False), nn.Linear(8, 4, bias=False))
+    with pytest.warns(UserWarning, match=r"block_size=4.*'0\.weight'.*output \(9 wide\).*"
+                                         r"'1\.weight'.*input \(9 wide\)") as caught:
+        opt = WhitenedMuon(net, lr=LR, statistics_every=1, output_side=True, block_size=4)
+    message = str(next(w.message for w in caught if "block_size" in str(w.message)))
+    assert "2.weight" not in message and "'0.weight' input" not in message  # 12, 8 and 4 wide: divided
+    x = torch.randn(16, 12)
+    net(x).square().mean().backward()
+    opt.step()
+    assert opt.state[net[0].weight]["input_factor"].shape == (3, 4, 4)
+    assert opt.state[net[0].weight]["output_factor"].shape == (1, 9, 9)  # whole, as the warning says
+    assert opt.state[net[1].weight]["input_factor"].shape == (1, 9, 9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        WhitenedMuon(copy.deepcopy(net), lr=LR, output_side=True, block_size=16)  # no side is wider
+        WhitenedMuon(copy.deepcopy(net), lr=LR, output_side=True, block_size=None)
