@@ -347,7 +347,11 @@ def find_kfac_modules(model: nn.Module, is_skipped, log, *, weight_only: bool = 
         if name in functional:
             log(f"skipping {label}: nn.MultiheadAttention applies it functionally (no forward hook)")
             continue
-        units = adapter.units(name, own)
+        try:  # an adapter whose units() judges the parameters (fused experts' layout) refuses here
+            units = adapter.units(name, own)
+        except UnsupportedModule as err:
+            log(f"skipping {label}: {err}")
+            continue
         if weight_only and not all(u.params[0][1].requires_grad for u in units):
             log(f"skipping {label}: its weight does not require grad")
             continue

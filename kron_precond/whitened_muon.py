@@ -60,6 +60,7 @@ from kron_precond.health import new_nonfinite_steps
 from kron_precond.methods import state_checks as checks
 from kron_precond.modules import (
     Selected,
+    UnsupportedModule,
     compile_skip_patterns,
     find_kfac_modules,
     is_skipped,
@@ -193,7 +194,10 @@ def _listed_units(modules: list) -> tuple[list[Selected], list[Selected]]:
         unknown = unknown_parameters(adapter, own)
         if unknown:
             raise ValueError(f"WhitenedMuon: {label} cannot be whitened: {unknown}")
-        units.extend(adapter.units(f"modules[{i}]", own))
+        try:
+            units.extend(adapter.units(f"modules[{i}]", own))
+        except UnsupportedModule as err:
+            raise ValueError(f"WhitenedMuon: {label} cannot be whitened: {err}") from err
     return units, plain
 
 

@@ -390,3 +390,34 @@ def test_experts_called_with_unexpected_arguments_fail_loudly():
     with pytest.raises(RuntimeError, match="does not understand"):
         model(x, torch.rand(5, 2), torch.rand(5, 2))  # float indices
     precond.remove()
+
+
+class ScaledExperts(RoutedExperts):
+    """Experts whose forward also reads a parameter of their own outside the expert layout."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.out_scale = nn.Parameter(torch.ones(self.dim))
+
+    def forward(self, x, index, weights):
+        return super().forward(x, index, weights) * self.out_scale
+
+
+def test_experts_with_a_parameter_outside_the_layout_are_skipped_or_refused_by_name(caplog):
+    """A parameter the expert layout does not know enters the output in a way the adapter cannot
+    describe: the model-wide searches skip the module with the reason logged (its gradients
+    pass through; ``WhitenedMuon(model)`` steps its parameters with AdamW), and the list form
+    refuses it naming the module, as for any module no adapter describes."""
+    from kron_precond import WhitenedMuon
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), ScaledExperts(4, 8, 6))
+    with caplog.at_level("INFO", logger="kron_precond"):
+        precond = KronPreconditioner(model, method="kfac")
+    assert [layer.name for layer in precond._layers] == ["0"]
+    assert any("skipping 1" in r.getMessage() and "out_scale" in r.getMessage() for r in caplog.records)
+    opt = WhitenedMuon(model, lr=0.02)
+    adamw = {id(p) for g in opt.param_groups if g["algorithm"] == "adamw" for p in g["params"]}
+    assert {id(p) for p in model[1].parameters()} <= adamw
+    with pytest.raises(ValueError, match=r"modules\[0\] \(ScaledExperts\).*out_scale"):
+        WhitenedMuon([model[1]], lr=0.02)
