@@ -611,11 +611,13 @@ class WhitenedMuon(torch.optim.Optimizer):
         process_group: where the statistics are all-reduced; ``None``: the default group when
             ``torch.distributed`` is initialised with more than one rank.
 
-    A step whose gradient (for one whitened weight) is not finite leaves that weight, its
-    momentum and its weight decay untouched; such steps are counted on the device and reported
-    by a warning when the counters are read: on the first step and then once every
-    ``nonfinite_warn_interval`` (100) steps, the only host synchronisation of ``step()`` (with
-    ``root="cholesky"``, the default).
+    A step whose gradient (for one whitened weight; for fused experts, one expert) is not finite
+    leaves that weight, its momentum and its weight decay untouched, and so does an all-zero
+    gradient of an expert (the router sent it no token: a Linear of its own would have had no
+    gradient, and no step from its stale momentum); the non-finite steps are counted on the
+    device and reported by a warning when the counters are read: on the first step and then
+    once every ``nonfinite_warn_interval`` (100) steps, the only host synchronisation of
+    ``step()`` (with ``root="cholesky"``, the default).
     """
 
     nonfinite_warn_interval = 100
@@ -1160,16 +1162,27 @@ class WhitenedMuon(torch.optim.Optimizer):
         grads = torch.stack([self._local(_grad(p)) for p in params])
         # A gradient whose norm is not finite (a NaN, an Inf, or an overflow) leaves its weight,
         # its momentum and its weight decay as they were. The norm is taken in float32 at least:
-        # a float16 gradient of finite entries can have a norm beyond float16's range.
+        # a float16 gradient of finite entries can have a norm beyond float16's range. Fused
+        # experts are judged expert by expert, as Linears of their own would be, and an expert
+        # whose slice is all zeros (the router sent it no token: a Linear of its own would have
+        # no gradient) is left as it was too, rather than stepped from its stale momentum.
         wide = torch.promote_types(grads.dtype, torch.float32)
+        experts = bool(view.state_units) and not sharded
+        rows = grads.flatten(2) if experts else grads.flatten(1)[:, None]  # [weights, units, -1]
         if sharded:  # the whole gradient's: its shards' sums of squares, summed over the shards
             assert self._sharded is not None
-            squares = torch.linalg.vector_norm(grads.flatten(1), dim=1, dtype=wide).square()
+            squares = torch.linalg.vector_norm(rows, dim=2, dtype=wide).square()
             dist.all_reduce(squares, group=self._sharded.shard_group)
             finite = torch.isfinite(squares)
+            moves = finite
         else:
-            finite = torch.isfinite(torch.linalg.vector_norm(grads.flatten(1), dim=1, dtype=wide))
-        mask = finite.reshape(-1, *[1] * (grads.dim() - 1))
+            norms = torch.linalg.vector_norm(rows, dim=2, dtype=wide)
+            finite = torch.isfinite(norms)
+            moves = finite & (norms > 0) if experts else finite
+        # [weights, units] -> a mask of the gradient's shape, and one factor per weight (0-dim) or expert
+        mask = moves.reshape(*moves.shape[:1 + experts], *[1] * (grads.dim() - 1 - experts))
+        per_weight = moves.reshape(moves.shape[0], *moves.shape[1:] if experts else ())
+        unit_shape = (-1, *[1] * (grads.dim() - 2)) if experts else ()
         # Every pass below is over the whole stack and bound by memory traffic, so each is in
         # place where it can be: a non-finite gradient is replaced by its momentum, which the
         # lerp then leaves exactly as it was, and its step is multiplied by 0 below (its
@@ -1195,17 +1208,18 @@ class WhitenedMuon(torch.optim.Optimizer):
             direction = direction[:, start:stop]
         # -lr·ratio per weight, 0 where the gradient was not finite (no host read); on float32
         # weights the 0-dim factor rounds as add_'s alpha does (torch.optim.Muon's step, tested bitwise)
-        coefficient = finite.to(wide) * -(lr * lr_ratio(group["adjust_lr_fn"], view.part_shape))
+        coefficient = per_weight.to(wide) * -(lr * lr_ratio(group["adjust_lr_fn"], view.part_shape))
         decay = None
         if group["weight_decay"]:  # a multiply by 1 is a pass for nothing
-            decay = torch.where(finite, torch.full(finite.shape, 1 - lr * group["weight_decay"], dtype=wide,
-                                                   device=finite.device), 1.0)
+            decay = torch.where(per_weight, torch.full(per_weight.shape, 1 - lr * group["weight_decay"],
+                                                       dtype=wide, device=per_weight.device), 1.0)
         for i, p in enumerate(params):
             weight = self._local(p)
             if decay is not None:
-                weight.mul_(decay[i])
-            weight.addcmul_(direction[i], coefficient[i])
-        torch._foreach_add_([s["nonfinite_steps"] for s in states], list((~finite).long().unbind()))
+                weight.mul_(decay[i].reshape(unit_shape))
+            weight.addcmul_(direction[i], coefficient[i].reshape(unit_shape))
+        nonfinite = ~finite.all(dim=1)  # a step with any expert's gradient not finite counts once
+        torch._foreach_add_([s["nonfinite_steps"] for s in states], list(nonfinite.long().unbind()))
 
     def _stacked_whiteners(self, params: list[nn.Parameter]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(output, input) whiteners of ``params``' matrices stacked ``[n·k, blocks, b, b]`` in

@@ -951,3 +951,53 @@ def test_the_statistics_schedule_resumes_from_a_checkpoint_bitwise():
     straight = run()
     for resume_at in (4, 7):
         assert torch.equal(run(resume_at), straight)
+
+
+def test_an_expert_without_tokens_or_with_a_non_finite_gradient_stays_put_like_its_own_linear():
+    """An expert the router sends no token has an all-zero slice of the stacked gradient, where
+    a Linear of its own would have none: it keeps its weight and momentum (no step from the
+    stale momentum, no weight decay), as the Linear does. A non-finite gradient of one expert
+    leaves that expert alone, not the other experts of the weight."""
+    torch.manual_seed(0)
+    fused = RoutedExperts(3, 4, 5, bias=False).double()
+    twin_up = [nn.Linear(4, 5, bias=False).double() for _ in range(3)]
+    twin_down = [nn.Linear(5, 4, bias=False).double() for _ in range(3)]
+    with torch.no_grad():
+        for e in range(3):
+            twin_up[e].weight.copy_(fused.up_weight[e])
+            twin_down[e].weight.copy_(fused.down_weight[e])
+
+    def twin(x, index, weights):
+        out = torch.zeros_like(x)
+        for e in range(3):
+            token, choice = torch.where(index == e)
+            if token.numel():
+                out = out.index_add(0, token, twin_down[e](F.gelu(twin_up[e](x[token])))
+                                    * weights[token, choice].unsqueeze(1))
+        return out
+
+    settings = dict(lr=0.05, weight_decay=0.1, statistics_every=1, ns_dtype=torch.float64, output_side=False)
+    ours, theirs = WhitenedMuon([fused], **settings), WhitenedMuon(twin_up + twin_down, **settings)
+    g = torch.Generator().manual_seed(2)
+    for step in range(5):
+        x, y = (torch.randn(12, 4, generator=g, dtype=torch.float64) for _ in range(2))
+        scores = torch.rand(12, 3, generator=g)
+        if step in (1, 2):
+            scores[:, 1] = -1.0  # expert 1 gets no token
+        index = scores.topk(2, dim=1).indices
+        weights = torch.rand(12, 2, generator=g, dtype=torch.float64) + 0.1
+        for model, opt, downs in ((fused, ours, None), (twin, theirs, twin_down)):
+            opt.zero_grad()
+            (model(x, index, weights) - y).square().mean().backward()
+            if step == 3:  # expert 2's output weight overflows
+                if downs is None:
+                    fused.down_weight.grad[2, 0, 0] = float("inf")
+                else:
+                    downs[2].weight.grad[0, 0] = float("inf")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the unused experts' and the overflow's warnings
+                opt.step()
+        for e in range(3):
+            torch.testing.assert_close(fused.up_weight[e], twin_up[e].weight, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(fused.down_weight[e], twin_down[e].weight, rtol=1e-10, atol=1e-12)
+    assert int(ours.state[fused.down_weight]["nonfinite_steps"]) == 1
