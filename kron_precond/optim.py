@@ -478,13 +478,9 @@ class Kron(torch.optim.Optimizer):
         decider = None
         if extra is not None:
             try:
-                saved = extra["decider"]
-                # the schedule's counters: a NaN accumulator would stop every later update
-                decider = UpdateDecider(0.0)
-                decider.load_state_dict({
-                    "step": validation.check_int("kron.decider.step", saved["step"], minimum=0),
-                    "acc": validation.check_unit_interval("kron.decider.acc", saved["acc"],
-                                                          low_open=False, high_open=True)})
+                # the schedule's counters, by the rule KronPreconditioner's checkpoints follow too:
+                # a NaN accumulator would stop every later update
+                decider = UpdateDecider.checked_state(extra["decider"], "kron.decider")
                 q_updates = validation.check_int("kron.q_updates", extra["q_updates"], minimum=0)
             except (KeyError, TypeError, ValueError) as err:
                 raise ValueError(f"Kron.load_state_dict: bad 'kron' entry: {type(err).__name__}: {err}") from None
@@ -507,7 +503,7 @@ class Kron(torch.optim.Optimizer):
         self._reported.clear()
         new_nonfinite_steps(self, self._reported)
         if decider is not None:
-            self._decider.load_state_dict(decider.state_dict())
+            self._decider.load_state_dict(decider, "kron.decider")
             self._q_updates = q_updates
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -527,8 +523,12 @@ class Kron(torch.optim.Optimizer):
         checks.tensor_list(saved["Q"], expected, f"{where}: Q")
         checks.float_tensor(saved["momentum_buffer"], p.shape, f"{where}: momentum_buffer")
         for key in ("step", "nonfinite_steps"):
-            checks.count(saved[key], f"{where}: {key}")
+            # 0-dim, as made: the non-finite counts are stacked (health report), the step is read as
+            # the momentum's bias correction
+            checks.count(saved[key], f"{where}: {key}", shape=())
         checks.boolean(saved["q_initialized"], f"{where}: q_initialized")
+        # 1 / (update probability), >= 1 (older files lack it): checked here, before anything is installed
+        uses = checks.number(saved.get("uses_per_update", 1.0), f"{where}: uses_per_update", minimum=1.0)
         lipschitz = saved.get("lipschitz", [])  # Procrustes-style fit only; older files lack it
         if lipschitz:
             checks.tensor_list(lipschitz, [()] * len(lipschitz), f"{where}: lipschitz")
@@ -539,7 +539,7 @@ class Kron(torch.optim.Optimizer):
             "Q": [q.to(dev, group["precond_dtype"], copy=True) for q in saved["Q"]],
             "q_initialized": bool(saved["q_initialized"]),
             "nonfinite_steps": saved["nonfinite_steps"].to(dev, torch.int32, copy=True),
-            "uses_per_update": float(saved.get("uses_per_update", 1.0)),
+            "uses_per_update": uses,
         }
         if lipschitz:
             loaded["lipschitz"] = [t.to(dev, group["precond_dtype"], copy=True) for t in lipschitz]

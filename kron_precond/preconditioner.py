@@ -840,10 +840,12 @@ class KronPreconditioner:
                 counters[key] = validation.check_int(key, state.get(key), minimum=0)
             except ValueError as err:
                 raise ValueError(f"state_dict: {err}") from None
-        probe = self._spec.make_schedule()
+        probe = self._spec.make_schedule()  # its load checks the counters (PSGD: UpdateDecider.checked_state)
         try:
             probe.load_state_dict(state["schedule"])
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
+        except ValueError as err:  # names the entry and the value
+            raise ValueError(f"state_dict: bad 'schedule' entry: {err}") from None
+        except (KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"state_dict: bad 'schedule' entry ({err!r})") from None
         for layer in needed:  # all checks first: a rejected state changes nothing
             layer.method.check_state(layers[layer.name])

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, TypeVar, Union
 
+from kron_precond import validation
+
 T = TypeVar("T")
 ValueOrSchedule = Union[T, Callable[[int], T]]
 
@@ -116,9 +118,28 @@ class UpdateDecider:
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "acc": self.acc}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.step = int(state_dict["step"])
-        self.acc = float(state_dict["acc"])
+    def load_state_dict(self, state_dict: dict[str, Any], name: str = "decider") -> None:
+        """Load :meth:`state_dict`'s counters; ``ValueError`` (naming ``name.step`` or
+        ``name.acc``) and nothing changed if they are not counters a decider can hold
+        (:meth:`checked_state`)."""
+        state = self.checked_state(state_dict, name)
+        self.step, self.acc = state["step"], state["acc"]
+
+    @staticmethod
+    def checked_state(state_dict: Any, name: str = "decider") -> dict[str, Any]:
+        """``state_dict``'s counters, checked, as :meth:`load_state_dict` installs them:
+        ``step`` an integer >= 0, ``acc`` a finite number in [0, 1) -- the range a call leaves
+        it in (a NaN accumulator never reaches 1 again: no later update would happen, silently;
+        one of 7.5 would update on every call until it ran down). ``ValueError`` naming the
+        entry otherwise. The one rule for every checkpoint that holds a decider."""
+        if not isinstance(state_dict, Mapping):
+            raise ValueError(f"{name} must be a dict with 'step' and 'acc', got {state_dict!r}")
+        missing = [key for key in ("step", "acc") if key not in state_dict]
+        if missing:
+            raise ValueError(f"{name} has no {missing} (a decider's state holds 'step' and 'acc')")
+        return {"step": validation.check_int(f"{name}.step", state_dict["step"], minimum=0),
+                "acc": validation.check_unit_interval(f"{name}.acc", state_dict["acc"],
+                                                      low_open=False, high_open=True)}
 
     def __repr__(self) -> str:
         return f"UpdateDecider(probability={self.probability!r}, step={self.step}, acc={self.acc})"
@@ -228,4 +249,4 @@ class ProbabilitySchedule:
         return self.decider.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.decider.load_state_dict(state)
+        self.decider.load_state_dict(state, "schedule")

@@ -426,7 +426,9 @@ def _check_state_tensor(item: str, value: Any, shape: tuple[int, ...], where: st
         if bool(value < 0):
             raise ValueError(f"{where}: a count must be >= 0, got {int(value)}")
     else:
-        checks.float_tensor(value, shape, where)  # shape, floating dtype and finiteness
+        # shape, floating dtype and finiteness; AdamW's second moment, a mean of squares, also >= 0
+        # (the step's square root of a negative one is NaN)
+        checks.float_tensor(value, shape, where, non_negative=item == "exp_avg_sq")
         if item.endswith("_seen") and not bool(((value == 0) | (value == 1)).all()):
             raise ValueError(f"{where}: expected 0 or 1 per matrix")
 

@@ -320,9 +320,11 @@ class EKFACLayer(KFACLayer):
             return
         where = f"state of {self.name}"
         # checked like the factors: a NaN scaling (a diverged run) is applied on every step until
-        # the next refresh, so it is refused here rather than trusted
-        checks.float_tensor(scaling, (self.g_dim, self.a_dim), f"{where}: scaling")
-        checks.float_tensor(checks.entry(state, "scaling_weight", where), (), f"{where}: scaling_weight")
+        # the next refresh, so it is refused here rather than trusted. Both are >= 0: s is a mean
+        # of squares (the step divides by s + damping), its weight a sum of decayed ones
+        checks.float_tensor(scaling, (self.g_dim, self.a_dim), f"{where}: scaling", non_negative=True)
+        checks.float_tensor(checks.entry(state, "scaling_weight", where), (), f"{where}: scaling_weight",
+                            non_negative=True)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)

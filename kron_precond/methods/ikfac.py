@@ -293,8 +293,9 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
                            f"{where}: refreshed")
         checks.boolean(checks.entry(state, "ready", where), f"{where}: ready")
         if self.moment is not None:
+            # a mean of squares: a negative one makes the step's square root NaN
             checks.float_tensor(checks.entry(state, "moment", where), (self.g_dim, self.a_dim),
-                                f"{where}: moment")
+                                f"{where}: moment", non_negative=True)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)

@@ -510,15 +510,19 @@ class KFACLayer(GradientMatrix, LayerMethod):
             a_shape, g_shape = self._factor_shape("A"), self._factor_shape("G")
             checks.float_tensor(checks.entry(state, "a_factor", where), a_shape, f"{where}: a_factor")
             checks.float_tensor(checks.entry(state, "g_factor", where), g_shape, f"{where}: g_factor")
-            seen = checks.entry(state, "seen", where)
-            if not isinstance(seen, torch.Tensor) or seen.numel() != 2:
-                raise ValueError(f"{where}: seen must be a tensor of 2 flags, got {seen!r}")
+            # copied in place, as is: a [1, 2] tensor would fail the load after other layers loaded
+            checks.flags(checks.entry(state, "seen", where), self._seen.shape, f"{where}: seen")
         if not (self.holds_state or "refreshed" in state):
             return
         refreshed = checks.entry(state, "refreshed", where)
         for factor in FACTORS:
-            checks.tensor_list(checks.entry(refreshed, factor, f"{where}: refreshed"), self._refreshed_shapes(factor),
-                               f"{where}: refreshed[{factor!r}]")
+            tensors = checks.entry(refreshed, factor, f"{where}: refreshed")
+            checks.tensor_list(tensors, self._refreshed_shapes(factor), f"{where}: refreshed[{factor!r}]")
+            if self.compute_method is ComputeMethod.EIGEN:
+                # every refresh clamps the eigenvalues at 0 (a saved one is never negative): a
+                # negative one makes d_G d_Aᵀ + damping, which the step divides by, near 0 or < 0
+                index = len(tensors) - 2
+                checks.no_negatives(tensors[index], f"{where}: refreshed[{factor!r}][{index}]")
         ready = checks.entry(state, "ready", where)
         checks.boolean(ready, f"{where}: ready")
         damping = checks.entry(state, "damping_used", where)
@@ -535,8 +539,8 @@ class KFACLayer(GradientMatrix, LayerMethod):
         self.discard_statistics()
         if "refreshed" not in state:
             return
-        for key, tensors in state["refreshed"].items():
-            for dst, src in zip(self.refreshed_tensors(key), tensors, strict=True):
+        for key in FACTORS:  # the entries checked (another key would fail halfway through the load)
+            for dst, src in zip(self.refreshed_tensors(key), state["refreshed"][key], strict=True):
                 dst.copy_(src)
         if state["ready"]:
             self._finalize(state["damping_used"])

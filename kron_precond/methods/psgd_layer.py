@@ -8,7 +8,7 @@ and the update-RMS clip of kron_torch.
 """
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence, cast
+from typing import Any, Hashable, Mapping, Sequence, cast
 
 import torch
 
@@ -267,20 +267,31 @@ class PSGDLayer(LayerMethod):
             if isinstance(steps, dict):  # per tensor (files before that: one count for the layer)
                 for part in self.parts:
                     checks.count(checks.entry(steps, part, f"{where}: momentum_steps"),
-                                 f"{where}: momentum_steps[{part!r}]")
+                                 f"{where}: momentum_steps[{part!r}]", shape=())  # copied in place
             else:
                 checks.integer(steps, f"{where}: momentum_steps")
+        self._checked_uses(state)
+
+    def _checked_uses(self, state: dict[str, Any]) -> dict[str, float]:
+        """The saved ``uses_per_update`` of each part (1 where older files lack it): 1 / the update
+        probability, a finite number >= 1; ``ValueError`` naming the part otherwise."""
+        where = f"state of {self.name}: uses_per_update"
+        uses = state.get("uses_per_update", {})
+        if not isinstance(uses, Mapping):
+            raise ValueError(f"{where} must be a dict of numbers by parameter, got {uses!r}")
+        return {part: checks.number(uses.get(part, 1.0), f"{where}[{part!r}]", minimum=1.0) for part in self.parts}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
-        uses = state.get("uses_per_update", {})
+        uses = self._checked_uses(state)
         for part in self.parts:
             self.factor(part).load_state_dict(state["factors"][part])
-            self.tensor(part).uses_per_update = float(uses.get(part, 1.0))
+            self.tensor(part).uses_per_update = uses[part]
             self.tensor(part).invalidate()
         if self._averages is not None and state.get("momentum") is not None:
             steps = state.get("momentum_steps", 0)
-            for part, value in state["momentum"].items():
+            for part in self.shapes:  # the entries checked
+                value = state["momentum"][part]
                 self._averages[part].held_momentum().copy_(value)
                 # files written before the per-tensor state kept one count for the layer
                 self._averages[part].steps.fill_(steps) if not isinstance(steps, dict) else \

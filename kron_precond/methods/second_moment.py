@@ -131,7 +131,9 @@ class SecondMomentLayer(GradientMatrix, LayerMethod):
 
     def check_state(self, state: dict[str, Any]) -> None:
         where = f"state of {self.name}"
-        checks.float_tensor(checks.entry(state, "moment", where), (self.g_dim, self.a_dim), f"{where}: moment")
+        # a mean of squares: a negative one makes the step's square root NaN
+        checks.float_tensor(checks.entry(state, "moment", where), (self.g_dim, self.a_dim), f"{where}: moment",
+                            non_negative=True)
         checks.integer(checks.entry(state, "updates", where), f"{where}: updates")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -295,7 +295,9 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         checks.tensor_list([mass], [[]], f"{where}: mass")
         if bool(mass < 0):
             raise ValueError(f"{where}: mass holds a negative weight")
-        checks.float_tensor(checks.entry(state, "moment", where), (self.g_dim, self.a_dim), f"{where}: moment")
+        # the rotated second moment, a mean of squares: a negative one makes the step's square root NaN
+        checks.float_tensor(checks.entry(state, "moment", where), (self.g_dim, self.a_dim), f"{where}: moment",
+                            non_negative=True)
         checks.integer(checks.entry(state, "updates", where), f"{where}: updates")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
