@@ -31,14 +31,16 @@ def precond_update_prob_schedule(max_prob: float = 1.0, min_prob: float = 0.03,
     With the defaults: 1.0 for the first 500 steps, then an exponential anneal that reaches
     0.03 at about step 4000. Returns a picklable callable ``p(n) -> float``.
     """
+    # a bool is an int to Python, but True is no probability, decay or step count
     for name, value in (("max_prob", max_prob), ("min_prob", min_prob)):
-        if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0):
             raise ValueError(f"Invalid {name}: {value!r}; expected a probability in [0, 1]")
     if min_prob > max_prob:
         raise ValueError(f"Invalid min_prob: {min_prob!r} > max_prob {max_prob!r}")
-    if not (isinstance(decay, (int, float)) and math.isfinite(decay) and decay >= 0):
+    if not (isinstance(decay, (int, float)) and not isinstance(decay, bool) and math.isfinite(decay)
+            and decay >= 0):
         raise ValueError(f"Invalid decay: {decay!r}; expected a finite float >= 0")
-    if not (isinstance(flat_start, (int, float)) and math.isfinite(flat_start)):
+    if not (isinstance(flat_start, (int, float)) and not isinstance(flat_start, bool) and math.isfinite(flat_start)):
         raise ValueError(f"Invalid flat_start: {flat_start!r}; expected a finite number")
     return _ProbSchedule(float(max_prob), float(min_prob), float(decay), float(flat_start))
 

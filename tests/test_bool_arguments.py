@@ -18,6 +18,7 @@ def _model() -> nn.Module:
 
 
 PRECONDITIONER = [("kfac", "symmetry_aware"), ("kfac", "colocate_factors"), ("kfac", "grafting"),
+                  ("kfac", "compute_eigenvalue_outer_product"),
                   ("psgd", "momentum_into_precond_update"), ("psgd", "merge_dims"), ("shampoo", "grafting")]
 
 
@@ -58,3 +59,13 @@ def test_whitened_muon_refuses_an_output_side_that_is_not_a_bool_wide_or_auto(ba
     WhitenedMuon(_model(), lr=1e-3, output_side="auto")
     with pytest.raises(ValueError if isinstance(bad, str) else TypeError, match="output_side"):
         WhitenedMuon(_model(), lr=1e-3, output_side=bad)
+
+
+@pytest.mark.parametrize("name", ["max_prob", "min_prob", "decay", "flat_start"])
+def test_the_update_probability_schedule_refuses_a_bool_for_a_number(name):
+    """``True`` is an int to Python, but no probability, decay or step count is meant by it."""
+    from kron_precond import precond_update_prob_schedule
+
+    precond_update_prob_schedule(**{name: 1.0 if name != "min_prob" else 0.0})  # a number: accepted
+    with pytest.raises(ValueError, match=name):
+        precond_update_prob_schedule(**{name: True})

@@ -668,8 +668,6 @@ def _check_decay(name: str, value) -> float:
     return check.check_unit_interval(name, value, low_open=True, high_open=False)
 
 
-def _check_outer(name: str, value) -> bool:
-    return bool(value)
 
 
 class KFACSpec(MethodSpec):
@@ -687,7 +685,7 @@ class KFACSpec(MethodSpec):
         "damping": Option(1e-3, check.check_positive, per_step="refresh"),
         "factor_decay": Option(0.95, _check_decay, per_step="statistics"),
         "compute_method": Option(ComputeMethod.EIGEN, _check_compute_method, collective=True),
-        "compute_eigenvalue_outer_product": Option(True, _check_outer),
+        "compute_eigenvalue_outer_product": Option(True, check.check_bool),
         "factor_dtype": Option(None, lambda n, v: check.check_float_dtype(n, v, allow_none=True),
                                collective=True),
         "inv_dtype": Option(torch.float32, _check_inv_dtype, collective=True),
