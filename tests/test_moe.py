@@ -266,10 +266,11 @@ def test_expert_without_rows_keeps_its_factors():
     assert torch.isfinite(model.up_weight.grad).all()
 
 
-def test_expert_left_without_tokens_is_reported_as_such():
+@pytest.mark.parametrize("method", ["kfac", "ekfac"])
+def test_expert_left_without_tokens_is_reported_as_such(method):
     torch.manual_seed(14)
     model = RoutedExperts(3, 4, 5, dtype=F64)
-    precond = KronPreconditioner(model, method="kfac", kl_clip=None)
+    precond = KronPreconditioner(model, method=method, kl_clip=None, inv_update_steps=1)
     x = torch.randn(20, 4, dtype=F64)
     index, weights = routing(20, 3, 2, seed=15)
     model(x, index, weights).sum().backward()

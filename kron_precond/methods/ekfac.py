@@ -163,7 +163,8 @@ class EKFACLayer(KFACLayer):
 
     def fold_statistics(self, ctx: StepContext) -> None:
         """Fold ``s`` (on gradient workers), then K-FAC's factors."""
-        if self._a_sum is None:  # nothing observed on this statistics step
+        if self._a_sum is None:  # nothing observed on this statistics step: K-FAC counts it as missed
+            super().fold_statistics(ctx)
             return
         if self.holds_state and self._scaling is not None:
             self._fold_scaling(ctx["factor_decay"])
