@@ -611,7 +611,9 @@ class WhitenedMuon(torch.optim.Optimizer):
             loss scale): its scale is divided out of the output-side statistics. Without it,
             output gradients that arrive in float16 (almost always a scaler's) warn once.
         process_group: where the statistics are all-reduced; ``None``: the default group when
-            ``torch.distributed`` is initialised with more than one rank.
+            ``torch.distributed`` is initialised with more than one rank. There, construction is
+            a collective: the ranks compare the weights they whiten and every setting, and a
+            difference raises ``ValueError`` naming it on every rank.
 
     A step whose gradient (for one whitened weight; for fused experts, one expert) is not finite
     leaves that weight, its momentum and its weight decay untouched, and so does an all-zero
@@ -756,6 +758,7 @@ class WhitenedMuon(torch.optim.Optimizer):
                                                centered=centered, outputs=outputs, output_damping=output_damping)
         if block_size is not None:
             self._warn_undivided(whitened, block_size)
+        self._check_ranks_agree(outputs, centered)
         # a packed in_proj's rows come in three slots once its parts read inputs of their own
         # (the query's, the key's, the value's), each its part's unit
         layers = [_CaptureLayer(unit.module, unit.adapter, slot,
@@ -850,6 +853,37 @@ class WhitenedMuon(torch.optim.Optimizer):
         if len({id(w) for w in weights}) != len(weights):
             raise ValueError("WhitenedMuon: a weight appears twice in modules (tied or repeated module)")
         return units, plain, []
+
+    def _check_ranks_agree(self, outputs: frozenset[int], centered: set[int]) -> None:
+        """Under several ranks, every rank must whiten the same weights with the same settings:
+        another statistics interval would hang the statistics' all-reduce, another layout abort it,
+        and another damping or lr let the ranks drift apart with no error. One all-gather at
+        construction; a ``ValueError`` naming the settings that differ, on every rank."""
+        group = self.process_group
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
+            return
+        names = self._names
+        settings: dict[str, Any] = {
+            name: repr(getattr(self, name)) for name in
+            ("statistics_every", "damping", "output_damping", "factor_decay", "statistics_rows", "root",
+             "block_size", "ns_steps", "ns_coefficients", "output_side", "center_inputs", "fused_qkv")}
+        settings["ns_dtype"] = repr(self._ns_dtype)
+        settings["whitened weights"] = [(names[id(p)], tuple(p.shape), self._views[id(p)].parts)
+                                        for p in self._whitened_params()]
+        settings["output sides"] = sorted(names[i] for i in outputs)
+        settings["centred inputs"] = sorted(names[i] for i in centered)
+        for index, group_settings in enumerate(self.param_groups):
+            for key, value in group_settings.items():
+                if key not in ("params", "param_names"):
+                    settings[f"param_groups[{index}].{key}"] = repr(value)
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, settings, group=group)
+        keys = sorted({key for ranks in gathered for key in ranks})
+        differing = [key for key in keys if any(ranks.get(key) != gathered[0].get(key) for ranks in gathered)]
+        if differing:
+            values = "; ".join(f"{key}: {[ranks.get(key) for ranks in gathered]}" for key in differing[:4])
+            raise ValueError(f"WhitenedMuon: the ranks disagree on {', '.join(differing)} (by rank: {values}): "
+                             "build the optimizer with the same model and settings on every rank")
 
     def _warn_undivided(self, whitened: list[nn.Parameter], block_size: int) -> None:
         """Names the sides wider than ``block_size`` that it does not divide: they are whitened
