@@ -13,6 +13,12 @@ it cannot poison the other layers; the engine warns naming it.
 A layer without any gradient (not called this step) is not preconditioned, on any path: a
 stateful method (moments, update counts) must not fold zeros in. Where other ranks receive
 results from its holder, it still travels, as zeros, so every rank's collectives keep one layout.
+An expert of a fused experts module that the router sent no token has a gradient, its slice of
+the stacked parameter's ``.grad``, but of zeros: the stateful methods (``second_moment``,
+``soap``, ``ikfac``'s moment) find it on the device, batched, and treat it as not called -- its
+zeros pass through, its state is left as it is -- without counting it as non-finite
+(:func:`kron_precond.methods.second_moment.idle_experts`); a layer of its own with an all-zero
+gradient was called and folds it in.
 A layer the engine passes through (``passed_through``: a layer whose parameters are
 preconditioned together, some of them frozen after construction) is treated the same way, and
 its gradients are left exactly as they are: not preconditioned, not scaled by ``kl_clip``,

@@ -46,6 +46,7 @@ from kron_precond.methods.second_moment import (
     check_moment_decay,
     count_skipped,
     count_updates,
+    idle_experts,
     scale_by_moment,
     update_counter,
 )
@@ -70,6 +71,7 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
     """
 
     parts = ("A",)
+    expert = False  # one expert of a fused experts module (second_moment.idle_experts); set by make_layer
 
     def __init__(self, name: str, weight_shape: torch.Size, has_bias: bool, *, weight_transposed: bool,
                  factor_dtype: torch.dtype, inv_dtype: torch.dtype, device: torch.device,
@@ -235,6 +237,9 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
         out = torch.matmul(matrix.to(first.inv_dtype), inverses)
         use = valid.bool() & keep
         if moments is not None:
+            idle = idle_experts(layers, matrix, cache)  # a layer not called: its moment left alone
+            if idle is not None:
+                use = use & ~idle
             count_skipped(layers, valid.bool() & ~keep, cache)
             updates = count_updates(layers, use, cache)
             assert first.moment_decay is not None  # a layer holds moments only with a moment_decay
@@ -403,6 +408,7 @@ class InputKFACSpec(MethodSpec):
             inv_dtype=s["inv_dtype"], device=weight.device, statistics_rows=s["statistics_rows"],
             moment_decay=s["moment_decay"], moment_eps=s["moment_eps"])
         layer.factor_dtype_follows = s["factor_dtype"] is None
+        layer.expert = selected.index is not None
         return layer
 
     def make_schedule(self) -> IntervalSchedule:

@@ -66,6 +66,7 @@ class SecondMomentLayer(GradientMatrix, LayerMethod):
     """The running second moment of one Linear / ConvNd layer's gradient matrix."""
 
     parts = ("moment",)
+    expert = False  # one expert of a fused experts module (see idle_experts); set by make_layer
 
     def __init__(self, name: str, weight_shape: torch.Size, has_bias: bool, *, weight_transposed: bool,
                  decay: float, eps: float, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
@@ -91,9 +92,11 @@ class SecondMomentLayer(GradientMatrix, LayerMethod):
     def apply(self, grads: list[torch.Tensor], ctx: StepContext) -> list[torch.Tensor]:
         matrix = self.grads_to_matrix(grads)
         keep = torch.isfinite(matrix).all()
-        self.updates.add_(keep.to(self.updates.dtype))
+        use = keep if not self.expert else keep & ~is_zero(matrix)  # an idle expert: not called
+        self.updates.add_(use.to(self.updates.dtype))
         self.nonfinite.add_((~keep).to(self.nonfinite.dtype))
-        return self.matrix_to_grads(scale_by_moment(matrix, self.moment, self.decay, self.eps, self.updates, keep))
+        out = scale_by_moment(matrix, self.moment, self.decay, self.eps, self.updates, use)
+        return self.matrix_to_grads(out if not self.expert else torch.where(use, out, matrix))
 
     def batch_key(self) -> Hashable:
         return (type(self), self.weight_shape, self.weight_transposed, self.has_bias)
@@ -102,16 +105,19 @@ class SecondMomentLayer(GradientMatrix, LayerMethod):
     def apply_batch(cls, layers: Sequence["SecondMomentLayer"], grads: Sequence[list[torch.Tensor]],
                     ctx: StepContext, cache: dict, keep: torch.Tensor) -> list[list[torch.Tensor]]:
         """Every layer of one shape with one op per kind: the moments are stacked once and
-        each layer's moment becomes a view into the stack."""
+        each layer's moment becomes a view into the stack. An idle expert (:func:`idle_experts`)
+        is left as a layer not called: its zeros pass through, its moment and count unchanged."""
         stack = cache.get("moments")
         if stack is None:
             stack = cache["moments"] = adopt_stack(layers, "moment")
-        updates = count_updates(layers, keep, cache)
         matrices = cls.stack_matrices(layers, grads)
+        idle = idle_experts(layers, matrices, cache)
+        use = keep if idle is None else keep & ~idle
+        updates = count_updates(layers, use, cache)
         count_skipped(layers, ~keep, cache)
         first = layers[0]
-        out = scale_by_moment(matrices, stack, first.decay, first.eps, updates, keep)
-        return cls.unstack_matrices(layers, torch.where(keep.reshape(-1, 1, 1), out, matrices))
+        out = scale_by_moment(matrices, stack, first.decay, first.eps, updates, use)
+        return cls.unstack_matrices(layers, torch.where(use.reshape(-1, 1, 1), out, matrices))
 
     def factor_costs(self) -> dict[str, tuple[float, float]]:
         return {"moment": (0.0, float(self.moment.numel()))}
@@ -158,17 +164,48 @@ def update_counter(device: torch.device) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=device)
 
 
+def stacked(layers: Sequence, attr: str, cache: dict) -> torch.Tensor:
+    """The stack of the layers' ``attr`` tensors, whose slices they are (:func:`adopt_stack`),
+    kept in ``cache`` and re-adopted when a layer's tensor is no longer its slice (a load,
+    another stack, a move)."""
+    entry = cache.get(attr)
+    if entry is None or any(getattr(layer, attr) is not view for layer, view in zip(layers, entry[1])):
+        stack = adopt_stack(layers, attr)
+        entry = cache[attr] = (stack, [getattr(layer, attr) for layer in layers])
+    return entry[0]
+
+
 def count_updates(layers: Sequence, counted: torch.Tensor, cache: dict) -> torch.Tensor:
     """Advance each layer's ``updates`` by ``counted[i]`` (bools): one op on a stack whose slices
-    the layers' counters become (re-adopted when a layer's counter is no longer its slice: a
-    load, another stack). Returns the stack, the counts including this step."""
-    entry = cache.get("updates")
-    if entry is None or any(layer.updates is not view for layer, view in zip(layers, entry[1])):
-        stack = adopt_stack(layers, "updates")
-        entry = cache["updates"] = (stack, [layer.updates for layer in layers])
-    stack = entry[0]
+    the layers' counters become (:func:`stacked`). Returns the stack, the counts including this
+    step."""
+    stack = stacked(layers, "updates", cache)
     stack.add_(counted.reshape(-1).to(stack.dtype))
     return stack
+
+
+def is_zero(matrix: torch.Tensor) -> torch.Tensor:
+    """0-d bool on the device: every entry of ``matrix`` is zero (a NaN is not)."""
+    return torch.count_nonzero(matrix) == 0
+
+
+def idle_experts(layers: Sequence, matrices: torch.Tensor, cache: dict) -> torch.Tensor | None:
+    """``[k]`` bools on the device: layer ``i`` is one expert of a fused experts module (its
+    ``expert`` flag) whose gradient matrix ``matrices[i]`` (``[k, out, in]``) is all zeros.
+
+    The router sent it no token: its slice of the stacked parameter's ``.grad`` is zeros where
+    the same expert as a Linear of its own would not have been called and have no gradient, so
+    a stateful method treats it as a layer not called (kron_precond/apply.py): its moment,
+    update count and statistics are left as they are, its zeros pass through. Not a skipped
+    non-finite update (a NaN or Inf is no zero). A Linear's all-zero gradient is a gradient.
+    Decided on the device from the (already averaged) gradient, so alike on every rank, with a
+    fixed number of ops; ``None`` (no op) when no layer of the batch is an expert."""
+    if not any(layer.expert for layer in layers):
+        return None
+    flags = cache.get("experts")
+    if flags is None:
+        flags = cache["experts"] = torch.tensor([layer.expert for layer in layers], device=matrices.device)
+    return flags & (torch.count_nonzero(matrices, dim=(-2, -1)) == 0)
 
 
 def count_skipped(layers: Sequence, skipped: torch.Tensor, cache: dict) -> None:
@@ -216,10 +253,12 @@ class SecondMomentSpec(MethodSpec):
 
     def make_layer(self, index: int, selected: Selected) -> SecondMomentLayer:
         weight = selected.params[0][1]  # weight first (an expert: its row of the stacked weight)
-        return SecondMomentLayer(selected.name, selected.shapes[0], selected.has_bias,
-                                 weight_transposed=selected.weight_transposed,
-                                 decay=self.settings["moment_decay"], eps=self.settings["moment_eps"],
-                                 device=weight.device, dtype=weight.dtype)
+        layer = SecondMomentLayer(selected.name, selected.shapes[0], selected.has_bias,
+                                  weight_transposed=selected.weight_transposed,
+                                  decay=self.settings["moment_decay"], eps=self.settings["moment_eps"],
+                                  device=weight.device, dtype=weight.dtype)
+        layer.expert = selected.index is not None
+        return layer
 
     def make_schedule(self) -> _NoSchedule:
         return _NoSchedule()

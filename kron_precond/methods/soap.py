@@ -38,7 +38,14 @@ from kron_precond import validation as check
 from kron_precond.methods import state_checks as checks
 from kron_precond.methods.base import GradientMatrix, LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
 from kron_precond.methods.ekfac import eigenvalue_clusters
-from kron_precond.methods.second_moment import count_updates, scale_by_moment, update_counter
+from kron_precond.methods.second_moment import (
+    count_updates,
+    idle_experts,
+    is_zero,
+    scale_by_moment,
+    stacked,
+    update_counter,
+)
 from kron_precond.methods.shampoo import eigh_with_retry
 from kron_precond.modules import find_kfac_modules
 from kron_precond.schedules import IntervalSchedule, StepContext
@@ -79,6 +86,12 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         # none (a branch not taken) would move its basis by another warm-started iteration and
         # re-pool its moment, where a layer that is not used must be left as it is
         self._used = False
+        # The same for an expert of a fused experts module, on the device: whether it had a
+        # gradient that is not all zeros since its last refresh (an idle expert's zeros are no
+        # gradient: second_moment.idle_experts). Set by observe_gradients on refresh steps and by
+        # apply on the others; read by refresh on the device and by finalize_refresh in the host
+        # read it makes anyway.
+        self._fresh = torch.zeros((), dtype=torch.bool, device=device)
         # Derived at each refresh from the (broadcast) bases, identically on every gradient
         # worker: the sides whose next refresh may warm-start, and the clusters to average the
         # moment over (None: every eigenvalue distinct).
@@ -86,6 +99,7 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         self._clusters: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     factor_dtype_follows = False  # factor_dtype was not given: float32 or better of the parameters'
+    expert = False  # one expert of a fused experts module (second_moment.idle_experts); set by make_layer
 
     # ------------------------------------------------------------------ state allocation
     def _statistics(self) -> dict[str, torch.Tensor]:
@@ -117,23 +131,34 @@ class SOAPLayer(GradientMatrix, LayerMethod):
     # ------------------------------------------------------------------ statistics
     def observe_gradients(self, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:
         """On statistics steps, fold ``V Vᵀ`` and ``Vᵀ V`` into the statistics (gradient workers
-        only); a non-finite gradient leaves them unchanged (decided on the device) and is counted."""
+        only); a non-finite gradient leaves them unchanged (decided on the device) and is counted.
+        So does an idle expert's gradient of zeros (not counted: a layer not called)."""
         if any(g is None for g in grads):
             return
         self._used = True
-        if not ctx.statistics or not self.holds_state or not self.active:
+        gather = ctx.statistics and bool(self.active)
+        if not self.holds_state or not (gather or (self.expert and ctx.refresh)):
+            return
+        present = cast(Sequence[torch.Tensor], grads)  # none is None: returned above otherwise
+        raw = self.grads_to_matrix([g.detach() for g in present])
+        idle = None
+        if self.expert:  # per layer, on statistics and refresh steps only (per layer anyway)
+            idle = is_zero(raw)
+            if ctx.refresh:  # this step's gradient counts for this refresh (apply: the other steps)
+                self._fresh |= ~idle
+        if not gather:
             return
         decay = ctx["factor_decay"]
         stats = self._statistics()
-        present = cast(Sequence[torch.Tensor], grads)  # none is None: returned above otherwise
-        matrix = self.grads_to_matrix([g.detach() for g in present]).to(self.factor_dtype)
+        matrix = raw.to(self.factor_dtype)
         products = {"L": (matrix, matrix.t()), "R": (matrix.t(), matrix)}
         updated = {side: torch.addmm(stats[side], *products[side], beta=decay) for side in self.active}
         finite = torch.stack([torch.isfinite(u).all() for u in updated.values()]).all()
+        accept = finite if idle is None else finite & ~idle
         for side, new in updated.items():
-            stats[side].copy_(torch.where(finite, new, stats[side]))
+            stats[side].copy_(torch.where(accept, new, stats[side]))
         mass = self._held_mass()
-        mass.copy_(torch.where(finite, mass * decay + 1.0, mass))
+        mass.copy_(torch.where(accept, mass * decay + 1.0, mass))
         self.nonfinite.add_((~finite).to(self.nonfinite.dtype))
 
     # ------------------------------------------------------------------ refresh
@@ -157,6 +182,8 @@ class SOAPLayer(GradientMatrix, LayerMethod):
                 return
             values, q = result
         valid = (mass > 0) & torch.isfinite(q).all() & torch.isfinite(values).all()
+        if self.expert:  # an expert idle since its last refresh is left as it is (as not used)
+            valid = valid & self._fresh
         basis.copy_(torch.where(valid, q, basis))
         estimates.copy_(torch.where(valid, values, estimates))
 
@@ -172,17 +199,26 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         if not self._used:
             return
         self._used = False
-        self._derive_from_bases(pool_moment=True)
+        fresh = None
+        if self.expert:
+            fresh = self._fresh.clone()
+            self._fresh.zero_()
+        self._derive_from_bases(pool_moment=True, fresh=fresh)
 
-    def _derive_from_bases(self, pool_moment: bool) -> None:
+    def _derive_from_bases(self, pool_moment: bool, fresh: torch.Tensor | None = None) -> None:
         """The warm-start flags and clusters of equal eigenvalues, from the bases; with
         ``pool_moment``, the moment averaged over the blocks (a checkpoint holds it averaged
-        already: averaging it again moves its last bits, which near-equal eigenvalues grow)."""
+        already: averaging it again moves its last bits, which near-equal eigenvalues grow).
+        ``fresh`` False (an expert idle since its last refresh, read in the same host sync):
+        nothing changes, as for a layer not used."""
         bases = self._allocated()
         if not self.active:
             return
         clusters = {side: _unsorted_clusters(bases[side][1]) for side in self.active}
-        repeated = torch.stack([size.max() > 1 for _, size in clusters.values()]).tolist()
+        flags = [size.max() > 1 for _, size in clusters.values()]
+        repeated = torch.stack(flags if fresh is None else flags + [fresh]).tolist()
+        if fresh is not None and not repeated.pop():
+            return
         self._warm = {side: not rep for side, rep in zip(self.active, repeated)}
         self._clusters = clusters if any(repeated) else None
         if self._clusters is not None and pool_moment:
@@ -210,12 +246,18 @@ class SOAPLayer(GradientMatrix, LayerMethod):
     def apply(self, grads: list[torch.Tensor], ctx: StepContext | None = None) -> list[torch.Tensor]:
         matrix = self.grads_to_matrix(grads)
         keep = torch.isfinite(matrix).all()
+        use = keep
+        if self.expert:  # an idle expert is a layer not called: its moment and count left alone
+            used = ~is_zero(matrix)
+            use = keep & used
+            if ctx is None or not ctx.refresh:  # (on refresh steps: observe_gradients)
+                self._fresh |= used
         bases = self._allocated()
-        self.updates.add_(keep.to(self.updates.dtype))
+        self.updates.add_(use.to(self.updates.dtype))
         pool = self._pooled if self._clusters is not None else None
         out = _rotated_step(matrix, {side: bases[side][0] for side in self.active}, self._held_moment(),
-                            self.moment_decay, self.moment_eps, self.updates, keep, pool)
-        return self.matrix_to_grads(torch.where(keep, out, matrix))
+                            self.moment_decay, self.moment_eps, self.updates, use, pool)
+        return self.matrix_to_grads(torch.where(use, out, matrix))
 
     def batch_key(self) -> Hashable | None:
         if self._clusters is not None:
@@ -234,12 +276,18 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         # a layer that was averaged alone in the meantime may have joined another stack
         if stacks is None or any(layer.moment is not view for layer, view in zip(layers, stacks["views"])):
             stacks = cache["stacks"] = _adopt_into_stacks(layers)
-        updates = count_updates(layers, keep, cache)
         first = layers[0]
         matrices = cls.stack_matrices(layers, grads)
+        idle = idle_experts(layers, matrices, cache)
+        use = keep
+        if idle is not None:  # an idle expert is a layer not called: its moment and count left alone
+            use = keep & ~idle
+            if not ctx.refresh:  # (on refresh steps: observe_gradients)
+                stacked(layers, "_fresh", cache).logical_or_(~idle)
+        updates = count_updates(layers, use, cache)
         out = _rotated_step(matrices, stacks["bases"], stacks["moment"], first.moment_decay, first.moment_eps,
-                            updates, keep, None)
-        return cls.unstack_matrices(layers, torch.where(keep.reshape(-1, 1, 1), out, matrices))
+                            updates, use, None)
+        return cls.unstack_matrices(layers, torch.where(use.reshape(-1, 1, 1), out, matrices))
 
     # ------------------------------------------------------------------ estimates
     def factor_costs(self) -> dict[str, tuple[float, float]]:
@@ -269,6 +317,7 @@ class SOAPLayer(GradientMatrix, LayerMethod):
                               for k, (index, size) in self._clusters.items()}
         self.nonfinite = moved(self.nonfinite, device)
         self.updates = moved(self.updates, device)
+        self._fresh = moved(self._fresh, device)
         self.device = device
 
     # ------------------------------------------------------------------ state
@@ -405,6 +454,7 @@ class SOAPSpec(MethodSpec):
                           factor_dtype=given or torch.promote_types(weight.dtype, torch.float32),
                           device=weight.device)
         layer.factor_dtype_follows = given is None
+        layer.expert = selected.index is not None
         return layer
 
     def make_schedule(self) -> IntervalSchedule:
