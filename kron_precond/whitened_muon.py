@@ -618,7 +618,8 @@ class WhitenedMuon(torch.optim.Optimizer):
     A step whose gradient (for one whitened weight; for fused experts, one expert) is not finite
     leaves that weight, its momentum and its weight decay untouched, and so does an all-zero
     gradient of an expert (the router sent it no token: a Linear of its own would have had no
-    gradient, and no step from its stale momentum); the non-finite steps are counted on the
+    gradient, and no step from its stale momentum; the experts' biases are AdamW's, and step as
+    ``torch.optim.AdamW`` steps them); the non-finite steps (per weight) are counted on the
     device and reported by a warning when the counters are read: on the first step and then
     once every ``nonfinite_warn_interval`` (100) steps, the only host synchronisation of
     ``step()`` (with ``root="cholesky"``, the default).
@@ -1203,18 +1204,23 @@ class WhitenedMuon(torch.optim.Optimizer):
         # whose slice is all zeros (the router sent it no token: a Linear of its own would have
         # no gradient) is left as it was too, rather than stepped from its stale momentum.
         wide = torch.promote_types(grads.dtype, torch.float32)
-        experts = bool(view.state_units) and not sharded
+        experts = bool(view.state_units)
         rows = grads.flatten(2) if experts else grads.flatten(1)[:, None]  # [weights, units, -1]
-        if sharded:  # the whole gradient's: its shards' sums of squares, summed over the shards
+        norms = torch.linalg.vector_norm(rows, dim=2, dtype=wide)
+        if sharded and not experts:  # the whole gradient's: its shards' sums of squares, summed over the shards
             assert self._sharded is not None
-            squares = torch.linalg.vector_norm(rows, dim=2, dtype=wide).square()
+            squares = norms.square()
             dist.all_reduce(squares, group=self._sharded.shard_group)
             finite = torch.isfinite(squares)
-            moves = finite
-        else:
-            norms = torch.linalg.vector_norm(rows, dim=2, dtype=wide)
+        else:  # a sharded experts weight is split between experts: each rank judges its own whole
             finite = torch.isfinite(norms)
-            moves = finite & (norms > 0) if experts else finite
+        moves = finite & (norms > 0) if experts else finite
+        nonfinite = ~finite.all(dim=1)  # a step with any expert's gradient not finite counts once
+        if sharded and experts:  # the count is the weight's: the same on every rank
+            assert self._sharded is not None
+            counted = nonfinite.to(torch.int32)
+            dist.all_reduce(counted, op=dist.ReduceOp.MAX, group=self._sharded.shard_group)
+            nonfinite = counted > 0
         # [weights, units] -> a mask of the gradient's shape, and one factor per weight (0-dim) or expert
         mask = moves.reshape(*moves.shape[:1 + experts], *[1] * (grads.dim() - 1 - experts))
         per_weight = moves.reshape(moves.shape[0], *moves.shape[1:] if experts else ())
@@ -1253,8 +1259,10 @@ class WhitenedMuon(torch.optim.Optimizer):
             weight = self._local(p)
             if decay is not None:
                 weight.mul_(decay[i].reshape(unit_shape))
-            weight.addcmul_(direction[i], coefficient[i].reshape(unit_shape))
-        nonfinite = ~finite.all(dim=1)  # a step with any expert's gradient not finite counts once
+            # per expert: the factor in the weight's dtype, as the 0-dim one enters addcmul_ (bitwise
+            # a Linear's step on bfloat16 weights; a multiply, as the decay's, reads it in float32)
+            weight.addcmul_(direction[i], coefficient[i].reshape(unit_shape).to(weight.dtype) if experts
+                            else coefficient[i])
         torch._foreach_add_([s["nonfinite_steps"] for s in states], list(nonfinite.long().unbind()))
 
     def _stacked_whiteners(self, params: list[nn.Parameter]) -> tuple[torch.Tensor | None, torch.Tensor | None]:

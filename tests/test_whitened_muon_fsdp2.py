@@ -14,6 +14,7 @@ that runs every scenario in turn.
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -224,3 +225,72 @@ def test_a_nan_in_one_shard_skips_that_weight_on_every_rank(spawned):
 
 def test_a_weight_sharded_by_columns_is_refused_naming_it(spawned):
     assert "modules[1].weight" in spawned[4][0]["shard1"] and "Shard(dim=1)" in spawned[4][0]["shard1"]
+
+
+# ---------------------------------------------------------------------- sharded fused experts
+EXPERTS = 4
+
+
+def _expert_batches():
+    """Expert 3 gets no token on steps 2 and 3; expert 0's output weight overflows on step 4."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for step in range(5):
+        x, y = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 4, generator=g, dtype=torch.float64)
+        scores = torch.rand(8, EXPERTS, generator=g)
+        if step in (2, 3):
+            scores[:, 3] = -1.0
+        out.append((x, y, scores.topk(2, 1).indices, torch.rand(8, 2, generator=g, dtype=torch.float64) + 0.1))
+    return out
+
+
+def _expert_run(shard: bool, rank: int = 0, world: int = 1) -> dict:
+    from kron_precond import RoutedExperts
+
+    torch.manual_seed(0)
+    model = RoutedExperts(EXPERTS, 4, 4, bias=False, dtype=torch.float64)
+    if shard:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    opt = WhitenedMuon([model], lr=LR, weight_decay=WD, statistics_every=1, output_side=False,
+                       ns_dtype=torch.float64)
+    trajectory = []
+    for step, (x, y, index, weights) in enumerate(_expert_batches()):
+        opt.zero_grad()
+        (model(x, index, weights) - y).square().mean().backward()  # the full batch on every rank
+        if step == 4:
+            grad = model.down_weight.grad
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            if not shard or rank == 0:  # expert 0 lives on rank 0's shard
+                local[0, 0, 0] = float("inf")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+        trajectory.append([(w.full_tensor() if hasattr(w, "full_tensor") else w).detach().clone()
+                           for w in (model.up_weight, model.down_weight)])
+    count = opt.state[model.down_weight]["nonfinite_steps"]
+    return {"trajectory": trajectory, "nonfinite": int(count.full_tensor() if hasattr(count, "full_tensor") else count),
+            "sharded": opt._is_sharded(model.up_weight)}
+
+
+def _expert_worker(rank, world, out_dir):
+    return _expert_run(True, rank, world)
+
+
+def test_sharded_fused_experts_leave_an_idle_or_non_finite_expert_alone_as_one_process(tmp_path):
+    """FSDP2 splits a fused experts weight between experts: each rank judges its own experts
+    (an expert with no token keeps its weight and momentum, one with a non-finite gradient
+    too, the others step), and the non-finite count is the weight's on every rank: the
+    one-process result, step by step."""
+    single = _expert_run(False)
+    ranks = run_workers(_expert_worker, 2, tmp_path, timeout=240)
+    assert ranks[0]["sharded"]
+    for step, expected in enumerate(single["trajectory"]):
+        for run in ranks:
+            for got, want in zip(run["trajectory"][step], expected):
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    assert [run["nonfinite"] for run in ranks] == [single["nonfinite"]] * 2 == [1, 1]
+    moved = single["trajectory"]
+    assert torch.equal(moved[2][0][3], moved[1][0][3]) and torch.equal(moved[3][0][3], moved[1][0][3])

@@ -953,15 +953,17 @@ def test_the_statistics_schedule_resumes_from_a_checkpoint_bitwise():
         assert torch.equal(run(resume_at), straight)
 
 
-def test_an_expert_without_tokens_or_with_a_non_finite_gradient_stays_put_like_its_own_linear():
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_an_expert_without_tokens_or_with_a_non_finite_gradient_stays_put_like_its_own_linear(dtype):
     """An expert the router sends no token has an all-zero slice of the stacked gradient, where
     a Linear of its own would have none: it keeps its weight and momentum (no step from the
     stale momentum, no weight decay), as the Linear does. A non-finite gradient of one expert
-    leaves that expert alone, not the other experts of the weight."""
+    leaves that expert alone, not the other experts of the weight. Bitwise, bfloat16 weights
+    included (each expert's lr factor rounds as a Linear's does)."""
     torch.manual_seed(0)
-    fused = RoutedExperts(3, 4, 5, bias=False).double()
-    twin_up = [nn.Linear(4, 5, bias=False).double() for _ in range(3)]
-    twin_down = [nn.Linear(5, 4, bias=False).double() for _ in range(3)]
+    fused = RoutedExperts(3, 4, 5, bias=False).to(dtype)
+    twin_up = [nn.Linear(4, 5, bias=False).to(dtype) for _ in range(3)]
+    twin_down = [nn.Linear(5, 4, bias=False).to(dtype) for _ in range(3)]
     with torch.no_grad():
         for e in range(3):
             twin_up[e].weight.copy_(fused.up_weight[e])
@@ -976,16 +978,17 @@ def test_an_expert_without_tokens_or_with_a_non_finite_gradient_stays_put_like_i
                                     * weights[token, choice].unsqueeze(1))
         return out
 
-    settings = dict(lr=0.05, weight_decay=0.1, statistics_every=1, ns_dtype=torch.float64, output_side=False)
+    settings = dict(lr=0.05, weight_decay=0.1, statistics_every=1, output_side=False,
+                    ns_dtype=torch.float64 if dtype == torch.float64 else None)
     ours, theirs = WhitenedMuon([fused], **settings), WhitenedMuon(twin_up + twin_down, **settings)
     g = torch.Generator().manual_seed(2)
     for step in range(5):
-        x, y = (torch.randn(12, 4, generator=g, dtype=torch.float64) for _ in range(2))
+        x, y = (torch.randn(12, 4, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
         scores = torch.rand(12, 3, generator=g)
         if step in (1, 2):
             scores[:, 1] = -1.0  # expert 1 gets no token
         index = scores.topk(2, dim=1).indices
-        weights = torch.rand(12, 2, generator=g, dtype=torch.float64) + 0.1
+        weights = (torch.rand(12, 2, generator=g, dtype=torch.float64) + 0.1).to(dtype)
         for model, opt, downs in ((fused, ours, None), (twin, theirs, twin_down)):
             opt.zero_grad()
             (model(x, index, weights) - y).square().mean().backward()
@@ -998,6 +1001,6 @@ def test_an_expert_without_tokens_or_with_a_non_finite_gradient_stays_put_like_i
                 warnings.simplefilter("ignore")  # the unused experts' and the overflow's warnings
                 opt.step()
         for e in range(3):
-            torch.testing.assert_close(fused.up_weight[e], twin_up[e].weight, rtol=1e-10, atol=1e-12)
-            torch.testing.assert_close(fused.down_weight[e], twin_down[e].weight, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(fused.up_weight[e], twin_up[e].weight, rtol=0, atol=0)
+            torch.testing.assert_close(fused.down_weight[e], twin_down[e].weight, rtol=0, atol=0)
     assert int(ours.state[fused.down_weight]["nonfinite_steps"]) == 1
