@@ -734,9 +734,42 @@ class KronPreconditioner:
 
     def gather_state_dict(self) -> dict[str, Any]:
         """:meth:`state_dict` assembled from the ranks that hold each layer: a collective,
-        to be called on every rank of the process group; every rank gets the whole state."""
+        to be called on every rank of the process group; every rank gets the whole state.
+
+        A rank that calls it while another rank does not (a save on rank 0 only) raises
+        ``RuntimeError`` after waiting ``kron_precond.distributed.runtime.GATHER_ENTRY_TIMEOUT``
+        seconds (120) for the others to call it too, instead of hanging in the gather; a rank
+        that calls it after another gave up raises at once. Where every rank holds every
+        layer (COMM_OPT, not sharded) it is local and may be called on one rank."""
+        return self._gathered_state("gather_state_dict()")
+
+    def _gathered_state(self, caller: str) -> dict[str, Any]:
+        """:meth:`gather_state_dict` for ``caller`` (named in the error of a rank left alone)."""
+        if self.world_size > 1 and (self._runtime.sharding is not None or self.grad_workers < self.world_size):
+            # it gathers: check (bounded wait) that every rank entered, before any collective
+            self._runtime.enter_gather(caller, self._gather_advice(caller))
         self._wait_for_statistics()
         return self._pack({layer.name: self._layer_state(layer) for layer in self._layers})
+
+    def _gather_advice(self, caller: str) -> str:
+        """What the error of a rank left alone in a gather says to do."""
+        fraction = self.grad_worker_fraction
+        name = fraction.name if isinstance(fraction, DistributedStrategy) else repr(fraction)
+        if self._runtime.sharding is not None:
+            return (f"On a sharded (FSDP2 / HSDP) model {caller} is a collective that every rank of the process "
+                    "group must call. To checkpoint without it, save the preconditioner itself with "
+                    "torch.distributed.checkpoint on every rank (state_dict() returns each rank's part).")
+        layout = (f"With grad_worker_fraction={name} ({self.grad_workers} of {self.world_size} ranks hold each "
+                  f"layer's state) no rank holds every layer, so {caller} is a collective that every rank of the "
+                  "process group must call.")
+        if caller.startswith("PreconditionedOptimizer"):
+            return (f"{layout} A trainer that saves on rank 0 only (the Hugging Face Trainer calls "
+                    "optimizer.state_dict() under `if args.should_save`) cannot checkpoint this layout: use "
+                    "grad_worker_fraction=DistributedStrategy.COMM_OPT (every rank holds every layer, and "
+                    "state_dict() is local), or make the save call optimizer.state_dict() on every rank.")
+        return (f"{layout} To save on rank 0 only, use grad_worker_fraction=DistributedStrategy.COMM_OPT (every "
+                "rank holds every layer, and state_dict() is local), or call gather_state_dict() on every rank "
+                "and save its result on one.")
 
     def _pack(self, layers: dict[str, Any]) -> dict[str, Any]:
         return checkpoint.pack(method=self.method, steps=self._steps, statistics_steps=self._statistics_steps,

@@ -47,7 +47,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
     ``state_dict()`` holds the base optimizer's state in torch's usual layout
     (``"state"``, ``"param_groups"``) plus the preconditioner's under
     ``"preconditioner"``; ``load_state_dict`` restores both or, if either part is
-    rejected, neither.
+    rejected, neither. Under DDP with MEM_OPT / HYBRID_OPT ``state_dict()`` is a collective
+    that every rank must call: a trainer that saves on rank 0 only (the Hugging Face
+    ``Trainer``) needs ``grad_worker_fraction=COMM_OPT`` (see :meth:`state_dict`).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, preconditioner: KronPreconditioner) -> None:
@@ -148,16 +150,23 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The base optimizer's state dict with the preconditioner's under ``"preconditioner"``.
 
-        With ``grad_worker_fraction < 1`` this is a collective: call it on every rank.
+        With ``grad_worker_fraction < 1`` (MEM_OPT, HYBRID_OPT; not sharded) no rank holds every
+        layer's state and this is a collective (``gather_state_dict()``): call it on every rank.
+        A rank that calls it alone -- a trainer that saves on rank 0 only, as the Hugging Face
+        ``Trainer`` does -- raises ``RuntimeError`` (naming COMM_OPT) after waiting
+        ``kron_precond.distributed.runtime.GATHER_ENTRY_TIMEOUT`` seconds (120) for the others,
+        instead of hanging. With COMM_OPT it is local and safe on rank 0 only.
         """
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         state = dict(self.optimizer.state_dict())
         precond = self.preconditioner
         # with grad_worker_fraction < 1 each rank holds some layers' refreshed state: assembled
-        # on every rank (the same test on every rank, so every rank joins the collective)
+        # on every rank (the same test on every rank, so every rank joins the collective); a rank
+        # left alone there (a save on rank 0 only) raises after a bounded wait instead of hanging
         some_workers = precond._runtime.sharding is None and precond.grad_workers < precond.world_size
-        state["preconditioner"] = precond.gather_state_dict() if some_workers else precond.state_dict()
+        state["preconditioner"] = (precond._gathered_state("PreconditionedOptimizer.state_dict()") if some_workers
+                                   else precond.state_dict())
         state["format"] = _FORMAT
         state["format_version"] = _FORMAT_VERSION
         for hook in self._optimizer_state_dict_post_hooks.values():

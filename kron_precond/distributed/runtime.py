@@ -7,7 +7,9 @@ that is a function of the registration and the step count only.
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
+import secrets
 from typing import Any, Sequence
 
 import torch
@@ -17,6 +19,13 @@ from torch import nn
 from kron_precond.distributed import collectives
 from kron_precond.distributed.groups import WorkerGrid
 from kron_precond.distributed.sharded import OwnerExchange, ShardedLayout, is_dtensor
+
+#: Seconds a rank that enters a gather every rank must enter (``gather_state_dict()``, and
+#: ``PreconditionedOptimizer.state_dict()`` under MEM_OPT / HYBRID_OPT) waits for the other
+#: ranks of the group to enter it too; then it raises ``RuntimeError`` instead of entering a
+#: gather that would never finish. Read at every call: raise it where a rank may legitimately
+#: reach its call much later than the others (e.g. rank 0 writing a large model first).
+GATHER_ENTRY_TIMEOUT = 120.0
 
 
 class Runtime:
@@ -42,6 +51,10 @@ class Runtime:
         # FSDP2 / HSDP (DTensor parameters): how gradient shards move (docs/design.md, "FSDP2 and HSDP")
         self.sharding: ShardedLayout | None = None
         self.exchange: OwnerExchange | None = None
+        # the entry checks of gathers (enter_gather): this preconditioner's name in the group's
+        # store (agreed by check_agreement) and how many gathers it entered (the same on every rank)
+        self._instance = 0
+        self._gathers = 0
 
     # ------------------------------------------------------------------ set-up
     def check_agreement(self, description: str, model: nn.Module) -> None:
@@ -60,10 +73,13 @@ class Runtime:
                 flat = p.detach().double().reshape(-1)
                 weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=device)
                 checksum += (i + 1) * (flat * weights).sum()
-        local = torch.stack([torch.tensor(float(fingerprint), dtype=torch.float64, device=device), checksum])
+        # and a random name (52 bits: exact in float64) for this preconditioner, rank 0's for all
+        nonce = torch.tensor(float(secrets.randbits(52)), dtype=torch.float64, device=device)
+        local = torch.stack([torch.tensor(float(fingerprint), dtype=torch.float64, device=device), checksum, nonce])
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(gathered, local, group=self.process_group)
         values = torch.stack(gathered).tolist()
+        self._instance = int(values[0][2])
         if len({v[0] for v in values}) > 1:
             raise ValueError("ranks registered different layers or use different settings: check "
                              "skip_layers, method, its options (e.g. factor_update_steps, inv_update_steps, "
@@ -210,6 +226,67 @@ class Runtime:
                    for source, tensors in sorted(by_source.items())]
         for handle in pending:
             handle.wait()
+
+    def enter_gather(self, caller: str, advice: str) -> None:
+        """Before a gather that every rank of the group must enter (``caller``): wait, at most
+        :data:`GATHER_ENTRY_TIMEOUT` seconds, until every rank has entered it; otherwise raise
+        ``RuntimeError`` (``advice`` says what to do) rather than enter a gather that would block
+        for good (the usual cause: a trainer that saves on rank 0 only).
+
+        Through the group's key-value store, so it needs no collective of its own and works on
+        any backend. Every rank numbers its gathers alike (this preconditioner's count), sets
+        ``kron_precond/state_dict/<preconditioner>/<count>/entered/<rank>`` and waits for the
+        others' keys. Whether the gather goes ahead is settled once for all ranks (the first
+        ``compare_set`` of the verdict key: "go" from a rank that saw every key, else "abort"
+        from a rank that gave up), so a rank arriving just as another gives up raises too
+        instead of entering the gather alone. The last rank through removes the keys. When
+        every rank calls, this is a few store round trips (milliseconds)."""
+        if self.world_size == 1:
+            return
+        store = self._store()
+        if store is None:  # a group torch.distributed does not list (nothing to wait with)
+            return
+        call = self._gathers
+        self._gathers += 1
+        base = f"kron_precond/state_dict/{self._instance}/{call}"
+        entered = [f"{base}/entered/{r}" for r in range(self.world_size)]
+        timeout = float(GATHER_ENTRY_TIMEOUT)
+        store.set(entered[self.rank], "1")
+        try:
+            store.wait(entered, datetime.timedelta(seconds=timeout))
+            proposal = "go"
+        except RuntimeError:  # DistStoreError (FileStore: RuntimeError): a rank is missing
+            proposal = f"abort:{self.rank}"
+        verdict = store.compare_set(f"{base}/verdict", "", proposal).decode()
+        # before this rank counts itself done: the keys stay until every rank is
+        missing = [] if verdict == "go" else [r for r in range(self.world_size) if not store.check([entered[r]])]
+        if store.add(f"{base}/done", 1) == self.world_size:  # every rank is past the keys
+            for key in (*entered, f"{base}/verdict", f"{base}/done"):
+                store.delete_key(key)
+        if verdict == "go":
+            return
+        timeout_name = "kron_precond.distributed.runtime.GATHER_ENTRY_TIMEOUT"
+        if proposal != "go":  # this rank gave up waiting
+            who = f"rank(s) {missing}" if missing else "a rank"
+            raise RuntimeError(
+                f"{caller} on rank {self.rank}: {who} of the process group did not call it within "
+                f"{timeout:g} s ({timeout_name}); it gathers from every rank, so it would never finish (a hang): "
+                f"raised instead. {advice} If those ranks were only late (a long save before theirs), raise "
+                f"{timeout_name}. This preconditioner's gathers no longer pair up across ranks: end the run.")
+        gave_up = int(verdict.split(":", 1)[1])  # this rank was late: it saw every key, after the verdict
+        raise RuntimeError(
+            f"{caller} on rank {self.rank}: rank(s) [{gave_up}] waited for this rank to call it too "
+            f"({timeout_name} seconds) and gave up, so the gather it runs was abandoned: raised here too rather "
+            f"than wait for good. {advice} This preconditioner's gathers no longer pair up across ranks: end the run.")
+
+    def _store(self) -> dist.Store | None:
+        """The key-value store of the group (``None`` where torch.distributed does not list one)."""
+        c10d = dist.distributed_c10d
+        try:
+            group = self.process_group if self.process_group is not None else c10d._get_default_group()
+            return c10d._get_process_group_store(group)
+        except (AttributeError, KeyError, ValueError, RuntimeError):
+            return None
 
     def gather_state(self, owner: int, local_state: dict[str, Any] | None) -> dict[str, Any]:
         """The state held by ``owner``'s column, on every rank (moved to the CPU so that it
