@@ -68,6 +68,18 @@ def _store():
     return dist.distributed_c10d._get_default_store()
 
 
+def _call_both(opt, result: dict) -> None:
+    """Call ``state_dict()`` and ``gather_state_dict()``; record what each did and how long it took."""
+    for name, call in (("state_dict", opt.state_dict), ("gather_state_dict", opt.preconditioner.gather_state_dict)):
+        start = time.monotonic()
+        try:
+            call()
+            result[name] = "returned"
+        except RuntimeError as err:
+            result[name] = str(err)
+        result[f"{name}_seconds"] = time.monotonic() - start
+
+
 def _leftover_keys() -> list[str]:
     """Keys of the library's entry checks still in the store (they are cleaned up)."""
     return [k for k in _store().list_keys() if "kron_precond" in k]
@@ -92,28 +104,12 @@ def _rank0_alone(rank, world, out_dir, entry_timeout):
     model, opt = _build(DistributedStrategy.MEM_OPT)
     _train(model, opt, 2)
     if rank == 0:
-        for name, call in (("state_dict", opt.state_dict),
-                           ("gather_state_dict", opt.preconditioner.gather_state_dict)):
-            start = time.monotonic()
-            try:
-                call()
-                result[name] = "returned"
-            except RuntimeError as err:
-                result[name] = str(err)
-            result[f"{name}_seconds"] = time.monotonic() - start
+        _call_both(opt, result)
         _store().set("test/rank0_done", "1")
     else:
         _store().wait(["test/rank0_done"], datetime.timedelta(seconds=600))
         # too late: rank 0 gave up on both calls; rank 1 raises at once instead of hanging
-        for name, call in (("state_dict", opt.state_dict),
-                           ("gather_state_dict", opt.preconditioner.gather_state_dict)):
-            start = time.monotonic()
-            try:
-                call()
-                result[name] = "returned"
-            except RuntimeError as err:
-                result[name] = str(err)
-            result[f"{name}_seconds"] = time.monotonic() - start
+        _call_both(opt, result)
         _store().set("test/rank1_done", "1")
     _store().wait(["test/rank0_done", "test/rank1_done"], datetime.timedelta(seconds=600))
     result["leftover_keys"] = _leftover_keys()
