@@ -658,12 +658,14 @@ class KronPreconditioner:
         return self._runtime.is_grad_worker(self._layer_owner(layer))
 
     def _agreement_description(self) -> str:
-        """Everything that decides which collectives run when, as text ranks compare."""
-        collective = {name: _describe_schedule(self._spec.settings[name])
-                      for name, option in self._spec.options.items() if option.collective}
+        """Everything that decides which collectives run when, and every setting of the step
+        (under COMM_OPT each rank preconditions on its own: another damping, kl_clip or lr would
+        let the ranks drift apart with no error), as text ranks compare."""
+        settings = {name: _describe_schedule(self._spec.settings[name]) for name in self._spec.options}
+        settings.update(kl_clip=_describe_schedule(self._kl_clip), lr=_describe_schedule(self._lr))
         layers = ";".join(f"{l.name}:{l.expert}:{[(tuple(p.shape), str(p.dtype)) for _, p in l.params]}"
                           for l in self._layers)
-        return (f"{layers}|{self.method}|{sorted(collective.items())}|{self.grad_workers}"
+        return (f"{layers}|{self.method}|{sorted(settings.items())}|{self.grad_workers}"
                 f"|{self.symmetry_aware}|{self._runtime.bucket_cap_bytes}|{self.colocate_factors}"
                 f"|{self.assignment_strategy.value}|{self.accumulation_steps}")
 

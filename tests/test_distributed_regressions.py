@@ -314,6 +314,11 @@ def r18_cases(rank: int, world: int) -> dict[str, dict]:
         # factor diagonal, which avoids ~2 s of one-time torch imports that building the
         # first triangular factor on the meta device costs.
         "seed": dict(method="psgd", seed=rank, model=lambda: nn.Sequential(nn.LayerNorm(4)).to(F64)),
+        # per-step settings: under COMM_OPT each rank preconditions with its own, and the ranks
+        # would drift apart with no error
+        "damping": dict(damping=1e-3 if last else 1e-2),
+        "kl_clip": dict(kl_clip=None if last else 1e-3),
+        "lr": dict(lr=0.1 if last else 0.2),
         "agree": dict(symmetry_aware=True, allreduce_bucket_cap_mb=1.0, colocate_factors=False,
                       assignment_strategy="memory"),
     }
@@ -481,7 +486,8 @@ def test_r02_ddp_checkpoint_resumes_in_an_unwrapped_single_process(runs, world):
 
 
 # ----------------------------------------------------------------------------- r18 tests
-R18_DIFFERING = ["symmetry_aware", "allreduce_bucket_cap_mb", "colocate_factors", "assignment_strategy", "seed"]
+R18_DIFFERING = ["symmetry_aware", "allreduce_bucket_cap_mb", "colocate_factors", "assignment_strategy", "seed",
+                 "damping", "kl_clip", "lr"]
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)

@@ -83,7 +83,7 @@ class Runtime:
         if len({v[0] for v in values}) > 1:
             raise ValueError("ranks registered different layers or use different settings: check "
                              "skip_layers, method, its options (e.g. factor_update_steps, inv_update_steps, "
-                             "compute_method, seed), grad_worker_fraction, symmetry_aware, "
+                             "compute_method, seed, damping), kl_clip, lr, grad_worker_fraction, symmetry_aware, "
                              "allreduce_bucket_cap_mb, colocate_factors and assignment_strategy")
         checksums = [v[1] for v in values]
         if any(c != checksums[0] for c in checksums):
