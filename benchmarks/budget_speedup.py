@@ -214,6 +214,10 @@ def _close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-6)
 
 
+def _same_momentum(a: float | None, b: float | None) -> bool:
+    return (a is None) == (b is None) and (a is None or _close(a, b))
+
+
 def _neighbours(values: Sequence[float], at: float, below: float, above: float) -> list[float]:
     """The next value of ``values`` either side of ``at``; past the outermost, ``below`` / ``above``."""
     lower = [v for v in values if v < at and not _close(v, at)]
@@ -284,7 +288,13 @@ def train_part(args, seed: int, budget: float, part: str,
     ``budget`` and save them."""
     path = record_path(args.out, seed, budget, part)
     if path.exists():
-        return json.loads(path.read_text())["runs"]
+        stored = json.loads(path.read_text())["runs"]
+        missing = [p for p in points if not any(_point(r)[0] == p[0] and _same_momentum(_point(r)[1], p[1])
+                                                 and _close(_point(r)[2], p[2]) for r in stored)]
+        if missing:  # another command's record (another tuned point): not the runs asked for
+            raise ValueError(f"{path} holds other runs than the points asked for {missing} (method, momentum, "
+                             f"lr); move it away to train them")
+        return stored
     model, base_train, precond = configs_from_args(args)
     steps = budget_steps(args, budget)
     train = replace(base_train, steps=steps, seed=seed, warmup_steps=max(1, round(WARMUP_FRACTION * steps)),
@@ -313,13 +323,18 @@ def tune(args, seed: int, budget: float, first_points: list, methods: Sequence[s
     grids (``max_extend`` rounds, default ``args.max_extend``); each one's chosen (momentum,
     lr). ``prefix`` names the parts (``ours_``)."""
     runs = train_part(args, seed, budget, f"{prefix}grid", first_points)
-    for round_ in range(1, (args.max_extend if max_extend is None else max_extend) + 1):
+    limit = args.max_extend if max_extend is None else max_extend
+    round_ = 1
+    # past the limit, the rounds another command already stored still count (a rerun with
+    # --max-extend 0 must choose the point they found, not the first grid's best)
+    while round_ <= limit or record_path(args.out, seed, budget, f"{prefix}ext{round_}").exists():
         new = [(m, mom, lr) for m in methods for mom, lr in edge_points(runs, m)]
         new = [p for p in new if not any(_point(r)[0] == p[0] and _close(_point(r)[1], p[1])
                                          and _close(_point(r)[2], p[2]) for r in runs)]
         if not new:
             break
         runs = runs + train_part(args, seed, budget, f"{prefix}ext{round_}", new)
+        round_ += 1
     chosen = {}
     for m in methods:
         _, mom, lr = _point(best_point(runs, m))

@@ -340,3 +340,26 @@ def test_report_with_one_seed_unreached_prints_it(tmp_path):
     args.out, args.budgets, args.steps, args.sweep_ours, args.baselines = out, [1.0, 1.25, 1.5], 100, False, ("muon",)
     ours = next(line for line in bs.report(args).splitlines() if line.startswith("| wmuon (defaults)"))
     assert "| **inf ± nan** (inf, 1.25)" in ours, ours
+
+
+def test_tuning_reads_extensions_already_stored_past_max_extend(monkeypatch, tmp_path):
+    """A rerun with ``--max-extend 0`` (the held-out seeds' commands) must choose the point the
+    tuning seed's stored extensions found, not the first grid's best."""
+    calls: list = []
+    monkeypatch.setattr(bs, "train_part", _fake_training(calls))
+    args = bs.parse_args(["--seeds", "0", "--lrs", "0.02,0.04", "--momenta", "0.9", "--baselines", "muon",
+                          "--max-extend", "0", "--out", str(tmp_path)])
+    _write(tmp_path, 0, 1.0, "ext1", [])  # an extension round a run with --max-extend 2 stored
+    chosen = bs.tune(args, 0, 1.0, [("muon", 0.9, 0.02), ("muon", 0.9, 0.04)], ["muon"])
+    assert [part for _, _, part, _ in calls] == ["grid", "ext1"]
+    assert chosen["muon"] == (0.9, pytest.approx(0.02 / math.sqrt(2)))  # the extension's point, nearer 0.01
+
+
+def test_a_stored_record_without_the_points_asked_for_is_refused(tmp_path):
+    """``train_part`` reuses a stored record only if it holds every point asked for: a record of
+    other points (a rerun at another tuned lr) would otherwise be taken as the asked one."""
+    args = bs.parse_args(["--out", str(tmp_path)])
+    _write(tmp_path, 3, 1.0, "chosen", [_run("muon{mom=0.9} lr=0.0226", 0.0226, 1.0, 1.0)])
+    assert bs.train_part(args, 3, 1.0, "chosen", [("muon", 0.9, 0.0226)])[0]["lr"] == 0.0226
+    with pytest.raises(ValueError, match=r"s3_b1_chosen\.json.*0\.032"):
+        bs.train_part(args, 3, 1.0, "chosen", [("muon", 0.9, 0.032)])
