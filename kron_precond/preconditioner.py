@@ -239,7 +239,8 @@ class KronPreconditioner:
             {l.name: l.method.factor_costs() for l in self._layers}, self.world_size,
             self.assignment_strategy, self.colocate_factors)
         # before creating groups: disagreeing ranks would hang there
-        self._runtime.check_agreement(self._agreement_description(), model)
+        if self.world_size > 1:
+            self._runtime.check_agreement(self._agreement_description(), model)
         self._runtime.create_grid(self.grad_workers)
         for layer in self._layers:
             layer.method.holds_state = self._holds_state(layer)
@@ -661,8 +662,12 @@ class KronPreconditioner:
         """Everything that decides which collectives run when, and every setting of the step
         (under COMM_OPT each rank preconditions on its own: another damping, kl_clip or lr would
         let the ranks drift apart with no error), as text ranks compare."""
-        settings = {name: _describe_schedule(self._spec.settings[name]) for name in self._spec.options}
-        settings.update(kl_clip=_describe_schedule(self._kl_clip), lr=_describe_schedule(self._lr))
+        # a callable of a setting that changes no collective is described by its name alone: it
+        # is the user's, and is called on the steps that read it, not ahead of them here
+        settings = {name: _describe_schedule(self._spec.settings[name], sample=option.collective)
+                    for name, option in self._spec.options.items()}
+        settings.update(kl_clip=_describe_schedule(self._kl_clip, sample=False),
+                        lr=_describe_schedule(self._lr, sample=False))
         layers = ";".join(f"{l.name}:{l.expert}:{[(tuple(p.shape), str(p.dtype)) for _, p in l.params]}"
                           for l in self._layers)
         return (f"{layers}|{self.method}|{sorted(settings.items())}|{self.grad_workers}"
@@ -979,10 +984,10 @@ def _is_default(value, defaults) -> bool:
 _SCHEDULE_SAMPLE_STEPS = 32
 
 
-def _describe_schedule(value) -> str:
+def _describe_schedule(value, sample: bool = True) -> str:
     """A rank-independent description of a setting that may be a callable of the step: its
-    repr (or, for plain functions, whose repr holds an address, its qualified name) and its
-    values over the first steps -- so two lambdas with different constants differ."""
+    repr (or, for plain functions, whose repr holds an address, its qualified name) and, with
+    ``sample``, its values over the first steps -- so two lambdas with different constants differ."""
     if not callable(value) or isinstance(value, type):
         return repr(value)
     if isinstance(value, functools.partial):
@@ -992,6 +997,8 @@ def _describe_schedule(value) -> str:
         name = f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
     else:
         name = repr(value)
+    if not sample:
+        return name
     try:
         values = [value(step) for step in range(_SCHEDULE_SAMPLE_STEPS)]
     except Exception as err:  # noqa: BLE001 - step() reports it, on every rank alike
