@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kron_precond import KronPreconditioner
+from state_compare import assert_same
 
 F64 = torch.float64
 ALL_METHODS = ("kfac", "ekfac", "ikfac", "soap", "second_moment", "shampoo", "psgd")
@@ -149,7 +150,7 @@ def test_a_layer_frozen_in_part_keeps_its_state_and_resumes_when_unfrozen(method
             assert torch.equal(written[1], torch.zeros_like(written[1]))  # the stale zero, left alone
             assert not torch.equal(model.head.weight.grad, torch.zeros_like(model.head.weight.grad))
     assert len([m for m in user_warnings(caught) if "body" in m]) == 1, user_warnings(caught)
-    _assert_same_state(precond.state_dict()["layers"]["body"], state, method)
+    assert_same(precond.state_dict()["layers"]["body"], state, method)
     model.body.bias.requires_grad_(True)
     raw, written = run(5)
     assert not torch.allclose(written[0], raw[0]), f"{method}: not preconditioned again after unfreezing"
@@ -182,7 +183,7 @@ def test_a_layer_frozen_whole_after_construction_keeps_its_state(method, set_to_
                 assert (r is None and w is None) or torch.equal(w, r), f"{method}: a frozen gradient was changed"
     after = precond.state_dict()["layers"]
     for key in body:
-        _assert_same_state(after[key], state[key], f"{method}: {key}")
+        assert_same(after[key], state[key], f"{method}: {key}")
     model.body.requires_grad_(True)
     raw, written = run(5)
     assert not torch.allclose(written[0], raw[0]), f"{method}: not preconditioned again after unfreezing"
@@ -202,20 +203,6 @@ def _step_reading_body(model, precond, opt, step: int, set_to_none: bool):
     opt.step()
     return raw, written
 
-
-def _assert_same_state(got, want, where):
-    if isinstance(want, torch.Tensor):
-        assert torch.equal(got, want), where
-    elif isinstance(want, dict):
-        assert set(got) == set(want), where
-        for key in want:
-            _assert_same_state(got[key], want[key], f"{where}.{key}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for i, (a, b) in enumerate(zip(got, want)):
-            _assert_same_state(a, b, f"{where}[{i}]")
-    else:
-        assert got == want, where
 
 
 def test_bias_frozen_after_construction_against_dense_kfac_of_the_weight_alone():

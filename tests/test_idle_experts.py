@@ -24,6 +24,7 @@ from torch import nn
 from kron_precond import KronPreconditioner, RoutedExperts, register_adapter
 from kron_precond import modules as adapter_registry
 from kron_precond.modules import KFACAdapter
+from state_compare import assert_same
 
 F64 = torch.float64
 E, D, HIDDEN, T = 3, 4, 6, 40
@@ -108,25 +109,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def assert_same_state(got, want, where: str) -> None:
-    if isinstance(got, torch.Tensor):
-        assert isinstance(want, torch.Tensor), where
-        if got.is_floating_point():
-            assert (got - want).abs().max().item() <= 1e-10 * max(1.0, want.abs().max().item()), \
-                f"{where}: {got} != {want}"
-        else:
-            assert torch.equal(got, want), f"{where}: {got} != {want}"
-    elif isinstance(got, dict):
-        assert got.keys() == want.keys(), where
-        for key in got:
-            assert_same_state(got[key], want[key], f"{where}[{key!r}]")
-    elif isinstance(got, (list, tuple)):
-        assert len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_same_state(g, w, f"{where}[{i}]")
-    else:
-        assert got == want, f"{where}: {got!r} != {want!r}"
-
 
 @pytest.fixture
 def twin_adapter(monkeypatch):
@@ -172,7 +154,7 @@ def test_idle_expert_steps_as_a_separate_linear_not_called(twin_adapter, method,
     for e in range(E):
         for weight, side in (("up_weight", "up"), ("down_weight", "down")):
             f_layer, t_layer = p_fused.layers[f"{weight}.{e}"], p_twin.layers[f"{side}.{e}"]
-            assert_same_state(f_layer.method.state_dict(), t_layer.method.state_dict(), f"{weight}.{e}")
+            assert_same(f_layer.method.state_dict(), t_layer.method.state_dict(), f"{weight}.{e}", tolerance=1e-10)
             assert f_layer.method.nonfinite.item() == 0, f"{weight}.{e}"
     nonfinite = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)
                  and ("non-finite" in str(w.message) or "not finite" in str(w.message))]

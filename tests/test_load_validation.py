@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kron_precond import Kron, KronPreconditioner, WhitenedMuon
+from state_compare import assert_same
 
 torch.set_num_threads(1)
 
@@ -22,31 +23,6 @@ def _batches(count, width=4):
     return [torch.randn(16, width, generator=gen) for _ in range(count)]
 
 
-def _flat(value, prefix=()):
-    if isinstance(value, dict):
-        for key, item in value.items():
-            yield from _flat(item, prefix + (key,))
-    elif isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            yield from _flat(item, prefix + (index,))
-    else:
-        yield prefix, value
-
-
-def _assert_same_state(before, after):
-    """Two state dicts hold the same entries, tensor by tensor (dtype, shape and values)."""
-    flat_before, flat_after = dict(_flat(before)), dict(_flat(after))
-    assert flat_before.keys() == flat_after.keys()
-    for path, old in flat_before.items():
-        new = flat_after[path]
-        if isinstance(old, torch.Tensor):
-            assert isinstance(new, torch.Tensor), path
-            assert (old.dtype, old.shape) == (new.dtype, new.shape), path
-            assert torch.equal(old, new), path
-        elif isinstance(old, float) and math.isnan(old):
-            assert isinstance(new, float) and math.isnan(new), path
-        else:
-            assert old == new, path
 
 
 # ---------------------------------------------------------------------- KronPreconditioner
@@ -82,7 +58,7 @@ def _assert_precond_load_refused(method, corrupt, match, settings=None, error=Va
     corrupt(checkpoint)
     with pytest.raises(error, match=match):
         precond.load_state_dict(checkpoint)
-    _assert_same_state(before, precond.state_dict())
+    assert_same(before, precond.state_dict())
     for ours, theirs in zip(_precond_step(model, precond, data[5]), _precond_step(twin_model, twin, data[5])):
         assert torch.equal(ours, theirs)
 
@@ -116,7 +92,7 @@ def _assert_optimizer_load_refused(make, corrupt, match, error=ValueError):
     corrupt(checkpoint)
     with pytest.raises(error, match=match):
         opt.load_state_dict(checkpoint)
-    _assert_same_state(before, opt.state_dict())
+    assert_same(before, opt.state_dict())
     for ours, theirs in zip(_optimizer_step(model, opt, data[5]), _optimizer_step(twin_model, twin, data[5])):
         assert torch.equal(ours, theirs)
 
@@ -200,7 +176,7 @@ def test_kfac_refreshed_entry_of_no_factor_is_not_read(method):
     twin_model, twin = _preconditioner(method)
     twin.load_state_dict(checkpoint)
     precond.load_state_dict(extra)
-    _assert_same_state(checkpoint, precond.state_dict())
+    assert_same(checkpoint, precond.state_dict())
     twin_model.load_state_dict(model.state_dict())
     for ours, theirs in zip(_precond_step(model, precond, data[3]), _precond_step(twin_model, twin, data[3])):
         assert torch.equal(ours, theirs)

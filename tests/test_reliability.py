@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from kfac_reference import F64, Capture, DenseKFAC, grad_matrix
 from kron_precond import Kron, KronPreconditioner
+from state_compare import assert_same
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 LAMBDA = 1e-2
@@ -62,22 +63,6 @@ def snapshot(value):
     """A deep copy of a (nested) state dict, for before/after comparisons."""
     return copy.deepcopy(value)
 
-
-def assert_same(a, b, path="state"):
-    """Nested equality, tensors compared bitwise (NaN equal to NaN)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(torch.nan_to_num(a, nan=1234.5), torch.nan_to_num(b, nan=1234.5)), path
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{path}: keys {sorted(a)} != {sorted(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 # ============================================================================ non-finite
