@@ -125,21 +125,28 @@ def test_a_layer_frozen_in_part_after_construction_steps_as_if_frozen_before(met
         assert not said, said
 
 
+def _trained_three_steps(method: str, set_to_none: bool):
+    """A ``Net`` preconditioned by ``method`` in front of SGD after three steps, and the function
+    that runs a further step (``_step_reading_body``: the body's raw and written gradients)."""
+    model = Net().to(F64)
+    precond = build(method, model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def run(step: int):
+        return _step_reading_body(model, precond, opt, step, set_to_none=set_to_none)
+
+    for step in range(3):
+        run(step)
+    return model, precond, run
+
+
 @pytest.mark.parametrize("method", JOINT)
 def test_a_layer_frozen_in_part_keeps_its_state_and_resumes_when_unfrozen(method):
     """Bias frozen for two steps in the middle of a run (with ``zero_grad(set_to_none=False)``,
     so the frozen bias keeps a stale zero gradient): the weight's gradient passes through
     exactly, the layer's state (factors, moments, counters) does not change, the other layer
     is preconditioned as usual, and unfrozen again the layer is preconditioned again."""
-    model = Net().to(F64)
-    precond = build(method, model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def run(step: int):
-        return _step_reading_body(model, precond, opt, step, set_to_none=False)
-
-    for step in range(3):
-        run(step)
+    model, precond, run = _trained_three_steps(method, set_to_none=False)
     state = copy.deepcopy(precond.state_dict()["layers"]["body"])
     model.body.bias.requires_grad_(False)
     with warnings.catch_warnings(record=True) as caught:
@@ -163,15 +170,7 @@ def test_a_layer_frozen_whole_after_construction_keeps_its_state(method, set_to_
     its stale gradients (``zero_grad(set_to_none=False)``) are not preconditioned, its state
     (factors, statistics from its hooks, moments, counters) does not move, the other layer is
     preconditioned as usual, and unfrozen again the layer is preconditioned again."""
-    model = Net().to(F64)
-    precond = build(method, model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def run(step: int):
-        return _step_reading_body(model, precond, opt, step, set_to_none=set_to_none)
-
-    for step in range(3):
-        run(step)
+    model, precond, run = _trained_three_steps(method, set_to_none)
     state = copy.deepcopy(precond.state_dict()["layers"])
     body = [k for k in state if k.startswith("body")]
     model.body.requires_grad_(False)
