@@ -71,10 +71,12 @@ UPDATE_FIRST_GROWTH_WARNING = 1e6
 def new_nonfinite_steps(optimizer: torch.optim.Optimizer, reported: dict[int, int]) -> list[tuple]:
     """``(index, parameter, new, total)`` for every parameter of ``optimizer`` whose
     ``state["nonfinite_steps"]`` counter grew since ``reported`` (updated in place); the
-    counters are read in one host sync. Shared by the standalone optimizers' warnings."""
+    counters are read in one host sync. A counter on the meta device (a model not yet
+    materialized) holds no value and is left out. Shared by the standalone optimizers' warnings."""
     entries = [(i, p, optimizer.state[p]["nonfinite_steps"])
                for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
                if "nonfinite_steps" in optimizer.state.get(p, {})]
+    entries = [entry for entry in entries if not entry[2].is_meta]
     if not entries:
         return []
     device = entries[0][2].device

@@ -213,7 +213,13 @@ class Kron(torch.optim.Optimizer):
         # torch.optim keeps only defaults, state and param_groups, so a copy (deepcopy, pickle)
         # would lack the update schedule and the per-tensor preconditioners and fail at its next
         # step; the whole object is copied instead (the tensors keep their sharing in the memo).
-        return dict(self.__dict__)
+        # Left out, as torch.optim leaves them: what an LR scheduler puts on this object -- a
+        # ``step`` wrapping this object's (any instance attribute shadowing a method is bound to
+        # the object it was made for) and ``_opt_called`` --, so the copy steps its own parameters
+        # and a scheduler attached to the copy wraps the copy's step.
+        cls = type(self)
+        return {key: value for key, value in self.__dict__.items()
+                if key != "_opt_called" and not callable(getattr(cls, key, None))}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         step_eagerly(Kron, _EAGER_REASON)  # unpickled in a process that has built no Kron

@@ -1348,15 +1348,27 @@ class WhitenedMuon(torch.optim.Optimizer):
             exp_avgs = [self._local(self.state[p]["exp_avg"]) for p in members]
             exp_avg_sqs = [self._local(self.state[p]["exp_avg_sq"]) for p in members]
             if wd != 0:
-                torch._foreach_mul_(weights, 1 - lr * wd)
+                self._scale(weights, 1 - lr * wd)
             torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-            torch._foreach_mul_(exp_avg_sqs, beta2)
+            self._scale(exp_avg_sqs, beta2)
             torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
             step_size = lr / (1 - beta1 ** step)
             denom = torch._foreach_sqrt(exp_avg_sqs)
             torch._foreach_div_(denom, (1 - beta2 ** step) ** 0.5)
             torch._foreach_add_(denom, eps)
             torch._foreach_addcdiv_(weights, exp_avgs, denom, value=-step_size)
+
+    @staticmethod
+    def _scale(tensors: list[torch.Tensor], factor: float) -> None:
+        """``t.mul_(factor)`` for each tensor, as torch.optim.AdamW's single-tensor step: in
+        float32 or wider, the product rounded once. ``torch._foreach_mul_`` matches it on float32
+        and float64 tensors; on narrower ones it first rounds ``factor`` to their dtype
+        (bfloat16(0.99) is 0.98828125, bfloat16(0.999) is 1), so those take ``mul_`` one by one."""
+        narrow = [t for t in tensors if t.element_size() < 4]
+        if len(narrow) < len(tensors):
+            torch._foreach_mul_([t for t in tensors if t.element_size() >= 4], factor)
+        for t in narrow:
+            t.mul_(factor)
 
     def _report_nonfinite(self) -> None:
         lines = [f"{self._names.get(id(p), f'parameter {i}')} (shape {tuple(p.shape)}): {new} step(s)"

@@ -401,6 +401,57 @@ def test_a_deep_copy_or_pickle_of_model_and_optimizer_continues_bitwise():
             assert torch.equal(a, b)
 
 
+def test_a_copy_made_after_a_scheduler_was_attached_steps_its_own_parameters():
+    """A scheduler puts its own ``step`` on the optimizer, bound to that optimizer; a copy
+    (deepcopy, pickle) leaves it behind, as torch.optim's does: the copy's step moves the
+    copy's parameters as the original's would, never the original's, and a scheduler
+    attached to the copy drives it."""
+    import pickle
+    model = mlp()
+    opt = Kron(model.parameters(), lr=1e-2)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for s in range(2):
+        train_steps(model, opt, s, 1)
+        schedule.step()
+    for copier in (copy.deepcopy, lambda obj: pickle.loads(pickle.dumps(obj))):
+        twin, twin_opt = copier((model, opt))
+        before = [p.detach().clone() for p in model.parameters()]
+        train_steps(twin, twin_opt, 2, 1)
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))  # the original is unmoved
+        assert not all(torch.equal(a, b) for a, b in zip(twin.parameters(), before))
+        original = copy.deepcopy(model)
+        original_opt = Kron(original.parameters(), lr=1e-2)
+        original_opt.load_state_dict(opt.state_dict())
+        train_steps(original, original_opt, 2, 1)  # what the original does on the same gradient
+        for a, b in zip(original.parameters(), twin.parameters()):
+            assert torch.equal(a, b)
+        twin_schedule = torch.optim.lr_scheduler.StepLR(twin_opt, 1, gamma=0.5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+            train_steps(twin, twin_opt, 3, 1)
+            twin_schedule.step()
+        assert twin_opt.param_groups[0]["lr"] == pytest.approx(1e-2 / 8)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 / 4)
+
+
+def test_a_checkpoint_loads_into_an_optimizer_of_a_model_on_the_meta_device():
+    """As torch.optim's load: the state goes to the parameters' device, the meta device too (a
+    model built there before its weights are materialized); nothing is read back from it."""
+    model = mlp()
+    opt = Kron(model.parameters(), lr=1e-2)
+    train_steps(model, opt, 0, 2)
+    with torch.device("meta"):
+        meta_model = mlp()
+    meta_opt = Kron(meta_model.parameters(), lr=1e-2)
+    meta_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert meta_opt.steps == opt.steps
+    assert len(meta_opt.state) == len(opt.state)
+    for p, q in zip(model.parameters(), meta_model.parameters()):
+        assert meta_opt.state[q].keys() == opt.state[p].keys()
+        momentum = meta_opt.state[q]["momentum_buffer"]
+        assert momentum.device.type == "meta" and momentum.shape == p.shape
+
+
 def test_complex_parameters_are_refused():
     """Only the real part would be trained (the imaginary part silently dropped)."""
     p = nn.Parameter(torch.randn(3, 4, dtype=torch.complex64))

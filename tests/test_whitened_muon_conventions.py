@@ -70,6 +70,31 @@ def test_an_added_adamw_group_of_the_list_form_steps_its_parameters(form):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_adamw_groups_are_torchs_adamw_bitwise_in_half_precision_too(dtype):
+    """bfloat16 and float16 parameters as float32 ones: the decays (``beta2``, ``1 - lr·wd``)
+    multiply as torch.optim.AdamW's single-tensor step multiplies them, in float32 with the
+    product rounded once, not with the factor first rounded to the parameter's dtype
+    (bfloat16(0.99) is 0.98828125)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)).to(dtype)
+    opt = WhitenedMuon(model, lr=1e-2, weight_decay=0.1, adamw_betas=(0.9, 0.99))
+    ours = [p for group in opt.param_groups if group["algorithm"] == "adamw" for p in group["params"]]
+    twins = [nn.Parameter(p.detach().clone()) for p in ours]
+    reference = torch.optim.AdamW(twins, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, foreach=False)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(8):
+        opt.zero_grad()
+        model(torch.randn(32, 8, generator=g).to(dtype)).float().square().mean().backward()
+        for p, twin in zip(ours, twins):
+            twin.grad = p.grad.clone()
+        opt.step()
+        reference.step()
+    for p, twin in zip(ours, twins):
+        assert torch.equal(opt.state[p]["exp_avg_sq"], reference.state[twin]["exp_avg_sq"])
+        assert torch.equal(p, twin)
+
+
 @pytest.mark.parametrize("form", ["generator", "list"])
 def test_an_unnamed_group_added_to_the_model_form_gets_names_and_steps(form):
     """The model form keeps parameter names (for FQN checkpoints); an unnamed group added later
@@ -264,6 +289,24 @@ def test_load_hooks_run_in_torch_optims_order():
     want = saved["state"][0]["input_factor"] * 0.5
     assert torch.equal(fresh.state[model[0].weight]["input_factor"], want)
     assert torch.equal(seen["factor"], want) and seen["clock"] == 4
+
+
+def test_a_checkpoint_loads_into_an_optimizer_of_a_model_on_the_meta_device():
+    """As torch.optim's load: the state goes to the parameters' device, the meta device too (a
+    model built there before its weights are materialized); nothing is read back from it."""
+    model = mlp()
+    opt = WhitenedMuon(model, lr=1e-2)
+    train(model, opt, 2)
+    with torch.device("meta"):
+        meta_model = mlp()
+    meta_opt = WhitenedMuon(meta_model, lr=1e-2)
+    meta_opt.load_state_dict(snapshot(opt))
+    assert len(meta_opt.state) == len(opt.state)
+    for p, q in zip(model.parameters(), meta_model.parameters()):
+        assert meta_opt.state[q].keys() == opt.state[p].keys()
+        for key, value in meta_opt.state[q].items():
+            if torch.is_tensor(value) and key != "step":
+                assert value.device.type == "meta" and value.shape == opt.state[p][key].shape, key
 
 
 def test_a_checkpoint_of_another_block_size_raises_and_changes_nothing():
