@@ -1,10 +1,17 @@
 """Activation and output-gradient capture: the module hooks of methods that need them.
 
-A forward hook on each registered module hands the module's input rows to the layer's
-method and registers a tensor hook on the output, which hands the output-gradient rows on
-during backward. A tensor hook (rather than a module full-backward hook) keeps working when
-an in-place activation follows the module. Hooks do nothing in ``eval()`` mode, under
-``no_grad``, or on steps whose statistics are not gathered.
+A forward hook on each registered module has the layer's method compute what the module's
+input rows add to its statistics, and registers a tensor hook on the output. When a backward
+reaches the output, the hook adds those terms (once per call) and hands the output-gradient
+rows on. So the statistics hold the calls that fed a gradient: a forward no backward follows
+adds nothing, and a call that activation checkpointing reruns in the backward adds nothing
+more (the backward reaches the first run's output, never the rerun's). A backward that
+reaches a call's output without reaching the weight (``torch.autograd.grad`` with respect to
+the inputs, as an adversarial attack takes) counts as one that does. A module whose output
+is not one tensor has no hook to wait on: its rows count in the forward. A tensor hook (rather
+than a module full-backward hook) keeps working when an in-place activation follows the
+module. Hooks do nothing in ``eval()`` mode, under ``no_grad``, or on steps whose statistics
+are not gathered.
 
 Output gradients are rescaled so that, for the usual mean losses, the factors depend on
 neither the batch size nor the sequence length: ``δ = grad · n · accumulation_steps`` with
@@ -46,10 +53,9 @@ class ActivationCapture:
             reduction still reading last step's buffers can finish first).
         before_observe: called with the layer before its statistics are written (the engine
             moves the layer's state to where its parameters now are).
-        output_grads: also capture output gradients; ``False`` (methods that read activations
-            only) registers no tensor hook, so backward runs as without the preconditioner. A
-            callable ``layer -> bool`` names the layers that read them: a module gets a tensor
-            hook on its output only if one of its layers does. Which modules may get one is
+        output_grads: also capture output gradients; ``False`` for methods that read
+            activations only (their hook on a call's output only adds the call's activation
+            terms). A callable ``layer -> bool`` names the layers that read them. Which modules may get one is
             decided at construction; set to ``False`` later, none does.
     """
 
@@ -92,16 +98,32 @@ class ActivationCapture:
             if observed is None:
                 return
             rows, context = observed
+            if isinstance(output, torch.Tensor) and not output.requires_grad:
+                return  # no backward can reach the weight through this call
+            # The call's terms are computed now (its rows are not kept) and added when a backward
+            # reaches its output: a forward no backward follows (a metric, a head whose loss is not
+            # taken) adds nothing, and a call activation checkpointing runs again in the backward
+            # adds nothing more (the backward reaches the first call's output, never the rerun's).
+            # A module whose output is not one tensor has nowhere to wait: its rows count at once.
+            deferred = isinstance(output, torch.Tensor)
+            reads_grads = output_grads and bool(self.output_grads)
             self._before_write()
-            calls = {}
+            calls: dict = {}
+            staged: dict = {}
             with torch.no_grad(), autocast_disabled():
                 for slot, unit_rows in rows:
                     layer = units.get(slot)
-                    if layer is not None:
-                        self._before_observe(layer)
-                        # whatever the method returns comes back with this call's output gradient
+                    if layer is None:
+                        continue
+                    self._before_observe(layer)
+                    if deferred:
+                        staged[slot] = layer.method.activation_terms(unit_rows)
+                    else:  # whatever the method returns comes back with this call's output gradient
                         calls[slot] = layer.method.observe_activations(unit_rows)
-            if output_grads and self.output_grads and isinstance(output, torch.Tensor) and output.requires_grad:
+            if deferred:
+                on_output_grad(output, lambda grad: self._reached(adapter, units, grad, context, staged, calls,
+                                                                  reads_grads))
+            elif reads_grads and isinstance(output, torch.Tensor) and output.requires_grad:
                 on_output_grad(output, lambda grad: self._observe_output_grads(adapter, units, grad, context, calls))
 
         # A deep copy of the model (an EMA or SWA average, a teacher) copies this function
@@ -121,6 +143,22 @@ class ActivationCapture:
                     self.eval_forward = True
 
         return ForwardHook(hook)
+
+    def _reached(self, adapter, units: dict, grad: torch.Tensor, context, staged: dict, calls: dict,
+                 reads_grads: bool) -> None:
+        """A backward reached a call's output: its activation terms are added (once, however
+        many backwards pass through the call), then its output gradient is read."""
+        if staged:
+            self._before_write()
+            with torch.no_grad(), autocast_disabled(grad.device.type):  # backward inside an autocast region
+                for slot, terms in staged.items():
+                    layer = units[slot]
+                    self._before_observe(layer)
+                    # whatever the method returns comes back with this call's output gradient
+                    calls[slot] = layer.method.add_activation_terms(terms)
+            staged.clear()
+        if reads_grads:
+            self._observe_output_grads(adapter, units, grad, context, calls)
 
     def _observe_output_grads(self, adapter, units: dict, grad: torch.Tensor, context, calls: dict) -> None:
         with torch.no_grad(), autocast_disabled(grad.device.type):  # backward inside an autocast region

@@ -101,6 +101,16 @@ class UnitObserver:
     def observe_activations(self, rows: torch.Tensor) -> None:
         self.statistics.observe(self, "input", rows, 1.0)
 
+    def activation_terms(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        return self.statistics.terms(self, "input", rows, 1.0)
+
+    def add_activation_terms(self, terms: tuple[torch.Tensor, ...] | None) -> None:
+        """Called in the backward: a forward after it reads new rows, even from a buffer refilled
+        without a version bump, so the product shared within one forward (q, k and v) is dropped."""
+        self.statistics.forget_products()
+        if terms is not None:
+            self.statistics.add(self, "input", terms)
+
     def observe_output_grads(self, rows: torch.Tensor, scale: float, call: Any = None) -> None:
         self.statistics.observe(self, "output", rows, scale)
 
@@ -162,9 +172,18 @@ class WhiteningStatistics:
 
     @torch.no_grad()
     def observe(self, unit: UnitObserver, side: str, rows: torch.Tensor, scale: float) -> None:
+        """Add one call's rows of ``side`` (:meth:`terms`, then :meth:`add`)."""
+        terms = self.terms(unit, side, rows, scale)
+        if terms is not None:
+            self.add(unit, side, terms)
+
+    @torch.no_grad()
+    def terms(self, unit: UnitObserver, side: str, rows: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...] | None:
+        """What one call's rows of ``side`` add to the pending sums (``None`` where the side is
+        not gathered this step): the product, the row count, and a centred input side's terms."""
         param = unit.param
         if not self.due(param) or side not in self.sides_of(param):
-            return
+            return None
         view = self.views[id(param)]
         width = view.width(side)
         if rows.shape[-1] != width:  # the adapters guarantee it; a user adapter may not
@@ -192,12 +211,18 @@ class WhiteningStatistics:
             terms = (product, finite.to(wide) * x.shape[0], *centring)
             if side == "input":
                 self._remember(rows, cache, terms)
+        return terms
+
+    @torch.no_grad()
+    def add(self, unit: UnitObserver, side: str, terms: tuple[torch.Tensor, ...]) -> None:
+        """Add one call's :meth:`terms` to the pending sums of ``unit``'s side."""
+        param = unit.param
         # Every call adds to zeroed sums: a forward recomputed under selective activation
         # checkpointing must run the same ops as the original forward (torch.utils.checkpoint
         # replays the ops it saved by their order), and the recompute finds the sums already there.
         pending = self.pending.get((id(param), side))
         if pending is None:
-            pending = self.pending[(id(param), side)] = self._zeros(param, side, wide, x.device)
+            pending = self.pending[(id(param), side)] = self._zeros(param, side, terms[0].dtype, terms[0].device)
         for total, term in zip(pending, terms):  # product, count (a centred side's: row sum, s sᵀ / n)
             total[unit.index].add_(term)
         self.observed.add(id(param))
@@ -237,9 +262,16 @@ class WhiteningStatistics:
     def _remember(self, rows: torch.Tensor, cache: tuple, terms: tuple[torch.Tensor, ...]) -> None:
         self._last_product[cache] = (StorageWeakRef(rows.untyped_storage()), _rows_key(rows), terms)
 
-    def forget_inputs(self) -> None:
-        """One step's inputs only: called at every step."""
+    def forget_products(self) -> None:
+        """Share no product with a later call."""
         self._last_product.clear()
+
+    def forget_inputs(self) -> None:
+        """One step's inputs only: called at the end of every step. Sums a refresh did not take
+        (a weight whose output a backward reached without reaching the weight, as
+        ``torch.autograd.grad`` with respect to the inputs does) fed no step: dropped."""
+        self.forget_products()
+        self.pending.clear()
         self.observed_this_step = False
 
     def _zeros(self, param: torch.Tensor, side: str, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:

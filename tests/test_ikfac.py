@@ -141,22 +141,22 @@ def test_a_wrong_inverse_fails_the_reference():
     torch.testing.assert_close(grad_matrix(net.a), right)
 
 
-def test_statistics_only_on_statistics_steps_and_no_backward_hook(monkeypatch):
-    def no_output_hook(*args, **kwargs):
-        raise AssertionError("ikfac must not hook output gradients")
+def test_statistics_only_on_statistics_steps_and_no_output_gradients_read(monkeypatch):
+    def no_output_grads(*args, **kwargs):
+        raise AssertionError("ikfac must not read output gradients")
 
-    monkeypatch.setattr(capture_module, "on_output_grad", no_output_hook)
+    monkeypatch.setattr(capture_module.ActivationCapture, "_observe_output_grads", no_output_grads)
     net = make_net()
     precond = KronPreconditioner(net, method="ikfac", factor_update_steps=3, inv_update_steps=3)
     seen = []
     for layer in precond.layers.values():
-        original = layer.method.observe_activations
+        original = layer.method.add_activation_terms  # a call's rows entering the statistics
 
-        def spy(rows, original=original):
+        def spy(terms, original=original):
             seen.append(precond.steps)
-            return original(rows)
+            return original(terms)
 
-        layer.method.observe_activations = spy
+        layer.method.add_activation_terms = spy
     for step in range(7):
         net.zero_grad()
         loss_of(net, *batch(step)).backward()
@@ -295,9 +295,9 @@ def test_default_schedule_warms_up_then_keeps_its_interval():
     kfac = KronPreconditioner(nn.Sequential(nn.Linear(4, 3)), method="kfac", inv_update_steps=32)
     refreshed, observed = [], []
     method = precond.layers["0"].method
-    real_refresh, real_observe = method.refresh, method.observe_activations
+    real_refresh, real_observe = method.refresh, method.add_activation_terms
     method.refresh = lambda *a, **k: (refreshed.append(precond.steps), real_refresh(*a, **k))[1]
-    method.observe_activations = lambda rows: (observed.append(precond.steps), real_observe(rows))[1]
+    method.add_activation_terms = lambda terms: (observed.append(precond.steps), real_observe(terms))[1]
     for _ in range(70):
         net.zero_grad()
         net(torch.randn(8, 4)).square().mean().backward()

@@ -131,7 +131,7 @@ def test_statistics_and_steps_inside_an_autocast_region_are_full_precision(metho
     outside = KronPreconditioner(outside_model, method=method)
     seen = []
     for layer in inside._layers:
-        for name in ("observe_activations", "observe_output_grads"):
+        for name in ("activation_terms", "add_activation_terms", "observe_output_grads"):
             setattr(layer.method, name, _recording(getattr(layer.method, name), seen))
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (inside_model, outside_model)]
     g = torch.Generator().manual_seed(1)

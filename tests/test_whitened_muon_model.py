@@ -879,7 +879,7 @@ def _count_statistics(model, opt, steps, used_at, statistics_every=5):
     """(steps whose forward collected statistics, products computed per expert)."""
     import kron_precond.whitening as whitening
     products: dict[int, int] = {}
-    original = whitening.WhiteningStatistics.observe
+    original = whitening.WhiteningStatistics.terms  # where a call's products are computed
 
     def counting(self, unit, side, rows, scale):
         if self.due(unit.param):
@@ -887,7 +887,7 @@ def _count_statistics(model, opt, steps, used_at, statistics_every=5):
         return original(self, unit, side, rows, scale)
 
     collecting_steps = []
-    whitening.WhiteningStatistics.observe = counting
+    whitening.WhiteningStatistics.terms = counting
     try:
         g = torch.Generator().manual_seed(1)
         for step in range(steps):
@@ -897,7 +897,7 @@ def _count_statistics(model, opt, steps, used_at, statistics_every=5):
             model(x, used_at(step, g)).square().mean().backward()
             opt.step()
     finally:
-        whitening.WhiteningStatistics.observe = original
+        whitening.WhiteningStatistics.terms = original
     return collecting_steps, products
 
 

@@ -77,9 +77,22 @@ class LayerMethod(abc.ABC):
 
     # ------------------------------------------------------------------ statistics
     def observe_activations(self, rows: torch.Tensor) -> Any:
-        """Activation rows ``[N, in]`` of one forward call (methods that capture). A value
-        returned (not ``None``) is passed back as ``call`` with the output gradient of the same
-        call, so per-row statistics can pair the two (a module may be called several times)."""
+        """Activation rows ``[N, in]`` of one forward call (methods that capture), added at
+        once. A value returned (not ``None``) is passed back as ``call`` with the output
+        gradient of the same call, so per-row statistics can pair the two (a module may be
+        called several times)."""
+        return self.add_activation_terms(self.activation_terms(rows))
+
+    def activation_terms(self, rows: torch.Tensor) -> Any:
+        """What the activation rows ``[N, in]`` of one forward call add to the statistics,
+        computed in the forward (so the rows need not be kept) and added by
+        :meth:`add_activation_terms` when a backward reaches the call's output: only calls that
+        fed a gradient count. Must not change the method's state."""
+        raise NotImplementedError
+
+    def add_activation_terms(self, terms: Any) -> Any:
+        """Add what :meth:`activation_terms` computed for one call; returns what
+        :meth:`observe_activations` returns for it."""
         raise NotImplementedError
 
     def observe_output_grads(self, rows: torch.Tensor, scale: float, call: Any = None) -> None:
@@ -200,6 +213,16 @@ class GradientMatrix:
         out_in = tuple(reversed(self.weight_shape)) if weight_transposed else tuple(self.weight_shape)
         self.g_dim = out_in[0]
         self.a_dim = torch.Size(out_in[1:]).numel() + int(has_bias)
+
+    def check_row_width(self, rows: torch.Tensor, side: str) -> None:
+        """``ValueError`` naming the layer when its adapter hands rows of another width than the
+        weight's ``side`` (``"input"``: without the bias column; ``"output"``): a factor built
+        from them would hold a block of them and zeros (a user adapter's mistake, or a module
+        that transforms its input before the weight reads it)."""
+        expected = self.a_dim - int(self.has_bias) if side == "input" else self.g_dim
+        if rows.shape[-1] != expected:
+            raise ValueError(f"kron_precond: {getattr(self, 'name', '?')}: its adapter delivered {side} rows of width "
+                             f"{rows.shape[-1]}, expected {expected} for its weight {tuple(self.weight_shape)}")
 
     def grads_to_matrix(self, grads: list[torch.Tensor]) -> torch.Tensor:
         weight = grads[0].t() if self.weight_transposed else grads[0].reshape(self.g_dim, -1)

@@ -107,11 +107,11 @@ class EKFACLayer(KFACLayer):
         self._clusters = {}
 
     # ------------------------------------------------------------------ observe
-    def observe_activations(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Accumulate A's statistics and return ``(Q_Aᵀ ã)²`` per kept row and the call's row
-        count: the token the capture hands back with this call's output gradient."""
-        super().observe_activations(rows)
+    def activation_terms(self, rows: torch.Tensor) -> Any:
+        """K-FAC's terms of A, ``(Q_Aᵀ ã)²`` per kept row and the call's row count: the last two
+        are the token the capture hands back with this call's output gradient."""
         rows_seen = rows.shape[0]  # before the subset: the pairing check compares whole calls
+        terms = super().activation_terms(rows)
         rows = self.statistics_subset(rows)
         q_a = self._basis("A")
         rows = rows.to(self._work_dtype)
@@ -119,7 +119,13 @@ class EKFACLayer(KFACLayer):
         projected = rows @ q_a[:d]
         if self.has_bias:
             projected = projected + q_a[d]  # the ones column of ã
-        return projected.square_(), rows_seen
+        return terms, projected.square_(), rows_seen
+
+    def add_activation_terms(self, terms: Any) -> Any:
+        """Accumulate A's statistics; returns the call's token."""
+        a_terms, token, rows_seen = terms
+        super().add_activation_terms(a_terms)
+        return token, rows_seen
 
     def observe_output_grads(self, rows: torch.Tensor, scale: float, call: Any = None) -> None:
         """Accumulate G's statistics and, paired with the same call's activation token,

@@ -8,9 +8,10 @@ For a Linear / ConvNd layer with gradient matrix ``∇ = [W | b]`` (``[out, in(+
 
 This is K-FAC without its output-gradient factor G (Newton-Muon, arXiv 2604.01472: in
 front of Muon, the left factor is what the orthogonalisation already equalises). So the
-method registers forward hooks only -- no tensor hook on any output, no backward cost --
-on statistics steps, reads whole batches (or their first ``statistics_rows`` rows), folds
-them into A by an exponential average, and on refresh steps inverts ``A + λI`` by a
+method reads no output gradient: on statistics steps its forward hooks compute each call's
+``ã ãᵀ`` from whole batches (or their first ``statistics_rows`` rows), added once a backward
+reaches the call's output (a hook that reads nothing else), folds them into A by an
+exponential average, and on refresh steps inverts ``A + λI`` by a
 Cholesky factorisation (float32 or better; float64 retry; on failure the previous inverse
 is kept). A plain step is one batched matmul per group of layers of equal shape.
 
@@ -101,20 +102,25 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
         self.updates = update_counter(device)  # second-moment updates
 
     # ------------------------------------------------------------------ statistics
-    def observe_activations(self, rows: torch.Tensor) -> None:
-        """Accumulate ``Σ ã ãᵀ`` for activation rows ``[N, in]`` (no bias column)."""
+    def activation_terms(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """``(Σ a aᵀ, Σ a, N)`` for activation rows ``[N, in]`` (no bias column): what the call
+        adds to ``Σ ã ãᵀ``, ones column included."""
+        self.check_row_width(rows, "input")
         if self.statistics_rows is not None:
             rows = rows[: self.statistics_rows]
         rows = rows.to(self.statistics_dtype)
-        d = rows.shape[1]
+        return rows.t() @ rows, rows.sum(0) if self.has_bias else None, rows.shape[0]
+
+    def add_activation_terms(self, terms: tuple[torch.Tensor, torch.Tensor | None, int]) -> None:
+        product, col_sum, count = terms
+        d = product.shape[0]
         a_sum = self._allocate_statistics()
-        a_sum[:d, :d].addmm_(rows.t(), rows)
-        if self.has_bias:  # the ones column of ã, without materialising it
-            col_sum = rows.sum(0)
+        a_sum[:d, :d].add_(product)
+        if col_sum is not None:  # the ones column of ã, without materialising it
             a_sum[:d, d].add_(col_sum)
             a_sum[d, :d].add_(col_sum)
-            a_sum[d, d].add_(rows.shape[0])
-        self._rows.add_(rows.shape[0])
+            a_sum[d, d].add_(count)
+        self._rows.add_(count)
 
     def _allocate_statistics(self) -> torch.Tensor:
         """This statistics step's sum of ``ã ãᵀ``, allocated (zero) on first use."""

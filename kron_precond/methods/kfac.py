@@ -154,31 +154,36 @@ class KFACLayer(GradientMatrix, LayerMethod):
         return (dim,) if self.diagonal[part] else (dim, dim)
 
     # ------------------------------------------------------------------ observe
-    def observe_activations(self, rows: torch.Tensor) -> Any:
-        """Accumulate ``Σ ã ãᵀ`` (its diagonal ``Σ ã²`` for a diagonal A) for activation
-        rows ``[N, in]`` (no bias column)."""
+    def activation_terms(self, rows: torch.Tensor) -> Any:
+        """``(Σ a aᵀ, Σ a, N)`` for activation rows ``[N, in]`` (no bias column; ``(Σ a², None,
+        N)`` for a diagonal A): what the call adds to ``Σ ã ãᵀ``, ones column included."""
+        self.check_row_width(rows, "input")
         rows = self.statistics_subset(rows).to(self.statistics_dtype)
-        d = rows.shape[1]
+        if self.diagonal["A"]:
+            return rows.square().sum(0), None, rows.shape[0]
+        return rows.t() @ rows, rows.sum(0) if self.has_bias else None, rows.shape[0]
+
+    def add_activation_terms(self, terms: Any) -> Any:
+        product, col_sum, count = terms
+        d = product.shape[0]
         a_sum, _ = self._allocate_statistics()
         if self.diagonal["A"]:
-            a_sum[:d].add_(rows.square().sum(0))
+            a_sum[:d].add_(product)
             if self.has_bias:
-                a_sum[d].add_(rows.shape[0])
-            self._rows[0].add_(rows.shape[0])
-            return
-        a_sum[:d, :d].addmm_(rows.t(), rows)
-        if self.has_bias:
-            # The ones column of ã, without materialising it.
-            col_sum = rows.sum(0)
-            a_sum[:d, d].add_(col_sum)
-            a_sum[d, :d].add_(col_sum)
-            a_sum[d, d].add_(rows.shape[0])
-        self._rows[0].add_(rows.shape[0])  # counted on the device: no host round trip
+                a_sum[d].add_(count)
+        else:
+            a_sum[:d, :d].add_(product)
+            if col_sum is not None:  # the ones column of ã, without materialising it
+                a_sum[:d, d].add_(col_sum)
+                a_sum[d, :d].add_(col_sum)
+                a_sum[d, d].add_(count)
+        self._rows[0].add_(count)  # counted on the device: no host round trip
 
     def observe_output_grads(self, rows: torch.Tensor, scale: float, call: Any = None) -> None:
         """Accumulate ``Σ δ δᵀ`` (``Σ δ²`` for a diagonal G) for output-gradient rows
         ``[N, out]``, ``δ = scale · rows`` (``call`` is not needed here). A call whose rows are
         not finite is left out (:meth:`usable_rows`)."""
+        self.check_row_width(rows, "output")
         rows, usable = self.usable_rows(rows)
         _, g_sum = self._allocate_statistics()
         if self.diagonal["G"]:

@@ -1,0 +1,223 @@
+"""The input factors count the rows of the calls a backward reached, once each.
+
+A module's rows feed a weight's gradient only through a call whose output a backward reaches.
+So, on a statistics step, a forward in training mode with gradients enabled that no backward
+follows (a metric on another batch, a head whose loss is not taken this step) leaves the
+factors alone, and a call that activation checkpointing runs again in the backward counts
+once, as the call it repeats.
+
+Reference: the float64 covariance of the rows that entered the training backward, recorded
+by hooks of the test's own on a twin model; never the library's state. WhitenedMuon's input
+factor, K-FAC's and input-side K-FAC's A (with the bias's ones column) are checked.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from kron_precond import KronPreconditioner, WhitenedMuon
+
+F64 = torch.float64
+KINDS = ("whitened_muon", "kfac", "ikfac")
+
+
+def covariance(rows: list[torch.Tensor], bias: bool) -> torch.Tensor:
+    r = torch.cat([x.reshape(-1, x.shape[-1]) for x in rows]).to(F64)
+    if bias:
+        r = torch.cat([r, torch.ones(r.shape[0], 1, dtype=F64)], 1)
+    return r.T @ r / r.shape[0]
+
+
+class Rows:
+    """The inputs of ``module`` on the calls made while ``on``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.on, self.rows = False, []
+        module.register_forward_hook(lambda m, args, out: self.rows.append(args[0].detach().clone()) if self.on
+                                     else None)
+
+
+class Trainer:
+    """One optimizer of ``kind`` over ``model``, statistics on step 0 and every ``every`` steps."""
+
+    def __init__(self, kind: str, model: nn.Module, every: int = 1) -> None:
+        self.kind, self.model = kind, model
+        if kind == "whitened_muon":
+            self.opt = WhitenedMuon(model, lr=1e-2, statistics_rows=None, statistics_every=every)
+            self.precond = None
+        else:
+            self.precond = KronPreconditioner(model, method=kind, lr=0.1, factor_update_steps=every,
+                                              inv_update_steps=every)
+            self.opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(self) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # an unused head, a first step
+            if self.precond is not None:
+                self.precond.step()
+            self.opt.step()
+
+    def factor(self, module: nn.Linear) -> torch.Tensor:
+        if self.kind == "whitened_muon":
+            f = self.opt.state[module.weight]["input_factor"]
+            return f.reshape(-1, *f.shape[-2:])[0]
+        layer = next(layer for layer in self.precond.layers.values() if layer.module is module)
+        return layer.method.a_factor
+
+    def check(self, module: nn.Linear, rows: list[torch.Tensor]) -> None:
+        want = covariance(rows, bias=self.kind != "whitened_muon" and module.bias is not None)
+        torch.testing.assert_close(self.factor(module).to(F64), want, rtol=1e-10, atol=1e-12)
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(F64)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("when", ["before backward", "after backward"])
+def test_a_forward_no_backward_reaches_stays_out(kind, when):
+    model = mlp()
+    seen = Rows(model[0])
+    trainer = Trainer(kind, model)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 8, generator=g, dtype=F64), torch.randn(32, 4, generator=g, dtype=F64)
+    other = 3 + 2 * torch.randn(32, 8, generator=g, dtype=F64)  # a metric's batch, in training mode
+    trainer.opt.zero_grad()
+    seen.on = True
+    loss = F.mse_loss(model(x), y)
+    seen.on = False
+    if when == "before backward":
+        model(other).sum()
+    loss.backward()
+    if when == "after backward":
+        model(other).sum()
+    trainer.step()
+    trainer.check(model[0], seen.rows)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_head_without_gradient_on_a_statistics_step_keeps_none_of_its_rows(kind):
+    """Both heads run forward every step; head ``b``'s loss is taken on step 5 only. Its
+    factor is made of step 5's rows alone (statistics on steps 0 and 5)."""
+
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.trunk, self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(16, 4)
+
+        def forward(self, x):
+            h = torch.tanh(self.trunk(x))
+            return self.a(h), self.b(h)
+
+    model = Heads().to(F64)
+    seen = Rows(model.b)
+    trainer = Trainer(kind, model, every=5)
+    g = torch.Generator().manual_seed(0)
+    for step in range(6):
+        x, y = torch.randn(32, 8, generator=g, dtype=F64) * (1 + step), torch.randn(32, 4, generator=g, dtype=F64)
+        trainer.opt.zero_grad(set_to_none=True)
+        seen.on = step == 5
+        out_a, out_b = model(x)
+        seen.on = False
+        F.mse_loss(out_b if step == 5 else out_a, y).backward()
+        trainer.step()
+    trainer.check(model.b, seen.rows)
+
+
+class Shared(nn.Module):
+    """``shared`` called inside a checkpointed region ``calls`` times, and outside it when
+    ``outside``. Without ``tail`` the region's last op is a call of ``shared``, inside which
+    torch's early stop ends the recompute; with it, the recompute calls ``shared`` again."""
+
+    def __init__(self, calls: int, outside: bool, tail: bool, reentrant: bool | None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.shared, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.calls, self.outside, self.tail, self.reentrant = calls, outside, tail, reentrant
+
+    def region(self, h):
+        for _ in range(self.calls):
+            h = self.shared(torch.tanh(h))
+        return torch.tanh(h) if self.tail else h
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        a = torch.tanh(self.shared(h)) if self.outside else 0.0
+        b = (self.region(2.0 + 3.0 * h) if self.reentrant is None
+             else checkpoint(self.region, 2.0 + 3.0 * h, use_reentrant=self.reentrant))
+        return self.out(a + b)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("calls,outside,tail", [(1, True, True), (2, False, False)])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_recomputed_call_counts_once(kind, calls, outside, tail, reentrant):
+    reference = Shared(calls, outside, tail, reentrant=None).to(F64)
+    seen = Rows(reference.shared)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 8, generator=g, dtype=F64), torch.randn(32, 4, generator=g, dtype=F64)
+    seen.on = True
+    reference(x)
+    model = Shared(calls, outside, tail, reentrant).to(F64)
+    trainer = Trainer(kind, model)
+    trainer.opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    trainer.step()
+    trainer.check(model.shared, seen.rows)
+
+
+def test_an_input_buffer_refilled_in_place_is_read_again_by_each_micro_batch():
+    """Micro-batches staged through one buffer refilled without a version bump (``.data``
+    writes, numpy writes into ``torch.from_numpy``): each micro-batch's rows count, not the
+    first one's again (the product shared by layers reading one input is one forward's)."""
+    model = mlp()
+    opt = WhitenedMuon(model, lr=1e-2, statistics_rows=None, statistics_every=1)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(16, 8, generator=g, dtype=F64) * (1 + i) for i in range(3)]
+    buffer = torch.empty(16, 8, dtype=F64)
+    opt.zero_grad()
+    for batch in batches:
+        buffer.data.copy_(batch)
+        model(buffer).square().mean().backward()
+    opt.step()
+    f = opt.state[model[0].weight]["input_factor"]
+    torch.testing.assert_close(f.reshape(8, 8), covariance(batches, bias=False), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("method,side", [("kfac", "activations"), ("ekfac", "activations"), ("ikfac", "activations"),
+                                         ("kfac", "output gradients"), ("ekfac", "output gradients")])
+def test_rows_of_another_width_are_refused_naming_the_layer(method, side):
+    """A user's adapter that hands rows narrower than the weight reads: an error naming the
+    layer, not a factor with a block of garbage (``WhitenedMuon`` checks the same)."""
+    from kron_precond import register_adapter
+    from kron_precond.modules import _ADAPTERS, KFACAdapter
+
+    class Odd(nn.Linear):
+        pass
+
+    class Adapter(KFACAdapter):
+        def activation_rows(self, x):
+            rows = x.reshape(-1, x.shape[-1])
+            return rows[:, :-2] if side == "activations" else rows
+
+        def output_grad_rows(self, g):
+            rows = g.reshape(-1, g.shape[-1])
+            return rows[:, :-1] if side == "output gradients" else rows
+
+    register_adapter(Odd, Adapter)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(Odd(8, 6), nn.Tanh(), nn.Linear(6, 3))
+        precond = KronPreconditioner(model, method=method, lr=0.1, factor_update_steps=1, inv_update_steps=1)
+        with pytest.raises(ValueError, match=r"\b0\b.*width"):
+            model(torch.randn(5, 8)).square().mean().backward()
+            precond.step()
+    finally:
+        del _ADAPTERS[0]
