@@ -182,15 +182,44 @@ def _pad_like_conv(conv: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tens
     return F.pad(x, list(pad), mode=mode)
 
 
+# Subclasses whose own forward multiplies its input as the base class's does (the rows are its
+# input): transformers' Falcon projections, ``input @ weight.T + bias``.
+_SAME_ROWS_FORWARD = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
+
+
+def _refuse_overridden(module: nn.Module, base: type, methods: tuple[str, ...]) -> None:
+    """:class:`UnsupportedModule` for a subclass of ``base`` that overrides one of ``methods``:
+    its forward may change its input before its weight multiplies it (a causal pad, a scale, a
+    transpose, a standardised weight), and the rows read from that input would be the wrong ones.
+    A module with parameters beyond weight and bias is refused for those (the more specific
+    reason; :func:`unknown_parameters`)."""
+    cls = type(module)
+    overridden = [m for m in methods if getattr(cls, m, None) is not getattr(base, m)]
+    if not overridden or f"{cls.__module__}.{cls.__qualname__}" in _SAME_ROWS_FORWARD:
+        return
+    reason = _beyond_weight_and_bias(list(module.named_parameters(recurse=False)))
+    raise UnsupportedModule(reason or (
+        f"{cls.__name__} overrides {' and '.join(overridden)}: the rows its weight multiplies may not be "
+        f"its input; register an adapter (register_adapter) that reads them"))
+
+
+def _linear_adapter(module: nn.Module) -> KFACAdapter:
+    _refuse_overridden(module, nn.Linear, ("forward",))
+    return KFACAdapter(module)
+
+
 def _conv_adapter(module: nn.Module) -> ConvAdapter:
     if module.groups != 1:
         raise UnsupportedModule(f"grouped convolution (groups={module.groups}) is not supported by K-FAC")
+    base = next(c for c in (nn.Conv1d, nn.Conv2d, nn.Conv3d) if isinstance(module, c))
+    _refuse_overridden(module, base, ("forward", "_conv_forward"))
     return ConvAdapter(module)
 
 
-# (matches, factory): consulted in order; register_adapter puts user entries first.
+# (matches, factory): consulted in order; register_adapter puts user entries first. The Linear
+# and Conv entries take a subclass only if it keeps the base class's forward (_refuse_overridden).
 _ADAPTERS: list[tuple[Callable[[nn.Module], bool], Callable[[nn.Module], Any]]] = [
-    (lambda m: isinstance(m, nn.Linear), KFACAdapter),
+    (lambda m: isinstance(m, nn.Linear), _linear_adapter),
     (_is_transposed_linear, TransposedLinearAdapter),
     (lambda m: isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)), _conv_adapter),
 ]
@@ -245,6 +274,10 @@ def unknown_parameters(adapter: Any, own: Sequence[tuple[str, torch.Tensor]]) ->
     the weight, or whiten by the wrong rows."""
     if not isinstance(adapter, KFACAdapter) or type(adapter).units is not KFACAdapter.units:
         return ""  # an adapter whose units() says which parameters it takes (a registration's)
+    return _beyond_weight_and_bias(own)
+
+
+def _beyond_weight_and_bias(own: Sequence[tuple[str, torch.Tensor]]) -> str:
     names = [n for n, _ in own]
     if "weight" not in names:
         return (f"its weight is not a parameter of its own (its parameters: {', '.join(names)}): a "
@@ -255,6 +288,16 @@ def unknown_parameters(adapter: Any, own: Sequence[tuple[str, torch.Tensor]]) ->
         return (f"it holds parameters of its own beyond weight and bias ({', '.join(others)}): how they "
                 f"enter its output is unknown (teach the module with register_adapter)")
     return ""
+
+
+def refuse_lazy(named_modules: Iterable[tuple[str, nn.Module]], owner: str = "WhitenedMuon") -> None:
+    """``ValueError`` naming a module whose parameters are not materialised yet (``nn.LazyLinear``
+    before its first forward): its shape, and so its factors or whitener, is unknown. ``owner``:
+    the class being built, which the message names."""
+    for name, module in named_modules:
+        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters(recurse=False)):
+            raise ValueError(f"{owner}: module {name!r} ({type(module).__name__}) has uninitialised (lazy) "
+                             f"parameters: run one forward pass before building {owner}")
 
 
 def compile_skip_patterns(skip_layers, argument: str = "skip_layers") -> list[re.Pattern]:

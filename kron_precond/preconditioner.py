@@ -46,7 +46,7 @@ from kron_precond.enums import AssignmentStrategy, DistributedStrategy, strategy
 from kron_precond.health import Health
 from kron_precond.methods import registry
 from kron_precond.methods.base import LayerMethod, MethodSpec
-from kron_precond.modules import Selected, compile_skip_patterns, is_skipped, recording_frozen
+from kron_precond.modules import Selected, compile_skip_patterns, is_skipped, recording_frozen, refuse_lazy
 from kron_precond.schedules import StepContext, resolve
 
 logger = logging.getLogger("kron_precond")
@@ -219,6 +219,9 @@ class KronPreconditioner:
 
         # ---- registration
         patterns = compile_skip_patterns(skip_layers)
+        # a lazy module's shapes are unknown until its first forward (skip_layers may leave it out)
+        refuse_lazy(((n, m) for n, m in model.named_modules() if not is_skipped(n, m, patterns)),
+                    "KronPreconditioner")
         with recording_frozen() as frozen_at_build:
             selected = self._spec.select(model, lambda name, module: is_skipped(name, module, patterns),
                                          logger.info)
@@ -318,7 +321,8 @@ class KronPreconditioner:
                           f"forward {ran} times in training mode before the first step. If each forward is a "
                           f"micro-batch of one optimizer step, set accumulation_steps={ran}: the output-gradient "
                           f"statistics are scaled by its square (K-FAC's damping is then off by that factor). "
-                          f"If the model runs forward more than once per micro-batch, ignore this",
+                          f"If the model runs forward more than once per micro-batch (a forward no backward "
+                          f"follows adds no statistics), ignore this",
                           UserWarning, stacklevel=3)  # the caller of step()
 
     def _refuse_cross_attention_on_any_rank(self) -> None:

@@ -68,6 +68,7 @@ from kron_precond.modules import (
     owners_of,
     unknown_parameters,
 )
+from kron_precond.modules import refuse_lazy as _refuse_lazy
 from kron_precond.whitening import MatrixView, UnitObserver, WhiteningStatistics
 
 logger = logging.getLogger("kron_precond")
@@ -309,15 +310,6 @@ def _fused_qkv_units(units: list[Selected], fused_qkv: list[re.Pattern] | None,
     return chosen
 
 
-def _refuse_lazy(named_modules: Iterable[tuple[str, nn.Module]]) -> None:
-    """``ValueError`` naming a module whose parameters are not materialised yet (``nn.LazyLinear``
-    before its first forward): its shape, and so its whitener, is unknown."""
-    for name, module in named_modules:
-        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters(recurse=False)):
-            raise ValueError(f"WhitenedMuon: module {name!r} ({type(module).__name__}) has uninitialised (lazy) "
-                             "parameters: run one forward pass before building the optimizer")
-
-
 def _refuse_complex(named_parameters: Iterable[tuple[str, nn.Parameter]]) -> None:
     """``TypeError`` naming a trainable complex parameter: neither half's step is written for
     complex numbers (AdamW's second moment would square instead of taking ``|g|²``)."""
@@ -391,11 +383,15 @@ def _wide_output(view: MatrixView) -> bool:
 def _ungated_mlp_inputs(units: list[Selected], views: dict[int, MatrixView],
                         parents: dict[int, int]) -> frozenset[int]:
     """``id(weight)`` of the first layers of ungated MLPs among ``units``: a weight ``[f, d]``
-    (per part, per expert) with ``f > d`` beside a weight ``[d, f]`` that reads its output (the
-    second layer), and no other weight ``[f, d]`` beside it (a gated MLP's gate and up
+    (per part, per expert) with ``f > d`` beside exactly one weight ``[d, f]`` (the second
+    layer, reading its output) and no other weight ``[f, d]`` (a gated MLP's gate and up
     projections share that shape; a fused gate-and-up projection ``[2f, d]`` has no ``[d, 2f]``
-    beside it). Beside: under the same parent module (``parents``: ``id(module) -> id(parent)``),
-    or in the same fused experts module."""
+    beside it; a gated MLP narrower than the model has its ``down [d, f]`` beside two ``[f, d]``).
+    An attention's query or key named as such (:data:`QUERY_KEY_NAMES`) is none, though a query
+    wider than the model sits beside its output projection as an MLP's first layer does.
+    Beside: under the same parent module (``parents``: ``id(module) -> id(parent)``), or in the
+    same fused experts module."""
+    attention = {id(_weight(u)) for u in _query_key_pairs(units)}
     groups: dict[int, dict[int, tuple[int, int]]] = {}  # parent -> id(weight) -> its matrices' shape
     for unit in units:
         parent = id(unit.module) if unit.index is not None else parents.get(id(unit.module))
@@ -406,7 +402,8 @@ def _ungated_mlp_inputs(units: list[Selected], views: dict[int, MatrixView],
     for shapes in groups.values():
         for key, (out_dim, in_dim) in shapes.items():
             beside = [shape for other, shape in shapes.items() if other != key]
-            if out_dim > in_dim and (in_dim, out_dim) in beside and (out_dim, in_dim) not in beside:
+            if (out_dim > in_dim and beside.count((in_dim, out_dim)) == 1 and (out_dim, in_dim) not in beside
+                    and key not in attention):
                 chosen.add(key)
     return frozenset(chosen)
 
@@ -524,13 +521,14 @@ class WhitenedMuon(torch.optim.Optimizer):
             saves the most steps and the other weights pay no cost for it; ``"auto"`` (the
             default): of those, the first layers of ungated MLPs (GELU or ReLU, as GPT-2's), recognised by
             their shapes: a weight ``[f, d]`` with ``f > d`` beside (under the same parent
-            module, or in the same fused experts module) a ``[d, f]`` that reads its output, and
-            no other ``[f, d]``. A gated MLP's gate and up projections share a shape, and a
-            fused gate-and-up ``[2f, d]`` has no ``[d, 2f]`` beside it, so gated MLPs (SwiGLU,
-            as Llama's and Mixtral's), where the output side cost more time than it saved, get
-            none. The list form names no parent modules: there ``"auto"`` whitens no output
-            side. An MLP whose two layers sit under different parents (BERT's
-            ``intermediate.dense`` and ``output.dense``) is not recognised: set ``"wide"``.
+            module, or in the same fused experts module) exactly one ``[d, f]`` that reads its
+            output, and no other ``[f, d]``, not named as an attention's query or key. A gated
+            MLP's gate and up projections share a shape, and a fused gate-and-up ``[2f, d]`` has
+            no ``[d, 2f]`` beside it, so gated MLPs (SwiGLU, as Llama's and Mixtral's), where the
+            output side cost more time than it saved, get none. The list form names no parent
+            modules: there ``"auto"`` whitens no output side. An MLP whose two layers sit under
+            different parents (BERT's ``intermediate.dense`` and ``output.dense``) is not
+            recognised: set ``"wide"``.
         output_damping: ``damping`` for the output side's factors (K-FAC's ``G``); ``None``
             (default): ``damping``, as the input side's.
         center_inputs: whiten with the covariance of a layer's inputs about their mean (over
@@ -989,7 +987,6 @@ class WhitenedMuon(torch.optim.Optimizer):
         the next step's whiteners do not see them. A second ``zero_grad`` with no backward in
         between drops nothing."""
         if self._iterations.abandoned():
-            self._statistics.pending.clear()
             self._statistics.forget_inputs()
         super().zero_grad(set_to_none=set_to_none)
         self._iterations.zeroed()

@@ -105,6 +105,39 @@ def test_auto_whitens_the_first_layer_of_ungated_mlps_and_no_gated_one():
                                         "mlps.2.gate_up.weight", "mlps.3.intermediate.0.weight", "mlps.4.0.weight"}
 
 
+class WideQueryAttention(nn.Module):
+    """Grouped-query attention whose query is wider than the model (heads x head_dim > d, the
+    proportions of Qwen3-0.6B/4B and Gemma2-9B): ``q_proj [f, d]`` beside ``o_proj [d, f]``."""
+
+    def __init__(self, d=4, heads=4, head_dim=2, kv_heads=1):
+        super().__init__()
+        self.heads, self.head_dim, self.kv_heads = heads, head_dim, kv_heads
+        self.q_proj = nn.Linear(d, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(d, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(d, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, d, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k, v = (p(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2) for p in (self.k_proj, self.v_proj))
+        k, v = (z.repeat_interleave(self.heads // self.kv_heads, dim=1) for z in (k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(attended.transpose(1, 2).reshape(b, t, -1))
+
+
+def test_auto_takes_neither_a_wide_query_nor_a_gated_mlp_narrower_than_the_model():
+    """A wide query beside its output projection, and a gated MLP narrower than the model (a
+    shared expert of DeepSeek-V3's or GLM-4.5's proportions: its ``down [d, f]`` is the wider
+    side, beside two ``[f, d]``), look like an ungated MLP's two layers by shape alone: neither
+    is one, and "auto" whitens no output side there."""
+    torch.manual_seed(0)
+    model = Blocks(WideQueryAttention(), GatedMLP(d=4, f=2), UngatedMLP()).double()
+    opt = WhitenedMuon(model, lr=1e-2, statistics_every=1, output_side="auto", ns_dtype=torch.float64)
+    _stepped(model, opt, dim=4)
+    assert _output_sides(opt, model) == {"mlps.2.up.weight"}
+
+
 def test_auto_on_fused_experts_whitens_an_ungated_up_projection():
     """``RoutedExperts`` is an ungated expert MLP: up ``[E, 5, 4]``, GELU, down ``[E, 4, 5]``."""
     torch.manual_seed(0)

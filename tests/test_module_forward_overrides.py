@@ -1,0 +1,279 @@
+"""Linear / Conv subclasses whose forward is not the base class's, and lazy modules.
+
+The built-in Linear and Conv adapters read a unit's activation rows from what the module's
+forward receives. A subclass that overrides ``forward`` (or a conv's ``_conv_forward``) may
+transform that input before its weight multiplies it (a causal pad, a per-feature scale, a
+transpose): those rows would be the wrong ones, with no error. Such a module is skipped in the
+model form (its reason logged, naming it; ``WhitenedMuon`` steps its weight with AdamW) and
+refused in the list form, unless an adapter registered for it says how to read its rows. A
+subclass that keeps the base forward is taken as before.
+
+References are independent of the code under test: covariances of the rows the weight
+multiplies, built here in float64 (conv patches by explicit loops over output positions).
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kron_precond import KronPreconditioner, WhitenedMuon, register_adapter
+from kron_precond import modules as adapter_registry
+from kron_precond.modules import ConvAdapter, KFACAdapter
+
+DT = torch.float64
+CAPTURING = ("kfac", "ikfac")
+
+
+class CausalConv1d(nn.Conv1d):
+    """WaveNet / streaming-audio pattern: pads its input on the left, then convolves."""
+
+    def forward(self, x):
+        return super().forward(F.pad(x, ((self.kernel_size[0] - 1) * self.dilation[0], 0)))
+
+
+class ScaledInputLinear(nn.Linear):
+    """A fixed per-feature input scale (SmoothQuant / AWQ style) before the multiply."""
+
+    def __init__(self, i, o):
+        super().__init__(i, o)
+        self.register_buffer("s", torch.logspace(-1, 1, i))
+
+    def forward(self, x):
+        return super().forward(x * self.s)
+
+
+class ReflectConv1d(nn.Conv1d):
+    """Overrides only ``_conv_forward`` (what nn.Conv1d.forward calls): pads by reflection."""
+
+    def _conv_forward(self, x, weight, bias):
+        return super()._conv_forward(F.pad(x, (1, 1), mode="reflect"), weight, bias)
+
+
+class TaggedLinear(nn.Linear):
+    """A subclass that only adds an attribute: its forward is nn.Linear's."""
+
+    tag = "tagged"
+
+
+class TaggedConv1d(nn.Conv1d):
+    tag = "tagged"
+
+
+class Net(nn.Module):
+    """A causal conv and an input-scaling Linear (both override forward), then a plain head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = CausalConv1d(3, 4, 2, dilation=2)
+        self.scaled = ScaledInputLinear(4, 5)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x):  # x: [B, 3, L]
+        h = torch.tanh(self.conv(x)).transpose(1, 2)  # [B, L, 4]
+        return self.head(torch.tanh(self.scaled(h)))
+
+
+class TaggedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = TaggedConv1d(3, 4, 3, padding=1, dilation=1)
+        self.fc = TaggedLinear(4, 5)
+
+    def forward(self, x):  # x: [B, 3, L]
+        return self.fc(torch.tanh(self.conv(x)).transpose(1, 2))
+
+
+class CausalConvAdapter(ConvAdapter):
+    """What a user registers for CausalConv1d: the rows of the padded input."""
+
+    def activation_rows(self, x):
+        conv = self.module
+        return super().activation_rows(F.pad(x, ((conv.kernel_size[0] - 1) * conv.dilation[0], 0)))
+
+
+@pytest.fixture
+def restore_adapters(monkeypatch):
+    monkeypatch.setattr(adapter_registry, "_ADAPTERS", list(adapter_registry._ADAPTERS))
+
+
+def whitening(model, **kw):
+    settings = dict(lr=1e-3, statistics_every=1, factor_decay=0.0, statistics_rows=None, center_inputs=False,
+                    output_side=False, ns_dtype=torch.float64)
+    return WhitenedMuon(model, **{**settings, **kw})
+
+
+def conv1d_rows(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+    """``[B·L_out, C·k]`` rows a Conv1d's weight multiplies, by an explicit loop (float64)."""
+    x = F.pad(x.to(DT), (conv.padding[0], conv.padding[0]))
+    k, d, s = conv.kernel_size[0], conv.dilation[0], conv.stride[0]
+    span = d * (k - 1) + 1
+    return torch.stack([x[b, :, p:p + span:d].reshape(-1) for b in range(x.shape[0])
+                        for p in range(0, x.shape[2] - span + 1, s)])
+
+
+def covariance(rows: torch.Tensor, bias: bool = False) -> torch.Tensor:
+    rows = rows.to(DT)
+    if bias:
+        rows = torch.cat([rows, rows.new_ones(len(rows), 1)], 1)
+    return rows.T @ rows / len(rows)
+
+
+def skip_messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping")]
+
+
+def assert_skipped_for_its_forward(caplog, label: str, cls: str, method: str = "forward") -> None:
+    messages = skip_messages(caplog)
+    assert any(m.startswith(f"skipping {label}:") and f"{cls} overrides {method}" in m
+               and "register_adapter" in m for m in messages), messages
+
+
+# ----------------------------------------------------------------------------- model form
+def test_whitened_muon_gives_an_overriding_subclass_to_adamw_naming_it(caplog):
+    torch.manual_seed(0)
+    model = Net()
+    with caplog.at_level(logging.INFO, logger="kron_precond"):
+        opt = whitening(model)
+    whitened = {id(p) for g in opt.param_groups if g["algorithm"] == "whitened_muon" for p in g["params"]}
+    adamw = {id(p) for g in opt.param_groups if g["algorithm"] == "adamw" for p in g["params"]}
+    assert whitened == {id(model.head.weight)}
+    assert {id(model.conv.weight), id(model.scaled.weight)} <= adamw
+    assert_skipped_for_its_forward(caplog, "conv", "CausalConv1d")
+    assert_skipped_for_its_forward(caplog, "scaled", "ScaledInputLinear")
+    model(torch.randn(4, 3, 10)).square().mean().backward()
+    opt.step()
+    assert model.conv.weight not in opt.state or "input_factor" not in opt.state[model.conv.weight]
+
+
+@pytest.mark.parametrize("method", CAPTURING)
+def test_kron_preconditioner_skips_an_overriding_subclass_naming_it(method, caplog):
+    torch.manual_seed(0)
+    model = Net()
+    with caplog.at_level(logging.INFO, logger="kron_precond"):
+        precond = KronPreconditioner(model, method=method, lr=0.1)
+    assert list(precond.layers) == ["head"]
+    assert_skipped_for_its_forward(caplog, "conv", "CausalConv1d")
+    assert_skipped_for_its_forward(caplog, "scaled", "ScaledInputLinear")
+    model(torch.randn(4, 3, 10)).square().mean().backward()
+    precond.step()
+
+
+@pytest.mark.parametrize("method", CAPTURING)
+def test_a_conv_that_overrides_only_conv_forward_is_skipped(method, caplog):
+    model = nn.Sequential(ReflectConv1d(3, 4, 3), nn.Flatten(), nn.LazyLinear(2))
+    model(torch.randn(2, 3, 8))  # materialise the head
+    with caplog.at_level(logging.INFO, logger="kron_precond"):
+        precond = KronPreconditioner(model, method=method)
+    assert list(precond.layers) == ["2"]
+    assert_skipped_for_its_forward(caplog, "0", "ReflectConv1d", "_conv_forward")
+
+
+# ----------------------------------------------------------------------------- list form
+@pytest.mark.parametrize("make, cls", [(lambda: CausalConv1d(3, 4, 2), "CausalConv1d"),
+                                       (lambda: ScaledInputLinear(4, 5), "ScaledInputLinear"),
+                                       (lambda: ReflectConv1d(3, 4, 3), "ReflectConv1d")])
+def test_the_list_form_refuses_an_overriding_subclass_naming_it(make, cls):
+    with pytest.raises(ValueError, match=rf"modules\[1\] \({cls}\).*{cls} overrides _?(conv_)?forward"):
+        WhitenedMuon([nn.Linear(3, 3), make()], lr=1e-3)
+
+
+# ----------------------------------------------------------------------------- still taken
+def test_a_subclass_that_keeps_the_base_forward_is_whitened_with_its_input_covariance():
+    torch.manual_seed(0)
+    model = TaggedNet().double()
+    opt = whitening(model)
+    whitened = {id(p) for g in opt.param_groups if g["algorithm"] == "whitened_muon" for p in g["params"]}
+    assert whitened == {id(model.conv.weight), id(model.fc.weight)}
+    x = torch.randn(3, 3, 7, dtype=DT)
+    seen = {}
+    model.fc.register_forward_hook(lambda m, i, o: seen.__setitem__("fc", i[0].detach()))
+    model(x).square().mean().backward()
+    opt.step()
+    a_conv = covariance(conv1d_rows(model.conv, x))
+    a_fc = covariance(seen["fc"].reshape(-1, 4))
+    torch.testing.assert_close(opt.state[model.conv.weight]["input_factor"].to(DT).reshape(a_conv.shape), a_conv)
+    torch.testing.assert_close(opt.state[model.fc.weight]["input_factor"].to(DT).reshape(a_fc.shape), a_fc)
+
+
+@pytest.mark.parametrize("method", CAPTURING)
+def test_a_subclass_that_keeps_the_base_forward_is_preconditioned_with_its_input_covariance(method):
+    torch.manual_seed(0)
+    model = TaggedNet().double()
+    precond = KronPreconditioner(model, method=method, lr=0.1, factor_update_steps=1, inv_update_steps=1)
+    assert list(precond.layers) == ["conv", "fc"]
+    x = torch.randn(3, 3, 7, dtype=DT)
+    seen = {}
+    model.fc.register_forward_hook(lambda m, i, o: seen.__setitem__("fc", i[0].detach()))
+    model(x).square().mean().backward()
+    precond.step()
+    torch.testing.assert_close(precond.layers["conv"].a_factor.to(DT),
+                               covariance(conv1d_rows(model.conv, x), bias=True))
+    torch.testing.assert_close(precond.layers["fc"].a_factor.to(DT), covariance(seen["fc"].reshape(-1, 4), bias=True))
+
+
+def test_torch_own_subclasses_that_keep_the_forward_are_taken():
+    from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+
+    model = nn.Sequential(NonDynamicallyQuantizableLinear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    assert list(KronPreconditioner(model, method="kfac").layers) == ["0", "2"]
+
+
+def test_a_registered_adapter_makes_an_overriding_subclass_accepted(restore_adapters):
+    register_adapter(CausalConv1d, CausalConvAdapter)
+    register_adapter(ScaledInputLinear, KFACAdapter)  # the user vouches for its rows (here: wrongly scaled)
+    torch.manual_seed(0)
+    model = Net().double()
+    opt = whitening(model)
+    whitened = {id(p) for g in opt.param_groups if g["algorithm"] == "whitened_muon" for p in g["params"]}
+    assert whitened == {id(model.conv.weight), id(model.scaled.weight), id(model.head.weight)}
+    x = torch.randn(3, 3, 9, dtype=DT)
+    model(x).square().mean().backward()
+    opt.step()
+    conv = model.conv
+    padded = F.pad(x, ((conv.kernel_size[0] - 1) * conv.dilation[0], 0))
+    a_conv = covariance(conv1d_rows(conv, padded))
+    torch.testing.assert_close(opt.state[conv.weight]["input_factor"].to(DT).reshape(a_conv.shape), a_conv)
+    WhitenedMuon([CausalConv1d(3, 4, 2), ScaledInputLinear(4, 5)], lr=1e-3)  # the list form takes them
+    assert list(KronPreconditioner(Net(), method="kfac").layers) == ["conv", "scaled", "head"]
+
+
+def test_falcon_linear_whose_forward_multiplies_its_input_as_is_is_whitened():
+    """transformers' FalconLinear overrides forward with ``input @ weight.T + bias``: the rows
+    are its input, and every projection of a Falcon model is one."""
+    falcon = pytest.importorskip("transformers.models.falcon.modeling_falcon")
+    torch.manual_seed(0)
+    model = nn.Sequential(falcon.FalconLinear(4, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    opt = whitening(model)
+    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(model[0].weight), id(model[2].weight)]
+    x = torch.randn(3, 6, 4, dtype=DT)
+    model(x).square().mean().backward()
+    opt.step()
+    torch.testing.assert_close(opt.state[model[0].weight]["input_factor"].to(DT).reshape(4, 4),
+                               covariance(x.reshape(-1, 4)))
+
+
+def test_hugging_face_subclasses_that_change_their_input_are_skipped(caplog):
+    perceiver = pytest.importorskip("transformers.models.perceiver.modeling_perceiver")
+    model = nn.Sequential(perceiver.Conv2dSamePadding(3, 4, kernel_size=3, stride=2), nn.Flatten(), nn.Linear(64, 2))
+    with caplog.at_level(logging.INFO, logger="kron_precond"):
+        precond = KronPreconditioner(model, method="ikfac")
+    assert list(precond.layers) == ["2"]
+    assert_skipped_for_its_forward(caplog, "0", "Conv2dSamePadding")
+
+
+# ----------------------------------------------------------------------------- lazy modules
+@pytest.mark.parametrize("method", ["kfac", "ikfac", "ekfac", "soap", "second_moment", "shampoo", "psgd"])
+def test_kron_preconditioner_refuses_a_lazy_module_naming_it(method):
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 3))
+    with pytest.raises(ValueError, match=r"KronPreconditioner: module '0' \(LazyLinear\).*forward pass"):
+        KronPreconditioner(model, method=method)
+
+
+def test_a_lazy_module_matched_by_skip_layers_is_not_refused():
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 3))
+    precond = KronPreconditioner(model, method="kfac", skip_layers=["^0$"])
+    assert list(precond.layers) == ["2"]
