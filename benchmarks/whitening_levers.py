@@ -145,13 +145,16 @@ class _VariantStatistics(WhiteningStatistics):
     from_hook = True  # output rows from the capture hook (False: only those the optimizer adds)
     diagonal_damping = False  # F + λ diag(F) instead of F + λ tr(F)/n I
 
-    def observe(self, unit, side, rows, scale, *, added: bool = False) -> None:
+    def terms(self, unit, side, rows, scale):
         skipped = ((self.input_skip is not None
                     and _shape_kind(self.views[id(unit.param)].shape, "input") == self.input_skip)
                    or (self.input_skip_names is not None and re.search(self.input_skip_names, unit.name)))
         if side == "input" and skipped:
             self.observed.add(id(unit.param))  # seen, and left unwhitened on purpose
-            return  # its factor stays zero: an identity whitener
+            return None  # its factor stays zero: an identity whitener
+        return super().terms(unit, side, rows, scale)
+
+    def observe(self, unit, side, rows, scale, *, added: bool = False) -> None:
         if side == "output" and not self.whitens_output(unit.param):
             return
         if side == "output" and added:  # the columns of a whitened gradient: all of them, uncapped

@@ -7,8 +7,9 @@ rows on. So the statistics hold the calls that fed a gradient: a forward no back
 adds nothing, and a call that activation checkpointing reruns in the backward adds nothing
 more (the backward reaches the first run's output, never the rerun's). A backward that
 reaches a call's output without reaching the weight (``torch.autograd.grad`` with respect to
-the inputs, as an adversarial attack takes) counts as one that does. A module whose output
-is not one tensor has no hook to wait on: its rows count in the forward. A tensor hook (rather
+the inputs, as an adversarial attack takes) counts as one that does. A module returning a tuple
+(``nn.MultiheadAttention``) is waited on through its first tensor; one returning anything else
+has no hook to wait on: its rows count in the forward. A tensor hook (rather
 than a module full-backward hook) keeps working when an in-place activation follows the
 module. Hooks do nothing in ``eval()`` mode, under ``no_grad``, or on steps whose statistics
 are not gathered.
@@ -98,15 +99,18 @@ class ActivationCapture:
             if observed is None:
                 return
             rows, context = observed
-            if isinstance(output, torch.Tensor) and not output.requires_grad:
-                return  # no backward can reach the weight through this call
             # The call's terms are computed now (its rows are not kept) and added when a backward
             # reaches its output: a forward no backward follows (a metric, a head whose loss is not
             # taken) adds nothing, and a call activation checkpointing runs again in the backward
             # adds nothing more (the backward reaches the first call's output, never the rerun's).
-            # A module whose output is not one tensor has nowhere to wait: its rows count at once.
-            deferred = isinstance(output, torch.Tensor)
-            reads_grads = output_grads and bool(self.output_grads)
+            # A module returning a tuple (nn.MultiheadAttention's (output, weights)) is waited on
+            # through its first tensor; one returning anything else has nowhere to wait: its rows
+            # count at once.
+            waited = _first_tensor(output)
+            if waited is not None and not waited.requires_grad:
+                return  # no backward can reach the weight through this call
+            # output gradients are read from the module's output itself (a tensor) only
+            reads_grads = output_grads and bool(self.output_grads) and waited is output
             self._before_write()
             calls: dict = {}
             staged: dict = {}
@@ -116,15 +120,15 @@ class ActivationCapture:
                     if layer is None:
                         continue
                     self._before_observe(layer)
-                    if deferred:
+                    if waited is not None:
                         staged[slot] = layer.method.activation_terms(unit_rows)
                     else:  # whatever the method returns comes back with this call's output gradient
                         calls[slot] = layer.method.observe_activations(unit_rows)
-            if deferred:
-                on_output_grad(output, lambda grad: self._reached(adapter, units, grad, context, staged, calls,
+            if waited is not None:
+                # the routing context is kept until the backward only where it is read then
+                kept = context if reads_grads else None
+                on_output_grad(waited, lambda grad: self._reached(adapter, units, grad, kept, staged, calls,
                                                                   reads_grads))
-            elif reads_grads and isinstance(output, torch.Tensor) and output.requires_grad:
-                on_output_grad(output, lambda grad: self._observe_output_grads(adapter, units, grad, context, calls))
 
         # A deep copy of the model (an EMA or SWA average, a teacher) copies this function
         # along with the module's hooks: only the module it was placed on may feed the
@@ -276,6 +280,18 @@ class AbandonedIterations:
         """Called after zeroing."""
         self._stepped = False
         self._at_zero = self._marks()
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    """The tensor a backward through a module call is waited on at: the output, or, of a tuple
+    or list output, its first tensor that requires grad (else its first tensor); ``None`` for
+    anything else."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        tensors = [t for t in output if isinstance(t, torch.Tensor)]
+        return next((t for t in tensors if t.requires_grad), tensors[0] if tensors else None)
+    return None
 
 
 def weakly(method: Callable[..., Any], default: Any = None) -> Callable[..., Any]:

@@ -267,12 +267,14 @@ class WhiteningStatistics:
         self._last_product.clear()
 
     def forget_inputs(self) -> None:
-        """One step's inputs only: called at the end of every step. Sums a refresh did not take
-        (a weight whose output a backward reached without reaching the weight, as
-        ``torch.autograd.grad`` with respect to the inputs does) fed no step: dropped."""
+        """One step's inputs only: called at every step."""
         self.forget_products()
-        self.pending.clear()
         self.observed_this_step = False
+
+    def drop_pending(self, params: set[int]) -> None:
+        """Drop the pending sums of the weights whose ``id`` is in ``params``."""
+        for key in [key for key in self.pending if key[0] in params]:
+            del self.pending[key]
 
     def _zeros(self, param: torch.Tensor, side: str, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
         """Empty pending sums of ``param``'s side (four tensors for a centred input side)."""

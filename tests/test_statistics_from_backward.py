@@ -221,3 +221,75 @@ def test_rows_of_another_width_are_refused_naming_the_layer(method, side):
             precond.step()
     finally:
         del _ADAPTERS[0]
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_module_returning_a_tuple_is_waited_on_through_its_first_tensor(checkpointed):
+    """``nn.MultiheadAttention`` returns ``(output, weights)``: its packed projection's rows count
+    once a backward reaches the output, as a Linear's do (a metric forward adds nothing; a
+    non-reentrant checkpoint's rerun adds nothing more)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).to(F64)
+    opt = WhitenedMuon(layer, lr=1e-2, statistics_rows=None)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 8, generator=g, dtype=F64)
+    opt.zero_grad()
+    layer(3 + torch.randn(2, 5, 8, generator=g, dtype=F64)).sum()  # a metric's forward, no backward
+    out = checkpoint(layer, x, use_reentrant=False) if checkpointed else layer(x)
+    out.square().mean().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.step()
+    f = opt.state[layer.self_attn.in_proj_weight]["input_factor"]
+    torch.testing.assert_close(f.reshape(-1, 8, 8)[0], covariance([x], bias=False), rtol=1e-10, atol=1e-12)
+
+
+def test_what_a_method_reading_no_output_gradient_keeps_until_the_backward(monkeypatch):
+    """Waiting for the backward keeps the call's terms, not the adapter's context (routed
+    experts: the routed rows and every expert's first-stage output), which only a method that
+    reads output gradients needs then."""
+    import gc
+    import weakref
+
+    from kron_precond.experts import RoutedExperts, RoutedExpertsModuleAdapter
+
+    refs = []
+    original = RoutedExpertsModuleAdapter.forward_rows
+
+    def spy(self, inputs, kwargs, output):
+        result = original(self, inputs, kwargs, output)
+        if result is not None:
+            routing, first = result[1]
+            refs.extend(weakref.ref(t) for z in first if z is not None for t in z)
+            refs.append(weakref.ref(routing.rows))
+        return result
+
+    monkeypatch.setattr(RoutedExpertsModuleAdapter, "forward_rows", spy)
+    torch.manual_seed(0)
+    experts = RoutedExperts(4, 16, 64)
+    precond = KronPreconditioner(experts, method="ikfac")
+    x, index, weights = torch.randn(256, 16), torch.randint(0, 4, (256, 2)), torch.rand(256, 2)
+    out = experts(x, index, weights)
+    gc.collect()
+    assert refs and not [r for r in refs if r() is not None]
+    out.sum().backward()
+    precond.step()
+    assert all(bool(layer.method.a_factor.abs().sum() > 0) for layer in precond.layers.values())  # rows counted
+
+
+def test_rows_a_backward_took_past_the_weight_do_not_wait_for_a_later_refresh():
+    """``torch.autograd.grad`` with respect to the inputs (an adversarial attack's step) reaches
+    the layers' outputs but leaves the weights without a gradient: the optimizer's next refresh
+    is made of its own step's rows alone."""
+    model = mlp()
+    opt = WhitenedMuon(model, lr=1e-2, statistics_rows=None, statistics_every=1)
+    g = torch.Generator().manual_seed(0)
+    attack = torch.randn(16, 8, generator=g, dtype=F64, requires_grad=True)
+    torch.autograd.grad(model(attack).square().sum(), attack)
+    opt.step()  # no gradient: nothing steps
+    x = torch.randn(16, 8, generator=g, dtype=F64)
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+    f = opt.state[model[0].weight]["input_factor"]
+    torch.testing.assert_close(f.reshape(8, 8), covariance([x], bias=False), rtol=1e-10, atol=1e-12)

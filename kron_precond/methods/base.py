@@ -267,8 +267,8 @@ class MethodSpec(abc.ABC):
         name: the registry name users pass as ``method=``.
         options: method-specific constructor arguments (:class:`Option`).
         captures: needs activation and output-gradient rows from module hooks.
-        captures_output_grads: with ``captures``, also the output-gradient rows; ``False``
-            registers forward hooks only (nothing is hooked into backward).
+        captures_output_grads: with ``captures``, also the output-gradient rows; ``False``:
+            none is read (the hook on a call's output only adds its activation terms).
         reduces_statistics: its ``shared_statistics`` are summed across data-parallel ranks.
         owner_only_statistics: only the owner's ``refresh`` reads the folded statistics.
         apply_reads_statistics: ``apply`` reads state folded from the statistics (EK-FAC's

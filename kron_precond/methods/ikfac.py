@@ -377,7 +377,7 @@ class InputKFACSpec(MethodSpec):
 
     name = "ikfac"
     captures = True
-    captures_output_grads = False  # no output-gradient hook: nothing added to backward
+    captures_output_grads = False  # no output gradient read (the output hook only adds A's terms)
     reduces_statistics = True
     owner_only_statistics = True
     options = {
