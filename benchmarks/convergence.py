@@ -58,8 +58,8 @@ from kron_examples_common import METHODS, PrecondConfig, close_distributed, init
 # best point of earlier sweeps, so that each family's best point can land inside its grid.
 # The Muon-based families share Muon's grid, centred on 1.6e-2, their best point at the
 # examples' Muon momentum of 0.9 (8e-3 was, at torch's 0.95). Each preconditioner runs in
-# the main job's setting and in the one it replaced (docs/history.md: K-FAC on every row
-# with the eigenbasis; PSGD with the annealed update probability).
+# the main job's setting and in the other methods' one (K-FAC on every row with the
+# eigenbasis; PSGD with the annealed update probability).
 DEFAULT_GRID = {
     "adamw": (1e-3, 2e-3, 4e-3),
     "muon": (8e-3, 1.6e-2, 3.2e-2),

@@ -4,7 +4,7 @@
     model.compile(optimizer=Kron(learning_rate=3e-4), loss=..., metrics=[...])
 
 Importing :mod:`kron_precond` itself never imports Keras; only this subpackage does
-(install it with ``pip install "kron_precond[keras]"``). See ``docs/keras.md``.
+(install it from the clone with ``pip install -e ".[keras]"``). See ``docs/keras.md``.
 """
 from .optimizer import Kron
 from .schedules import PrecondUpdateProbSchedule
