@@ -846,6 +846,13 @@ class WhitenedMuon(torch.optim.Optimizer):
             raise ValueError("WhitenedMuon: skip_layers applies to the model form (WhitenedMuon(model, ...)); "
                              "with a list of modules, leave the skipped ones out of the list")
         modules = list(params)
+        if modules and not isinstance(modules[0], nn.Module) and isinstance(modules[0], (torch.Tensor, tuple, dict)):
+            # model.parameters(), named_parameters() or torch.optim's param groups (what the
+            # Hugging Face Trainer builds for optimizer_cls_and_kwargs): no module to hook
+            raise TypeError(f"WhitenedMuon: modules[0] is a {type(modules[0]).__name__}, not a module. It reads "
+                            f"each layer's inputs through hooks on its module: pass the model, "
+                            f"WhitenedMuon(model, ...) (with the Hugging Face Trainer: optimizers=(WhitenedMuon("
+                            f"model, ...), scheduler)), or a list of its modules")
         _refuse_lazy((f"modules[{i}]", m) for i, m in enumerate(modules) if isinstance(m, nn.Module))
         units, plain = _listed_units(modules)
         _refuse_complex((f"modules[{i}].{n}", p) for i, m in enumerate(modules) if isinstance(m, nn.Module)
@@ -911,25 +918,33 @@ class WhitenedMuon(torch.optim.Optimizer):
         return ShardedLayout.detect(named, world)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch.optim's ``add_param_group``; ``"algorithm"`` (default ``"whitened_muon"``) says
-        which half steps the group. A ``"whitened_muon"`` group may only hold weights this
-        optimizer whitens (their statistics hooks are placed at construction). ``"params"`` may
+        """torch.optim's ``add_param_group``; ``"algorithm"`` says which half steps the group. A
+        ``"whitened_muon"`` group may only hold weights this optimizer whitens (their statistics
+        hooks are placed at construction). Without ``"algorithm"``, a group of such weights is
+        ``"whitened_muon"`` and a group of none of them ``"adamw"`` (said by a warning: a callback
+        that unfreezes a backbone frozen at construction adds its weights so). ``"params"`` may
         be any iterable (a generator too) of parameters or ``(name, parameter)`` pairs; the group
         follows the optimizer's naming (the model form keeps parameter names, as checkpoints
         keyed by names read them; a parameter of the model gets its own name)."""
-        algorithm = param_group.get("algorithm", WHITENED)
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"param group algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-        param_group = dict(param_group, algorithm=algorithm)
         given = param_group["params"]
         given = [given] if isinstance(given, torch.Tensor) else list(given)  # a generator is read once, here
         pairs = [p if isinstance(p, tuple) else (None, p) for p in given]
         params = [p for _, p in pairs]
-        if algorithm == WHITENED:
-            unknown = [tuple(p.shape) for p in params if id(p) not in self._views]
-            if unknown:
-                raise ValueError(f"WhitenedMuon: a 'whitened_muon' group may only hold the weights found at "
-                                 f"construction; got parameters of shapes {unknown}")
+        unknown = [self._names.get(id(p), name or f"a parameter of shape {tuple(p.shape)}")
+                   for name, p in pairs if id(p) not in self._views]
+        algorithm = param_group.get("algorithm", ADAMW if params and len(unknown) == len(params) else WHITENED)
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"param group algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        if algorithm == WHITENED and unknown:
+            raise ValueError(f"WhitenedMuon: a 'whitened_muon' group may only hold the weights whitened since "
+                             f"construction (their hooks are placed then); {', '.join(unknown)} are not: add them "
+                             f"in a group of their own with 'algorithm': 'adamw', or build WhitenedMuon with them "
+                             f"trainable to whiten them")
+        if "algorithm" not in param_group and algorithm == ADAMW:
+            warnings.warn(f"WhitenedMuon: the added group ({', '.join(unknown)}) holds no weight whitened since "
+                          f"construction: AdamW steps it (pass 'algorithm': 'adamw' to say so; build WhitenedMuon "
+                          f"with them trainable to whiten them)", UserWarning, stacklevel=2)
+        param_group = dict(param_group, params=given, algorithm=algorithm)
         # torch.optim wants every group named or none: the first group (at construction) sets it
         named = ("param_names" in self.param_groups[0] if self.param_groups
                  else bool(pairs) and all(name is not None for name, _ in pairs))

@@ -112,6 +112,55 @@ def test_an_unnamed_group_added_to_the_model_form_gets_names_and_steps(form):
     assert "param_names" in opt.state_dict()["param_groups"][-1]
 
 
+def test_a_group_added_without_an_algorithm_that_holds_no_whitened_weight_is_adamw():
+    """Callbacks that unfreeze a backbone (Lightning's ``BackboneFinetuning``) call
+    ``add_param_group({"params": ..., "lr": ...})``: weights found at construction frozen have
+    no hooks, so the group steps as AdamW (said once), bitwise ``torch.optim.AdamW``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    model[0].requires_grad_(False)  # the backbone, frozen at construction
+    opt = WhitenedMuon(model, lr=1e-2)
+    model[0].requires_grad_(True)
+    twin = copy.deepcopy(model[0])
+    with pytest.warns(UserWarning, match=r"0\.weight.*AdamW"):
+        opt.add_param_group({"params": model[0].parameters(), "lr": 1e-3})
+    assert opt.param_groups[-1]["algorithm"] == "adamw"
+    reference = torch.optim.AdamW(twin.parameters(), lr=1e-3, weight_decay=0.0, foreach=False)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(16, 8, generator=g)
+        opt.zero_grad()
+        reference.zero_grad()
+        model(x).square().mean().backward()
+        for a, b in zip(model[0].parameters(), twin.parameters()):
+            b.grad = a.grad.clone()
+        opt.step()
+        reference.step()
+    for a, b in zip(model[0].parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_whitened_group_of_weights_it_cannot_whiten_is_refused_naming_them_and_the_way_out():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    model[0].requires_grad_(False)
+    opt = WhitenedMuon(model, lr=1e-2)
+    with pytest.raises(ValueError, match=r"0\.weight.*'algorithm': 'adamw'"):
+        opt.add_param_group({"params": model[0].parameters(), "algorithm": "whitened_muon"})
+    assert len(opt.param_groups) == 2
+
+
+@pytest.mark.parametrize("given", ["parameters", "named_parameters", "groups"])
+def test_parameters_in_place_of_the_model_are_refused_saying_to_pass_the_model(given):
+    """``WhitenedMuon`` places hooks on modules: parameters (or torch.optim's param-group dicts,
+    which the Hugging Face Trainer builds for ``optimizer_cls_and_kwargs``) cannot be whitened."""
+    model = mlp()
+    params = {"parameters": model.parameters(), "named_parameters": model.named_parameters(),
+              "groups": [{"params": list(model.parameters())}]}[given]
+    with pytest.raises(TypeError, match=r"WhitenedMuon\(model"):
+        WhitenedMuon(params, lr=1e-2)
+
+
 def test_a_whitened_group_given_as_a_generator_is_added_whole():
     body = mlp()
     opt = WhitenedMuon([body[0], body[2]], lr=1e-2)
