@@ -305,7 +305,10 @@ def test_the_model_form_whitens_the_linear_units_and_gives_every_other_trainable
     with pytest.raises(ValueError, match="algorithm"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "algorithm": "sgd"})
     with pytest.raises(ValueError, match="whitened_muon"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2, 2))], "algorithm": "whitened_muon"})
+    with pytest.warns(UserWarning, match="AdamW steps it"):  # no algorithm, no whitened weight: AdamW
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(2, 2))]})
+    assert opt.param_groups[-1]["algorithm"] == "adamw"
 
 
 def split_by_hand(model, **settings):
