@@ -20,7 +20,7 @@ import argparse
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -101,19 +101,27 @@ def count_plain_step(method: str, blocks: int, d: int, tokens: int, device: torc
     torch.manual_seed(0)
     model = make_model(blocks, d).to(device)
     precond = make_preconditioner(method, model)
-    warmup = warmup_steps(method)
-    for step in range(warmup + 1):
+
+    def backward(step: int) -> None:
         # a new batch each step: statistics that keep seeing one batch stay rank-deficient
         x = torch.randn(tokens // 16, 16, d, device=device)
         model.zero_grad(set_to_none=True)
         model(x).square().mean().backward()
-        if step < warmup:
-            precond.step()
-            continue
-        counter = OpCounter()
-        with counter:
-            precond.step()
+
+    ops = ops_of_last_step(precond, backward, warmup_steps(method) + 1)
     precond.remove()
+    return ops
+
+
+def ops_of_last_step(precond: KronPreconditioner, backward: Callable[[int], None], steps: int) -> Counter:
+    """Aten ops of the last of ``steps`` ``precond.step()`` calls, each after ``backward(step)``."""
+    for step in range(steps - 1):
+        backward(step)
+        precond.step()
+    backward(steps - 1)
+    counter = OpCounter()
+    with counter:
+        precond.step()
     return counter.ops
 
 

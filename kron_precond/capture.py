@@ -56,8 +56,8 @@ class ActivationCapture:
             moves the layer's state to where its parameters now are).
         output_grads: also capture output gradients; ``False`` for methods that read
             activations only (their hook on a call's output only adds the call's activation
-            terms). A callable ``layer -> bool`` names the layers that read them. Which modules may get one is
-            decided at construction; set to ``False`` later, none does.
+            terms). A callable ``layer -> bool`` names the layers that read them. Which modules
+            may read them is decided at construction; set to ``False`` later, none does.
     """
 
     def __init__(self, layers: Sequence, *, accumulation_steps: int,

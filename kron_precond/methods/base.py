@@ -224,6 +224,17 @@ class GradientMatrix:
             raise ValueError(f"kron_precond: {getattr(self, 'name', '?')}: its adapter delivered {side} rows of width "
                              f"{rows.shape[-1]}, expected {expected} for its weight {tuple(self.weight_shape)}")
 
+    @staticmethod
+    def add_augmented(a_sum: torch.Tensor, product: torch.Tensor, col_sum: torch.Tensor | None, count: int) -> None:
+        """Add one call's ``Σ ã ãᵀ`` to ``a_sum`` from ``Σ a aᵀ``, ``Σ a`` and its row count: the
+        ones column of ``ã`` (a bias's, where ``col_sum`` is given) without materialising it."""
+        d = product.shape[0]
+        a_sum[:d, :d].add_(product)
+        if col_sum is not None:
+            a_sum[:d, d].add_(col_sum)
+            a_sum[d, :d].add_(col_sum)
+            a_sum[d, d].add_(count)
+
     def grads_to_matrix(self, grads: list[torch.Tensor]) -> torch.Tensor:
         weight = grads[0].t() if self.weight_transposed else grads[0].reshape(self.g_dim, -1)
         if self.has_bias:

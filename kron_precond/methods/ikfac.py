@@ -113,13 +113,7 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
 
     def add_activation_terms(self, terms: tuple[torch.Tensor, torch.Tensor | None, int]) -> None:
         product, col_sum, count = terms
-        d = product.shape[0]
-        a_sum = self._allocate_statistics()
-        a_sum[:d, :d].add_(product)
-        if col_sum is not None:  # the ones column of ã, without materialising it
-            a_sum[:d, d].add_(col_sum)
-            a_sum[d, :d].add_(col_sum)
-            a_sum[d, d].add_(count)
+        self.add_augmented(self._allocate_statistics(), product, col_sum, count)
         self._rows.add_(count)
 
     def _allocate_statistics(self) -> torch.Tensor:

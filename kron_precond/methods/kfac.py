@@ -165,18 +165,14 @@ class KFACLayer(GradientMatrix, LayerMethod):
 
     def add_activation_terms(self, terms: Any) -> Any:
         product, col_sum, count = terms
-        d = product.shape[0]
         a_sum, _ = self._allocate_statistics()
         if self.diagonal["A"]:
+            d = product.shape[0]
             a_sum[:d].add_(product)
             if self.has_bias:
                 a_sum[d].add_(count)
         else:
-            a_sum[:d, :d].add_(product)
-            if col_sum is not None:  # the ones column of ã, without materialising it
-                a_sum[:d, d].add_(col_sum)
-                a_sum[d, :d].add_(col_sum)
-                a_sum[d, d].add_(count)
+            self.add_augmented(a_sum, product, col_sum, count)
         self._rows[0].add_(count)  # counted on the device: no host round trip
 
     def observe_output_grads(self, rows: torch.Tensor, scale: float, call: Any = None) -> None:
