@@ -166,6 +166,49 @@ def test_a_compiled_optimizer_step_equals_the_eager_step(kind):
                 assert torch.equal(value, opt_compiled.state[b][key]), key
 
 
+@pytest.mark.parametrize("kind", ["kfac", "whitened_muon"])
+def test_compiled_autograd_gathers_the_statistics_the_eager_backward_gathers(kind):
+    """Compiled autograd (``torch._dynamo.config.compiled_autograd``, a backward inside a
+    compiled function) runs the hooks on the calls' outputs that add a call's input rows and
+    read its output gradients: parameters match the eager run's over statistics and plain
+    steps, where a hook it dropped would leave a whitener or factor at the identity."""
+    from torch._dynamo.utils import counters
+
+    def train(compiled_autograd):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        if kind == "kfac":
+            precond = KronPreconditioner(model, method="kfac", **SETTINGS["kfac"])
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            step = lambda: (precond.step(), optimizer.step())  # noqa: E731
+        else:
+            from kron_precond import WhitenedMuon
+            optimizer = WhitenedMuon(model, lr=1e-2, statistics_every=2, output_side=True)
+            step = optimizer.step
+
+        def forward_backward(x, y):
+            F.mse_loss(model(x), y).backward()
+
+        torch._dynamo.config.compiled_autograd = compiled_autograd  # read when compiling
+        if compiled_autograd:
+            forward_backward = torch.compile(forward_backward)
+        try:
+            for s in range(5):
+                forward_backward(*_batch(s))
+                step()
+                optimizer.zero_grad()
+        finally:
+            torch._dynamo.config.compiled_autograd = False
+        return [p.detach().clone() for p in model.parameters()], counters["compiled_autograd"]["captures"]
+
+    eager, _ = train(False)
+    compiled, captures = train(True)
+    assert captures > 0, "the backward did not run through compiled autograd"
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
 def test_run_eagerly_takes_a_torch_whose_disable_has_no_reason(monkeypatch):
     """Before torch 2.8, ``torch.compiler.disable`` takes no ``reason``: the library still
     imports and its decorated code still runs eagerly under compile."""
