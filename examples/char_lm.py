@@ -634,6 +634,9 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wmuon-center-inputs", choices=("auto", "all", "none"), default="auto",
                    help="WhitenedMuon: center_inputs None (the bias-free query and key projections; every bias-free "
                         "layer where none is named so) / True / False")
+    p.add_argument("--wmuon-fused-qkv", choices=("auto", "whole"), default="auto",
+                   help="WhitenedMuon: fused_qkv None (a fused query/key/value projection of a known layout, "
+                        "GPT-2's c_attn, stepped as three matrices) or 'whole' (False: orthogonalised as one matrix)")
     p.add_argument("--stop-after", type=int, default=0,
                    help="stop after this many steps while the LR schedule still spans --steps "
                         "(time-to-a-fixed---target checks; 'final loss' is then the loss there)")
@@ -686,6 +689,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
         wmuon_factor_decay=args.wmuon_factor_decay, wmuon_both_sides=OUTPUT_SIDES[args.wmuon_output_side],
         wmuon_damping=args.wmuon_damping, wmuon_output_damping=args.wmuon_output_damping,
         wmuon_center_inputs={"auto": None, "all": True, "none": False}[args.wmuon_center_inputs],
+        wmuon_fused_qkv={"auto": None, "whole": False}[args.wmuon_fused_qkv],
     )
     return model, train, precond
 

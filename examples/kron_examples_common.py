@@ -204,6 +204,9 @@ class PrecondConfig:
     # "wide" (every weight whose output is wider than its input), True (every weight), False (none)
     wmuon_both_sides: bool | str = "auto"
     wmuon_center_inputs: bool | tuple[str, ...] | None = None  # centred input factors (None: the library default)
+    # WhitenedMuon's fused_qkv: None (the library default: a fused query/key/value projection of a
+    # known layout, GPT-2's c_attn, stepped as three matrices), False (orthogonalised whole) or regexes
+    wmuon_fused_qkv: bool | tuple[str, ...] | None = None
     wmuon_statistics_rows: int | None = 1024
     wmuon_root: str = "cholesky"
     wmuon_block_size: int | None = None
@@ -383,6 +386,10 @@ def build_whitened_muon(model: nn.Module, lr: float, weight_decay: float, exclud
                     # float32 on a CPU without bfloat16 kernels, where bfloat16 is far slower)
                     ns_dtype=_NS_DTYPES[config.wmuon_ns_dtype],
                     grad_scaler=grad_scaler)  # a disabled scaler reads as none
+    # None is the library's default: left out, so that an optimizer_class passing its own fused_qkv
+    # (benchmarks/whitening_levers.py's input_fused_whole) keeps it
+    if config.wmuon_fused_qkv is not None:
+        settings["fused_qkv"] = config.wmuon_fused_qkv
     if optimizer_class is not None:
         return optimizer_class(model, lr, weight_decay, **settings)
     if post:

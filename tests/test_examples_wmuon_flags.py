@@ -28,6 +28,26 @@ def test_the_flags_reach_the_optimizer():
     assert opt.output_side and opt.center_inputs is True
 
 
+def test_the_fused_qkv_flag_takes_auto_and_whole():
+    assert _built([]).fused_qkv is None
+    assert _built(["--wmuon-fused-qkv", "auto"]).fused_qkv is None
+    assert _built(["--wmuon-fused-qkv", "whole"]).fused_qkv is False
+    with pytest.raises(SystemExit):
+        _built(["--wmuon-fused-qkv", "split"])
+
+
+def test_the_default_fused_qkv_leaves_an_optimizer_class_its_own():
+    """``auto`` passes no ``fused_qkv``, so a class built with its own (whitening_levers.py's
+    ``input_fused_whole`` variant: ``functools.partial(WhitenedMuon, fused_qkv=False)``) keeps it."""
+    import functools
+
+    _, _, precond = char_lm.configs_from_args(char_lm.parse_args([]))
+    model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3))
+    opt = common.build_whitened_muon(model, 1e-2, 0.0, [], precond, post=True,
+                                     optimizer_class=functools.partial(WhitenedMuon, fused_qkv=False))
+    assert opt.fused_qkv is False
+
+
 def test_the_output_side_flag_takes_auto_wide_all_and_none():
     assert _built([]).output_side == "auto"
     assert _built(["--wmuon-output-side", "auto"]).output_side == "auto"
@@ -43,7 +63,7 @@ def test_without_flags_the_examples_build_the_library_defaults():
     opt = _built([])
     defaults = inspect.signature(WhitenedMuon.__init__).parameters
     for name in ("damping", "output_damping", "statistics_every", "factor_decay", "statistics_rows", "output_side",
-                 "center_inputs", "root", "block_size", "ns_coefficients"):
+                 "center_inputs", "fused_qkv", "root", "block_size", "ns_coefficients"):
         assert getattr(opt, name) == defaults[name].default, name
 
 
