@@ -189,7 +189,9 @@ class RoutedExpertsAdapter(abc.ABC):
 def top_k_routing(module_name: str, num_experts: int, hidden: Any, index: Any, weights: Any) -> Routing:
     """:class:`Routing` from the usual call ``experts(hidden [T, d], index [T, k], weights [T, k])``:
     token ``t``'s ``j``-th choice goes to expert ``index[t, j]`` and its output is multiplied by
-    ``weights[t, j]``. Indices outside ``[0, E)`` (expert-parallel sentinels) are dropped."""
+    ``weights[t, j]``. Indices outside ``[0, E)`` (expert-parallel sentinels) are dropped, and so
+    are pairs of routing weight 0, whose rows feed no gradient (LongCat-Flash routes a token's
+    zero-computation experts to real ones with weight 0, to spread the load)."""
     if not (isinstance(hidden, torch.Tensor) and hidden.dim() == 2 and isinstance(index, torch.Tensor)
             and index.dim() == 2 and index.shape[0] == hidden.shape[0] and not index.is_floating_point()
             and isinstance(weights, torch.Tensor) and weights.shape == index.shape):
@@ -198,7 +200,7 @@ def top_k_routing(module_name: str, num_experts: int, hidden: Any, index: Any, w
                            f"got {_describe(hidden)}, {_describe(index)}, {_describe(weights)}")
     tokens, k = index.shape
     experts = index.reshape(-1)
-    valid = (experts >= 0) & (experts < num_experts)
+    valid = (experts >= 0) & (experts < num_experts) & (weights.detach().reshape(-1) != 0)
     # invalid pairs sort last and are cut off; the stable sort keeps token order per expert
     order = torch.argsort(torch.where(valid, experts, num_experts), stable=True)
     counts = torch.bincount(experts[valid], minlength=num_experts).tolist()  # the one host sync

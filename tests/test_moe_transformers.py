@@ -67,6 +67,33 @@ def test_mixtral_experts_equal_dense_reference(implementation):
                                        rtol=tol["rtol"] * 10, atol=tol["atol"] * 10)
 
 
+def test_pairs_routed_with_weight_zero_are_left_out_like_the_longcat_zero_experts():
+    """LongCat-Flash sends a token's choices of its zero-computation experts to real experts with
+    routing weight 0 (to spread the load): those rows feed no gradient, so they are left out of
+    every factor, as the dense reference run on the pairs with a weight does."""
+    torch.manual_seed(0)
+    module = _mixtral_experts("eager", F64)
+    E, T = 4, 30
+    x = torch.randn(T, 8, dtype=F64)
+    index, weights = routing(T, E, 2, seed=1)
+    weights = weights.to(F64)
+    weights[::3, 1] = 0.0  # a third of the second choices: a zero expert's dummy routing
+    precond = KronPreconditioner(module, method="kfac", damping=DAMPING, kl_clip=None, inv_dtype=F64)
+    module(x, index, weights).pow(2).mean().backward()
+    precond.step()
+    routed = torch.where(weights != 0, index, torch.full_like(index, -1))
+    ref = dense_reference(x, routed, weights, [(module.gate_up_proj.to(F64), None)],
+                          (module.down_proj.to(F64), None), _swiglu)
+    for e in range(E):
+        rec = ref[e]
+        for name, a, g in (("gate_up_proj", rec["a0"], rec["g0"]), ("down_proj", rec["a_out"], rec["g_out"])):
+            layer = precond.layers[f"{name}.{e}"]
+            torch.testing.assert_close(layer.a_factor.to(F64), covariance(a, False), rtol=1e-8, atol=1e-10,
+                                       msg=lambda m, name=name, e=e: f"{name}.{e} A: {m}")
+            torch.testing.assert_close(layer.g_factor.to(F64), covariance(g, False), rtol=1e-8, atol=1e-10,
+                                       msg=lambda m, name=name, e=e: f"{name}.{e} G: {m}")
+
+
 def test_gpt_oss_layout_transposed_biased_interleaved_clamped():
     """GPT-OSS stores [E, in, out] weights with biases, interleaves gate and up and clamps
     them: the pull-back through its own gate must follow the clamp."""
