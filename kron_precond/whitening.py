@@ -101,15 +101,30 @@ class UnitObserver:
     def observe_activations(self, rows: torch.Tensor) -> None:
         self.statistics.observe(self, "input", rows, 1.0)
 
-    def activation_terms(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        return self.statistics.terms(self, "input", rows, 1.0)
+    def activation_terms(self, rows: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], bool] | None:
+        """The call's terms, with the form its rows came in (a packed in_proj's input side: one
+        input for every part, or the part's own), which may change before the backward adds them."""
+        terms = self.statistics.terms(self, "input", rows, 1.0)
+        return None if terms is None else (terms, self.statistics.views[id(self.param)].part_inputs)
 
-    def add_activation_terms(self, terms: tuple[torch.Tensor, ...] | None) -> None:
+    def add_activation_terms(self, staged: tuple[tuple[torch.Tensor, ...], bool] | None) -> None:
         """Called in the backward: a forward after it reads new rows, even from a buffer refilled
         without a version bump, so the product shared within one forward (q, k and v) is dropped."""
         self.statistics.forget_products()
-        if terms is not None:
+        if staged is None:
+            return
+        terms, part_inputs = staged
+        view = self.statistics.views[id(self.param)]
+        if part_inputs == view.part_inputs:
             self.statistics.add(self, "input", terms)
+        elif view.part_inputs:
+            # a self-attention call's rows (one input for every part), staged before a later call
+            # of the step, as cross-attention, gave the parts inputs of their own: they are the
+            # query's, the key's and the value's alike, as the pending ones carried over then
+            for index in range(view.parts):
+                self.statistics.add(self, "input", terms, index)
+        # else: staged per part, then a checkpoint's load took the side back to one input, which
+        # dropped its statistics: these rows go with them
 
     def observe_output_grads(self, rows: torch.Tensor, scale: float, call: Any = None) -> None:
         self.statistics.observe(self, "output", rows, scale)
@@ -214,8 +229,9 @@ class WhiteningStatistics:
         return terms
 
     @torch.no_grad()
-    def add(self, unit: UnitObserver, side: str, terms: tuple[torch.Tensor, ...]) -> None:
-        """Add one call's :meth:`terms` to the pending sums of ``unit``'s side."""
+    def add(self, unit: UnitObserver, side: str, terms: tuple[torch.Tensor, ...], index: int | None = None) -> None:
+        """Add one call's :meth:`terms` to the pending sums of ``unit``'s side (of its matrix
+        ``index``, ``unit.index`` unless given)."""
         param = unit.param
         # Every call adds to zeroed sums: a forward recomputed under selective activation
         # checkpointing must run the same ops as the original forward (torch.utils.checkpoint
@@ -224,7 +240,7 @@ class WhiteningStatistics:
         if pending is None:
             pending = self.pending[(id(param), side)] = self._zeros(param, side, terms[0].dtype, terms[0].device)
         for total, term in zip(pending, terms):  # product, count (a centred side's: row sum, s sᵀ / n)
-            total[unit.index].add_(term)
+            total[unit.index if index is None else index].add_(term)
         self.observed.add(id(param))
         self.observed_this_step = True
 

@@ -293,3 +293,64 @@ def test_rows_a_backward_took_past_the_weight_do_not_wait_for_a_later_refresh():
     opt.step()
     f = opt.state[model[0].weight]["input_factor"]
     torch.testing.assert_close(f.reshape(8, 8), covariance([x], bias=False), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("order", ["self, cross", "cross, self"])
+@pytest.mark.parametrize("backwards", ["one for both calls", "one per call"])
+@pytest.mark.parametrize("centred", [False, True])
+def test_self_and_cross_attention_calls_of_one_step_count_for_each_part_they_feed(order, backwards, centred):
+    """A packed ``nn.MultiheadAttention`` called as self-attention and as cross-attention on one
+    statistics step (its first cross-attention call switches it to a factor per part): the
+    self-attention call's rows count for every part (docs/API.md: they are the query's, the
+    key's and the value's alike), the cross-attention call's for the part each argument feeds;
+    whether one backward follows both calls or each call has its own (micro-batches), in
+    either order."""
+    torch.manual_seed(0)
+    attn = nn.MultiheadAttention(8, 2, batch_first=True).to(F64)
+    opt = WhitenedMuon(attn, lr=1e-2, statistics_rows=None, statistics_every=1, center_inputs=centred)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 8, generator=g, dtype=F64)
+    key, value = 2 + torch.randn(2, 3, 8, generator=g, dtype=F64), torch.randn(2, 3, 8, generator=g, dtype=F64) * 3
+    calls = [(x, x, x), (x, key, value)] if order == "self, cross" else [(x, key, value), (x, x, x)]
+    opt.zero_grad()
+    losses = [attn(*arguments)[0].square().mean() for arguments in calls[:1]]
+    if backwards == "one per call":
+        losses.pop().backward()
+    losses += [attn(*arguments)[0].square().mean() for arguments in calls[1:]]
+    sum(losses).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.step()
+    factor = opt.state[attn.in_proj_weight]["input_factor"]
+    assert factor.shape == (3, 1, 8, 8)
+    for part, name in enumerate(("query", "key", "value")):
+        rows = torch.cat([arguments[part].reshape(-1, 8) for arguments in calls])
+        want = covariance([rows - rows.mean(0) if centred else rows], bias=False)
+        torch.testing.assert_close(factor[part, 0], want, rtol=1e-10, atol=1e-12,
+                                   msg=lambda m, name=name: f"the {name} part's factor: {m}")
+
+
+def test_a_call_staged_per_part_before_a_load_back_to_one_input_does_not_break_the_backward():
+    """A cross-attention call's rows wait for the backward per part; a self-attention checkpoint
+    loaded before it takes the input side back to one factor (dropping its statistics): the
+    backward and the step go on, one factor, the staged rows left out with them."""
+    import copy
+
+    torch.manual_seed(0)
+    attn = nn.MultiheadAttention(8, 2, batch_first=True).to(F64)
+    opt = WhitenedMuon(attn, lr=1e-2, statistics_rows=None, statistics_every=1)
+    g = torch.Generator().manual_seed(0)
+    x, memory = torch.randn(2, 5, 8, generator=g, dtype=F64), torch.randn(2, 3, 8, generator=g, dtype=F64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        attn(x, x, x)[0].square().mean().backward()
+        opt.step()
+        saved, first = copy.deepcopy(opt.state_dict()), opt.state[attn.in_proj_weight]["input_factor"].clone()
+        for reload in (False, True):
+            opt.zero_grad()
+            out = attn(x, memory, memory)[0].square().mean()  # per part from the first of these calls
+            if reload:
+                opt.load_state_dict(saved)
+            out.backward()
+            opt.step()
+    torch.testing.assert_close(opt.state[attn.in_proj_weight]["input_factor"], first, rtol=0, atol=0)  # one input
