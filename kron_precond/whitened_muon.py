@@ -1414,6 +1414,38 @@ class WhitenedMuon(torch.optim.Optimizer):
                           RuntimeWarning, stacklevel=6)  # the caller of step()
 
     # -- checkpoints -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's ``state_dict``, each whitened weight's ``step`` saved as the optimizer's
+        ``step()`` count (in the running optimizer it is the count when that weight last stepped):
+        the statistics schedule's clock, which the load resumes from, so steps on which no
+        whitened weight had a gradient (a head-only phase) count too. While no whitened weight has
+        stepped yet, the first one's entry holds the count, with the zero momentum and counter its
+        first step starts from. No key is added: torch.distributed.checkpoint's templates, which
+        refuse a checkpoint without one of their keys, and torchtitan's flat state, which keeps
+        the keys the live optimizer has, read the checkpoints of earlier versions as before. The
+        ``register_state_dict_post_hook`` hooks see the state dict as saved."""
+        post_hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = OrderedDict()  # run below, on the state dict as saved
+        try:
+            state_dict = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = post_hooks
+        saved = state_dict["state"]
+        whitened = [(key, p) for packed, group in zip(state_dict["param_groups"], self.param_groups)
+                    if group["algorithm"] == WHITENED for key, p in zip(packed["params"], group["params"])]
+        stepped = [key for key, _ in whitened if "step" in saved.get(key, {})]
+        for key in stepped:
+            saved[key] = {**saved[key], "step": self._steps}  # a copy: the live entry keeps its own
+        if self._steps and whitened and not stepped:
+            key, p = next(((key, p) for key, p in whitened if p.requires_grad), whitened[0])
+            saved[key] = {**saved.get(key, {}), "step": self._steps, "momentum_buffer": torch.zeros_like(p),
+                          "nonfinite_steps": torch.zeros((), dtype=torch.int64, device=p.device)}
+        for post_hook in post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch.optim's load, all or nothing: a checkpoint that does not fit this optimizer (param
         groups of other algorithms or sizes, a state tensor of another shape -- another model,
@@ -1443,6 +1475,18 @@ class WhitenedMuon(torch.optim.Optimizer):
                                  f"{len(self.param_groups[index]['params'])}")
             _check_group(index, {**self.param_groups[index], **{k: v for k, v in group.items() if k != "params"}})
         kept, exact, part_inputs = self._checked_state(state_dict)
+        if not state_dict["state"] and any(p.requires_grad for g in self.param_groups for p in g["params"]):
+            from kron_precond.checkpoint import called_by_torchs_state_dict_api
+            if called_by_torchs_state_dict_api():
+                # DCP loads into the template's keys, and its save initialises the state it saves:
+                # no state here is an empty template -- torch's get_optimizer_state_dict skips its
+                # initialising step while a parameter has a gradient (its own optimizers' too)
+                warnings.warn("WhitenedMuon.load_state_dict: torch.distributed.checkpoint brought no optimizer "
+                              "state, since the state dict it loaded into was empty: torch's get_state_dict / "
+                              "get_optimizer_state_dict leave it empty when the fresh model's parameters have "
+                              "gradients (a backward ran). Take it with the gradients None "
+                              "(optimizer.zero_grad(set_to_none=True) before get_state_dict) and load again",
+                              UserWarning, stacklevel=2)
         settings = [{k: v for k, v in group.items() if k not in ("params", "param_names")}
                     for group in self.param_groups]
         for p, on in part_inputs.items():  # a packed in_proj resumes as saved: one input, or one per part
@@ -1471,10 +1515,11 @@ class WhitenedMuon(torch.optim.Optimizer):
                 # float32 or wider: a checkpoint of a float64 run loads into a float32 model)
                 dtype = value.dtype if key == "nonfinite_steps" else torch.promote_types(p.dtype, torch.float32)
                 self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)
-        # the statistics schedule resumes from the latest clock a whitened weight holds: its
-        # "step" is the optimizer's step() count when it last stepped (older checkpoints: the
-        # count of its own steps, which is that clock for a weight with a gradient on every step)
-        self._steps = max((int(self.state[p].get("step", 0)) for p in self._whitened_params()), default=0)
+        # the statistics schedule resumes from the latest clock a whitened weight holds: its saved
+        # "step" is the optimizer's step() count at the save (earlier checkpoints: when it last
+        # stepped, or the count of its own steps, which is that clock for a weight with a gradient
+        # on every step). .get: an empty entry would make the state look initialised
+        self._steps = max((int(self.state.get(p, {}).get("step", 0)) for p in self._whitened_params()), default=0)
         # statistics gathered since the last step belong to a batch the load discards (a rollback)
         self._statistics.pending.clear()
         self._statistics.forget_inputs()

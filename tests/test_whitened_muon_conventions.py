@@ -236,6 +236,153 @@ def test_the_statistics_schedule_resumes_in_phase_after_steps_without_a_whitened
             assert torch.equal(got, want), at
 
 
+HEAD_ONLY = (0, 1, 4, 5)  # steps on which only the AdamW parameters have a gradient
+
+
+def _with_head_only_steps(total: int, resume_at: int | None = None, dcp_dir=None) -> list[torch.Tensor]:
+    """A run whose whitened weight has no gradient on the steps in ``HEAD_ONLY`` (the AdamW
+    biases and the skipped last layer train on every step); optionally saved before step
+    ``resume_at`` and resumed into a fresh optimizer, through ``state_dict`` or, with
+    ``dcp_dir``, torch.distributed.checkpoint (its recipe: the fresh optimizer's template
+    taken with the gradients None)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model = mlp()
+    make = lambda: WhitenedMuon(model, lr=1e-2, statistics_every=3, skip_layers=["2"])  # noqa: E731
+    opt = make()
+    g = torch.Generator().manual_seed(1)
+    for step in range(total):
+        if step == resume_at:
+            if dcp_dir is None:
+                saved = copy.deepcopy(opt.state_dict())
+                opt.remove()
+                opt = make()
+                opt.load_state_dict(saved)
+            else:
+                dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=dcp_dir / str(step))
+                opt.remove()
+                opt = make()
+                opt.zero_grad(set_to_none=True)
+                state = {"optim": get_optimizer_state_dict(model, opt)}
+                dcp.load(state, checkpoint_id=dcp_dir / str(step))
+                set_optimizer_state_dict(model, opt, optim_state_dict=state["optim"])
+        opt.zero_grad()
+        model(torch.randn(32, 8, generator=g)).square().mean().backward()
+        if step in HEAD_ONLY:
+            model[0].weight.grad = None
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_resume_at_any_step_around_head_only_phases_continues_the_uninterrupted_run_bitwise():
+    """The statistics schedule counts every step() call, also those on which no whitened weight
+    had a gradient: a checkpoint saved at any step -- in a head-only phase at the start, before
+    the whitened weight has any state, or after one later on -- resumes the uninterrupted run."""
+    expected = _with_head_only_steps(10)
+    for at in range(1, 10):
+        for got, want in zip(_with_head_only_steps(10, resume_at=at), expected):
+            assert torch.equal(got, want), at
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch's DCP in one process without a process group
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_dcp_resume_around_head_only_phases_continues_the_uninterrupted_run_bitwise(tmp_path):
+    """The same through torch.distributed.checkpoint, which keeps only "state" and "param_groups"
+    and loads into a fresh optimizer's template."""
+    expected = _with_head_only_steps(10)
+    # from step 4 on: before, the weight has no factors yet, which the fresh template holds
+    # (DCP refuses a checkpoint without a key of the template)
+    for at in (4, 5, 6, 7):
+        for got, want in zip(_with_head_only_steps(10, resume_at=at, dcp_dir=tmp_path), expected):
+            assert torch.equal(got, want), at
+
+
+def test_a_whitened_weights_saved_step_is_the_optimizers_count():
+    """Saved, a whitened weight's step is the optimizer's step() count (the running optimizer
+    keeps the count when it last stepped); while none has stepped, the first one's entry holds
+    it with the zero momentum its first step starts from. The format keeps its keys, and a
+    state-dict post-hook sees the state dict as saved."""
+    model = mlp()
+    opt = WhitenedMuon(model, lr=1e-2, skip_layers=["2"])
+    for step in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).square().mean().backward()
+        model[0].weight.grad = None  # head-only: the whitened weight takes no step
+        opt.step()
+        seen: list[int] = []
+        handle = opt.register_state_dict_post_hook(lambda optimizer, sd, seen=seen: seen.append(sd["state"][0]["step"]))
+        saved = opt.state_dict()
+        handle.remove()
+        assert model[0].weight not in opt.state and seen == [step + 1]
+        entry = saved["state"][0]  # the whitened weight, first in the first group
+        assert entry["step"] == step + 1 and entry.keys() == {"step", "momentum_buffer", "nonfinite_steps"}
+        assert not entry["momentum_buffer"].any() and entry["nonfinite_steps"] == 0
+    train(model, opt, 1)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).square().mean().backward()
+        model[0].weight.grad = None
+        opt.step()
+    assert opt.state[model[0].weight]["step"] == 4 and opt.state_dict()["state"][0]["step"] == 6
+    assert opt.state[model[0].weight]["step"] == 4
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_dcp_load_into_a_template_taken_after_a_backward_warns(tmp_path):
+    """torch's get_optimizer_state_dict skips its initialising step while a parameter has a
+    gradient, so a template taken after a backward is empty and DCP loads no state into it (as
+    for torch's own optimizers): the load says so, naming the fix. Taken with the gradients
+    None (the documented recipe), it loads the state and says nothing."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model = mlp()
+    opt = WhitenedMuon(model, lr=1e-2)
+    train(model, opt, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP in one process without a process group
+        dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=tmp_path)
+    for backward_first in (True, False):
+        fresh_opt = WhitenedMuon(model, lr=1e-2)
+        model(torch.randn(4, 8)).square().mean().backward()
+        if not backward_first:
+            fresh_opt.zero_grad(set_to_none=True)
+        state = {"optim": get_optimizer_state_dict(model, fresh_opt)}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dcp.load(state, checkpoint_id=tmp_path)
+            set_optimizer_state_dict(model, fresh_opt, optim_state_dict=state["optim"])
+        ours = [str(w.message) for w in caught if "WhitenedMuon" in str(w.message)]
+        if backward_first:
+            assert len(ours) == 1 and "zero_grad(set_to_none=True)" in ours[0], ours
+            assert len(fresh_opt.state) == 0
+        else:
+            assert ours == [] and fresh_opt._steps == 2 and len(fresh_opt.state) == len(opt.state)
+        fresh_opt.remove()
+        model.zero_grad(set_to_none=True)
+
+
+def test_a_load_creates_no_state_entries():
+    """An empty state entry makes the state look initialised (torch's get_optimizer_state_dict
+    then skips its initialising step, and DCP finds no state): a load of a checkpoint without
+    state, or with state for some parameters only, adds none for the others."""
+    model = mlp()
+    opt = WhitenedMuon(model, lr=1e-2)
+    opt.load_state_dict(WhitenedMuon(mlp(), lr=1e-2).state_dict())
+    assert len(opt.state) == 0
+    trained = mlp()
+    trained_opt = WhitenedMuon(trained, lr=1e-2)
+    trained.zero_grad()
+    trained(torch.randn(4, 8)).square().mean().backward()
+    trained[0].weight.grad = None  # the first whitened weight takes no step
+    trained_opt.step()
+    saved = trained_opt.state_dict()
+    opt.load_state_dict(saved)
+    assert model[0].weight not in opt.state and len(opt.state) == len(saved["state"]) == 3
+    assert all(opt.state.values())
+
+
 def test_a_rollback_into_the_same_optimizer_drops_the_statistics_of_the_discarded_batch():
     """Loss-spike recovery: forward and backward on a statistics step, then the last checkpoint
     loaded into the same optimizer instead of stepping. The discarded batch's statistics must not
