@@ -27,6 +27,16 @@ not depend on the basis chosen inside a cluster. A warm start from an arbitrary 
 carry the arbitrariness into the next basis, so a side whose basis had a repeated eigenvalue
 is decomposed afresh by ``eigh`` at its next refresh. With distinct eigenvalues (the usual
 case once the statistics hold more gradients than the side's dimension) neither applies.
+A side whose eigenvalue estimates are all zero -- no refresh has measured it yet (its starting
+identity), or its statistic holds nothing -- has no eigenvalues to pool over or warm-start
+from: its moment stays elementwise, as before the first refresh, and its next refresh uses
+``eigh``.
+
+**Checkpoints.** Everything a step reads is saved or derived from what is: the warm-start flags
+and clusters come from the bases, and ``used_since_refresh`` holds whether the layer had a
+gradient (an expert: one that is not all zeros) since its last refresh, which decides whether
+the next refresh moves it. A checkpoint without that entry (written before it existed) loads
+as a layer without gradients since its last refresh.
 """
 from __future__ import annotations
 
@@ -93,8 +103,10 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         # read it makes anyway.
         self._fresh = torch.zeros((), dtype=torch.bool, device=device)
         # Derived at each refresh from the (broadcast) bases, identically on every gradient
-        # worker: the sides whose next refresh may warm-start, and the clusters to average the
-        # moment over (None: every eigenvalue distinct).
+        # worker, and at a load from the loaded ones (a function of the bases alone, so a resumed
+        # run holds what the uninterrupted one does): the sides whose next refresh may
+        # warm-start, and the clusters to average the moment over (None: every eigenvalue
+        # distinct, or none measured yet).
         self._warm = {side: False for side in self.active}
         self._clusters: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
@@ -209,6 +221,9 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         """The warm-start flags and clusters of equal eigenvalues, from the bases; with
         ``pool_moment``, the moment averaged over the blocks (a checkpoint holds it averaged
         already: averaging it again moves its last bits, which near-equal eigenvalues grow).
+        A side whose estimates are all zero (none measured: the starting identity, or a
+        statistic holding nothing) is neither warm-started nor pooled over, as before the
+        first refresh: a function of the bases alone, so a load derives what the run held.
         ``fresh`` False (an expert idle since its last refresh, read in the same host sync):
         nothing changes, as for a layer not used."""
         bases = self._allocated()
@@ -216,11 +231,16 @@ class SOAPLayer(GradientMatrix, LayerMethod):
             return
         clusters = {side: _unsorted_clusters(bases[side][1]) for side in self.active}
         flags = [size.max() > 1 for _, size in clusters.values()]
-        repeated = torch.stack(flags if fresh is None else flags + [fresh]).tolist()
-        if fresh is not None and not repeated.pop():
+        flags += [bases[side][1].any() for side in self.active]
+        read = torch.stack(flags if fresh is None else flags + [fresh]).tolist()  # one host sync
+        if fresh is not None and not read.pop():
             return
-        self._warm = {side: not rep for side, rep in zip(self.active, repeated)}
-        self._clusters = clusters if any(repeated) else None
+        count = len(self.active)
+        repeated, measured = read[:count], read[count:]
+        self._warm = {side: meas and not rep for side, rep, meas in zip(self.active, repeated, measured)}
+        pooled = any(rep and meas for rep, meas in zip(repeated, measured))
+        self._clusters = ({side: clusters[side] for side, meas in zip(self.active, measured) if meas}
+                          if pooled else None)
         if self._clusters is not None and pool_moment:
             moment = self._held_moment()
             moment.copy_(self._pooled(moment))
@@ -322,10 +342,20 @@ class SOAPLayer(GradientMatrix, LayerMethod):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
+        """The statistics, bases, moment and count, and ``used_since_refresh``: whether the next
+        refresh moves the layer without another gradient (:meth:`_used_since_refresh`)."""
         stats, bases = self._statistics(), self._allocated()
         return {"sides": list(self.active), "statistics": {k: t.clone() for k, t in stats.items()},
                 "mass": self._held_mass().clone(), "bases": {k: [t.clone() for t in v] for k, v in bases.items()},
-                "moment": self._held_moment().clone(), "updates": int(self.updates)}
+                "moment": self._held_moment().clone(), "updates": int(self.updates),
+                "used_since_refresh": self._used_since_refresh()}
+
+    def _used_since_refresh(self) -> bool:
+        """Whether the layer had a gradient since its last refresh, which its next refresh then
+        acts on. An expert's counts only if it is not all zeros: one whose gradients since its
+        last refresh were all zeros is refreshed as a layer not used (its basis, moment and
+        clusters stay as they are), so ``_used`` and ``_fresh`` come down to one flag."""
+        return self._used and (not self.expert or bool(self._fresh))
 
     def check_state(self, state: dict[str, Any]) -> None:
         where = f"state of {self.name}"
@@ -348,9 +378,15 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         checks.float_tensor(checks.entry(state, "moment", where), (self.g_dim, self.a_dim), f"{where}: moment",
                             non_negative=True)
         checks.integer(checks.entry(state, "updates", where), f"{where}: updates")
+        if "used_since_refresh" in state:  # absent from checkpoints written before it existed
+            checks.boolean(state["used_since_refresh"], f"{where}: used_since_refresh")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
+        # a checkpoint without the flag: a layer without gradients since its last refresh
+        used = bool(state.get("used_since_refresh", False))
+        self._used = used
+        self._fresh.fill_(used)  # in place: it may be a view into a stack
         if not self.holds_state:
             self.release_refreshed()
             return
