@@ -11,10 +11,19 @@ Per step, for every parameter with a gradient (the Q update's formula:
 4. ``u = P m̂`` clipped to RMS ≤ 1.1, plus ``weight_decay·p`` for tensors of ≥ 2 dims;
 5. ``p −= lr·u``.
 
-A tensor whose gradient is not finite skips 2–5 (chosen with ``torch.where``-style masks,
-no host sync); a per-parameter counter records it and a warning names the parameter.
-The counters are read once every ``nonfinite_warn_interval`` steps -- the only host sync
-in :meth:`Kron.step` besides the one-time scale estimate of ``precond_init_scale=None``.
+A tensor whose gradient is zero in every element counts as having no gradient (a parameter
+the loss did not reach after ``zero_grad(set_to_none=False)``, an expert the router sent no
+token): it skips 2–5, its weight decay included, and is not counted. A tensor whose gradient
+is not finite skips 2–5 too, and so does the parameter update of one whose preconditioned
+update ``P m̂`` is not finite (an overflow: the momentum and factors were updated); those
+are counted per parameter and a warning names the parameter. All of this is chosen with
+``torch.where``-style masks on the device, no host sync. The counters are read once every
+``nonfinite_warn_interval`` steps -- the only host sync in :meth:`Kron.step` besides the
+one-time scale estimate of ``precond_init_scale=None``.
+
+The factors are kept in ``precond_dtype``; their math runs in it too, except that float16
+factors are computed in float32 (:func:`compute_dtype`): float16's range ends at 65 504,
+which a momentum or a Gram matrix passes easily.
 """
 from __future__ import annotations
 
@@ -37,6 +46,14 @@ from .methods.psgd_tensor import RMS_CLIP, PSGDTensor
 from .schedules import UpdateDecider, check_probability
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def compute_dtype(precond_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the preconditioning math for factors kept in ``precond_dtype``: float32
+    for float16 factors (whose range ends at 65 504: ``P m̂`` of a momentum past it, or the
+    Gram matrices of the Q update, would overflow), else ``precond_dtype`` itself (bfloat16
+    has float32's range)."""
+    return torch.float32 if precond_dtype == torch.float16 else precond_dtype
 
 
 def _check_positive(name: str, value: Any, *, allow_none: bool = False,
@@ -140,7 +157,8 @@ class Kron(torch.optim.Optimizer):
         precond_init_scale: initial ``P = s²·I``; ``None`` estimates ``s`` from the first
             finite gradient (one host sync per parameter, once).
         mu_dtype: dtype of the momentum (default: the parameter's).
-        precond_dtype: dtype of the factors and of the preconditioning math; the learning
+        precond_dtype: dtype of the factors and of the preconditioning math (float16
+            factors are computed in float32, see :func:`compute_dtype`); the learning
             rate, weight decay, update scale and RMS norm are computed in float32 or wider.
         clipnorm, clipvalue, global_clipnorm: Keras-style gradient clipping (at most one).
         merge_dims: view tensors of rank > 2 as their most square 2-D matrix.
@@ -247,7 +265,8 @@ class Kron(torch.optim.Optimizer):
             min_ndim_triangular=group["min_ndim_triangular"],
             memory_save_mode=group["memory_save_mode"], init_scale=init_scale,
             dtype=group["precond_dtype"], merge_dims=group["merge_dims"],
-            update_rule=group.get("precond_update", "eq"))  # groups saved before the option
+            update_rule=group.get("precond_update", "eq"),  # groups saved before the option
+            compute_dtype=compute_dtype(group["precond_dtype"]))
 
     def _init_state(self, p: torch.Tensor, index: int, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
@@ -329,7 +348,7 @@ class Kron(torch.optim.Optimizer):
         if do_update:
             self._q_updates += 1
 
-        work = []  # (index, param, group, clipped grad, finite flag)
+        work = []  # (index, param, group, clipped grad, finite flag, active flag: finite and not all zero)
         index = -1
         for group in self.param_groups:
             for p in group["params"]:
@@ -337,19 +356,21 @@ class Kron(torch.optim.Optimizer):
                 if p.grad is None or p.numel() == 0:  # a zero-element tensor: nothing to update
                     continue
                 grad = self._clip_local(p.grad, group)
-                finite = torch.isfinite(torch.linalg.vector_norm(p.grad, float("inf")))
-                work.append((index, p, group, grad, finite))
+                peak = torch.linalg.vector_norm(p.grad, float("inf"))
+                finite = torch.isfinite(peak)
+                # all zeros counts as no gradient: not stepped, and not counted as non-finite
+                work.append((index, p, group, grad, finite, finite & (peak > 0)))
 
         if self.global_clipnorm is not None and work:
             sq = [torch.where(fin, torch.linalg.vector_norm(g.float()) ** 2, 0.0)
-                  for _, _, _, g, fin in work]
+                  for _, _, _, g, fin, _ in work]
             total = torch.stack([s.to(sq[0].device) for s in sq]).sum().sqrt()
             scale = self.global_clipnorm / total.clamp_min(self.global_clipnorm)
-            work = [(i, p, gr, g * scale.to(g.device, g.dtype), fin)
-                    for i, p, gr, g, fin in work]
+            work = [(i, p, gr, g * scale.to(g.device, g.dtype), fin, active)
+                    for i, p, gr, g, fin, active in work]
 
-        for index, p, group, grad, finite in work:
-            self._update_param(index, p, group, grad, finite, do_update, probability)
+        for index, p, group, grad, finite, active in work:
+            self._update_param(index, p, group, grad, finite, active, do_update, probability)
 
         if (self._decider.step - 1) % self.nonfinite_warn_interval == 0:
             self._report_nonfinite()
@@ -374,19 +395,21 @@ class Kron(torch.optim.Optimizer):
                     "step cannot follow them. Set them back; they can only be chosen before a parameter's "
                     "first step (a loaded checkpoint brings its own)")
 
-    def _update_param(self, index: int, p: torch.Tensor, group: dict[str, Any],
-                      grad: torch.Tensor, finite: torch.Tensor, do_update: bool, probability: float) -> None:
+    def _update_param(self, index: int, p: torch.Tensor, group: dict[str, Any], grad: torch.Tensor,
+                      finite: torch.Tensor, active: torch.Tensor, do_update: bool, probability: float) -> None:
+        """Step ``p``; ``finite``: its gradient is finite; ``active``: finite and not all zero
+        (the rest is left exactly as it was, by masks)."""
         state = self.state[p]
         if len(state) == 0:
             state = self._init_state(p, index, group)
         tensor = self._tensor_of(p, index, group, state)
         factors = tensor.factors
         pdtype = group["precond_dtype"]
+        cdtype = factors.compute_dtype  # of the preconditioning math (float32 for float16 factors)
         m = state["momentum_buffer"]
         g = torch.where(finite, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
 
-        state["nonfinite_steps"].add_((~finite).to(torch.int32))
-        tensor.accumulate(grad, finite)  # unchanged if skipped; counts applied steps only
+        tensor.accumulate(grad, active)  # unchanged if skipped; counts applied steps only
         # lr, weight decay and the step scale in float32 or wider (the parameter's and the
         # factors' dtypes promoted with float32): in bfloat16 1 − 1e-4 is 1, in float16 2e-8
         # is 0 and 1/debias overflows
@@ -397,23 +420,30 @@ class Kron(torch.optim.Optimizer):
             self._try_initialize(factors, g, state)
         if factors.initialized:
             if do_update:
-                fit = m.to(pdtype) / bias.to(pdtype) if group["momentum_into_precond_update"] \
-                    else g.to(pdtype)
-                lr_q = finite.to(pdtype) * group["precond_lr"]
+                fit = m.to(cdtype) / bias.to(cdtype) if group["momentum_into_precond_update"] \
+                    else g.to(cdtype)
+                lr_q = active.to(cdtype) * group["precond_lr"]
                 tensor.uses_per_update = state["uses_per_update"] = 1.0 / max(probability, 1e-3)
-                tensor.update_factors(fit, lr_q, step=self._decider.step, update_index=self._q_updates - 1)
-            u = tensor.precondition(m.to(pdtype))
+                tensor.update_factors(fit, lr_q, step=self._decider.step, update_index=self._q_updates - 1,
+                                      enabled=active)
+            u = tensor.precondition(m.to(cdtype))
         else:
-            u = m.to(pdtype)  # identity preconditioner until the scale is known
+            u = m.to(cdtype)  # identity preconditioner until the scale is known
 
         # The update P m̂ = u / bias clipped to RMS ≤ 1.1 is u times min(1/bias, 1.1/rms(u)).
         # The norm is taken in float32 or wider too: a float16 one overflows past 65 504.
         rms = torch.linalg.vector_norm(u, dtype=wide) / math.sqrt(u.numel())
+        # A non-finite u (or norm) from a finite gradient, an overflow, is not written: the
+        # parameter is left as it was and the step counted with the non-finite gradients.
+        stepped = active & torch.isfinite(rms)
+        state["nonfinite_steps"].add_((~finite | (active & ~stepped)).to(torch.int32))
+        u = torch.where(stepped, u, torch.zeros((), dtype=u.dtype, device=u.device))
         scale = torch.minimum(1.0 / bias, RMS_CLIP / (rms + 1e-12))
-        lr = finite.to(wide) * group["lr"]  # 0 skips this tensor
+        lr = stepped.to(wide) * group["lr"]  # 0 skips this tensor
         if group["weight_decay"] != 0 and p.dim() >= 2:  # p -= lr·(u + wd·p), decoupled
             p.mul_(1.0 - lr * group["weight_decay"])
-        p.addcmul_(u, -lr * scale)
+        # skipped: p + 0·(−0), bitwise p (the scale may be NaN then)
+        p.addcmul_(u, -torch.where(stepped, lr * scale, 0.0))
 
     @staticmethod
     def _try_initialize(factors: PSGDFactors, g: torch.Tensor, state: dict[str, Any]) -> None:
@@ -427,12 +457,14 @@ class Kron(torch.optim.Optimizer):
         state["q_initialized"] = True
 
     def _report_nonfinite(self) -> None:
-        """Warn about parameters whose gradient was non-finite since the last report."""
+        """Warn about parameters whose gradient (or preconditioned update) was non-finite
+        since the last report."""
         lines = [f"parameter {i} (shape {tuple(p.shape)}): {new} step(s), {total} in total"
                  for i, p, new, total in new_nonfinite_steps(self, self._reported)]
         if lines:
             warnings.warn("Kron: non-finite gradients; those steps skipped the momentum, "
-                          "preconditioner and parameter updates of: " + "; ".join(lines),
+                          "preconditioner and parameter updates (a finite gradient whose preconditioned "
+                          "update overflowed: the parameter update) of: " + "; ".join(lines),
                           RuntimeWarning, stacklevel=3)
 
     # -- checkpoints -----------------------------------------------------------------

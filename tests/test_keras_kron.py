@@ -263,9 +263,10 @@ def read(v):
 out = {}
 for pd in ("bfloat16", "float16"):
     v = keras.Variable(np.ones((4, 4), "float32"))
-    opt = Kron(learning_rate=1e-3, weight_decay=0.1, precond_dtype=pd)
-    for _ in range(100):
-        opt.apply([keras.ops.zeros((4, 4))], [v])
+    opt = Kron(learning_rate=1e-3, b1=0.0, weight_decay=0.1, precond_dtype=pd,
+               preconditioner_update_probability=0.0)
+    for _ in range(100):  # an all-zero gradient would be no step, its decay included
+        opt.apply([keras.ops.full((4, 4), 2.0 ** -10)], [v])
     out[f"decay_{pd}"] = read(v).tolist()
     for lr in (2e-8, 1e-7, 3e-6):
         v = keras.Variable(np.zeros((4, 4), "float32"))
@@ -307,11 +308,291 @@ def test_step_scalars_are_computed_in_float32_with_half_precision_factors(backen
         got = np.asarray(got)
         return np.allclose(got, np.full_like(got, expected), rtol=rtol, atol=0.0)
 
+    expected = 1.0
+    for _ in range(100):  # P = I, m̂ = g = 2⁻¹⁰ (b1 = 0): p ← p·(1 − lr·wd) − lr·g per step
+        expected = expected * (1.0 - 1e-3 * 0.1) - 1e-3 * 2.0 ** -10
     for pd in ("bfloat16", "float16"):
-        # zero gradients: only the decoupled decay acts, p ← p·(1 − lr·wd) per step
-        assert close(r[f"decay_{pd}"], (1.0 - 1e-3 * 0.1) ** 100, 1e-5), (pd, r[f"decay_{pd}"][0][0])
+        assert close(r[f"decay_{pd}"], expected, 1e-5), (pd, r[f"decay_{pd}"][0][0], expected)
         for lr in (2e-8, 1e-7, 3e-6):
             # P = I, m̂ = 10 everywhere: the step is −lr·m̂ clipped to RMS 1.1
             assert close(r[f"lr_{lr}_{pd}"], -lr * 1.1, 1e-5), (pd, lr, r[f"lr_{lr}_{pd}"][0][0])
     assert close(r["large_gradient"], -1e-2 * 1.1, 1e-3), r["large_gradient"]
     assert close(r["nan_first"], 1.0, 0.0), r["nan_first"]  # a skipped step changes nothing
+
+
+def _run_script(backend: str, script: str, tmp_path, extra_env: dict | None = None) -> dict:
+    """Run ``script`` (which writes JSON to ``argv[1]``) under ``KERAS_BACKEND=backend``."""
+    reason = _missing(backend)
+    if reason:
+        pytest.skip(reason)
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="",
+               JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1",
+               TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1", **(extra_env or {}))
+    proc = subprocess.run([sys.executable, str(path), str(tmp_path / "out.json")], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((tmp_path / "out.json").read_text())
+
+
+# ----------------------------------------------------------------------------- edge cases
+_EDGE_SCRIPT = r"""
+import json, sys, traceback, warnings
+import numpy as np, keras
+from keras import ops
+from kron_precond.keras import Kron
+
+def read(v):
+    return np.asarray(ops.convert_to_numpy(v), dtype=np.float64)
+
+rng = np.random.default_rng(0)
+SHAPES = [(6, 5), (5,), (4, 3)]  # the idle one last: the others keep their probe seeds
+INIT = [rng.standard_normal(s).astype("float32") for s in SHAPES]
+GRADS = [[rng.standard_normal(s).astype("float32") for s in SHAPES] for _ in range(14)]
+IDLE = range(3, 11)
+
+def zeros_vs_none():
+    # an all-zero gradient against no gradient (None, which Keras filters out)
+    out, runs = {}, []
+    for zeros in (True, False):
+        vs = [keras.Variable(x) for x in INIT]
+        opt = Kron(learning_rate=1e-2, weight_decay=0.1, global_clipnorm=1.0,
+                   preconditioner_update_probability=1.0)
+        history, unchanged = [], 0.0
+        for t, gs in enumerate(GRADS):
+            gs = [ops.convert_to_tensor(g) for g in gs]
+            if t in IDLE:
+                gs[2] = ops.zeros(SHAPES[2]) if zeros else None
+            if t == IDLE.start:  # built on the first step
+                slot = opt._slots[2]
+                state = [vs[2], slot.momentum, slot.step, slot.nonfinite, *slot.qs]
+                before = [read(x) for x in state]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # Keras' warning about the None gradient
+                opt.apply(gs, vs)
+            if t in IDLE and zeros:
+                unchanged = max(unchanged, max(float(np.max(np.abs(read(x) - b))) for x, b in zip(state, before)))
+            history.append([read(x) for x in [*vs, *[y for s in opt._slots for y in (s.momentum, s.step, *s.qs)]]])
+        runs.append(history)
+        if zeros:
+            out["unchanged"] = unchanged
+            out["nonfinite"] = opt.nonfinite_steps()
+            out["moved_after"] = float(np.max(np.abs(read(vs[2]) - history[IDLE.stop - 1][2])))
+    out["zeros_vs_none"] = max(float(np.max(np.abs(a - b))) for ha, hb in zip(*runs) for a, b in zip(ha, hb))
+    return out
+
+def float16_factors():
+    # the momentum of a constant gradient of 1e5 passes float16's 65 504 at step 11
+    v = keras.Variable(np.ones((4, 3), "float32"))
+    opt = Kron(learning_rate=1e-3, precond_dtype="float16", preconditioner_update_probability=0.0)
+    weights = []
+    for t in range(20):
+        opt.apply([ops.full((4, 3), 1e5)], [v])
+        weights.append(read(v).tolist())
+    return {"weights": weights, "nonfinite": opt.nonfinite_steps(), "factor_dtype": str(opt._slots[0].qs[0].dtype)}
+
+def overflow():
+    # a finite gradient whose update overflows the float32 factors' math: not written, counted
+    v = keras.Variable(np.ones((4, 3)), dtype="float64")
+    opt = Kron(learning_rate=1e-3, weight_decay=0.1, preconditioner_update_probability=0.0)
+    opt.apply([ops.full((4, 3), 1e40, dtype="float64")], [v])
+    return {"weights": read(v).tolist(), "nonfinite": list(opt.nonfinite_steps().values())}
+
+def empty():
+    # a variable with no elements is left alone; the other steps as without it
+    out, results = {}, []
+    for with_empty in (False, True):
+        vs = [keras.Variable(INIT[0])] + ([keras.Variable(np.zeros((0, 4), "float32"))] if with_empty else [])
+        opt = Kron(learning_rate=1e-2, weight_decay=0.1, global_clipnorm=1.0, preconditioner_update_probability=1.0)
+        for gs in GRADS[:3]:
+            opt.apply([ops.convert_to_tensor(gs[0])] + ([ops.zeros((0, 4))] if with_empty else []), vs)
+        results.append(read(vs[0]))
+        if with_empty:
+            out["shape"] = list(vs[1].shape)
+            out["nonfinite_keys"] = len(opt.nonfinite_steps())
+    only = [keras.Variable(np.zeros((0, 4), "float32"))]
+    opt = Kron()
+    opt.apply([ops.zeros((0, 4))], only)
+    out["only_empty_iterations"] = int(ops.convert_to_numpy(opt.iterations))
+    out["vs_without"] = float(np.max(np.abs(results[0] - results[1])))
+    return out
+
+out = {}
+for part in (zeros_vs_none, float16_factors, overflow, empty):
+    try:
+        out[part.__name__] = part()
+    except Exception:  # reported to the test, which fails on it
+        out[part.__name__] = {"error": traceback.format_exc()}
+json.dump(out, open(sys.argv[1], "w"))
+"""
+
+
+def _identity_preconditioner_reference(steps: int, g: float, lr: float, b1: float = 0.9) -> list[float]:
+    """The documented step in float64 with P = I, on a constant gradient ``g`` of a tensor whose
+    entries are all equal: m = b1·m + (1 − b1)·g, u = m scaled by min(1/(1 − b1^t), 1.1/rms(u)),
+    p ← p − lr·u (from p = 1)."""
+    w, m, out = 1.0, 0.0, []
+    for t in range(1, steps + 1):
+        m = b1 * m + (1 - b1) * g
+        w -= lr * m * min(1.0 / (1.0 - b1 ** t), 1.1 / (abs(m) + 1e-12))
+        out.append(w)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
+def test_edge_cases_of_the_step(backend, tmp_path):
+    """Eager ``apply`` on the torch and TensorFlow backends:
+
+    - an all-zero gradient counts as no gradient: the variable, its momentum, step count,
+      factors and counter stay bitwise as they were, exactly as with ``None`` (which Keras
+      filters out), and the other variables step as in that run;
+    - float16 factors: a constant gradient of 1e5 (the momentum passes 65 504 at step 11)
+      follows the float64 reference instead of writing NaN;
+    - a finite gradient whose preconditioned update overflows is not written and is counted;
+    - a variable with no elements is left alone (it raised ZeroDivisionError)."""
+    import numpy as np
+
+    r = _run_script(backend, _EDGE_SCRIPT, tmp_path)
+    for part in r.values():
+        assert "error" not in part, part["error"]
+    z = r["zeros_vs_none"]
+    assert z["zeros_vs_none"] == 0.0 and z["unchanged"] == 0.0 and z["moved_after"] > 0, z
+    assert sorted(z["nonfinite"].values()) == [0, 0, 0], z
+    f = r["float16_factors"]
+    expected = _identity_preconditioner_reference(20, 1e5, 1e-3)
+    got = [w[0][0] for w in f["weights"]]
+    assert np.all(np.isfinite(f["weights"])) and np.allclose(got, expected, rtol=1e-6, atol=0.0), (got, expected)
+    assert list(f["nonfinite"].values()) == [0] and f["factor_dtype"] == "float16", f
+    o = r["overflow"]
+    assert o["weights"] == [[1.0] * 3] * 4 and o["nonfinite"] == [1], o
+    e = r["empty"]
+    assert e["shape"] == [0, 4] and e["nonfinite_keys"] == 1, e
+    assert e["vs_without"] == 0.0 and e["only_empty_iterations"] == 1, e
+
+
+_JAX_SCRIPT = r"""
+import json, sys
+import numpy as np, keras, jax, jax.numpy as jnp
+from keras import ops
+from kron_precond.keras import Kron
+
+def read(v):
+    return np.asarray(ops.convert_to_numpy(v), dtype=np.float64)
+
+class TwoBranch(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.use_b = True
+        init = keras.initializers.GlorotUniform
+        self.a = keras.layers.Dense(3, kernel_initializer=init(seed=0))
+        self.b = keras.layers.Dense(3, kernel_initializer=init(seed=1))  # its variables come last
+
+    def call(self, x):
+        return self.a(x) + self.b(x) if self.use_b else self.a(x)
+
+rng = np.random.default_rng(0)
+X = rng.standard_normal((64, 8)).astype("float32")
+Y = rng.integers(0, 3, 64).astype("int32")
+loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+out = {}
+runs = []
+for freeze in (False, True):
+    m = TwoBranch()
+    opt = Kron(learning_rate=3e-3, weight_decay=0.1, preconditioner_update_probability=1.0)
+    m.compile(optimizer=opt, loss=loss, jit_compile=True)
+    m.fit(X, Y, batch_size=16, epochs=2, shuffle=False, verbose=0)  # 8 steps with branch b
+    b_vars = [m.b.kernel, m.b.bias, *[x for s in opt._slots[2:] for x in (s.momentum, s.step, s.nonfinite, *s.qs)]]
+    held = [read(x) for x in b_vars]
+    m.use_b = False  # branch b leaves the loss: JAX hands it zeros
+    if freeze:  # the reference: b frozen, a Kron of a's variables alone carrying on a's state
+        m.b.trainable = False
+        alone = Kron(learning_rate=3e-3, weight_decay=0.1, preconditioner_update_probability=1.0)
+        alone.build([m.a.kernel, m.a.bias])
+        by_name = {x.name: x for x in opt.variables}
+        for x in alone.variables:
+            x.assign(by_name[x.name])
+        opt = alone
+    m.compile(optimizer=opt, loss=loss, jit_compile=True)
+    m.fit(X, Y, batch_size=16, epochs=25, shuffle=False, verbose=0)  # 100 steps without b
+    runs.append([read(x) for x in (m.a.kernel, m.a.bias)])
+    if not freeze:
+        out["b_moved"] = max(float(np.max(np.abs(read(x) - h))) for x, h in zip(b_vars, held))
+        out["b_nonfinite"] = opt.nonfinite_steps()
+        out["iterations"] = int(ops.convert_to_numpy(opt.iterations))
+out["a_vs_without_b"] = max(float(np.max(np.abs(x - y)) / np.max(np.abs(y))) for x, y in zip(*runs))
+
+# float16 factors under jit (the JAX trainer's stateless_apply)
+v = keras.Variable(np.ones((4, 3), "float32"))
+opt = Kron(learning_rate=1e-3, precond_dtype="float16", preconditioner_update_probability=0.0)
+opt.build([v])
+apply = jax.jit(opt.stateless_apply)
+opt_vars, train_vars = [x.value for x in opt.variables], [v.value]
+weights = []
+for _ in range(20):
+    train_vars, opt_vars = apply(opt_vars, [jnp.full((4, 3), 1e5, jnp.float32)], train_vars)
+    weights.append(read(train_vars[0]).tolist())
+for var, value in zip(opt.variables, opt_vars):
+    var.assign(value)
+out["f16_weights"] = weights
+out["f16_nonfinite"] = opt.nonfinite_steps()
+json.dump(out, open(sys.argv[1], "w"))
+"""
+
+
+def test_jax_fit_leaves_a_branch_out_of_the_loss_alone(tmp_path):
+    """On JAX a variable the loss does not reach gets a gradient of zeros (the torch backend
+    gets ``None``): under a compiled ``model.fit`` it and its optimizer state stay bitwise as
+    they were (it drifted by 0.1-0.3 per 200 steps), and the other variables step as when it
+    is frozen. Float16 factors follow the float64 reference under ``jax.jit`` too."""
+    import numpy as np
+
+    r = _run_script("jax", _JAX_SCRIPT, tmp_path)
+    assert r["iterations"] == 108, r
+    assert r["b_moved"] == 0.0, r
+    assert sorted(r["b_nonfinite"].values()) == [0] * 4, r
+    assert r["a_vs_without_b"] < 1e-6, r
+    expected = _identity_preconditioner_reference(20, 1e5, 1e-3)
+    got = [w[0][0] for w in r["f16_weights"]]
+    assert np.allclose(got, expected, rtol=1e-6, atol=0.0), (got, expected)
+    assert list(r["f16_nonfinite"].values()) == [0], r
+
+
+_TF_DISTRIBUTE_SCRIPT = r"""
+import json, sys
+import numpy as np, tensorflow as tf
+cpus = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras
+from kron_precond.keras import Kron
+
+rng = np.random.default_rng(0)
+X = rng.standard_normal((32, 8)).astype("float32")
+Y = rng.integers(0, 3, 32).astype("int32")
+
+def fit(strategy, devices):
+    with strategy.scope():
+        m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+        m.compile(optimizer=Kron(learning_rate=0.02), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    try:
+        m.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+        return {"raised": None, "iterations": int(m.optimizer.iterations.numpy())}
+    except Exception as exc:  # the type and message are what is checked
+        return {"raised": type(exc).__name__, "message": str(exc)}
+
+out = {"two": fit(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), 2),
+       "one": fit(tf.distribute.MirroredStrategy(["/cpu:0"]), 1)}
+json.dump(out, open(sys.argv[1], "w"))
+"""
+
+
+def test_a_tf_distribute_strategy_with_several_replicas_is_refused(tmp_path):
+    """``Kron`` replaces the TensorFlow optimizer's cross-replica update, so under a
+    ``MirroredStrategy`` each replica stepped on its own gradients and the replicas drifted
+    apart (4.8e-2 and 3.1e-2 from one device). Two replicas (two logical CPUs) raise
+    ``RuntimeError`` naming tf.distribute and the supported alternative; one replica trains."""
+    r = _run_script("tensorflow", _TF_DISTRIBUTE_SCRIPT, tmp_path)
+    two = r["two"]
+    assert two["raised"] == "RuntimeError", two
+    assert "tf.distribute" in two["message"] and "keras.distribution.DataParallel" in two["message"], two
+    assert r["one"] == {"raised": None, "iterations": 2}, r["one"]

@@ -526,13 +526,18 @@ def test_a_resume_reports_only_the_non_finite_steps_after_the_checkpoint():
 @pytest.mark.parametrize("param_dtype,precond_dtype", [
     (torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.float64, torch.float32)])
 def test_decoupled_weight_decay_is_exact_whatever_the_factor_dtype(param_dtype, precond_dtype):
-    lr, wd, steps = 1e-3, 0.1, 100
+    lr, wd, steps, g = 1e-3, 0.1, 100, 2.0 ** -10
     weight = nn.Parameter(torch.ones(4, 4, dtype=param_dtype))
-    opt = Kron([weight], lr=lr, weight_decay=wd, precond_dtype=precond_dtype)
+    opt = Kron([weight], lr=lr, b1=0.0, weight_decay=wd, precond_dtype=precond_dtype,
+               preconditioner_update_probability=0.0)
     for _ in range(steps):
-        weight.grad = torch.zeros_like(weight)  # P·0 = 0: only the decay acts
+        # P = I, m̂ = g (b1 = 0), exact in every dtype and under the RMS clip: the step is lr·g
+        # (an all-zero gradient would be no step at all, its decay included)
+        weight.grad = torch.full_like(weight, g)
         opt.step()
-    expected = (1.0 - lr * wd) ** steps  # float64: p ← p·(1 − lr·wd) per step
+    expected = 1.0
+    for _ in range(steps):  # float64: p ← p·(1 − lr·wd) − lr·g per step
+        expected = expected * (1.0 - lr * wd) - lr * g
     # float32 weights round once per step (≤ 6e-8 each); float64 ones far less
     rtol = 1e-5 if param_dtype == torch.float32 else 1e-12
     assert torch.allclose(weight.detach().double(), torch.full((4, 4), expected, dtype=torch.float64),
@@ -860,3 +865,141 @@ def test_a_checkpoint_without_an_entry_raises_and_changes_nothing(key):
     del saved[key]
     assert_load_refused_and_unchanged(opt, saved, key)
     assert len(opt.state) == len(list(model.parameters()))
+
+
+# ----------------------------------------------------------------------------- all-zero gradients
+def _state_tensors(opt, p):
+    """Every tensor of ``p``'s state that a step writes."""
+    s = opt.state[p]
+    return [s["momentum_buffer"], s["step"], s["nonfinite_steps"], *s["Q"], *s.get("lipschitz", [])]
+
+
+@pytest.mark.parametrize("rule", ["eq", "procrustes"])
+@pytest.mark.parametrize("idle_from_start", [False, True])
+def test_an_all_zero_gradient_counts_as_no_gradient(rule, idle_from_start):
+    """A parameter whose gradient is zero in every element (``zero_grad(set_to_none=False)``
+    on a parameter the loss did not reach, an expert the router sent no token) is not
+    stepped: the weight, its decay, momentum, step count and factors stay bitwise as they
+    were, as with ``.grad = None``, and the other parameters step exactly as in that run.
+    Stepped instead, the factors fit the decaying momentum and the weight drifts linearly.
+    The idle stretch covers the 101st preconditioner update, which rebalances the factors."""
+    runs = []
+    for zeros in (True, False):
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(6, 5)), nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(5))]
+        opt = Kron(params, lr=1e-2, weight_decay=0.1, global_clipnorm=1.0, precond_update=rule,
+                   preconditioner_update_probability=1.0)
+        idle = range(0, 105) if idle_from_start else range(3, 105)
+        history = []
+        for step in range(110):
+            gen = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            if step in idle:
+                params[1].grad = torch.zeros(4, 3) if zeros else None
+            before = [p.detach().clone() for p in params]
+            state_before = [t.clone() for t in _state_tensors(opt, params[1])] if params[1] in opt.state else None
+            opt.step()
+            if zeros and step in idle:
+                assert torch.equal(params[1].detach(), before[1]), step
+                if state_before is not None:
+                    assert all(torch.equal(a, b) for a, b in zip(_state_tensors(opt, params[1]), state_before)), step
+                assert int(opt.state[params[1]]["nonfinite_steps"]) == 0  # a zero is no NaN
+            history.append(([p.detach().clone() for p in params],
+                            {i: [t.clone() for t in _state_tensors(opt, p)]
+                             for i, p in enumerate(params) if p in opt.state}))
+        runs.append(history)
+    for step, ((params_a, state_a), (params_b, state_b)) in enumerate(zip(*runs)):
+        assert all(torch.equal(a, b) for a, b in zip(params_a, params_b)), step
+        for i in state_b:  # the None run has no state for the idle parameter until its first gradient
+            assert all(torch.equal(a, b) for a, b in zip(state_a[i], state_b[i])), (step, i)
+    assert not torch.equal(runs[0][-1][0][1], runs[0][0][0][1])  # it steps again afterwards
+
+
+def test_zero_grad_without_set_to_none_leaves_an_unused_parameter_alone():
+    """The reviewer's case: after 20 real steps, 1000 steps of exact zeros moved the weight by
+    20.9 (|w| 0.44) as the preconditioner grew like 1/|m|; it must not move at all."""
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.zeros(8, 4))
+    opt = Kron([weight], lr=0.01, preconditioner_update_probability=1.0)
+    for _ in range(20):
+        weight.grad = torch.randn(8, 4)
+        opt.step()
+    after_real = weight.detach().clone()
+    momentum = opt.state[weight]["momentum_buffer"].clone()
+    opt.zero_grad(set_to_none=False)
+    for _ in range(50):
+        opt.step()
+    assert torch.equal(weight.detach(), after_real)
+    assert torch.equal(opt.state[weight]["momentum_buffer"], momentum)
+    assert float(opt.state[weight]["step"]) == 20
+
+
+# ----------------------------------------------------------------------------- float16 factors
+def _identity_preconditioner_reference(weight, grads, lr, b1=0.9, weight_decay=0.0):
+    """The documented step in float64 with P = I (no Q update): m = b1·m + (1 − b1)·g,
+    u = P m scaled by min(1/(1 − b1^t), 1.1/rms(u)), p ← p·(1 − lr·wd) − lr·u."""
+    w = weight.detach().double().clone()
+    m = torch.zeros_like(w)
+    out = []
+    for t, g in enumerate(grads, 1):
+        m = b1 * m + (1 - b1) * g.double()
+        rms = float(m.norm()) / w.numel() ** 0.5
+        scale = min(1.0 / (1.0 - b1 ** t), 1.1 / (rms + 1e-12))
+        if w.dim() >= 2:
+            w = w * (1.0 - lr * weight_decay)
+        w = w - lr * scale * m
+        out.append(w.clone())
+    return out
+
+
+def test_float16_factors_precondition_a_momentum_past_65504():
+    """The momentum of a constant gradient of 1e5 passes float16's 65 504 at step 11: with
+    float16 factors ``P m`` is computed in float32 (the factors stay float16), so the weights
+    follow the float64 reference instead of turning NaN."""
+    weight = nn.Parameter(torch.ones(4, 3))
+    opt = Kron([weight], lr=1e-3, precond_dtype=torch.float16, preconditioner_update_probability=0.0)
+    grads = [torch.full((4, 3), 1e5)] * 20
+    expected = _identity_preconditioner_reference(weight, grads, lr=1e-3)
+    for t, (g, w) in enumerate(zip(grads, expected), 1):
+        weight.grad = g.clone()
+        opt.step()
+        got = weight.detach().double()
+        assert torch.allclose(got, w, rtol=1e-6, atol=0.0), (t, float(got[0, 0]), float(w[0, 0]))
+    assert int(opt.state[weight]["nonfinite_steps"]) == 0
+    assert opt.state[weight]["Q"][0].dtype == torch.float16
+
+
+def test_float16_factors_fit_large_gradients_as_float32_factors_do():
+    """The Q update of float16 factors is computed in float32 too: its Gram matrices of a
+    gradient of scale 1e4 pass 65 504 (in float16 the update was dropped, or the weights
+    turned NaN). The result is the float32-factor run's to float16's rounding."""
+    runs = []
+    for dtype in (torch.float16, torch.float32):
+        torch.manual_seed(0)
+        weight = nn.Parameter(torch.randn(6, 5))
+        opt = Kron([weight], lr=1e-2, precond_dtype=dtype, preconditioner_update_probability=1.0)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(10):
+            weight.grad = 1e4 * torch.randn(6, 5, generator=gen)
+            opt.step()
+        runs.append((weight.detach().clone(), [q.float() for q in opt.state[weight]["Q"]]))
+        assert torch.isfinite(weight).all() and int(opt.state[weight]["nonfinite_steps"]) == 0
+    (w16, q16), (w32, q32) = runs
+    assert all(not torch.equal(q, torch.diag(torch.diagonal(q))) for q in q32)  # the factors learned
+    for a, b in zip(q16, q32):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-4 * float(b.abs().max()))
+    torch.testing.assert_close(w16, w32, rtol=1e-2, atol=1e-3)
+
+
+def test_a_finite_gradient_whose_update_overflows_leaves_the_weight_and_is_counted():
+    """float64 weights with float32 factors: a gradient of 1e39 is finite, its momentum
+    overflows float32. The step writes nothing non-finite: the weight is left as it was and
+    the step counted with the non-finite ones (warned about)."""
+    weight = nn.Parameter(torch.ones(4, 3, dtype=torch.float64))
+    opt = Kron([weight], lr=1e-3, weight_decay=0.1, preconditioner_update_probability=0.0)
+    weight.grad = torch.full((4, 3), 1e40, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        opt.step()
+    assert torch.equal(weight.detach(), torch.ones(4, 3, dtype=torch.float64))
+    assert int(opt.state[weight]["nonfinite_steps"]) == 1

@@ -5,7 +5,13 @@ The algorithm of the torch :class:`kron_precond.Kron` with its default ``'eq'`` 
 clip the gradients, update the momentum, on
 preconditioner-update steps fit the Kronecker factors ``Q_i`` to the debiased momentum,
 then step along ``P m̂`` clipped to RMS ≤ 1.1 with decoupled weight decay on tensors of
-≥ 2 dims. A tensor whose gradient is not finite skips the step (arithmetic masks).
+≥ 2 dims. A tensor whose gradient is zero in every element counts as having no gradient
+(JAX hands a variable the loss did not reach zeros where the other backends hand ``None``):
+it is left exactly as it is, state and weight decay included. A tensor whose gradient is
+not finite skips the step, and so does the variable update of one whose preconditioned
+update is not finite (an overflow); both are counted (arithmetic masks). Float16 factors
+are computed in float32 (float16's range ends at 65 504); a variable with no elements is
+left alone. ``tf.distribute`` strategies with more than one replica are refused.
 
 Graph-safety: nothing branches in Python on a tensor value. The update decision is the
 deterministic counter of :class:`kron_precond.schedules.UpdateDecider` kept in an int32
@@ -82,6 +88,34 @@ def _check_probability(p: Any):
     return value
 
 
+def _compute_dtype(precond_dtype: str) -> str:
+    """The dtype of the factor math for factors kept in ``precond_dtype``: float32 for
+    float16 (whose range ends at 65 504, which ``P m̂`` or a Gram matrix passes easily),
+    else ``precond_dtype`` (bfloat16 has float32's range), as in the torch ``Kron``."""
+    return "float32" if precond_dtype == "float16" else precond_dtype
+
+
+def _refuse_tf_distribution() -> None:
+    """``RuntimeError`` when a ``tf.distribute`` strategy with more than one replica is in
+    scope: ``Kron`` replaces the TensorFlow optimizer's cross-replica update (which sums the
+    gradients over the replicas), so every replica would step on its own gradients and the
+    replicas would drift apart."""
+    if keras.backend.backend() != "tensorflow":
+        return
+    import tensorflow as tf
+
+    if not tf.distribute.has_strategy():
+        return
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if replicas > 1:
+        raise RuntimeError(
+            f"kron_precond.keras.Kron does not support tf.distribute strategies (a "
+            f"{type(tf.distribute.get_strategy()).__name__} with {replicas} replicas is active): it "
+            "updates all variables together, replacing the TensorFlow optimizer's cross-replica "
+            "update, so each replica would step on its own gradients. For data-parallel training "
+            "use the JAX backend with keras.distribution.DataParallel, or one replica")
+
+
 class _StatelessSeed(keras.random.SeedGenerator):
     """A seed for ``keras.random`` computed in-graph: ``draw_seed`` asks a SeedGenerator
     for ``next()``, which here returns the given ``[2]`` tensor and advances nothing (a
@@ -113,9 +147,14 @@ class _Slot:
         self.numel = math.prod(work_shape)
         self.diagonal = diagonal
         # x(QᵀQ) beats (xQᵀ)Q when the fibres outnumber n (flop count of dense products).
-        self.form_p = [n < self.numel // n for n in work_shape]
+        self.form_p = [n < self.numel // n for n in work_shape] if self.numel else []
         self.momentum, self.step, self.qs = momentum, step, qs
         self.initialized, self.nonfinite = initialized, nonfinite
+
+    @property
+    def empty(self) -> bool:
+        """A variable with no elements: it has no state and is left alone."""
+        return self.numel == 0
 
 
 @keras.saving.register_keras_serializable(package="kron_precond")
@@ -146,9 +185,9 @@ class Kron(keras.optimizers.Optimizer):
         precond_init_scale: initial ``P = s²·I``; ``None`` estimates ``s`` in-graph from
             the first finite, non-zero gradient of each variable.
         mu_dtype: dtype name of the momentum (default: the variable's).
-        precond_dtype: dtype name of the factors and of the preconditioning math; the
-            learning rate, weight decay, update scale and RMS norm are computed in float32
-            or wider.
+        precond_dtype: dtype name of the factors and of the preconditioning math
+            (float16 factors are computed in float32, as in torch); the learning rate,
+            weight decay, update scale and RMS norm are computed in float32 or wider.
         merge_dims: view variables of rank > 2 as their most square 2-D matrix.
         seed: seeds the probe vectors, drawn statelessly from ``(seed, variable index,
             step)`` with ``keras.random.normal``.
@@ -231,6 +270,7 @@ class Kron(keras.optimizers.Optimizer):
         shared schedule counters, all as optimizer variables."""
         if self.built:
             return
+        _refuse_tf_distribution()
         super().build(var_list)
         slots = []
         for index, var in enumerate(var_list):
@@ -243,6 +283,8 @@ class Kron(keras.optimizers.Optimizer):
 
     def _make_slot(self, index: int, var) -> _Slot:
         shape = tuple(int(n) for n in var.shape)
+        if math.prod(shape) == 0:  # no elements: nothing to update, no state (as in torch)
+            return _Slot(index, var, shape, [], None, None, [], None, None)
         work = shape or (1,)
         if self.merge_dims and len(work) > 2:
             work = most_square_split(work)
@@ -282,9 +324,12 @@ class Kron(keras.optimizers.Optimizer):
         return int(ops.convert_to_numpy(self._q_update_count))
 
     def nonfinite_steps(self) -> dict[str, int]:
-        """Per model variable path: steps skipped because its gradient was not finite
-        (eager read; the torch optimizer's warning has no in-graph equivalent)."""
-        return {slot.path: int(ops.convert_to_numpy(slot.nonfinite)) for slot in self._slots}
+        """Per model variable path: steps skipped because its gradient was not finite, or
+        whose variable update was skipped because its preconditioned update was not (eager
+        read; the torch optimizer's warning has no in-graph equivalent). Variables with no
+        elements have no entry; an all-zero gradient is not counted (it is no gradient)."""
+        return {slot.path: int(ops.convert_to_numpy(slot.nonfinite))
+                for slot in self._slots if not slot.empty}
 
     # -- Keras hooks replaced by the step below ---------------------------------------
     def _clip_gradients(self, grads):
@@ -351,25 +396,33 @@ class Kron(keras.optimizers.Optimizer):
         return list(grads)
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        _refuse_tf_distribution()
         pdtype = self.precond_dtype
+        cdtype = _compute_dtype(pdtype)  # of the factor math: float32 for float16 factors
         step = ops.cast(self.iterations, "int32")  # optimizer steps before this one
         do_update, balance = self._decide_update(step)
 
         slots = [self._slots[self._get_variable_index(v)] for v in trainable_variables]
-        grads = [ops.convert_to_tensor(g) for g in grads]
+        kept = [i for i, slot in enumerate(slots) if not slot.empty]  # no elements: left alone
+        if not kept:
+            return
+        slots = [slots[i] for i in kept]
+        trainable_variables = [trainable_variables[i] for i in kept]
+        grads = [ops.convert_to_tensor(grads[i]) for i in kept]
         finite = [ops.all(ops.isfinite(g)) for g in grads]
+        # zero in every element counts as no gradient (JAX's gradient of a variable the loss
+        # did not reach): the tensor is left exactly as it is, and not counted
+        active = [ops.logical_and(fin, ops.any(ops.not_equal(g, 0))) for g, fin in zip(grads, finite)]
         grads = self._clip(grads, finite)
 
-        work = []  # per tensor: (slot, var, finite, m, bias, qs, fit, lr_q, ready)
-        for slot, var, g, fin in zip(slots, trainable_variables, grads, finite):
+        work = []  # per tensor: (slot, var, finite, active, m, bias, qs, fit, lr_q, ready)
+        for slot, var, g, fin, act in zip(slots, trainable_variables, grads, finite, active):
             g = ops.where(fin, g, ops.zeros_like(g))
-            fin_f = ops.cast(fin, "float32")
-            count = ops.add(slot.step, fin_f)  # counts applied steps only
+            act_f = ops.cast(act, "float32")
+            count = ops.add(slot.step, act_f)  # counts applied steps only
             self.assign(slot.step, count)
-            self.assign(slot.nonfinite,
-                        ops.add(slot.nonfinite, 1 - ops.cast(fin, "int32")))
             mu = slot.momentum
-            weight = ops.cast(fin_f * (1.0 - self.b1), mu.dtype)
+            weight = ops.cast(act_f * (1.0 - self.b1), mu.dtype)
             m = ops.add(mu, weight * (ops.cast(g, mu.dtype) - mu))  # unchanged if skipped
             self.assign(mu, m)
             # in float32 (1/bias overflows float16); the fit divides by its pdtype rounding
@@ -383,36 +436,42 @@ class Kron(keras.optimizers.Optimizer):
             if slot.initialized is not None:
                 qs, ready = self._initialize(slot, qs, g)
             if self.momentum_into_precond_update:
-                fit = ops.cast(m, pdtype) / ops.cast(bias, pdtype)
+                fit = ops.cast(m, cdtype) / ops.cast(bias, cdtype)
             else:
-                fit = ops.cast(g, pdtype)
-            lr_q = ops.cast(fin_f, pdtype) * self.precond_lr
+                fit = ops.cast(g, cdtype)
+            lr_q = ops.cast(act_f, cdtype) * self.precond_lr
             if ready is not None:
-                lr_q = lr_q * ops.cast(ready, pdtype)
+                lr_q = lr_q * ops.cast(ready, cdtype)
             fit = ops.reshape(fit, slot.work_shape)
-            work.append((slot, var, fin, m, bias, qs, fit, lr_q, ready))
+            work.append((slot, var, fin, act, m, bias, qs, fit, lr_q, ready))
 
         def updated():
             out = []
-            for slot, _, _, _, _, qs, fit, lr_q, ready in work:
-                enabled = balance if ready is None else ops.logical_and(balance, ready)
-                qs = psgd_ops.balance(qs, pdtype, enabled)
-                probe = self._probe(slot, step + 1, pdtype)
-                out.append(psgd_ops.q_update(qs, slot.diagonal, slot.work_shape, fit, probe,
-                                             lr_q, pdtype))
+            for slot, _, _, act, _, _, qs, fit, lr_q, ready in work:
+                enabled = ops.logical_and(act, balance if ready is None else ops.logical_and(balance, ready))
+                qs = psgd_ops.balance(qs, pdtype, enabled)  # in the factors' dtype, as torch does
+                probe = ops.cast(self._probe(slot, step + 1, pdtype), cdtype)
+                new = psgd_ops.q_update([ops.cast(q, cdtype) for q in qs], slot.diagonal,
+                                        slot.work_shape, fit, probe, lr_q, cdtype)
+                new = [ops.cast(q, pdtype) for q in new]
+                # an idle tensor keeps its factors exactly; one rounded to float16 keeps them
+                # where the rounding overflowed
+                keep = act if cdtype == pdtype else ops.logical_and(act, psgd_ops.all_finite(new))
+                out.append([ops.where(keep, q_new, q) for q, q_new in zip(qs, new)])
             return out
 
         def unchanged():
-            return [list(item[5]) for item in work]
+            return [list(item[6]) for item in work]
 
         new_qs = ops.cond(do_update, updated, unchanged)
 
         lr = ops.convert_to_tensor(learning_rate)
-        for (slot, var, fin, m, bias, _, _, _, ready), qs in zip(work, new_qs):
+        for (slot, var, fin, act, m, bias, _, _, _, ready), qs in zip(work, new_qs):
             for q_var, q in zip(slot.qs, qs):
                 self.assign(q_var, q)
-            m_p = ops.reshape(ops.cast(m, pdtype), slot.work_shape)
-            u = psgd_ops.precondition(qs, slot.diagonal, slot.form_p, slot.work_shape, m_p)
+            m_p = ops.reshape(ops.cast(m, cdtype), slot.work_shape)
+            u = psgd_ops.precondition([ops.cast(q, cdtype) for q in qs], slot.diagonal, slot.form_p,
+                                      slot.work_shape, m_p)
             if ready is not None:  # identity preconditioner until the scale is known
                 u = ops.where(ready, u, m_p)
             # P m̂ = u / bias clipped to RMS ≤ 1.1 is u times min(1/bias, 1.1/rms(u)). The
@@ -422,12 +481,21 @@ class Kron(keras.optimizers.Optimizer):
             wide = keras.backend.result_type(var.dtype, pdtype, "float32")
             u_wide = ops.cast(u, wide)
             rms = ops.sqrt(ops.sum(u_wide * u_wide)) / math.sqrt(slot.numel)
+            # a non-finite update (or norm) from a finite gradient, an overflow, is not
+            # written: the variable is left as it was, and the step counted as non-finite
+            stepped = ops.logical_and(act, ops.isfinite(rms))
+            skipped = ops.logical_or(ops.logical_not(fin),
+                                     ops.logical_and(act, ops.logical_not(stepped)))
+            self.assign(slot.nonfinite, ops.add(slot.nonfinite, ops.cast(skipped, "int32")))
+            u_wide = ops.where(stepped, u_wide, ops.zeros_like(u_wide))
             scale = ops.minimum(1.0 / ops.cast(bias, wide), _RMS_CLIP / (rms + 1e-12))
-            lr_t = ops.cast(fin, wide) * ops.cast(lr, wide)  # 0 skips this tensor
+            lr_t = ops.cast(stepped, wide) * ops.cast(lr, wide)  # 0 skips this tensor
             p = ops.convert_to_tensor(var)
             if self.weight_decay and len(slot.shape) >= 2 and self._use_weight_decay(var):
                 p = p * ops.cast(1.0 - lr_t * self.weight_decay, p.dtype)
-            delta = ops.reshape(u_wide * (lr_t * scale), slot.shape)
+            # skipped: p − 0, bitwise p (the scale may be NaN then)
+            coefficient = ops.where(stepped, lr_t * scale, ops.zeros_like(lr_t))
+            delta = ops.reshape(u_wide * coefficient, slot.shape)
             self.assign(var, p - ops.cast(delta, p.dtype))
 
     def _initialize(self, slot: _Slot, qs, g):

@@ -368,7 +368,11 @@ class PSGDFactors:
             ``P = s²·I``. ``None`` estimates ``s`` from the first gradient
             (:meth:`initialize_from`, called automatically by :meth:`update` /
             :meth:`precondition` if needed).
-        dtype, device: of the factors (all math runs in ``dtype``).
+        dtype, device: of the factors.
+        compute_dtype: of the math (default ``dtype``): the factors are cast to it for each
+            update and preconditioning, and each update's result is rounded back to
+            ``dtype`` (a result that is not finite there is not kept). The ``Kron``
+            optimizer computes float16 factors in float32, whose range float16's 65 504 lacks.
         merge_dims: view tensors of rank > 2 as the most square 2-D matrix
             (:func:`most_square_split`), transparently in :meth:`update` / :meth:`precondition`.
         update_rule: ``'eq'`` (default): upper-triangular factors, ``dQ = E Q`` with
@@ -385,7 +389,7 @@ class PSGDFactors:
                  min_ndim_triangular: int = 2, memory_save_mode: str | None = None,
                  init_scale: float | None = 1.0, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, merge_dims: bool = False,
-                 update_rule: str = "eq"):
+                 update_rule: str = "eq", compute_dtype: torch.dtype | None = None):
         check_update_rule(update_rule)
         self.update_rule = update_rule
         self.shape = tuple(int(n) for n in shape)
@@ -401,6 +405,7 @@ class PSGDFactors:
             raise ValueError(f"Invalid precond_init_scale: {init_scale!r}; expected a positive "
                              "finite float or None")
         self.dtype = dtype
+        self.compute_dtype = compute_dtype or dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         rank = len(self.work_shape)
         self._gram_subscripts = [gram_subscripts(rank, i, d) for i, d in enumerate(self.diagonal)]
@@ -457,7 +462,11 @@ class PSGDFactors:
     def _work_view(self, x: torch.Tensor, name: str) -> torch.Tensor:
         if x.numel() != self.numel:
             raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {self.shape}")
-        return x.reshape(self.work_shape).to(self.dtype)
+        return x.reshape(self.work_shape).to(self.compute_dtype)
+
+    def _computing(self) -> list[torch.Tensor]:
+        """The factors in :attr:`compute_dtype` (themselves when it is their dtype)."""
+        return [q.to(self.compute_dtype) for q in self.q]
 
     def _gram(self, x: torch.Tensor, i: int) -> torch.Tensor:
         """``X_(i) X_(i)ᵀ`` (or its diagonal): plain matmuls for the outer dims."""
@@ -470,28 +479,32 @@ class PSGDFactors:
         return torch.einsum(self._gram_subscripts[i], x, x)
 
     def update(self, fit: torch.Tensor, probe: torch.Tensor,
-               lr: float | torch.Tensor) -> torch.Tensor:
+               lr: float | torch.Tensor, enabled: torch.Tensor | None = None) -> torch.Tensor:
         """One Q update in place with fitting gradient ``fit`` and probe ``probe`` ~ N(0, I)
         (same shape as ``fit``) and step size ``lr``.
 
-        If ``fit`` or any new factor is non-finite, every factor is left unchanged (chosen
-        with ``torch.where``, no host sync). ``fit`` is never modified. Returns a 0-dim bool
+        If ``fit`` or any new factor is non-finite, or ``enabled`` (a 0-dim bool tensor) is
+        False, every factor (and Lipschitz estimate) is left unchanged (chosen with
+        ``torch.where``, no host sync). ``fit`` is never modified. Returns a 0-dim bool
         tensor: ``True`` if the update was applied.
         """
         if not self.initialized:
             self.initialize_from(fit)
         if self.update_rule == "procrustes":
-            return self._procrustes_update(fit, probe, lr)
+            return self._procrustes_update(fit, probe, lr, enabled)
         g = self._work_view(fit, "fit")
         v = self._work_view(probe, "probe")
-        a = apply_along_dims(g, [apply_q(q) for q in self.q])
-        b = apply_along_dims(v, [apply_q_inv_t(q) for q in self.q])
+        qs = self._computing()
+        a = apply_along_dims(g, [apply_q(q) for q in qs])
+        b = apply_along_dims(v, [apply_q_inv_t(q) for q in qs])
         new = []
-        for i, (q, diag) in enumerate(zip(self.q, self.diagonal)):
+        for i, (q, diag) in enumerate(zip(qs, self.diagonal)):
             t1, t2 = self._gram(a, i), self._gram(b, i)
             step = diagonal_q_step if diag else triangular_q_step
-            new.append(step(q, t1, t2, lr))
+            new.append(step(q, t1, t2, lr).to(self.dtype))
         ok = all_finite([g, *new])
+        if enabled is not None:
+            ok = ok & enabled
         for q, q_new in zip(self.q, new):
             torch.where(ok, q_new, q, out=q)
         return ok
@@ -499,7 +512,7 @@ class PSGDFactors:
     def _dense_p_maps(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:
         """``x ↦ QᵀQ x`` on mode fibres for dense (not triangular) factors."""
         maps: list[Callable[..., torch.Tensor]] = []  # each x -> x·(factor), factor bound by default
-        for q in self.q:
+        for q in self._computing():
             n = q.shape[0]
             fibres = self.numel // n
             if q.dim() == 1:
@@ -513,26 +526,29 @@ class PSGDFactors:
         return maps
 
     def _procrustes_update(self, fit: torch.Tensor, probe: torch.Tensor,
-                           lr: float | torch.Tensor) -> torch.Tensor:
+                           lr: float | torch.Tensor, enabled: torch.Tensor | None) -> torch.Tensor:
         g = self._work_view(fit, "fit")
         v = self._work_view(probe, "probe")
-        h = g + (1e-9 + torch.finfo(self.dtype).eps * g.abs()) * v
+        h = g + (1e-9 + torch.finfo(self.compute_dtype).eps * g.abs()) * v
         a = apply_along_dims(h, self._dense_p_maps())
         new_q, new_l = [], []
-        for i, (q, diag) in enumerate(zip(self.q, self.diagonal)):
+        for i, (q, diag) in enumerate(zip(self._computing(), self.diagonal)):
             t = self._gram(a, i)
             c = self.numel / self.work_shape[i]
+            previous = self.lipschitz[i].to(self.compute_dtype)
             if diag:
                 ell = t.amax() + c
-                lip = procrustes_lipschitz(self.lipschitz[i], ell)
-                new_q.append(q * (1 - (lr / lip) * (t - c)))
+                lip = procrustes_lipschitz(previous, ell)
+                new_q.append((q * (1 - (lr / lip) * (t - c))).to(self.dtype))
             else:
                 ell = spectral_norm_lower_bound(t) + c
-                lip = procrustes_lipschitz(self.lipschitz[i], ell)
+                lip = procrustes_lipschitz(previous, ell)
                 step = (t @ q).sub_(q, alpha=c)
-                new_q.append(procrustes_rotation(q - (lr / lip) * step))
-            new_l.append(lip)
-        ok = all_finite([g, *new_q])
+                new_q.append(procrustes_rotation(q - (lr / lip) * step).to(self.dtype))
+            new_l.append(lip.to(self.dtype))
+        ok = all_finite([g, *new_q, *new_l])
+        if enabled is not None:
+            ok = ok & enabled
         for q, q_new, lip, lip_new in zip(self.q, new_q, self.lipschitz, new_l):
             torch.where(ok, q_new, q, out=q)
             torch.where(ok, lip_new, lip, out=lip)
@@ -544,7 +560,7 @@ class PSGDFactors:
         applications (the expected number of steps until the factors change), ``q_i²`` for a
         diagonal one, ``None`` otherwise. Valid until the factors change."""
         out: list[torch.Tensor | None] = []
-        for q, n, form_p in zip(self.q, self.work_shape, self._form_p):
+        for q, n, form_p in zip(self._computing(), self.work_shape, self._form_p):
             if q.dim() == 1:
                 out.append(q * q)
             elif self.update_rule == "procrustes":  # dense factors: plain flop count
@@ -569,18 +585,23 @@ class PSGDFactors:
         if products is None:
             products = self.preconditioner_products()
         dense = self.update_rule == "procrustes"
-        maps = [_multiply_by(q, p, dense) for q, p in zip(self.q, products)]
+        # a factor with a product is not read: cast only the others
+        maps = [_multiply_by(q if p is not None else q.to(self.compute_dtype), p, dense)
+                for q, p in zip(self.q, products)]
         out = apply_along_dims(g, maps)
         return out.reshape(grad.shape).to(grad.dtype)
 
-    def balance(self) -> None:
+    def balance(self, enabled: torch.Tensor | None = None) -> None:
         """Rescale the factors to equal max-abs (their geometric mean) without changing
-        ``P``; keeps a long run away from under/overflow. No host sync."""
+        ``P``; keeps a long run away from under/overflow. ``enabled`` (a 0-dim bool tensor)
+        False leaves them exactly as they are. No host sync."""
         if len(self.q) < 2:
             return
         norms = torch.stack([q.abs().amax() for q in self.q]).clamp_min(
             torch.finfo(self.dtype).tiny)
         factors = norms.log().mean().exp() / norms
+        if enabled is not None:
+            factors = torch.where(enabled, factors, torch.ones_like(factors))
         for q, f in zip(self.q, factors):
             q.mul_(f)
 

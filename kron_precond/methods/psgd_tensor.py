@@ -111,12 +111,21 @@ class PSGDTensor:
         self._generator.manual_seed(probe_seed(self.seed, *self.key, step))
         return torch.randn(self.factors.shape, generator=self._generator, dtype=dtype, device=self.device)
 
-    def update_factors(self, fit: torch.Tensor, lr, *, step: int, update_index: int) -> torch.Tensor:
+    def update_factors(self, fit: torch.Tensor, lr, *, step: int, update_index: int,
+                       enabled: torch.Tensor | None = None) -> torch.Tensor:
         """One Q update fitted to ``fit`` with the probe of ``step``; rebalances the factors
-        before every ``BALANCE_EVERY``-th update. Returns the applied flag (0-dim bool)."""
-        if update_index % BALANCE_EVERY == 0:
-            self.factors.balance()
-        applied = self.factors.update(fit, self.probe(step, self.factors.dtype), lr)
+        before every ``BALANCE_EVERY``-th update. ``enabled`` (0-dim bool tensor) False leaves
+        the factors exactly as they are, rebalancing included. Returns the applied flag
+        (0-dim bool)."""
+        probe = self.probe(step, self.factors.dtype)
+        if enabled is None:  # every caller but the Kron optimizer
+            if update_index % BALANCE_EVERY == 0:
+                self.factors.balance()
+            applied = self.factors.update(fit, probe, lr)
+        else:
+            if update_index % BALANCE_EVERY == 0:
+                self.factors.balance(enabled)
+            applied = self.factors.update(fit, probe, lr, enabled)
         self.invalidate()
         return applied
 
