@@ -176,3 +176,83 @@ def test_an_optimizer_stepped_inside_an_autocast_region_is_full_precision(optimi
             opt.zero_grad()
         for p_in, p_out in zip(inside_model.parameters(), outside_model.parameters()):
             torch.testing.assert_close(p_in, p_out, rtol=1e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- PSGD, float16 factors
+def _psgd_run(precond_dtype, layers, steps=6, scale=1e5, grad_dtype=torch.float32, **options):
+    """``layers`` Linear(4, 3) layers (two or more: preconditioned together by ``apply_batch``)
+    whose gradients are ``scale`` times a fixed-seed pattern around 1 on every step, preconditioned
+    by PSGD (a Q update on every step unless ``options`` say otherwise). Returns the
+    preconditioner, what each step wrote into ``.grad``, the gradients it was given and how many
+    layers were preconditioned together."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 3) for _ in range(layers)]).to(grad_dtype)
+    options.setdefault("preconditioner_update_probability", 1.0)
+    precond = KronPreconditioner(model, method="psgd", precond_dtype=precond_dtype, **options)
+    written, raws = [], []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 + step)
+        for p in model.parameters():
+            p.grad = (scale * (1.0 + 0.5 * torch.randn(p.shape, generator=g, dtype=torch.float64))).to(grad_dtype)
+        raws.append([p.grad.clone() for p in model.parameters()])
+        precond.step()
+        written.append([p.grad.clone() for p in model.parameters()])
+    together = max((len(key[2]) for key in precond._apply_cache if key[0] == "batch"), default=0)
+    return precond, written, raws, together
+
+
+@pytest.mark.parametrize("momentum", [False, True], ids=["gradient_fit", "momentum_fit"])
+@pytest.mark.parametrize("layers", [1, 2], ids=["alone", "batched"])
+def test_psgd_float16_factors_compute_in_float32_and_match_the_float64_run(layers, momentum):
+    """float16 factors are kept in float16 and computed in float32 (as ``Kron``'s): a gradient of
+    1e5, past float16's 65 504 (and, with ``momentum_into_precond_update``, a fitted average past
+    it), is preconditioned, alone and batched, as with float64 factors up to the float16 rounding
+    of the factors. Before, the gradient and the math were cast to float16: NaN in ``.grad``."""
+    options = dict(momentum_into_precond_update=momentum)
+    precond, written, _, together = _psgd_run(torch.float16, layers, **options)
+    _, reference, _, _ = _psgd_run(torch.float64, layers, **options)
+    assert together == layers  # the batched case ran through apply_batch with both layers
+    for layer in precond.layers.values():
+        assert all(q.dtype == torch.float16 for qs in layer.q_factors.values() for q in qs)
+    for step, (got, want) in enumerate(zip(written, reference)):
+        for g, w in zip(got, want):
+            assert g.dtype == torch.float32 and torch.isfinite(g).all(), f"step {step}: {g}"
+            # measured <= 1.3e-3 (the factors' float16 rounding); without the Q updates the last
+            # step's tensors are 0.09-0.5 away
+            assert _rel(g, w.float()) < 5e-3, f"step {step}: {_rel(g, w.float()):.3g}"
+
+
+@pytest.mark.parametrize("layers", [1, 2], ids=["alone", "batched"])
+def test_psgd_float16_gradients_are_clipped_before_they_are_rounded_to_float16(layers):
+    """A float16 model's preconditioned gradient larger than 65 504 (here P = 100·I on gradients
+    of 1e4) is RMS-clipped in float32 before it is rounded to the gradient's dtype: before, it
+    overflowed first, and the clip made the Inf a NaN."""
+    _, written, _, together = _psgd_run(torch.float32, layers, steps=2, scale=1e4, grad_dtype=torch.float16,
+                                        precond_init_scale=10.0)
+    _, reference, _, _ = _psgd_run(torch.float64, layers, steps=2, scale=1e4, grad_dtype=torch.float64,
+                                   precond_init_scale=10.0)
+    assert together == layers
+    for got, want in zip(written, reference):
+        for g, w in zip(got, want):
+            assert g.dtype == torch.float16 and torch.isfinite(g).all()
+            assert _rel(g.double(), w) < 2e-3  # measured 3.5e-4: float16 rounding of g and P g
+
+
+@pytest.mark.parametrize("layers", [1, 2], ids=["alone", "batched"])
+def test_psgd_update_that_overflows_from_a_finite_gradient_passes_the_gradient_through(layers):
+    """A preconditioned gradient that is not finite although the gradient is (P = 1e38·I on
+    gradients of 100: past float32's range; no Q update, which would overflow too) is not
+    written: the raw gradient passes through, as a non-finite gradient's does, and the skipped
+    update is counted and named in a warning (PSGD reads its counters on step 0, then every 100
+    steps)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, written, raws, together = _psgd_run(torch.float32, layers, steps=1, scale=100.0,
+                                               precond_init_scale=1e19, preconditioner_update_probability=0.0)
+    assert together == layers
+    for got, raw in zip(written[0], raws[0]):
+        assert torch.equal(got, raw)
+    skipped = [str(w.message) for w in caught if "non-finite update" in str(w.message)]
+    # weight and bias of every layer
+    assert sorted(skipped) == [f"kron_precond: skipped 2 non-finite update(s) of {i}; its state was left unchanged"
+                               for i in range(layers)], [str(w.message) for w in caught]

@@ -5,10 +5,18 @@ Each parameter ("part") has one :class:`~kron_precond.methods.psgd_tensor.PSGDTe
 gradient average, probe vectors that depend only on ``(seed, layer, parameter, step)`` --
 so the result is the same whichever rank owns the layer and however many ranks there are --
 and the update-RMS clip of kron_torch.
+
+The factors are kept in ``precond_dtype``; their math runs in it too, except that float16
+factors are computed in float32 (:func:`kron_precond.optim.compute_dtype`, as in ``Kron``):
+float16's range ends at 65 504, which a gradient, a fitted average or ``P g`` passes easily.
+The RMS clip runs before the result is rounded to the gradient's dtype (float32 for a float16
+gradient), so a float16 model's clipped update does not overflow either. A preconditioned
+gradient that is still not finite from a finite gradient (an overflow) is not written: the
+gradient passes through, as a non-finite one does, and the skip is counted in ``nonfinite``.
 """
 from __future__ import annotations
 
-from typing import Any, Hashable, Mapping, Sequence, cast
+from typing import Any, Hashable, Mapping, Sequence
 
 import torch
 
@@ -18,6 +26,7 @@ from kron_precond.methods.base import LayerMethod, MethodSpec, Option, Selected,
 from kron_precond.methods.psgd import PSGDFactors, check_memory_save_mode, check_update_rule
 from kron_precond.methods.psgd_tensor import RMS_CLIP, PSGDTensor, rms_clip_scale
 from kron_precond.modules import find_parameter_modules
+from kron_precond.optim import compute_dtype
 from kron_precond.schedules import ProbabilitySchedule, StepContext, check_probability
 
 
@@ -32,7 +41,8 @@ class PSGDLayer(LayerMethod):
         seed, layer_index: determine the probe vectors.
         **factor_settings: passed to :class:`PSGDFactors` (``max_size_triangular``,
             ``min_ndim_triangular``, ``memory_save_mode``, ``init_scale``, ``dtype``,
-            ``merge_dims``).
+            ``merge_dims``, ``update_rule``; ``compute_dtype`` defaults to
+            :func:`~kron_precond.optim.compute_dtype` of ``dtype``: float32 for float16).
     """
 
     def __init__(self, name: str, shapes: Sequence[tuple[str, torch.Size]], *, device: torch.device,
@@ -46,8 +56,9 @@ class PSGDLayer(LayerMethod):
         self.seed = seed
         self.layer_index = layer_index
         self.use_momentum = bool(momentum_into_precond_update)
-        self._settings = factor_settings
         self.factor_dtype = factor_settings.get("dtype", torch.float32)
+        factor_settings.setdefault("compute_dtype", compute_dtype(self.factor_dtype))
+        self._settings = factor_settings
         # Built on first use: ranks that are not gradient workers never hold factors.
         self._tensors: dict[str, PSGDTensor | None] = {part: None for part in self.parts}
         # The fitted average is advanced on every rank (it is cheap and rank-independent).
@@ -118,7 +129,7 @@ class PSGDLayer(LayerMethod):
         state = self.tensor(part)
         if grad is None or not state.factors.initialized:
             return
-        fit = self._averages[part].debiased_momentum(state.factors.dtype) if self._averages else grad
+        fit = self._averages[part].debiased_momentum(state.factors.compute_dtype) if self._averages else grad
         applied = state.update_factors(fit, ctx["precond_lr"], step=ctx.step, update_index=ctx.refresh_index)
         self.nonfinite.add_((~applied).to(self.nonfinite.dtype))
 
@@ -141,14 +152,30 @@ class PSGDLayer(LayerMethod):
 
     # ------------------------------------------------------------------ apply
     def apply(self, grads: list[torch.Tensor], ctx: StepContext | None = None) -> list[torch.Tensor]:
+        """``P g`` RMS-clipped, per parameter; a gradient that is not finite, or whose result is
+        not (an overflow, counted in ``nonfinite``), is returned as it is."""
+        return self._apply(grads, None)
+
+    def _apply(self, grads: list[torch.Tensor], keep: torch.Tensor | None) -> list[torch.Tensor]:
+        """:meth:`apply`; ``keep`` (0-dim bool): every gradient of the layer is finite (the
+        engine's flag; ``None``: judged per gradient here)."""
         out = []
+        overflowed = []
         for part, grad in zip(self.parts, grads):
             state = self.tensor(part)
             if not state.factors.initialized:  # initial scale not estimated yet
                 out.append(grad)
                 continue
-            update = state.precondition(grad)
-            out.append(update * rms_clip_scale(update).to(update.dtype))
+            # in float32 for a float16 gradient: P g may pass 65 504 before the clip
+            wide = _clip_dtype(grad.dtype)
+            update = state.precondition(grad.to(wide))
+            update = (update * rms_clip_scale(update).to(wide)).to(grad.dtype)
+            given = _finite(grad.unsqueeze(0))[0] if keep is None else keep
+            written = given & _finite(update.unsqueeze(0))[0]
+            overflowed.append(given & ~written)
+            out.append(torch.where(written, update, grad))
+        if overflowed:
+            self.nonfinite.add_(torch.stack(overflowed).sum().to(self.nonfinite.dtype))
         return out
 
     def batch_key(self) -> Hashable | None:
@@ -172,10 +199,13 @@ class PSGDLayer(LayerMethod):
 
         Per factor the stack holds the formed ``Q_iᵀQ_i`` (or ``q_i²``), else ``Q_i`` itself
         (two products). Built when a factor changes; each layer's tensors are then re-pointed
-        at their slice of the stack, so nothing is held twice and in-place updates reach it."""
+        at their slice of the stack, so nothing is held twice and in-place updates reach it.
+        The products are in the factors' compute dtype, a stacked ``Q_i`` is cast to it per step
+        (as :meth:`PSGDFactors.precondition` does). Where ``keep`` is False (a non-finite
+        gradient) or the result is not finite (an overflow, counted in the layer's
+        ``nonfinite``), the gradient is returned as it is."""
         if len(layers) == 1:
-            # the base hands ctx on to PSGDLayer.apply, which also takes None
-            return super().apply_batch(layers, grads, cast(StepContext, ctx), cache, keep)
+            return [layers[0]._apply(grads[0], keep[0])]
         states = [[layer.tensor(part) for part in layer.parts] for layer in layers]
         versions = tuple(t.version for row in states for t in row)
         if cache.get("versions") != versions:  # factors changed since the stacks were built
@@ -184,21 +214,27 @@ class PSGDLayer(LayerMethod):
                                for j in range(len(states[0]))]
         count = len(layers)
         columns = []
+        overflowed = torch.zeros(count, dtype=torch.int64, device=keep.device)
         for j, stacks in enumerate(cache["stacks"]):
             factors = states[0][j].factors
             raw = torch.stack([g[j] for g in grads])
-            x = raw.reshape(count, *factors.work_shape).to(factors.dtype)
+            x = raw.reshape(count, *factors.work_shape).to(factors.compute_dtype)
             if x.dim() == 2:  # one dim: [L, n] -> x P (row vectors)
                 x = _right_multiply(x.unsqueeze(1), *stacks[0]).squeeze(1)
             else:  # [L, m, n]: P_0 X P_1, each side diagonal or a matrix
                 x = _right_multiply(x.transpose(1, 2), *stacks[0]).transpose(1, 2)
                 x = _right_multiply(x, *stacks[1])
-            x = x.reshape(raw.shape).to(raw.dtype)
+            # clipped in float32 for float16 gradients: P g may pass 65 504 before the clip
+            x = x.reshape(raw.shape).to(_clip_dtype(raw.dtype))
             rms = torch.linalg.vector_norm(x.float().reshape(count, -1), dim=1) / (x[0].numel() ** 0.5)
             scale = (RMS_CLIP / (rms + 1e-12)).clamp(max=1.0).to(x.dtype)
             shape = (count,) + (1,) * (x.dim() - 1)
-            x = torch.where(keep.reshape(shape), x * scale.reshape(shape), raw)
+            x = (x * scale.reshape(shape)).to(raw.dtype)
+            written = keep & _finite(x)
+            overflowed += keep & ~written
+            x = torch.where(written.reshape(shape), x, raw)
             columns.append(x.unbind(0))
+        torch._foreach_add_([layer.nonfinite for layer in layers], list(overflowed.unbind(0)))
         return [list(row) for row in zip(*columns)]
 
     # ------------------------------------------------------------------ estimates
@@ -312,9 +348,24 @@ def _adopt_stack(states, part: int, factor: int) -> tuple[str, torch.Tensor]:
     return "factor", stack
 
 
+def _clip_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a preconditioned gradient of ``dtype`` is RMS-clipped in before it is rounded
+    to ``dtype``: float32 for float16 (whose 65 504 an unclipped ``P g`` passes), else ``dtype``."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """``[L]`` bool: each of the ``L`` tensors stacked in ``x`` is finite (a NaN or Inf makes its
+    L2 norm NaN or Inf; taken in float32 or wider, so a clipped update's norm cannot overflow)."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    return torch.isfinite(torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=1, dtype=wide))
+
+
 def _right_multiply(x: torch.Tensor, kind: str, stack: torch.Tensor) -> torch.Tensor:
     """``x P`` for row vectors ``x`` ``[L, r, n]``: ``P`` = the stacked product (``[L, n]`` for
-    a diagonal factor, else ``[L, n, n]``, symmetric) or ``QᵀQ`` from the stacked factor."""
+    a diagonal factor, else ``[L, n, n]``, symmetric) or ``QᵀQ`` from the stacked factor (cast
+    to ``x``'s dtype, the compute dtype, when the factors are kept in another)."""
+    stack = stack.to(x.dtype)
     if stack.dim() == 2:
         return x * stack.unsqueeze(1)
     if kind == "product":
