@@ -37,6 +37,7 @@ from torch import nn
 
 from kron_precond.autocast import autocast_disabled
 from kron_precond.compiled import run_eagerly
+from kron_precond.distributed.sharded import is_dtensor
 
 
 class ActivationCapture:
@@ -259,7 +260,9 @@ class AbandonedIterations:
     ``scaler.step(optimizer)`` calls nothing on an overflow). Its statistics must then be
     dropped. A backward shows in the gradients of ``params()``: it creates a tensor or
     accumulates into one in place, which changes its version; a second ``zero_grad`` with no
-    backward in between (after the forward, say) shows nothing."""
+    backward in between (after the forward, say) shows nothing. A DTensor gradient (FSDP2)
+    is accumulated into its local shard in place (``grad._local_tensor += ...``), which
+    leaves the DTensor's own version as it was: the local shard's version is read too."""
 
     def __init__(self, params: Callable[[], Sequence[torch.Tensor]]) -> None:
         self._params = params
@@ -267,7 +270,7 @@ class AbandonedIterations:
         self._at_zero: list | None = None  # the gradients as the last zero_grad() left them
 
     def _marks(self) -> list:
-        return [None if p.grad is None else (id(p.grad), p.grad._version) for p in self._params()]
+        return [None if p.grad is None else _grad_mark(p.grad) for p in self._params()]
 
     def stepped(self) -> None:
         self._stepped = True
@@ -280,6 +283,16 @@ class AbandonedIterations:
         """Called after zeroing."""
         self._stepped = False
         self._at_zero = self._marks()
+
+
+def _grad_mark(grad: torch.Tensor) -> tuple[int, ...]:
+    """What a backward changes in a gradient: the tensor (a new one) and its version (an
+    accumulation in place); of a DTensor, also its local shard's version (FSDP2 accumulates
+    into the shard, the DTensor's own version stays)."""
+    if is_dtensor(grad):
+        local = grad._local_tensor  # what FSDP2 adds into (to_local() returns an alias sharing its version)
+        return (id(grad), grad._version, id(local), local._version)
+    return (id(grad), grad._version)
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:

@@ -810,15 +810,18 @@ class KronPreconditioner:
         ``ValueError`` and changes nothing. Layers this model does not have raise too,
         unless ``strict=False`` (they are then ignored with a warning, as
         ``nn.Module.load_state_dict(strict=False)`` does); a layer of this model missing
-        from the checkpoint always raises. On a sharded (FSDP2 / HSDP) model with
-        ``grad_worker_fraction < 1`` it is a collective (as ``dcp.load`` is): call it on every
-        rank. Each rank then checks the layers it holds, and the ranks agree on the outcome
-        before anything changes: a state rejected on any rank raises ``ValueError`` on every
-        rank (naming the ranks that rejected it, and on those ranks why), and no rank loads it.
+        from the checkpoint always raises. On a sharded (FSDP2 / HSDP) model over several
+        ranks it is a collective (as ``dcp.load`` is), whatever ``grad_worker_fraction``: call
+        it on every rank. Each rank then checks the state it holds (a layer's factors live on
+        its owner alone; with ``grad_worker_fraction < 1`` its refreshed state on its gradient
+        workers alone), and the ranks agree on the outcome before anything changes: a state
+        rejected on any rank raises ``ValueError`` on every rank (naming the ranks that
+        rejected it, and on those ranks why), and no rank loads it.
         """
-        # Sharded with fewer gradient workers than ranks: each rank checks (and loads) only the
-        # layers it holds, so the checks' outcome differs by rank and must be agreed on
-        per_rank = self._runtime.sharding is not None and self.world_size > 1 and self.grad_workers < self.world_size
+        # Sharded: each rank checks (and loads) only the state it holds -- a layer's factors on
+        # its owner alone under any strategy (_layer_state), its refreshed state on its gradient
+        # workers -- so the checks' outcome differs by rank and must be agreed on
+        per_rank = self._runtime.sharding is not None and self.world_size > 1
         error: Exception | None = None
         try:
             checked = self._checked_state(state, strict)
@@ -851,10 +854,11 @@ class KronPreconditioner:
             layer.method.load_state_dict(layers[layer.name])
             if not self._holds_state(layer):
                 layer.method.release_refreshed()
-        if per_rank:
-            # A sharded load gives a rank only the layers it holds; the tensors every rank needs
-            # to gather statistics come from their owners, as after a refresh (the same test on
-            # every rank: every rank joins)
+        if per_rank and self.grad_workers < self.world_size:
+            # A sharded load with fewer gradient workers than ranks gives a rank only the layers'
+            # refreshed state it holds; the tensors every rank needs to gather statistics come
+            # from their owners, as after a refresh (the same test on every rank: every rank
+            # joins). Every rank holds them otherwise, as it loaded them.
             self._share_statistics_tensors()
         self._update_collecting()
 

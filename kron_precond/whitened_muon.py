@@ -55,6 +55,7 @@ from kron_precond.autocast import autocast_disabled
 from kron_precond.capture import AbandonedIterations, ActivationCapture, grad_scaler_scale, refuse_fullgraph, weakly
 from kron_precond.checkpoint import run_load_pre_hooks
 from kron_precond.compiled import step_eagerly
+from kron_precond.distributed.collectives import failed_ranks
 from kron_precond.distributed.sharded import ShardedLayout, is_dtensor
 from kron_precond.health import new_nonfinite_steps
 from kron_precond.methods import state_checks as checks
@@ -412,18 +413,22 @@ def _ungated_mlp_inputs(units: list[Selected], views: dict[int, MatrixView],
 
 def _check_state_tensor(item: str, value: Any, shape: tuple[int, ...], where: str) -> None:
     """A saved state tensor of the expected shape: floating and finite (factors, whiteners,
-    moments), or, for ``nonfinite_steps``, an integer count >= 0. ``ValueError`` otherwise."""
+    moments), or, for ``nonfinite_steps``, an integer count >= 0. ``ValueError`` otherwise.
+    Of a DTensor (a sharded model's moment) the global shape, then this rank's shard: each
+    rank checks its own (``load_state_dict`` has the ranks agree on the outcome)."""
     if not torch.is_tensor(value):
         raise ValueError(f"{where}: expected a tensor, got {type(value).__name__}")
-    if is_dtensor(value):  # a sharded model's moment: its global shape (the shards are its own)
+    if is_dtensor(value):
         if tuple(value.shape) != shape:
             raise ValueError(f"{where}: expected shape {shape}, got {tuple(value.shape)}")
-    elif item == "nonfinite_steps":
+        value = value.to_local()
+        shape = tuple(value.shape)
+    if item == "nonfinite_steps":
         if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool or tuple(value.shape) != shape:
             raise ValueError(f"{where}: expected an integer tensor of shape {shape}, got {value.dtype} "
                              f"{tuple(value.shape)}")
-        if bool(value < 0):
-            raise ValueError(f"{where}: a count must be >= 0, got {int(value)}")
+        if bool((value < 0).any()):
+            raise ValueError(f"{where}: a count must be >= 0, got {value.min().item()}")
     else:
         # shape, floating dtype and finiteness; AdamW's second moment, a mean of squares, also >= 0
         # (the step's square root of a negative one is NaN)
@@ -1455,26 +1460,35 @@ class WhitenedMuon(torch.optim.Optimizer):
         (every weight without ``output_side``; all but those it chooses with ``"wide"`` or
         ``"auto"``).
         Factors, whiteners and counters keep their saved dtype and values (torch.optim's load
-        would cast them to each parameter's dtype, e.g. bfloat16)."""
-        # torch.optim's order: the pre-hooks adapt the checkpoint first, then it is checked
-        state_dict = run_load_pre_hooks(self, state_dict)
-        missing = [key for key in ("state", "param_groups") if key not in state_dict]
-        if missing:
-            raise ValueError(f"WhitenedMuon.load_state_dict: the checkpoint has no {missing} (not an optimizer's "
-                             f"state_dict)")
-        saved_groups = state_dict["param_groups"]
-        saved = [g.get("algorithm", WHITENED) for g in saved_groups]
-        ours = [g["algorithm"] for g in self.param_groups]
-        if saved != ours:
-            raise ValueError(f"WhitenedMuon.load_state_dict: the saved param groups' algorithms {saved} "
-                             f"differ from this optimizer's {ours}")
-        for index, group in enumerate(saved_groups):  # checked before anything changes
-            if len(group["params"]) != len(self.param_groups[index]["params"]):
-                raise ValueError(f"WhitenedMuon.load_state_dict: saved param group {index} holds "
-                                 f"{len(group['params'])} parameters, this optimizer's "
-                                 f"{len(self.param_groups[index]['params'])}")
-            _check_group(index, {**self.param_groups[index], **{k: v for k, v in group.items() if k != "params"}})
-        kept, exact, part_inputs = self._checked_state(state_dict)
+        would cast them to each parameter's dtype, e.g. bfloat16).
+        On a sharded (FSDP2 / HSDP) model over several ranks it is a collective (as
+        ``set_optimizer_state_dict`` and ``dcp.load`` are): call it on every rank. Each rank
+        checks its own shards of the moments, and the ranks agree on the outcome before
+        anything changes: a state rejected on any rank raises ``ValueError`` on every rank
+        (naming the ranks that rejected it, and on those ranks why), and no rank loads it."""
+        # the moments of a sharded model are DTensors, each rank checking its own shards: the
+        # outcome may differ by rank and is agreed on (the same test on every rank: the weights')
+        per_rank = self._sharded is not None and several_ranks(self.process_group)
+        error: Exception | None = None
+        try:
+            # torch.optim's order: the pre-hooks adapt the checkpoint first, then it is checked
+            state_dict = run_load_pre_hooks(self, state_dict)
+            kept, exact, part_inputs = self._checked_load(state_dict)
+        except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
+            if not per_rank:
+                raise
+            error = err
+        if per_rank:
+            # before anything changes: one small all-gather, entered by every rank
+            device = self._whitened_params()[0].device  # a sharded weight's (the mesh's device)
+            failed = failed_ranks(error is not None, device, self.process_group)
+            if failed:
+                reason = ("see the error raised there" if error is None else
+                          f"on this rank ({dist.get_rank(self.process_group)}): "
+                          f"{error if isinstance(error, ValueError) else f'{type(error).__name__}: {error}'}")
+                raise ValueError(f"WhitenedMuon.load_state_dict: the state was rejected on rank(s) {failed} (each "
+                                 f"rank checks its own shards of the sharded state); no rank loaded it; "
+                                 f"{reason}") from error
         if not state_dict["state"] and any(p.requires_grad for g in self.param_groups for p in g["params"]):
             from kron_precond.checkpoint import called_by_torchs_state_dict_api
             if called_by_torchs_state_dict_api():
@@ -1529,6 +1543,28 @@ class WhitenedMuon(torch.optim.Optimizer):
         new_nonfinite_steps(self, self._reported)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _checked_load(self, state_dict: dict[str, Any]) -> tuple[dict, dict[nn.Parameter, dict],
+                                                                 dict[nn.Parameter, bool]]:
+        """:meth:`load_state_dict`'s checks, changing nothing: ``ValueError`` for a checkpoint
+        that does not fit; else :meth:`_checked_state`'s result."""
+        missing = [key for key in ("state", "param_groups") if key not in state_dict]
+        if missing:
+            raise ValueError(f"WhitenedMuon.load_state_dict: the checkpoint has no {missing} (not an optimizer's "
+                             f"state_dict)")
+        saved_groups = state_dict["param_groups"]
+        saved = [g.get("algorithm", WHITENED) for g in saved_groups]
+        ours = [g["algorithm"] for g in self.param_groups]
+        if saved != ours:
+            raise ValueError(f"WhitenedMuon.load_state_dict: the saved param groups' algorithms {saved} "
+                             f"differ from this optimizer's {ours}")
+        for index, group in enumerate(saved_groups):  # checked before anything changes
+            if len(group["params"]) != len(self.param_groups[index]["params"]):
+                raise ValueError(f"WhitenedMuon.load_state_dict: saved param group {index} holds "
+                                 f"{len(group['params'])} parameters, this optimizer's "
+                                 f"{len(self.param_groups[index]['params'])}")
+            _check_group(index, {**self.param_groups[index], **{k: v for k, v in group.items() if k != "params"}})
+        return self._checked_state(state_dict)
 
     def _checked_state(self, state_dict: dict[str, Any]) -> tuple[dict, dict[nn.Parameter, dict],
                                                                   dict[nn.Parameter, bool]]:

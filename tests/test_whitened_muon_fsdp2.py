@@ -294,3 +294,62 @@ def test_sharded_fused_experts_leave_an_idle_or_non_finite_expert_alone_as_one_p
     assert [run["nonfinite"] for run in ranks] == [single["nonfinite"]] * 2 == [1, 1]
     moved = single["trajectory"]
     assert torch.equal(moved[2][0][3], moved[1][0][3]) and torch.equal(moved[3][0][3], moved[1][0][3])
+
+
+# ---------------------------------------------------------------------- an abandoned iteration
+ABANDONED_AT = 2  # a statistics step (statistics_every=2; K-FAC gathers every step)
+
+
+def _abandoning_optimizer(net, kind: str):
+    if kind == "wmuon":
+        return make_optimizer(net, False)
+    from kron_precond import KronPreconditioner, PreconditionedOptimizer
+
+    precond = KronPreconditioner(net, method="kfac", inv_dtype=torch.float64, kl_clip=None)
+    return PreconditionedOptimizer(torch.optim.SGD(net.parameters(), lr=LR), precond)
+
+
+def _abandoning_run(kind: str, net, rank: int = 0, world: int = 1) -> list[torch.Tensor]:
+    """``STEPS`` steps with ``zero_grad(set_to_none=False)``; before step ``ABANDONED_AT`` a
+    backward on another batch (ten times the inputs) whose step never comes -- what a
+    ``GradScaler`` skip leaves -- and a ``zero_grad()``: its statistics must be dropped."""
+    opt = _abandoning_optimizer(net, kind)
+    trajectory = []
+    data = batches(STEPS + 1, dims=DIMS)
+    per = data[0][0].shape[0] // world
+    rows = slice(rank * per, (rank + 1) * per)
+    for step, (x, y) in enumerate(data[:STEPS]):
+        opt.zero_grad(set_to_none=False)
+        if step == ABANDONED_AT:
+            x_skipped, y_skipped = data[STEPS]
+            loss_of(net, 10 * x_skipped[rows], y_skipped[rows]).backward()
+            opt.zero_grad(set_to_none=False)
+        loss_of(net, x[rows], y[rows]).backward()
+        opt.step()
+        trajectory.append(weights(net))
+    return trajectory
+
+
+def _abandoning_worker(rank, world, out_dir):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {kind: _abandoning_run(kind, _sharded("1d", world), rank, world) for kind in ("wmuon", "kfac")}
+
+
+def test_an_abandoned_iteration_is_dropped_with_zero_grad_to_zeros(tmp_path):
+    """FSDP2 accumulates a backward's gradient into the local shard of the gradient DTensor in
+    place, leaving the DTensor's own version unchanged: with ``zero_grad(set_to_none=False)``
+    (the gradient DTensor kept) the backward of an abandoned iteration went unseen, and its
+    statistics entered the next step (2e-1 off one process). Both WhitenedMuon and
+    PreconditionedOptimizer must drop them, as one process does."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = {kind: _abandoning_run(kind, make_net(dims=DIMS)) for kind in ("wmuon", "kfac")}
+    ranks = run_workers(_abandoning_worker, 2, tmp_path, timeout=120)
+    start = weights(make_net(dims=DIMS))
+    for kind, expected in want.items():
+        assert (expected[-1] - start).abs().max() > 1e-3  # the steps did something
+        for rank, result in enumerate(ranks):
+            for step, (got, reference) in enumerate(zip(result[kind], expected)):
+                torch.testing.assert_close(got, reference, **TOL,
+                                           msg=lambda m, k=kind, r=rank, s=step: f"{k}, rank {r}, step {s}: {m}")

@@ -137,3 +137,15 @@ def waiting_all(pending: Sequence[PendingCollective]) -> PendingCollective:
             handle.wait()
 
     return PendingCollective([], finish)
+
+
+def failed_ranks(failed: bool, device: torch.device, group) -> list[int]:
+    """The ranks of ``group`` (``None``: the default group; in group order) that passed
+    ``failed=True``: every rank learns the outcome of a check each rank made on its own (one
+    small all-gather, a collective). Without several ranks: ``[0]`` or ``[]``, locally."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
+        return [0] if failed else []
+    local = torch.tensor([int(failed)], dtype=torch.int32, device=device)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    return [rank for rank, flag in enumerate(torch.cat(gathered).tolist()) if flag]

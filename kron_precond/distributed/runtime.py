@@ -95,10 +95,7 @@ class Runtime:
         outcome of a check each rank made on its own (one small all-gather). A collective."""
         if self.world_size == 1:
             return [0] if failed else []
-        local = torch.tensor([int(failed)], dtype=torch.int32, device=device)
-        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(gathered, local, group=self.process_group)
-        return [rank for rank, flag in enumerate(torch.cat(gathered).tolist()) if flag]
+        return collectives.failed_ranks(failed, device, self.process_group)
 
     def create_grid(self, grad_workers: int) -> None:
         self.grid = WorkerGrid(self.world_size, self.rank, grad_workers, self.process_group)
