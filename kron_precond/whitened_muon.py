@@ -368,6 +368,29 @@ def _check_fused_qkv(fused_qkv: Any) -> list[re.Pattern] | None:
     return _layer_patterns(fused_qkv, "fused_qkv", "None, False")
 
 
+# module names wrappers put in front of a model's own (DDP, torch.compile, activation
+# checkpointing, FSDP1): a checkpoint saved through one loads into the bare model and back
+_WRAPPER_SEGMENTS = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
+def _plain_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
+def _check_names(index: int, saved: Any, ours: Any) -> None:
+    """``ValueError`` when a saved group's ``param_names`` (torch.optim keeps them for an
+    optimizer built from named parameters, as the model form is) name other parameters than
+    this optimizer's, wrappers' prefixes aside: torch.optim loads by position, so a model of
+    the same shapes would take another weight's state silently."""
+    if not isinstance(saved, (list, tuple)) or not isinstance(ours, (list, tuple)):
+        return  # a checkpoint or optimizer without names: by position, as torch.optim loads
+    for position, (theirs, mine) in enumerate(zip(saved, ours)):
+        if _plain_name(str(theirs)) != _plain_name(str(mine)):
+            raise ValueError(f"WhitenedMuon.load_state_dict: saved param group {index} holds {theirs!r} at "
+                             f"position {position}, where this optimizer has {mine!r}: a checkpoint of another "
+                             f"model. To load it by position anyway, remove 'param_names' from its param groups")
+
+
 def _check_group(index: int, group: dict[str, Any]) -> None:
     """``ValueError`` for a setting on a param group that the step cannot use."""
     algorithm = group["algorithm"]
@@ -1564,6 +1587,7 @@ class WhitenedMuon(torch.optim.Optimizer):
                                  f"{len(group['params'])} parameters, this optimizer's "
                                  f"{len(self.param_groups[index]['params'])}")
             _check_group(index, {**self.param_groups[index], **{k: v for k, v in group.items() if k != "params"}})
+            _check_names(index, group.get("param_names"), self.param_groups[index].get("param_names"))
         return self._checked_state(state_dict)
 
     def _checked_state(self, state_dict: dict[str, Any]) -> tuple[dict, dict[nn.Parameter, dict],

@@ -741,3 +741,59 @@ def test_the_checkpoint_holds_no_keys_beyond_its_format():
     assert state_keys <= {"step", "momentum_buffer", "nonfinite_steps", "exp_avg", "exp_avg_sq",
                           *(f"{side}_{item}" for side in ("input", "output")
                             for item in ("factor", "whitener", "seen"))}, state_keys
+
+
+class _Named(nn.Module):
+    """Two same-shaped whitened weights whose names say which is which."""
+
+    def __init__(self, first: str, second: str):
+        super().__init__()
+        self.names = (first, second)
+        self.add_module(first, nn.Linear(4, 4))
+        self.add_module(second, nn.Linear(4, 4))
+
+    def forward(self, x):
+        return getattr(self, self.names[1])(torch.tanh(getattr(self, self.names[0])(x)))
+
+
+def _stepped(model):
+    opt = WhitenedMuon(model, lr=1e-2, statistics_every=1)
+    for s in range(2):
+        model(torch.randn(8, 4, generator=torch.Generator().manual_seed(s))).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def test_a_checkpoint_of_other_parameter_names_is_refused_and_changes_nothing():
+    """A checkpoint of another model whose parameters have the same shapes (``wk`` saved where
+    this model has ``q``) would load by position into the wrong weights: torch.optim keeps the
+    saved ``param_names``, which are compared first. The same names behind DDP's ``module.`` or
+    ``torch.compile``'s ``_orig_mod.`` load."""
+    torch.manual_seed(0)
+    saved = _stepped(_Named("wk", "wq")).state_dict()
+    opt = WhitenedMuon(_Named("q", "k"), lr=1e-2)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"'wk\.weight'.*'q\.weight'"):
+        opt.load_state_dict(saved)
+    after = opt.state_dict()
+    assert after["state"] == before["state"] and after["param_groups"] == before["param_groups"]
+
+    class Wrapped(nn.Module):  # DDP's naming: the model under "module"
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+        def forward(self, x):
+            return self.module(x)
+
+    torch.manual_seed(0)
+    plain = _Named("q", "k")
+    checkpoint = _stepped(plain).state_dict()
+    wrapped = Wrapped(copy.deepcopy(plain))
+    loaded = WhitenedMuon(wrapped, lr=1e-2)
+    loaded.load_state_dict(checkpoint)  # "module.q.weight" reads "q.weight"
+    assert loaded._steps == 2
+    compiled_names = WhitenedMuon(torch.compile(copy.deepcopy(plain)), lr=1e-2)
+    assert compiled_names.param_groups[0]["param_names"][0].startswith("_orig_mod.")
+    compiled_names.load_state_dict(checkpoint)
