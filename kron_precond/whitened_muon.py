@@ -1448,10 +1448,10 @@ class WhitenedMuon(torch.optim.Optimizer):
         the statistics schedule's clock, which the load resumes from, so steps on which no
         whitened weight had a gradient (a head-only phase) count too. While no whitened weight has
         stepped yet, the first one's entry holds the count, with the zero momentum and counter its
-        first step starts from. No key is added: torch.distributed.checkpoint's templates, which
-        refuse a checkpoint without one of their keys, and torchtitan's flat state, which keeps
-        the keys the live optimizer has, read the checkpoints of earlier versions as before. The
-        ``register_state_dict_post_hook`` hooks see the state dict as saved."""
+        first step starts from. The count travels in ``step``, an entry every checkpoint has, rather
+        than in a key of its own: torch.distributed.checkpoint's templates refuse a checkpoint
+        without one of their keys, and torchtitan's flat state keeps only the keys the live
+        optimizer has. The ``register_state_dict_post_hook`` hooks see the state dict as saved."""
         post_hooks = self._optimizer_state_dict_post_hooks
         self._optimizer_state_dict_post_hooks = OrderedDict()  # run below, on the state dict as saved
         try:

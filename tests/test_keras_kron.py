@@ -596,3 +596,44 @@ def test_a_tf_distribute_strategy_with_several_replicas_is_refused(tmp_path):
     assert two["raised"] == "RuntimeError", two
     assert "tf.distribute" in two["message"] and "keras.distribution.DataParallel" in two["message"], two
     assert r["one"] == {"raised": None, "iterations": 2}, r["one"]
+
+
+_JAX_DATA_PARALLEL_SCRIPT = r"""
+import json, sys
+import numpy as np, keras, jax
+from kron_precond.keras import Kron
+
+rng = np.random.default_rng(0)
+X = rng.standard_normal((64, 8)).astype("float32")
+Y = rng.integers(0, 3, 64).astype("int32")
+
+def fit(data_parallel):
+    if data_parallel:
+        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
+    try:
+        init = keras.initializers.GlorotUniform
+        m = keras.Sequential([keras.Input((8,)),
+                              keras.layers.Dense(6, activation="tanh", kernel_initializer=init(seed=0)),
+                              keras.layers.Dense(3, kernel_initializer=init(seed=1))])
+        m.compile(optimizer=Kron(learning_rate=0.02, preconditioner_update_probability=1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        m.fit(X, Y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return m.get_weights()
+    finally:
+        keras.distribution.set_distribution(None)
+
+one, split = fit(False), fit(True)
+json.dump({"devices": len(jax.devices()),
+           "diff": max(float(np.max(np.abs(a - b))) for a, b in zip(one, split)),
+           "moved": max(float(np.max(np.abs(a))) for a in one)}, open(sys.argv[1], "w"))
+"""
+
+
+def test_jax_data_parallel_over_two_devices_equals_one_device(tmp_path):
+    """The supported data-parallel path (the tf.distribute refusal names it): JAX's
+    ``keras.distribution.DataParallel`` over two host devices, each with half of every batch,
+    gives the weights of one device on the whole batch."""
+    r = _run_script("jax", _JAX_DATA_PARALLEL_SCRIPT, tmp_path,
+                    extra_env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert r["devices"] == 2, r
+    assert r["diff"] < 1e-5, r

@@ -35,8 +35,8 @@ from: its moment stays elementwise, as before the first refresh, and its next re
 **Checkpoints.** Everything a step reads is saved or derived from what is: the warm-start flags
 and clusters come from the bases, and ``used_since_refresh`` holds whether the layer had a
 gradient (an expert: one that is not all zeros) since its last refresh, which decides whether
-the next refresh moves it. A checkpoint without that entry (written before it existed) loads
-as a layer without gradients since its last refresh.
+the next refresh moves it. A checkpoint without that entry loads as a layer without gradients
+since its last refresh.
 """
 from __future__ import annotations
 
@@ -378,7 +378,7 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         checks.float_tensor(checks.entry(state, "moment", where), (self.g_dim, self.a_dim), f"{where}: moment",
                             non_negative=True)
         checks.integer(checks.entry(state, "updates", where), f"{where}: updates")
-        if "used_since_refresh" in state:  # absent from checkpoints written before it existed
+        if "used_since_refresh" in state:  # optional: a checkpoint without it loads with the default
             checks.boolean(state["used_since_refresh"], f"{where}: used_since_refresh")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
