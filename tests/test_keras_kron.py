@@ -290,18 +290,7 @@ def test_step_scalars_are_computed_in_float32_with_half_precision_factors(backen
     """lr, weight decay, the step scale and the RMS clip's norm are float32 even when the
     factors are bfloat16/float16 (in bfloat16 1 − 1e-4 is 1; in float16 2e-8 is 0 and a norm
     past 65 504 overflows). References: float64 formulas."""
-    reason = _missing(backend)
-    if reason:
-        pytest.skip(reason)
-    script = tmp_path / "scalars.py"
-    script.write_text(_SCALARS_SCRIPT)
-    env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="",
-               TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1",
-               TF_NUM_INTEROP_THREADS="1")
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "out.json")], env=env,
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads((tmp_path / "out.json").read_text())
+    r = _run_script(backend, _SCALARS_SCRIPT, tmp_path)
     import numpy as np
 
     def close(got, expected, rtol):

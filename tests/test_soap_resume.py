@@ -115,15 +115,20 @@ def resumed(case: dict, checkpoint: bytes, edit=None):
     return model, precond, optimizer
 
 
+def one_step(model, precond, optimizer, case: dict, step: int, *, optimizer_step: bool = True) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    loss(model, case, step).backward()
+    precond.step()
+    if optimizer_step:
+        optimizer.step()
+
+
 def train(case: dict, resume_at: int | None = None, edit=None) -> torch.Tensor:
     model, precond, optimizer = build(case)
     for step in range(N):
         if step == resume_at:
             model, precond, optimizer = resumed(case, saved(model, precond, optimizer), edit)
-        optimizer.zero_grad(set_to_none=True)
-        loss(model, case, step).backward()
-        precond.step()
-        optimizer.step()
+        one_step(model, precond, optimizer, case, step)
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
@@ -157,10 +162,7 @@ def test_a_checkpoint_without_the_flag_loads_as_a_layer_not_used_since_its_last_
     case = CASES["branch"]
     model, precond, optimizer = build(case)
     for step in range(2):
-        optimizer.zero_grad(set_to_none=True)
-        loss(model, case, step).backward()
-        precond.step()
-        optimizer.step()
+        one_step(model, precond, optimizer, case, step)
     checkpoint = saved(model, precond, optimizer)
     state = torch.load(io.BytesIO(checkpoint), weights_only=False)["precond"]
     assert state["layers"]["c"]["used_since_refresh"] is True
@@ -170,10 +172,7 @@ def test_a_checkpoint_without_the_flag_loads_as_a_layer_not_used_since_its_last_
     def continued(edit):
         model, precond, optimizer = resumed(case, checkpoint, edit)
         for step in range(2, 4):  # step 3 refreshes
-            optimizer.zero_grad(set_to_none=True)
-            loss(model, case, step).backward()
-            precond.step()
-            optimizer.step()
+            one_step(model, precond, optimizer, case, step)
         return precond.state_dict()["layers"]["c"]
 
     with_flag, without = continued(None), continued(_drop_flag)
@@ -190,9 +189,7 @@ def test_a_bad_flag_is_refused_and_changes_nothing(bad):
     case = CASES["branch"]
     model, precond, optimizer = build(case)
     for step in range(2):
-        optimizer.zero_grad(set_to_none=True)
-        loss(model, case, step).backward()
-        precond.step()
+        one_step(model, precond, optimizer, case, step, optimizer_step=False)
     state = precond.state_dict()
     state["layers"]["c"]["used_since_refresh"] = bad
     fresh_model, fresh, _ = build(case)
@@ -232,10 +229,7 @@ def test_dcp_checkpoint_resumes_bitwise_and_one_without_the_flag_loads(tmp_path)
                 optimizer.load_state_dict(others["optimizer"])
                 dcp.load({"precond": precond}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
                 assert_same(precond.state_dict(), uninterrupted)
-            optimizer.zero_grad(set_to_none=True)
-            loss(model, case, step).backward()
-            precond.step()
-            optimizer.step()
+            one_step(model, precond, optimizer, case, step)
     torch.testing.assert_close(torch.cat([p.detach().flatten() for p in model.parameters()]), expected,
                                rtol=0, atol=0)
     _, older, _ = build(case)
