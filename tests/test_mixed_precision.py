@@ -256,3 +256,17 @@ def test_psgd_update_that_overflows_from_a_finite_gradient_passes_the_gradient_t
     # weight and bias of every layer
     assert sorted(skipped) == [f"kron_precond: skipped 2 non-finite update(s) of {i}; its state was left unchanged"
                                for i in range(layers)], [str(w.message) for w in caught]
+
+
+def test_psgd_init_scale_beyond_the_factor_dtype_is_refused_at_construction_by_name():
+    """``Q = s·I`` is stored in ``precond_dtype``: a scale float16 cannot hold raised torch's
+    conversion error at the first step; it is a ``ValueError`` naming the option at
+    construction. A scale float16 holds (its square past float16's range: the products are
+    computed in float32) trains."""
+    model = nn.Sequential(nn.Linear(4, 3))
+    with pytest.raises(ValueError, match=r"precond_init_scale.*float16"):
+        KronPreconditioner(model, method="psgd", precond_dtype=torch.float16, precond_init_scale=1e10)
+    precond = KronPreconditioner(model, method="psgd", precond_dtype=torch.float16, precond_init_scale=1e3)
+    model(torch.randn(2, 4)).sum().backward()
+    precond.step()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())

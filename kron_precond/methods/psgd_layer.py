@@ -436,6 +436,14 @@ class PSGDSpec(MethodSpec):
     }
     health_check_every = 100
 
+    def __init__(self, settings: dict) -> None:
+        super().__init__(settings)
+        # Q = s·I is stored in the factors' dtype (P = QᵀQ is formed in float32 or wider)
+        scale, dtype = settings.get("precond_init_scale"), settings.get("precond_dtype")
+        if isinstance(scale, (int, float)) and isinstance(dtype, torch.dtype) and scale > torch.finfo(dtype).max:
+            raise ValueError(f"precond_init_scale must be at most {torch.finfo(dtype).max:.6g} (the initial "
+                             f"factors s·I are stored in {dtype}), got {scale!r}")
+
     def select(self, model, is_skipped, log) -> list[Selected]:
         return find_parameter_modules(model, is_skipped, log)
 
