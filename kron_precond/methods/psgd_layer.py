@@ -167,7 +167,7 @@ class PSGDLayer(LayerMethod):
                 out.append(grad)
                 continue
             # in float32 for a float16 gradient: P g may pass 65 504 before the clip
-            wide = _clip_dtype(grad.dtype)
+            wide = compute_dtype(grad.dtype)
             update = state.precondition(grad.to(wide))
             update = (update * rms_clip_scale(update).to(wide)).to(grad.dtype)
             given = _finite(grad.unsqueeze(0))[0] if keep is None else keep
@@ -225,7 +225,7 @@ class PSGDLayer(LayerMethod):
                 x = _right_multiply(x.transpose(1, 2), *stacks[0]).transpose(1, 2)
                 x = _right_multiply(x, *stacks[1])
             # clipped in float32 for float16 gradients: P g may pass 65 504 before the clip
-            x = x.reshape(raw.shape).to(_clip_dtype(raw.dtype))
+            x = x.reshape(raw.shape).to(compute_dtype(raw.dtype))
             rms = torch.linalg.vector_norm(x.float().reshape(count, -1), dim=1) / (x[0].numel() ** 0.5)
             scale = (RMS_CLIP / (rms + 1e-12)).clamp(max=1.0).to(x.dtype)
             shape = (count,) + (1,) * (x.dim() - 1)
@@ -346,12 +346,6 @@ def _adopt_stack(states, part: int, factor: int) -> tuple[str, torch.Tensor]:
     for row, view in zip(states, stack.unbind(0)):
         row[part].factors.q[factor] = view
     return "factor", stack
-
-
-def _clip_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a preconditioned gradient of ``dtype`` is RMS-clipped in before it is rounded
-    to ``dtype``: float32 for float16 (whose 65 504 an unclipped ``P g`` passes), else ``dtype``."""
-    return torch.float32 if dtype == torch.float16 else dtype
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:

@@ -117,15 +117,9 @@ class PSGDTensor:
         before every ``BALANCE_EVERY``-th update. ``enabled`` (0-dim bool tensor) False leaves
         the factors exactly as they are, rebalancing included. Returns the applied flag
         (0-dim bool)."""
-        probe = self.probe(step, self.factors.dtype)
-        if enabled is None:  # every caller but the Kron optimizer
-            if update_index % BALANCE_EVERY == 0:
-                self.factors.balance()
-            applied = self.factors.update(fit, probe, lr)
-        else:
-            if update_index % BALANCE_EVERY == 0:
-                self.factors.balance(enabled)
-            applied = self.factors.update(fit, probe, lr, enabled)
+        if update_index % BALANCE_EVERY == 0:
+            self.factors.balance(enabled)
+        applied = self.factors.update(fit, self.probe(step, self.factors.dtype), lr, enabled)
         self.invalidate()
         return applied
 
