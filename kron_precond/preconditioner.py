@@ -42,6 +42,7 @@ from kron_precond.capture import (
 from kron_precond.compiled import run_eagerly
 from kron_precond.distributed.assignment import WorkAssignment, assign_work
 from kron_precond.distributed.runtime import Runtime
+from kron_precond.distributed.sharded import is_dtensor
 from kron_precond.enums import AssignmentStrategy, DistributedStrategy, strategy_by_name
 from kron_precond.health import Health
 from kron_precond.methods import registry
@@ -645,6 +646,11 @@ class KronPreconditioner:
         ``meta``). Compares metadata only: no host sync."""
         name, param = layer.params[0]
         current = getattr(layer.module, name, param)
+        if is_dtensor(param) and not is_dtensor(current):
+            # FSDP2's gathered copy, swapped in around the forward in its mixed-precision dtype:
+            # the state stays with the sharded parameters (following the copy would round float64
+            # state through the copy's dtype, and wait on the statistics reduction, every forward)
+            return
         if current is not param:  # to_empty() from meta makes new Parameter objects
             layer.params = [(n, getattr(layer.module, n, p)) for n, p in layer.params]
             param = current

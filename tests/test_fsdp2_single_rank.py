@@ -60,3 +60,46 @@ def test_one_rank_fsdp2_matches_the_unsharded_model(tmp_path):
     for name, (gap, moved) in gaps.items():
         assert moved > 1e-3, f"{name}: the model did not train"
         assert gap < 1e-12, f"{name}: one-rank FSDP2 differs from the unsharded model by {gap:.2e}"
+
+
+def mixed_precision_worker(rank: int, world: int, out_dir: str) -> dict:
+    """A float64 model whose first Linear FSDP2 runs in bfloat16 (MixedPrecisionPolicy): its
+    forward sees the gathered bfloat16 weight, which is not where the state lives."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    sharded = _model()
+    # kept gathered after its forward (as FSDP2 keeps the root module): the hooks see the copy
+    fully_shard(sharded[0], mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+                reshard_after_forward=False)
+    fully_shard(sharded, mesh=mesh)
+    plain = _model()
+    factors, moves = [], []
+    # the plain model's first layer reads what FSDP2 casts its input to
+    plain[0].register_forward_pre_hook(lambda module, args: (args[0].bfloat16().double(),))
+    sharded[0].register_forward_hook(lambda module, args, output: output.double())
+    for model in (sharded, plain):
+        precond = KronPreconditioner(model, method="kfac", factor_decay=0.5, inv_dtype=torch.float64)
+        for layer in precond._layers:
+            original = layer.method.to
+            layer.method.to = lambda *a, _to=original, **k: (moves.append(a), _to(*a, **k))[1]
+        g = torch.Generator().manual_seed(11)
+        for _ in range(STEPS):
+            model.zero_grad()
+            model(torch.randn(8, 5, generator=g, dtype=torch.float64)).square().mean().backward()
+            precond.step()
+        factors.append(precond._layers[0].a_factor.clone())
+    return {"factor_dtype": factors[0].dtype, "gap": float((factors[0] - factors[1]).abs().max()),
+            "scale": float(factors[1].abs().max()), "moves": moves}
+
+
+def test_fsdp2_mixed_precision_keeps_the_state_in_the_models_dtype(tmp_path):
+    """FSDP2 swaps the gathered low-precision weight in for each forward: the state stays
+    where the (sharded, float64) parameters are -- not cast to the forward's dtype and back,
+    which rounded the float64 factors to float32 on every forward -- and nothing moves."""
+    result = run_workers(mixed_precision_worker, 1, tmp_path, timeout=120)[0]
+    assert result["moves"] == [], f"the state was moved on every forward: {result['moves']}"
+    assert result["factor_dtype"] == torch.float64
+    # the first layer's input factor, from the same bfloat16 inputs: float64 rounding only
+    assert result["gap"] < 1e-13 * result["scale"], result
