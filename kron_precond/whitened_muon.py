@@ -1464,15 +1464,42 @@ class WhitenedMuon(torch.optim.Optimizer):
         stepped = [key for key, _ in whitened if "step" in saved.get(key, {})]
         for key in stepped:
             saved[key] = {**saved[key], "step": self._steps}  # a copy: the live entry keeps its own
-        if self._steps and whitened and not stepped:
-            key, p = next(((key, p) for key, p in whitened if p.requires_grad), whitened[0])
-            saved[key] = {**saved.get(key, {}), "step": self._steps, "momentum_buffer": torch.zeros_like(p),
-                          "nonfinite_steps": torch.zeros((), dtype=torch.int64, device=p.device)}
+        for packed, group in zip(state_dict["param_groups"], self.param_groups):
+            for key, p in zip(packed["params"], group["params"]):
+                fresh = self._fresh_entries(p, group["algorithm"], saved.get(key, {})) if p.requires_grad else {}
+                if fresh:
+                    saved[key] = {**saved.get(key, {}), **fresh}
         for post_hook in post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
                 state_dict = result
         return state_dict
+
+    def _fresh_entries(self, p: nn.Parameter, algorithm: str, entry: dict[str, Any]) -> dict[str, Any]:
+        """The entries ``p``'s saved state lacks, as a parameter that has not stepped (or whose
+        side no refresh has measured yet) starts from: a checkpoint holds every entry of every
+        parameter that trains, as the template torch.distributed.checkpoint loads into does
+        (torch's initialising step gives each one), so DCP resumes a run saved before a weight's
+        first gradient (a branch not taken yet). They load as no state (:meth:`_checked_state`)."""
+        if algorithm == ADAMW:
+            if "exp_avg" in entry:
+                return {}
+            return {"step": 0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        fresh: dict[str, Any] = {}
+        if "momentum_buffer" not in entry:
+            fresh.update(step=self._steps, momentum_buffer=torch.zeros_like(p),
+                         nonfinite_steps=torch.zeros((), dtype=torch.int64, device=p.device))
+        shapes = self._state_shapes(p, algorithm)
+        dtype = torch.promote_types(p.dtype, torch.float32)
+        for side in self._statistics.sides_of(p):
+            if f"{side}_factor" in entry:
+                continue
+            square = shapes[f"{side}_factor"]
+            fresh[f"{side}_factor"] = torch.zeros(square, dtype=dtype, device=p.device)
+            fresh[f"{side}_seen"] = torch.zeros(shapes[f"{side}_seen"], dtype=dtype, device=p.device)
+            # what a refresh without rows makes: the identity
+            fresh[f"{side}_whitener"] = torch.eye(square[-1], dtype=dtype, device=p.device).expand(square).clone()
+        return fresh
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch.optim's load, all or nothing: a checkpoint that does not fit this optimizer (param
@@ -1512,18 +1539,6 @@ class WhitenedMuon(torch.optim.Optimizer):
                 raise ValueError(f"WhitenedMuon.load_state_dict: the state was rejected on rank(s) {failed} (each "
                                  f"rank checks its own shards of the sharded state); no rank loaded it; "
                                  f"{reason}") from error
-        if not state_dict["state"] and any(p.requires_grad for g in self.param_groups for p in g["params"]):
-            from kron_precond.checkpoint import called_by_torchs_state_dict_api
-            if called_by_torchs_state_dict_api():
-                # DCP loads into the template's keys, and its save initialises the state it saves:
-                # no state here is an empty template -- torch's get_optimizer_state_dict skips its
-                # initialising step while a parameter has a gradient (its own optimizers' too)
-                warnings.warn("WhitenedMuon.load_state_dict: torch.distributed.checkpoint brought no optimizer "
-                              "state, since the state dict it loaded into was empty: torch's get_state_dict / "
-                              "get_optimizer_state_dict leave it empty when the fresh model's parameters have "
-                              "gradients (a backward ran). Take it with the gradients None "
-                              "(optimizer.zero_grad(set_to_none=True) before get_state_dict) and load again",
-                              UserWarning, stacklevel=2)
         settings = [{k: v for k, v in group.items() if k not in ("params", "param_names")}
                     for group in self.param_groups]
         for p, on in part_inputs.items():  # a packed in_proj resumes as saved: one input, or one per part
@@ -1625,6 +1640,16 @@ class WhitenedMuon(torch.optim.Optimizer):
                         _check_step_count(value, where)
                     entry[item] = value
                 _check_complete(entry, group["algorithm"], f"WhitenedMuon.load_state_dict: {name}")
+                # what a parameter that has not stepped starts from (state_dict's entries for one
+                # that had no gradient yet) loads as no state, so it goes on as the saved run did
+                if group["algorithm"] == ADAMW and "step" in entry and int(entry["step"]) == 0:
+                    continue
+                for side in ("input", "output"):
+                    seen = entry.get(f"{side}_seen")
+                    if torch.is_tensor(seen) and not bool(seen.any()):  # no refresh measured the side
+                        for item in (f"{side}_factor", f"{side}_whitener", f"{side}_seen"):
+                            entry.pop(item)
+                            exact.get(p, {}).pop(item, None)
                 kept[key] = entry
         return kept, exact, part_inputs
 

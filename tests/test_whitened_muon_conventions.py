@@ -261,17 +261,69 @@ def test_a_dcp_resume_around_head_only_phases_continues_the_uninterrupted_run_bi
     """The same through torch.distributed.checkpoint, which keeps only "state" and "param_groups"
     and loads into a fresh optimizer's template."""
     expected = _with_head_only_steps(10)
-    # from step 4 on: before, the weight has no factors yet, which the fresh template holds
+    # also before the weight has stepped or has factors: the fresh template holds every entry
     # (DCP refuses a checkpoint without a key of the template)
-    for at in (4, 5, 6, 7):
+    for at in range(1, 10):
         for got, want in zip(_with_head_only_steps(10, resume_at=at, dcp_dir=tmp_path), expected):
+            assert torch.equal(got, want), at
+
+
+class _LateBranch(nn.Module):
+    """A block the forward takes only from step ``LATE`` on: until then its weight and bias
+    (which train) have no gradient and no state."""
+
+    LATE = 3
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x, step):
+        h = torch.tanh(self.a(x))
+        return self.head(torch.tanh(self.b(h)) if step >= self.LATE else h)
+
+
+def _late_branch_run(total: int, resume_at: int | None, dcp_dir) -> list[torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model = _LateBranch()
+    make = lambda: WhitenedMuon(model, lr=1e-2, statistics_every=2)  # noqa: E731
+    opt = make()
+    g = torch.Generator().manual_seed(1)
+    for step in range(total):
+        if step == resume_at:
+            dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=dcp_dir / str(step))
+            opt.remove()
+            opt = make()
+            state = {"optim": get_optimizer_state_dict(model, opt)}
+            dcp.load(state, checkpoint_id=dcp_dir / str(step))
+            set_optimizer_state_dict(model, opt, optim_state_dict=state["optim"])
+        opt.zero_grad()
+        model(torch.randn(16, 8, generator=g), step).square().mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_dcp_resume_before_a_branchs_first_gradient_continues_the_uninterrupted_run_bitwise(tmp_path):
+    """Saved while a block that trains has had no gradient yet (its first one on a step that is
+    not a statistics step), the checkpoint still holds every entry of the fresh template DCP
+    loads into -- before, DCP refused it ("Missing key"), and a partial load took the template's
+    values (its AdamW count at 1) and drifted -- and the resumed run is the uninterrupted one."""
+    expected = _late_branch_run(7, None, tmp_path)
+    for at in range(1, 7):
+        for got, want in zip(_late_branch_run(7, at, tmp_path), expected):
             assert torch.equal(got, want), at
 
 
 def test_a_whitened_weights_saved_step_is_the_optimizers_count():
     """Saved, a whitened weight's step is the optimizer's step() count (the running optimizer
     keeps the count when it last stepped); while none has stepped, the first one's entry holds
-    it with the zero momentum its first step starts from. The format keeps its keys, and a
+    it with the zero momentum its first step starts from, and every entry a fresh state has
+    (as DCP's template does). The format keeps its keys, and a
     state-dict post-hook sees the state dict as saved."""
     model = mlp()
     opt = WhitenedMuon(model, lr=1e-2, skip_layers=["2"])
@@ -286,8 +338,12 @@ def test_a_whitened_weights_saved_step_is_the_optimizers_count():
         handle.remove()
         assert model[0].weight not in opt.state and seen == [step + 1]
         entry = saved["state"][0]  # the whitened weight, first in the first group
-        assert entry["step"] == step + 1 and entry.keys() == {"step", "momentum_buffer", "nonfinite_steps"}
+        assert entry["step"] == step + 1 and entry.keys() == {"step", "momentum_buffer", "nonfinite_steps",
+                                                              "input_factor", "input_seen", "input_whitener"}
         assert not entry["momentum_buffer"].any() and entry["nonfinite_steps"] == 0
+        # no refresh has measured the input side: as a refresh without rows leaves it
+        assert not entry["input_seen"].any() and not entry["input_factor"].any()
+        assert torch.equal(entry["input_whitener"], torch.eye(8).expand_as(entry["input_whitener"]))
     train(model, opt, 1)
     for _ in range(2):
         opt.zero_grad()
@@ -299,11 +355,11 @@ def test_a_whitened_weights_saved_step_is_the_optimizers_count():
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
-def test_a_dcp_load_into_a_template_taken_after_a_backward_warns(tmp_path):
+def test_a_dcp_template_taken_after_a_backward_loads_the_state(tmp_path):
     """torch's get_optimizer_state_dict skips its initialising step while a parameter has a
-    gradient, so a template taken after a backward is empty and DCP loads no state into it (as
-    for torch's own optimizers): the load says so, naming the fix. Taken with the gradients
-    None (the documented recipe), it loads the state and says nothing."""
+    gradient (its own optimizers' templates are then empty, and DCP loads nothing into them):
+    the state dict holds every entry anyway, so the template is whole and the state loads,
+    taken after a backward or with the gradients None, and the runs go on alike."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
@@ -313,34 +369,34 @@ def test_a_dcp_load_into_a_template_taken_after_a_backward_warns(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # DCP in one process without a process group
         dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=tmp_path)
+    saved = opt.state_dict()
     for backward_first in (True, False):
         fresh_opt = WhitenedMuon(model, lr=1e-2)
         model(torch.randn(4, 8)).square().mean().backward()
         if not backward_first:
             fresh_opt.zero_grad(set_to_none=True)
         state = {"optim": get_optimizer_state_dict(model, fresh_opt)}
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, checkpoint_id=tmp_path)
-            set_optimizer_state_dict(model, fresh_opt, optim_state_dict=state["optim"])
-        ours = [str(w.message) for w in caught if "WhitenedMuon" in str(w.message)]
-        if backward_first:
-            assert len(ours) == 1 and "zero_grad(set_to_none=True)" in ours[0], ours
-            assert len(fresh_opt.state) == 0
-        else:
-            assert ours == [] and fresh_opt._steps == 2 and len(fresh_opt.state) == len(opt.state)
+        set_optimizer_state_dict(model, fresh_opt, optim_state_dict=state["optim"])
+        assert fresh_opt._steps == 2 and len(fresh_opt.state) == len(opt.state), backward_first
+        assert_same_state(saved, fresh_opt.state_dict())
         fresh_opt.remove()
         model.zero_grad(set_to_none=True)
 
 
-def test_a_load_creates_no_state_entries():
-    """An empty state entry makes the state look initialised (torch's get_optimizer_state_dict
-    then skips its initialising step, and DCP finds no state): a load of a checkpoint without
-    state, or with state for some parameters only, adds none for the others."""
+def test_a_load_creates_no_empty_entries_and_unstepped_parameters_load_as_fresh():
+    """An empty state entry makes the state look initialised: a load adds none. A checkpoint
+    holds an entry for every parameter (the template DCP loads into does); those of a parameter
+    that has not stepped load as what its first step starts from: an AdamW parameter without
+    state, a whitened weight with a zero momentum and no factors (refreshed at its first
+    statistics step as in the saved run)."""
     model = mlp()
     opt = WhitenedMuon(model, lr=1e-2)
     opt.load_state_dict(WhitenedMuon(mlp(), lr=1e-2).state_dict())
-    assert len(opt.state) == 0
+    whitened = {model[0].weight, model[2].weight}
+    assert set(opt.state) == whitened
     trained = mlp()
     trained_opt = WhitenedMuon(trained, lr=1e-2)
     trained.zero_grad()
@@ -348,9 +404,12 @@ def test_a_load_creates_no_state_entries():
     trained[0].weight.grad = None  # the first whitened weight takes no step
     trained_opt.step()
     saved = trained_opt.state_dict()
+    assert len(saved["state"]) == 4  # every parameter's
     opt.load_state_dict(saved)
-    assert model[0].weight not in opt.state and len(opt.state) == len(saved["state"]) == 3
-    assert all(opt.state.values())
+    assert len(opt.state) == 4 and all(opt.state.values())
+    unstepped = opt.state[model[0].weight]
+    assert unstepped.keys() == {"step", "momentum_buffer", "nonfinite_steps"} and not unstepped["momentum_buffer"].any()
+    assert opt.state[model[2].weight]["input_seen"].all()
 
 
 def test_a_rollback_into_the_same_optimizer_drops_the_statistics_of_the_discarded_batch():
@@ -746,8 +805,7 @@ def test_a_checkpoint_of_other_parameter_names_is_refused_and_changes_nothing():
     before = copy.deepcopy(opt.state_dict())
     with pytest.raises(ValueError, match=r"'wk\.weight'.*'q\.weight'"):
         opt.load_state_dict(saved)
-    after = opt.state_dict()
-    assert after["state"] == before["state"] and after["param_groups"] == before["param_groups"]
+    assert_same_state(before, opt.state_dict())
 
     class Wrapped(nn.Module):  # DDP's naming: the model under "module"
         def __init__(self, inner):
