@@ -176,10 +176,12 @@ class ActivationCapture:
                               "torch.amp.GradScaler scales the loss, pass it as grad_scaler= so that its scale is "
                               "divided out of the output-gradient statistics (ignore this if the loss is not "
                               "scaled)", UserWarning, stacklevel=2)
+            scales = {}
             for slot, rows, scale in adapter.backward_rows(grad.detach(), context):
                 layer = units.get(slot)
                 if layer is None:
                     continue
+                scales[slot] = scale
                 if loss_scale is not None:
                     dtype = getattr(layer.method, "statistics_dtype", None) or layer.method.factor_dtype
                     rows = rows.to(dtype) / loss_scale
@@ -189,6 +191,15 @@ class ActivationCapture:
                     layer.method.observe_output_grads(rows, scale)
                 else:
                     layer.method.observe_output_grads(rows, scale, call)
+            if scales:
+                # a method that scales a step's rows by the step's count, not each call's, counts
+                # every call of the module for each of its units: an expert this call sent no
+                # token too, as the loss it averages over counts the call's every row
+                default = max(scales.values())
+                for slot, layer in units.items():
+                    count_call = getattr(layer.method, "count_output_call", None)
+                    if count_call is not None:
+                        count_call(scales.get(slot, default))
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -127,7 +127,14 @@ class UnitObserver:
         # dropped its statistics: these rows go with them
 
     def observe_output_grads(self, rows: torch.Tensor, scale: float, call: Any = None) -> None:
-        self.statistics.observe(self, "output", rows, scale)
+        """One call's output-gradient rows, unscaled: the refresh scales the step's sum by the
+        step's count (:meth:`count_output_call`)."""
+        self.statistics.observe(self, "output", rows, 1.0)
+
+    def count_output_call(self, scale: float) -> None:
+        """A call of the module reached its output's backward: its row count ``scale`` (the
+        factor each row's gradient carries ``1/`` of under a mean loss) adds to the step's."""
+        self.statistics.count_call(self, scale)
 
 
 class WhiteningStatistics:
@@ -156,7 +163,8 @@ class WhiteningStatistics:
         self.damping, self.factor_decay, self.statistics_rows = damping, factor_decay, statistics_rows
         self.output_damping = damping if output_damping is None else output_damping
         self.root, self.block_size, self.process_group = root, block_size, process_group
-        # (id(param), side) -> [row-product sums [k, blocks, b, b], row counts [k]] since the last refresh;
+        # (id(param), side) -> [row-product sums [k, blocks, b, b], row counts [k]] since the last refresh
+        # (an output side's: [unscaled sums, row counts, each unit's step count Σ n of its calls (floats)]);
         # a centred input side: [scatter about each call's mean, counts, row sums [k, width] (float64),
         # Σ s sᵀ / n per call [k, blocks, b, b] (float64)] (see _centred_terms)
         self.pending: dict[tuple[int, str], list[torch.Tensor]] = {}
@@ -244,6 +252,20 @@ class WhiteningStatistics:
         self.observed.add(id(param))
         self.observed_this_step = True
 
+    def count_call(self, unit: UnitObserver, scale: float) -> None:
+        """Add a call's row count to ``unit``'s output side this step (host floats: no tensor op
+        per call). Under a mean loss over the step's ``N`` rows -- split over micro-batches of
+        any sizes, or over several calls -- every row's gradient carries ``1/N``: the refresh
+        scales the step's sums by ``N²``, so ``G`` is the whole batch's, however it was split."""
+        param = unit.param
+        if not self.due(param) or "output" not in self.sides_of(param):
+            return
+        pending = self.pending.get((id(param), "output"))
+        if pending is None:
+            pending = self.pending[(id(param), "output")] = self._zeros(param, "output", torch.promote_types(
+                param.dtype, torch.float32), param.device)
+        pending[2][unit.index] += scale
+
     @staticmethod
     def _product(xs: torch.Tensor, blocks: int) -> torch.Tensor:
         """``Σ x xᵀ`` over the rows, per diagonal block: ``[blocks, b, b]``."""
@@ -305,6 +327,8 @@ class WhiteningStatistics:
             exact = _exact(device)
             zeros += [torch.zeros(units, width, dtype=exact, device=device),
                       torch.zeros(units, blocks, size, size, dtype=exact, device=device)]
+        if side == "output":
+            zeros.append([0.0] * units)  # type: ignore[arg-type]  # the step's counts (count_call)
         return zeros
 
     # -- refresh -----------------------------------------------------------------------
@@ -332,6 +356,12 @@ class WhiteningStatistics:
                 if key not in self.pending:
                     self.pending[key] = self._zeros(p, side, torch.promote_types(p.dtype, torch.float32), p.device)
                 keys.append((key, p))
+                if side == "output":
+                    # each rank's rows by its own step's count, before they are summed over ranks
+                    total, count, calls = self.pending[key]
+                    scales = (total.new_tensor([n * n for n in calls]).reshape(-1, 1, 1, 1) if len(calls) > 1
+                              else calls[0] * calls[0])
+                    self.pending[key] = [total.mul_(scales), count]
         self._all_reduce_pending([key for key, _ in keys])
         # The factors of one layout are updated and decomposed as one batch: a refresh costs a
         # fixed number of ops per layout, not per matrix (it runs every step with statistics_every=1).

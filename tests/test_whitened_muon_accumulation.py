@@ -1,0 +1,90 @@
+"""WhitenedMuon under gradient accumulation: a step over micro-batches of any sizes -- a short
+last one, a count that changes from step to step (Lightning's GradientAccumulationScheduler,
+a resume with another count) -- equals the step on the whole batch.
+
+Reference: the same model stepped on the whole batch, one forward per step. Each micro-batch's
+mean loss is weighted by its share of the batch, so the summed gradients are the whole batch's
+(the usual accumulation arithmetic, exact for equal micro-batches with ``loss / K``). float64
+model, factors and Newton-Schulz: the runs agree to rounding.
+
+The output side's rows carry the loss's ``1/N`` of the step's ``N`` rows; each is scaled back
+by the step's row count per module call summed over the micro-batches, not by its own call's.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kron_precond import RoutedExperts, WhitenedMuon
+
+F64 = torch.float64
+ROWS = 12
+STEPS = 4
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 10), nn.Tanh(), nn.Linear(10, 3)).double()
+
+
+class MoE(nn.Module):
+    """Fused experts with a fixed routing per token: expert 2 takes only tokens 0-2, so a
+    micro-batch without them leaves it idle."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(6, 8)
+        self.experts = RoutedExperts(3, 8, 12)
+        self.head = nn.Linear(8, 3)
+        self.double()
+
+    def forward(self, x, rows):
+        h = torch.tanh(self.inp(x))
+        index = torch.stack([torch.where(rows < 3, 2, rows % 2), (rows + 1) % 2], dim=1)
+        weights = torch.full(index.shape, 0.5, dtype=h.dtype)
+        return self.head(self.experts(h, index, weights))
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(ROWS, 6, generator=g, dtype=F64), torch.randn(ROWS, 3, generator=g, dtype=F64))
+            for _ in range(STEPS)]
+
+
+def run(make_model, splits, **kwargs) -> list[torch.Tensor]:
+    """``splits[step]``: the micro-batch sizes of that step."""
+    model = make_model()
+    opt = WhitenedMuon(model, lr=0.05, statistics_every=1, ns_dtype=F64, **kwargs)
+    for (x, y), sizes in zip(batches(), splits):
+        opt.zero_grad()
+        start = 0
+        for size in sizes:
+            rows = torch.arange(start, start + size)
+            inputs = (x[rows], rows) if isinstance(model, MoE) else (x[rows],)
+            out = model(*inputs)
+            (((out - y[rows]) ** 2).mean() * size / ROWS).backward()
+            start += size
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+SPLITS = {
+    "halves": [[6, 6]] * STEPS,
+    "short last": [[9, 3]] * STEPS,
+    "count changes": [[12], [9, 3], [4, 4, 4], [12]],
+}
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("make_model, kwargs", [(mlp, dict(output_side=True)), (MoE, dict(output_side=True))],
+                         ids=["mlp", "experts"])
+def test_accumulated_micro_batches_step_as_the_whole_batch(make_model, kwargs, split):
+    initial = [p.detach().clone() for p in make_model().parameters()]
+    whole = run(make_model, [[ROWS]] * STEPS, **kwargs)
+    got = run(make_model, SPLITS[split], **kwargs)
+    moved = max(float((w - i).abs().max()) for w, i in zip(whole, initial))
+    assert moved > 1e-2
+    gap = max(float((a - b).abs().max()) for a, b in zip(got, whole))
+    assert gap < 1e-10 * moved, f"{split}: {gap:.2e} from the whole batch's step (moved {moved:.2e})"
