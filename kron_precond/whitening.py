@@ -400,7 +400,9 @@ class WhiteningStatistics:
         seen = torch.cat([s.reshape(-1) for s in seens])
         stacked = torch.cat([f.reshape(-1, *f.shape[-3:]) for f in factors])
         # first observation: take it whole; later: the exponential average; unusable: keep
-        weight = (torch.where(seen > 0, 1 - self.factor_decay, 1.0) * usable).to(stacked.dtype)
+        # (1 - decay rounded to the factors' dtype: a Python float in where() makes the weights float32)
+        decay = torch.full_like(seen, 1 - self.factor_decay, dtype=stacked.dtype)
+        weight = torch.where(seen > 0, decay, 1.0) * usable
         # an unusable factor's batch becomes zeros, which weight 0 leaves out of the average exactly
         # (a multiply by the mask: a where with a broadcast mask costs twice a pass)
         batch.nan_to_num_(0.0, 0.0, 0.0).mul_(usable[:, None, None, None])

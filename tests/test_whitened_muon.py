@@ -430,6 +430,24 @@ def test_a_centred_factor_is_the_rows_covariance_and_a_mean_shift_does_not_move_
     torch.testing.assert_close(factors[1], torch.from_numpy(want), rtol=1e-8, atol=1e-10)
 
 
+def test_a_float64_factors_running_average_is_taken_in_float64():
+    """Two statistics steps of a float64 layer against the running average in float64,
+    ``A₁ + (1 − decay)(B₂ − A₁)``: the weight ``1 − decay`` is not rounded to float32 on the way
+    (which put the factor 3e-9 off, relatively)."""
+    torch.manual_seed(3)
+    net = nn.Linear(6, 3, bias=False).double()
+    opt = WhitenedMuon([net], lr=LR, ns_dtype=torch.float64, factor_decay=0.9, statistics_every=1,
+                       center_inputs=False)
+    batches = [torch.randn(40, 6, dtype=torch.float64) for _ in range(2)]
+    for rows in batches:
+        opt.zero_grad()
+        net(rows).square().sum().backward()
+        opt.step()
+    first, second = (rows.T @ rows / rows.shape[0] for rows in batches)
+    want = first + (1 - 0.9) * (second - first)
+    torch.testing.assert_close(opt.state[net.weight]["input_factor"].reshape(6, 6), want, rtol=1e-14, atol=0)
+
+
 @pytest.mark.parametrize("center_inputs", [False, True])
 def test_a_call_with_no_rows_adds_nothing_to_the_factor(center_inputs):
     """An empty batch (a rank's last, short micro-batch) enters neither the product nor the
