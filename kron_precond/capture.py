@@ -193,13 +193,13 @@ class ActivationCapture:
                     layer.method.observe_output_grads(rows, scale, call)
             if scales:
                 # a method that scales a step's rows by the step's count, not each call's, counts
-                # every call of the module for each of its units: an expert this call sent no
-                # token too, as the loss it averages over counts the call's every row
+                # the call for the units it gave no rows too (an expert it sent no token): the
+                # loss averages over the call's every row
                 default = max(scales.values())
                 for slot, layer in units.items():
                     count_call = getattr(layer.method, "count_output_call", None)
-                    if count_call is not None:
-                        count_call(scales.get(slot, default))
+                    if count_call is not None and slot not in scales:
+                        count_call(default)
 
     def remove(self) -> None:
         for handle in self._handles:

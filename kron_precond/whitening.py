@@ -127,13 +127,14 @@ class UnitObserver:
         # dropped its statistics: these rows go with them
 
     def observe_output_grads(self, rows: torch.Tensor, scale: float, call: Any = None) -> None:
-        """One call's output-gradient rows, unscaled: the refresh scales the step's sum by the
-        step's count (:meth:`count_output_call`)."""
-        self.statistics.observe(self, "output", rows, 1.0)
+        """One call's output-gradient rows, unscaled, and its row count ``scale`` (the factor
+        each row's gradient carries ``1/`` of under a mean loss): the refresh scales the step's
+        sums by the square of the step's count (:meth:`WhiteningStatistics.terms`)."""
+        self.statistics.observe(self, "output", rows, scale)
 
     def count_output_call(self, scale: float) -> None:
-        """A call of the module reached its output's backward: its row count ``scale`` (the
-        factor each row's gradient carries ``1/`` of under a mean loss) adds to the step's."""
+        """A call of the module gave this unit no rows (an expert it sent no token): its count
+        still adds to the step's, as the loss averages over the call's every row."""
         self.statistics.count_call(self, scale)
 
 
@@ -164,13 +165,15 @@ class WhiteningStatistics:
         self.output_damping = damping if output_damping is None else output_damping
         self.root, self.block_size, self.process_group = root, block_size, process_group
         # (id(param), side) -> [row-product sums [k, blocks, b, b], row counts [k]] since the last refresh
-        # (an output side's: [unscaled sums, row counts, each unit's step count Σ n of its calls (floats)]);
+        # (an output side's: [unscaled sums, row counts, each unit's step count [k]]);
         # a centred input side: [scatter about each call's mean, counts, row sums [k, width] (float64),
         # Σ s sᵀ / n per call [k, blocks, b, b] (float64)] (see _centred_terms)
         self.pending: dict[tuple[int, str], list[torch.Tensor]] = {}
         # (width, blocks, centred) -> (weak reference to the last input's storage, its key, its row statistics)
         self._last_product: dict[tuple[int, int, bool], tuple] = {}
         self.observed: set[int] = set()  # parameters whose rows were seen at least once
+        # (id(param), unit) -> the backward pass (autograd graph task) whose call was counted last
+        self._counted: dict[tuple[int, int], int] = {}
         self.observed_this_step = False
 
     # -- statistics --------------------------------------------------------------------
@@ -222,8 +225,6 @@ class WhiteningStatistics:
         terms = self._shared_terms(rows, cache) if side == "input" else None
         if terms is None:
             xs = x.to(wide)
-            if scale != 1.0:
-                xs = xs * scale
             products = self._centred_terms(xs, blocks) if centred else (self._product(xs, blocks),)
             # rows that are not finite (an fp16 overflow that GradScaler will skip) are left out:
             # the call's terms are zeroed where they are computed (once for the layers that share
@@ -234,7 +235,23 @@ class WhiteningStatistics:
             terms = (product, finite.to(wide) * x.shape[0], *centring)
             if side == "input":
                 self._remember(rows, cache, terms)
+            else:  # the call's count, where its rows are finite
+                terms += (finite.to(wide) * (scale if self._first_in_backward(unit) else 0.0),)
         return terms
+
+    def _first_in_backward(self, unit: UnitObserver) -> bool:
+        """Whether this is the first call of ``unit`` whose count this backward pass adds. Under
+        a mean loss over ``N`` rows each row's gradient carries ``1/N``: a backward pass (one
+        micro-batch) counts one call's rows, however many calls of the module it reaches (a
+        block applied several times per forward), and the step sums its backward passes."""
+        task = torch._C._current_graph_task_id()
+        if task < 0:  # not inside a backward pass: every call counts
+            return True
+        key = (id(unit.param), unit.index)
+        if self._counted.get(key) == task:
+            return False
+        self._counted[key] = task
+        return True
 
     @torch.no_grad()
     def add(self, unit: UnitObserver, side: str, terms: tuple[torch.Tensor, ...], index: int | None = None) -> None:
@@ -253,12 +270,9 @@ class WhiteningStatistics:
         self.observed_this_step = True
 
     def count_call(self, unit: UnitObserver, scale: float) -> None:
-        """Add a call's row count to ``unit``'s output side this step (host floats: no tensor op
-        per call). Under a mean loss over the step's ``N`` rows -- split over micro-batches of
-        any sizes, or over several calls -- every row's gradient carries ``1/N``: the refresh
-        scales the step's sums by ``N²``, so ``G`` is the whole batch's, however it was split."""
+        """Add a call's row count to ``unit``'s output side (a call that gave it no rows)."""
         param = unit.param
-        if not self.due(param) or "output" not in self.sides_of(param):
+        if not self.due(param) or "output" not in self.sides_of(param) or not self._first_in_backward(unit):
             return
         pending = self.pending.get((id(param), "output"))
         if pending is None:
@@ -328,7 +342,7 @@ class WhiteningStatistics:
             zeros += [torch.zeros(units, width, dtype=exact, device=device),
                       torch.zeros(units, blocks, size, size, dtype=exact, device=device)]
         if side == "output":
-            zeros.append([0.0] * units)  # type: ignore[arg-type]  # the step's counts (count_call)
+            zeros.append(torch.zeros(units, dtype=dtype, device=device))  # the step's counts
         return zeros
 
     # -- refresh -----------------------------------------------------------------------
@@ -358,10 +372,8 @@ class WhiteningStatistics:
                 keys.append((key, p))
                 if side == "output":
                     # each rank's rows by its own step's count, before they are summed over ranks
-                    total, count, calls = self.pending[key]
-                    scales = (total.new_tensor([n * n for n in calls]).reshape(-1, 1, 1, 1) if len(calls) > 1
-                              else calls[0] * calls[0])
-                    self.pending[key] = [total.mul_(scales), count]
+                    total, count, steps = self.pending[key]
+                    self.pending[key] = [total.mul_(steps.square()[:, None, None, None]), count]
         self._all_reduce_pending([key for key, _ in keys])
         # The factors of one layout are updated and decomposed as one batch: a refresh costs a
         # fixed number of ops per layout, not per matrix (it runs every step with statistics_every=1).

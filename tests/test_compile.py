@@ -184,7 +184,9 @@ def test_compiled_autograd_gathers_the_statistics_the_eager_backward_gathers(kin
             step = lambda: (precond.step(), optimizer.step())  # noqa: E731
         else:
             from kron_precond import WhitenedMuon
-            optimizer = WhitenedMuon(model, lr=1e-2, statistics_every=2, output_side=True)
+            # Newton-Schulz in float32: the compiled backward's gradients differ from the eager
+            # one's by rounding (1e-8), which bfloat16's iteration can turn into a jump
+            optimizer = WhitenedMuon(model, lr=1e-2, statistics_every=2, output_side=True, ns_dtype=torch.float32)
             step = optimizer.step
 
         def forward_backward(x, y):
@@ -205,8 +207,8 @@ def test_compiled_autograd_gathers_the_statistics_the_eager_backward_gathers(kin
     eager, _ = train(False)
     compiled, captures = train(True)
     assert captures > 0, "the backward did not run through compiled autograd"
-    for a, b in zip(eager, compiled):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    for a, b in zip(eager, compiled):  # rounding apart (a dropped hook moves them by 1e-2 and more)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
 
 
 def test_run_eagerly_takes_a_torch_whose_disable_has_no_reason(monkeypatch):

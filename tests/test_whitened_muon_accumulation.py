@@ -88,3 +88,64 @@ def test_accumulated_micro_batches_step_as_the_whole_batch(make_model, kwargs, s
     assert moved > 1e-2
     gap = max(float((a - b).abs().max()) for a, b in zip(got, whole))
     assert gap < 1e-10 * moved, f"{split}: {gap:.2e} from the whole batch's step (moved {moved:.2e})"
+
+
+class Looped(nn.Module):
+    """A block applied ``calls`` times per forward (weights shared across depth)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.block, self.head = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+        self.double()
+
+    def forward(self, x, calls):
+        h = torch.tanh(self.inp(x))
+        for _ in range(calls):
+            h = torch.tanh(self.block(h))
+        return self.head(h)
+
+
+def test_a_block_called_several_times_per_forward_scales_its_rows_by_one_calls_count():
+    """Each call's output-gradient rows carry the loss's ``1/n`` of its ``n`` rows, however
+    many times the block runs in the forward: its output factor is the mean of ``(n g)(n g)ᵀ``
+    over every call's rows (dense float64 reference), also when the number of calls changes
+    from step to step (a step's count is one call's rows per backward, not every call's)."""
+    model, rows, decay = Looped(), 16, 0.8
+    opt = WhitenedMuon(model, lr=1e-12, statistics_every=1, ns_dtype=F64, output_side=True, factor_decay=decay)
+    g = torch.Generator().manual_seed(2)
+    want = None
+    for calls in (1, 2, 1, 3):
+        x, y = torch.randn(rows, 4, generator=g, dtype=F64), torch.randn(rows, 2, generator=g, dtype=F64)
+        outputs: list[torch.Tensor] = []
+        handle = model.block.register_forward_hook(lambda m, i, o, kept=outputs: o.retain_grad() or kept.append(o))
+        opt.zero_grad()
+        ((model(x, calls) - y) ** 2).mean().backward()
+        handle.remove()
+        grads = torch.cat([o.grad for o in outputs]) * rows
+        new = grads.T @ grads / grads.shape[0]
+        want = new if want is None else want.lerp(new, 1 - decay)
+        opt.step()
+        got = opt.state[model.block.weight]["output_factor"].reshape(8, 8)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
+def test_an_abandoned_iteration_of_non_finite_gradients_adds_no_count():
+    """A GradScaler overflow: the iteration's output gradients are not finite and no step()
+    comes; its rows are left out of the sums, and so is its count, also when the loop zeroes the
+    gradients through the model (``model.zero_grad()``, which the optimizer does not see):
+    the output factors are those of the run without that iteration."""
+    def run(abandon: bool) -> list[torch.Tensor]:
+        model = mlp()
+        opt = WhitenedMuon(model, lr=0.05, statistics_every=1, output_side=True, ns_dtype=F64)
+        for step, (x, y) in enumerate(batches()):
+            model.zero_grad()
+            if abandon and step == 1:
+                (((model(x) - y) ** 2).mean() * float("inf")).backward()  # the scaler skips step()
+                model.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+        return [opt.state[p]["output_factor"] for p in model.parameters() if "output_factor" in opt.state[p]]
+
+    for got, want in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
