@@ -280,19 +280,24 @@ class KronPreconditioner:
                 adapter.on_cross_attention = _no_rows
         self._collecting = False
         self._update_collecting()
+        # The model's training forwards since the last step (a Python int per forward), counted
+        # to check accumulation_steps, which scales the output-gradient statistics by its square:
+        # against the first step's forwards, then for a change of the count during the run.
+        self._forwards_since_step = [0]
+        self._forward_counter = (model.register_forward_hook(
+            ForwardHook(_count_training_forwards(self._forwards_since_step)), with_kwargs=True)
+            if self._spec.captures and self._spec.captures_output_grads else None)
         # The hooks reach this object only weakly: one the caller drops is freed, and this
         # takes its hooks off the modules (they would keep gathering statistics).
-        self._finalizer = (weakref.finalize(self, self._capture.remove) if self._capture is not None
-                           else None)
+        self._finalizer = (weakref.finalize(self, _remove_hooks, self._capture, self._forward_counter)
+                           if self._capture is not None else None)
         if self._finalizer is not None:
             self._finalizer.atexit = False
-        # The model's training forwards before the first step, counted to check
-        # accumulation_steps once (it scales the output-gradient statistics by its square);
-        # the hook is removed at the first step, so later steps pay nothing.
-        self._forwards_before_first_step = [0]
-        self._forward_counter = (model.register_forward_hook(
-            ForwardHook(_count_training_forwards(self._forwards_before_first_step)), with_kwargs=True)
-            if self._spec.captures and self._spec.captures_output_grads else None)
+        self._forwards_checked = False  # the first step's check
+        # (forwards per step when accumulation_steps was last set or first used, the last step's)
+        self._forwards_per_step: int | None = None
+        self._last_forwards = 0
+        self._warned_forwards_change = False
 
     @property
     def accumulation_steps(self) -> int:
@@ -306,24 +311,43 @@ class KronPreconditioner:
     def accumulation_steps(self, value: int) -> None:
         value = validation.check_int("accumulation_steps", value)
         self._accumulation_steps = value
+        self._forwards_per_step = None  # the next step's count is the new one's
         if self._capture is not None:  # the hooks read the capture's copy
             self._capture.accumulation_steps = value
 
     def _check_accumulation(self) -> None:
-        """Once, at the first step: warn if the model's training forwards since construction
-        differ from ``accumulation_steps`` (each forward one micro-batch, as usual)."""
+        """Warn if the model's training forwards before the first step differ from
+        ``accumulation_steps`` (each forward one micro-batch, as usual), and, once, if the
+        forwards per step change during the run while ``accumulation_steps`` stays (on two
+        steps in a row: a short last window is one step)."""
         if self._forward_counter is None:
             return
-        self._forward_counter.remove()
-        self._forward_counter = None
-        ran = self._forwards_before_first_step[0]
-        if ran not in (0, self.accumulation_steps):
-            warnings.warn(f"KronPreconditioner: accumulation_steps={self.accumulation_steps}, but the model ran "
-                          f"forward {ran} times in training mode before the first step. If each forward is a "
-                          f"micro-batch of one optimizer step, set accumulation_steps={ran}: the output-gradient "
-                          f"statistics are scaled by its square (K-FAC's damping is then off by that factor). "
-                          f"If the model runs forward more than once per micro-batch (a forward no backward "
-                          f"follows adds no statistics), ignore this",
+        ran, self._forwards_since_step[0] = self._forwards_since_step[0], 0
+        if not self._forwards_checked:
+            self._forwards_checked = True
+            if ran not in (0, self.accumulation_steps):
+                warnings.warn(f"KronPreconditioner: accumulation_steps={self.accumulation_steps}, but the model ran "
+                              f"forward {ran} times in training mode before the first step. If each forward is a "
+                              f"micro-batch of one optimizer step, set accumulation_steps={ran}: the output-gradient "
+                              f"statistics are scaled by its square (K-FAC's damping is then off by that factor). "
+                              f"If the model runs forward more than once per micro-batch (a forward no backward "
+                              f"follows adds no statistics), ignore this",
+                              UserWarning, stacklevel=3)  # the caller of step()
+        known, previous, self._last_forwards = self._forwards_per_step, self._last_forwards, ran
+        if not ran:
+            return
+        if known is None:
+            self._forwards_per_step = ran
+        elif ran != known and ran == previous and not self._warned_forwards_change:
+            self._warned_forwards_change = True
+            steps = self.accumulation_steps
+            value = (f"set accumulation_steps={steps * ran // known}" if steps * ran % known == 0
+                     else f"scale accumulation_steps by {ran}/{known}")
+            warnings.warn(f"KronPreconditioner: the model now runs forward {ran} times in training mode per step "
+                          f"(the last two steps), against {known} when accumulation_steps={steps} was set or first "
+                          f"used. If the micro-batches per step changed (a GradientAccumulationScheduler, a resume "
+                          f"with another count), {value}: the output-gradient statistics are scaled by its square "
+                          f"(K-FAC's damping is off by that factor from the change on). Said once",
                           UserWarning, stacklevel=3)  # the caller of step()
 
     def _refuse_cross_attention_on_any_rank(self) -> None:
@@ -521,7 +545,7 @@ class KronPreconditioner:
         ``GradScaler`` skipped its step; ``step()`` itself, when the ``grad_scaler`` it was given
         found an overflow."""
         self._wait_for_statistics()  # a reduction still in flight belongs to the last step
-        self._forwards_before_first_step[0] = 0  # the abandoned iteration's forwards were no micro-batches
+        self._forwards_since_step[0] = 0  # the abandoned iteration's forwards were no micro-batches
         for layer in self._layers:
             layer.method.discard_statistics()
 
@@ -909,9 +933,7 @@ class KronPreconditioner:
         """Remove the hooks; the preconditioner no longer observes the model."""
         if self._finalizer is not None:
             self._finalizer()
-        if self._forward_counter is not None:
-            self._forward_counter.remove()
-            self._forward_counter = None
+        self._forward_counter = None
 
     def __reduce_ex__(self, protocol):
         raise TypeError("KronPreconditioner cannot be copied or pickled: it holds hooks on the model's modules, "
@@ -975,6 +997,12 @@ def _method_settings(spec_class: type[MethodSpec], given: dict[str, Any], engine
             value = option.check(name, value)
         settings[name] = value
     return settings
+
+
+def _remove_hooks(capture: ActivationCapture, forward_counter: Any) -> None:
+    capture.remove()
+    if forward_counter is not None:
+        forward_counter.remove()
 
 
 def _count_training_forwards(count: list[int]) -> Callable[..., None]:

@@ -812,6 +812,37 @@ def test_accumulation_steps_that_differ_from_the_first_steps_forwards_are_warned
         assert f"set accumulation_steps={ran}" in said[0]
 
 
+@pytest.mark.parametrize("forwards, follows, warns", [
+    ([1, 1, 4, 4, 4], False, True),  # Lightning's GradientAccumulationScheduler: 1, then 4
+    ([1, 1, 4, 4, 4], True, False),  # ... with accumulation_steps set when it changes
+    ([4, 4, 2, 4, 4], False, False),  # one short last window: not a change of count
+    ([4, 4, 4, 4, 4], False, False),
+])
+def test_a_change_of_the_micro_batches_per_step_is_warned_about(forwards, follows, warns):
+    """A count of micro-batches that changes during the run (a GradientAccumulationScheduler, a
+    resume with another count) with accumulation_steps left as it was scales G by the square
+    of the ratio from then on (K-FAC's damping 16x too strong from 1 to 4): said once, after
+    two steps at the new count, naming the value to set."""
+    import warnings as _warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    precond = KronPreconditioner(model, method="kfac", accumulation_steps=forwards[0])
+    with _warnings.catch_warnings(record=True) as caught:
+        _warnings.simplefilter("always")
+        for ran in forwards:
+            if follows:
+                precond.accumulation_steps = ran
+            for _ in range(ran):
+                (model(torch.randn(8, 4)).square().mean() / ran).backward()
+            precond.step()
+            model.zero_grad()
+    said = [str(w.message) for w in caught if "accumulation_steps" in str(w.message)]
+    assert len(said) == (1 if warns else 0), said
+    if warns:
+        assert "set accumulation_steps=4" in said[0] or "accumulation_steps = 4" in said[0], said[0]
+
+
 def test_output_gradients_that_turn_non_finite_are_named_as_a_cause_of_stale_statistics():
     """K-FAC leaves non-finite output-gradient rows out of G: a layer whose output gradients
     are NaN or Inf on every statistics step stops updating G, and the warning says that this
