@@ -227,7 +227,8 @@ _ADAPTERS: list[tuple[Callable[[nn.Module], bool], Callable[[nn.Module], Any]]] 
 
 def register_adapter(matches: type | Callable[[nn.Module], bool], factory: Callable[..., Any], *,
                      builtin: bool = False) -> None:
-    """Teach the capturing methods (K-FAC, EK-FAC) a module kind.
+    """Teach the library a module kind: the capturing methods (K-FAC, EK-FAC, input-side K-FAC)
+    and ``WhitenedMuon`` read its rows through the adapter.
 
     Args:
         matches: a module class (``isinstance``) or a predicate ``matches(module) -> bool``.

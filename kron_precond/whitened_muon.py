@@ -120,7 +120,7 @@ def native_ns_dtype(device: torch.device) -> torch.dtype:
 def _cpu_multiplies_bfloat16() -> bool:
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a build without oneDNN: assume it does, as before
+    except (AttributeError, RuntimeError):  # a build without oneDNN: assume it does
         return True
 
 
@@ -650,7 +650,8 @@ class WhitenedMuon(torch.optim.Optimizer):
     ``torch.optim.AdamW`` steps them); the non-finite steps (per weight) are counted on the
     device and reported by a warning when the counters are read: on the first step and then
     once every ``nonfinite_warn_interval`` (100) steps, the only host synchronisation of
-    ``step()`` (with ``root="cholesky"``, the default).
+    ``step()`` (with ``root="cholesky"``, the default; under several ranks, also one small host
+    read per statistics step while a packed attention is not yet known to be cross-attention).
     """
 
     nonfinite_warn_interval = 100
@@ -1201,8 +1202,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         view.part_inputs = adapter.separate = on
 
     def _drop_statistics(self, weight: torch.Tensor, sides: tuple[str, ...]) -> None:
-        # .get: an empty entry would make the state look initialised (torch's
-        # get_optimizer_state_dict then skips its initialising step, and DCP finds no state)
+        # .get: an entry made empty would stand for state this weight does not have
         state = self.state.get(weight, {})
         for key in [k for k in state if k.startswith(tuple(f"{side}_" for side in sides))]:
             del state[key]
@@ -1446,9 +1446,9 @@ class WhitenedMuon(torch.optim.Optimizer):
         """torch.optim's ``state_dict``, each whitened weight's ``step`` saved as the optimizer's
         ``step()`` count (in the running optimizer it is the count when that weight last stepped):
         the statistics schedule's clock, which the load resumes from, so steps on which no
-        whitened weight had a gradient (a head-only phase) count too. While no whitened weight has
-        stepped yet, the first one's entry holds the count, with the zero momentum and counter its
-        first step starts from. The count travels in ``step``, an entry every checkpoint has, rather
+        whitened weight had a gradient (a head-only phase) count too. Every parameter that trains
+        has an entry: one that has not stepped is saved as its first step starts (zero moments,
+        the count in ``step``, factors no refresh has measured; :meth:`_fresh_entries`). The count travels in ``step``, an entry every checkpoint has, rather
         than in a key of its own: torch.distributed.checkpoint's templates refuse a checkpoint
         without one of their keys, and torchtitan's flat state keeps only the keys the live
         optimizer has. The ``register_state_dict_post_hook`` hooks see the state dict as saved."""
@@ -1480,7 +1480,8 @@ class WhitenedMuon(torch.optim.Optimizer):
         side no refresh has measured yet) starts from: a checkpoint holds every entry of every
         parameter that trains, as the template torch.distributed.checkpoint loads into does
         (torch's initialising step gives each one), so DCP resumes a run saved before a weight's
-        first gradient (a branch not taken yet). They load as no state (:meth:`_checked_state`)."""
+        first gradient (a branch not taken yet). They load as a parameter that has not stepped
+        (:meth:`_checked_state`): AdamW's as no state, a whitened weight's unmeasured sides as none."""
         if algorithm == ADAMW:
             if "exp_avg" in entry:
                 return {}
