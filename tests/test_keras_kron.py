@@ -309,20 +309,66 @@ def test_step_scalars_are_computed_in_float32_with_half_precision_factors(backen
     assert close(r["nan_first"], 1.0, 0.0), r["nan_first"]  # a skipped step changes nothing
 
 
-def _run_script(backend: str, script: str, tmp_path, extra_env: dict | None = None) -> dict:
-    """Run ``script`` (which writes JSON to ``argv[1]``) under ``KERAS_BACKEND=backend``."""
+def _run_script(backend: str, script: str, tmp_path) -> dict:
+    """The JSON ``script`` wrote to ``argv[1]`` under ``KERAS_BACKEND=backend``. Starting a
+    backend costs seconds, so every script of a backend runs in one subprocess, on the first
+    request (:func:`_script_group`); a script that raises gives its traceback here."""
     reason = _missing(backend)
     if reason:
         pytest.skip(reason)
-    path = tmp_path / "script.py"
-    path.write_text(script)
+    if backend not in _SCRIPT_RESULTS:
+        _SCRIPT_RESULTS[backend] = _script_group(backend, tmp_path)
+    result = _SCRIPT_RESULTS[backend][_script_names()[script]]
+    assert "__traceback__" not in result, result.get("__traceback__")
+    return result
+
+
+_SCRIPT_RESULTS: dict[str, dict[str, dict]] = {}
+
+
+def _script_names() -> dict[str, str]:
+    return {_SCALARS_SCRIPT: "scalars", _EDGE_SCRIPT: "edge", _JAX_SCRIPT: "jax_branch",
+            _TF_DISTRIBUTE_SCRIPT: "tf_distribute", _JAX_DATA_PARALLEL_SCRIPT: "jax_data_parallel"}
+
+
+def _script_groups() -> dict[str, tuple[str, ...]]:
+    """Each backend's scripts, in the order they run: TensorFlow's logical devices are set
+    before anything initialises TensorFlow, and JAX runs on two host devices throughout."""
+    return {"tensorflow": (_TF_DISTRIBUTE_SCRIPT, _SCALARS_SCRIPT, _EDGE_SCRIPT),
+            "torch": (_SCALARS_SCRIPT, _EDGE_SCRIPT),
+            "jax": (_JAX_DATA_PARALLEL_SCRIPT, _JAX_SCRIPT)}
+
+
+_DRIVER = r"""
+import json, runpy, sys, traceback
+for path, out in zip(sys.argv[1::2], sys.argv[2::2]):
+    sys.argv = [path, out]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except BaseException:
+        json.dump({"__traceback__": traceback.format_exc()}, open(out, "w"))
+"""
+
+
+def _script_group(backend: str, tmp_path) -> dict[str, dict]:
+    names = _script_names()
+    folder = tmp_path / f"keras_scripts_{backend}"
+    folder.mkdir()
+    arguments = []
+    for script in _script_groups()[backend]:
+        path = folder / f"{names[script]}.py"
+        path.write_text(script)
+        arguments += [str(path), str(folder / f"{names[script]}.json")]
+    (folder / "driver.py").write_text(_DRIVER)
     env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="",
                JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1",
-               TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1", **(extra_env or {}))
-    proc = subprocess.run([sys.executable, str(path), str(tmp_path / "out.json")], env=env,
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+               TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.run([sys.executable, str(folder / "driver.py"), *arguments], env=env,
+                          cwd=folder, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((tmp_path / "out.json").read_text())
+    return {names[script]: json.loads((folder / f"{names[script]}.json").read_text())
+            for script in _script_groups()[backend]}
 
 
 # ----------------------------------------------------------------------------- edge cases
@@ -622,7 +668,6 @@ def test_jax_data_parallel_over_two_devices_equals_one_device(tmp_path):
     """The supported data-parallel path (the tf.distribute refusal names it): JAX's
     ``keras.distribution.DataParallel`` over two host devices, each with half of every batch,
     gives the weights of one device on the whole batch."""
-    r = _run_script("jax", _JAX_DATA_PARALLEL_SCRIPT, tmp_path,
-                    extra_env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    r = _run_script("jax", _JAX_DATA_PARALLEL_SCRIPT, tmp_path)
     assert r["devices"] == 2, r
     assert r["diff"] < 1e-5, r
