@@ -1448,10 +1448,11 @@ class WhitenedMuon(torch.optim.Optimizer):
         the statistics schedule's clock, which the load resumes from, so steps on which no
         whitened weight had a gradient (a head-only phase) count too. Every parameter that trains
         has an entry: one that has not stepped is saved as its first step starts (zero moments,
-        the count in ``step``, factors no refresh has measured; :meth:`_fresh_entries`). The count travels in ``step``, an entry every checkpoint has, rather
-        than in a key of its own: torch.distributed.checkpoint's templates refuse a checkpoint
-        without one of their keys, and torchtitan's flat state keeps only the keys the live
-        optimizer has. The ``register_state_dict_post_hook`` hooks see the state dict as saved."""
+        the count in ``step``, factors no refresh has measured; :meth:`_fresh_entries`). The
+        count travels in ``step``, an entry every checkpoint has, rather than in a key of its
+        own: torch.distributed.checkpoint's templates refuse a checkpoint without one of their
+        keys, and torchtitan's flat state keeps only the keys the live optimizer has. The
+        ``register_state_dict_post_hook`` hooks see the state dict as saved."""
         post_hooks = self._optimizer_state_dict_post_hooks
         self._optimizer_state_dict_post_hooks = OrderedDict()  # run below, on the state dict as saved
         try:
