@@ -28,6 +28,7 @@ hook sees the output gradient in eager autograd, exactly as without compile.
 """
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from typing import Any, Callable, Sequence
@@ -128,8 +129,11 @@ class ActivationCapture:
             if waited is not None:
                 # the routing context is kept until the backward only where it is read then
                 kept = context if reads_grads else None
+                # a forward inside a backward is a reentrant checkpoint's recompute: its call belongs
+                # to that backward pass, not to the nested one the region's backward runs as
+                pass_of_call = torch._C._current_graph_task_id()
                 on_output_grad(waited, lambda grad: self._reached(adapter, units, grad, kept, staged, calls,
-                                                                  reads_grads))
+                                                                  reads_grads, pass_of_call))
 
         # A deep copy of the model (an EMA or SWA average, a teacher) copies this function
         # along with the module's hooks: only the module it was placed on may feed the
@@ -150,7 +154,7 @@ class ActivationCapture:
         return ForwardHook(hook)
 
     def _reached(self, adapter, units: dict, grad: torch.Tensor, context, staged: dict, calls: dict,
-                 reads_grads: bool) -> None:
+                 reads_grads: bool, pass_of_call: int = -1) -> None:
         """A backward reached a call's output: its activation terms are added (once, however
         many backwards pass through the call), then its output gradient is read."""
         if staged:
@@ -163,7 +167,11 @@ class ActivationCapture:
                     calls[slot] = layer.method.add_activation_terms(terms)
             staged.clear()
         if reads_grads:
-            self._observe_output_grads(adapter, units, grad, context, calls)
+            _backward.pass_of_call = pass_of_call if pass_of_call >= 0 else torch._C._current_graph_task_id()
+            try:
+                self._observe_output_grads(adapter, units, grad, context, calls)
+            finally:
+                _backward.pass_of_call = -1
 
     def _observe_output_grads(self, adapter, units: dict, grad: torch.Tensor, context, calls: dict) -> None:
         with torch.no_grad(), autocast_disabled(grad.device.type):  # backward inside an autocast region
@@ -205,6 +213,20 @@ class ActivationCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+# The backward pass (autograd graph task) the output gradients being read belong to, per
+# thread (devices' backwards run on threads of their own): see backward_pass().
+_backward = threading.local()
+
+
+def backward_pass() -> int:
+    """The backward pass whose output gradients a method is reading: the autograd graph task
+    of the backward that reached the call, or, for a call a reentrant activation checkpoint
+    recomputed inside a backward, that backward's (its region's backward runs as a nested
+    one). ``-1`` outside a read. One pass is one micro-batch of the step, however many calls
+    of a module it reaches."""
+    return getattr(_backward, "pass_of_call", -1)
 
 
 class ForwardHook:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from kron_precond.capture import backward_pass
 from kron_precond.distributed import collectives
 
 ALLREDUCE_BUCKET_BYTES = 25 * 2**20  # KronPreconditioner's default allreduce_bucket_cap_mb
@@ -244,7 +245,7 @@ class WhiteningStatistics:
         a mean loss over ``N`` rows each row's gradient carries ``1/N``: a backward pass (one
         micro-batch) counts one call's rows, however many calls of the module it reaches (a
         block applied several times per forward), and the step sums its backward passes."""
-        task = torch._C._current_graph_task_id()
+        task = backward_pass()
         if task < 0:  # not inside a backward pass: every call counts
             return True
         key = (id(unit.param), unit.index)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from kron_precond import RoutedExperts, WhitenedMuon
@@ -99,30 +100,47 @@ class Looped(nn.Module):
         self.inp, self.block, self.head = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)
         self.double()
 
+    checkpoint: bool | None = None  # each application in a region of its own: None, or use_reentrant
+
     def forward(self, x, calls):
         h = torch.tanh(self.inp(x))
         for _ in range(calls):
-            h = torch.tanh(self.block(h))
+            if self.checkpoint is None:
+                h = torch.tanh(self.block(h))
+            else:
+                h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.block(t)), h,
+                                                      use_reentrant=self.checkpoint)
         return self.head(h)
 
 
-def test_a_block_called_several_times_per_forward_scales_its_rows_by_one_calls_count():
+@pytest.mark.parametrize("checkpoint", [None, True, False], ids=["plain", "reentrant", "non-reentrant"])
+def test_a_block_called_several_times_per_forward_scales_its_rows_by_one_calls_count(checkpoint):
     """Each call's output-gradient rows carry the loss's ``1/n`` of its ``n`` rows, however
     many times the block runs in the forward: its output factor is the mean of ``(n g)(n g)ᵀ``
     over every call's rows (dense float64 reference), also when the number of calls changes
-    from step to step (a step's count is one call's rows per backward, not every call's)."""
+    from step to step (a step's count is one call's rows per backward, not every call's), and
+    with each call in an activation-checkpointed region of its own (reentrant checkpointing
+    runs each region's backward as a backward of its own, inside the step's)."""
     model, rows, decay = Looped(), 16, 0.8
+    model.checkpoint = checkpoint
     opt = WhitenedMuon(model, lr=1e-12, statistics_every=1, ns_dtype=F64, output_side=True, factor_decay=decay)
     g = torch.Generator().manual_seed(2)
     want = None
     for calls in (1, 2, 1, 3):
         x, y = torch.randn(rows, 4, generator=g, dtype=F64), torch.randn(rows, 2, generator=g, dtype=F64)
         outputs: list[torch.Tensor] = []
-        handle = model.block.register_forward_hook(lambda m, i, o, kept=outputs: o.retain_grad() or kept.append(o))
+        def keep(module, args, output, kept=outputs):  # a reentrant checkpoint's first run has no graph
+            if output.requires_grad:
+                output.retain_grad()
+                kept.append(output)
+
+        handle = model.block.register_forward_hook(keep)
         opt.zero_grad()
         ((model(x, calls) - y) ** 2).mean().backward()
         handle.remove()
-        grads = torch.cat([o.grad for o in outputs]) * rows
+        reached = [o.grad for o in outputs if o.grad is not None]  # a checkpointed call runs twice
+        assert len(reached) == calls
+        grads = torch.cat(reached) * rows
         new = grads.T @ grads / grads.shape[0]
         want = new if want is None else want.lerp(new, 1 - decay)
         opt.step()
