@@ -670,10 +670,11 @@ class KronPreconditioner:
         ``meta``). Compares metadata only: no host sync."""
         name, param = layer.params[0]
         current = getattr(layer.module, name, param)
-        if is_dtensor(param) and not is_dtensor(current):
+        if is_dtensor(param) and not is_dtensor(current) and current.device == param.device:
             # FSDP2's gathered copy, swapped in around the forward in its mixed-precision dtype:
             # the state stays with the sharded parameters (following the copy would round float64
-            # state through the copy's dtype, and wait on the statistics reduction, every forward)
+            # state through the copy's dtype, and wait on the statistics reduction, every forward).
+            # A copy on another device (CPU offload) is followed: its rows are on that device
             return
         if current is not param:  # to_empty() from meta makes new Parameter objects
             layer.params = [(n, getattr(layer.module, n, p)) for n, p in layer.params]
