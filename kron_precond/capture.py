@@ -131,9 +131,12 @@ class ActivationCapture:
                 kept = context if reads_grads else None
                 # a forward inside a backward is a reentrant checkpoint's recompute: its call belongs
                 # to that backward pass, not to the nested one the region's backward runs as
-                pass_of_call = torch._C._current_graph_task_id()
+                pass_of_call = graph_task()
+                # the gradient node of the weight this call multiplied, taken now: the graph holds
+                # it (FSDP2 frees the gathered copy the call used, which a later lookup would miss)
+                node = _gradient_node(module)
                 on_output_grad(waited, lambda grad: self._reached(adapter, units, grad, kept, staged, calls,
-                                                                  reads_grads, pass_of_call))
+                                                                  reads_grads, pass_of_call, node))
 
         # A deep copy of the model (an EMA or SWA average, a teacher) copies this function
         # along with the module's hooks: only the module it was placed on may feed the
@@ -154,9 +157,14 @@ class ActivationCapture:
         return ForwardHook(hook)
 
     def _reached(self, adapter, units: dict, grad: torch.Tensor, context, staged: dict, calls: dict,
-                 reads_grads: bool, pass_of_call: int = -1) -> None:
+                 reads_grads: bool, pass_of_call: int = -1, node: Any = None) -> None:
         """A backward reached a call's output: its activation terms are added (once, however
-        many backwards pass through the call), then its output gradient is read."""
+        many backwards pass through the call), then its output gradient is read. A pass that
+        writes no gradient of the module's weight (``torch.autograd.grad`` or
+        ``backward(inputs=...)`` with respect to the input: a gradient penalty) is skipped: its
+        output gradient is not the loss's, and the call's rows wait for the pass that is."""
+        if node is not None and not _writes_gradient(node):
+            return
         if staged:
             self._before_write()
             with torch.no_grad(), autocast_disabled(grad.device.type):  # backward inside an autocast region
@@ -167,7 +175,7 @@ class ActivationCapture:
                     calls[slot] = layer.method.add_activation_terms(terms)
             staged.clear()
         if reads_grads:
-            _backward.pass_of_call = pass_of_call if pass_of_call >= 0 else torch._C._current_graph_task_id()
+            _backward.pass_of_call = pass_of_call if pass_of_call >= 0 else graph_task()
             try:
                 self._observe_output_grads(adapter, units, grad, context, calls)
             finally:
@@ -215,9 +223,37 @@ class ActivationCapture:
         self._handles.clear()
 
 
+def _gradient_node(module: nn.Module) -> Any:
+    """The autograd node that writes the gradient of ``module``'s first trainable parameter
+    (the one its call uses now), or ``None``."""
+    weight = next((p for p in module._parameters.values() if p is not None and p.requires_grad), None)
+    if weight is None or is_dtensor(weight):
+        # FSDP2, resharded after the forward: the sharded parameter is not the one the call used
+        return None
+    try:
+        with torch.enable_grad():
+            return torch.autograd.graph.get_gradient_edge(weight).node
+    except (RuntimeError, AttributeError):  # (a torch without get_gradient_edge: every pass reads)
+        return None
+
+
+def _writes_gradient(node: Any) -> bool:
+    """Whether the running backward pass runs ``node`` (writes the weight's gradient)."""
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except (RuntimeError, AttributeError):  # autograd.grad with respect to the weights (or no engine to ask)
+        return True
+
+
 # The backward pass (autograd graph task) the output gradients being read belong to, per
 # thread (devices' backwards run on threads of their own): see backward_pass().
 _backward = threading.local()
+
+
+def graph_task() -> int:
+    """The running backward's autograd graph task id; ``-1`` outside a backward."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return -1 if current is None else int(current())
 
 
 def backward_pass() -> int:

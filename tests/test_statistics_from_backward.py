@@ -354,3 +354,39 @@ def test_a_call_staged_per_part_before_a_load_back_to_one_input_does_not_break_t
             out.backward()
             opt.step()
     torch.testing.assert_close(opt.state[attn.in_proj_weight]["input_factor"], first, rtol=0, atol=0)  # one input
+
+
+@pytest.mark.parametrize("kind", ["whitened_muon", "kfac"])
+@pytest.mark.parametrize("grad_call", ["inputs", "backward_inputs"])
+def test_output_gradients_of_a_pass_that_leaves_the_weights_alone_stay_out(kind, grad_call):
+    """A gradient penalty takes the gradient with respect to the input first
+    (``torch.autograd.grad(..., x)``, or ``backward(inputs=[x])``): that pass reaches the layer's
+    output but writes no weight gradient, so its output gradients are not the loss's and stay
+    out of G (they entered it: 0.5-0.9 off). Reference: the dense float64 G of the output
+    gradients the training backward brought, ``mean((n g)(n g)ᵀ)``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    if kind == "whitened_muon":
+        opt = WhitenedMuon(model, lr=1e-12, statistics_every=1, output_side=True, ns_dtype=F64)
+    else:
+        opt = KronPreconditioner(model, method="kfac", factor_update_steps=1, inv_update_steps=1, lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 5, generator=g, dtype=F64, requires_grad=True)
+    y = torch.randn(16, 3, generator=g, dtype=F64)
+    kept: list[torch.Tensor] = []
+    handle = model[0].register_forward_hook(lambda m, a, out: out.retain_grad() or kept.append(out))
+    out = model(x)
+    if grad_call == "inputs":
+        (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    else:
+        out.sum().backward(inputs=[x], create_graph=True)
+        gx, x.grad = x.grad, None
+    kept[0].grad = None  # only the training backward's output gradient is the reference's
+    (((out - y) ** 2).mean() + 0.1 * gx.square().sum()).backward()
+    handle.remove()
+    rows = kept[0].grad * 16
+    want = rows.T @ rows / rows.shape[0]
+    opt.step()
+    got = (opt.state[model[0].weight]["output_factor"].reshape(8, 8) if kind == "whitened_muon"
+           else opt.layers["0"].g_factor)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
