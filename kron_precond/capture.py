@@ -132,11 +132,11 @@ class ActivationCapture:
                 # a forward inside a backward is a reentrant checkpoint's recompute: its call belongs
                 # to that backward pass, not to the nested one the region's backward runs as
                 pass_of_call = graph_task()
-                # the gradient node of the weight this call multiplied, taken now: the graph holds
-                # it (FSDP2 frees the gathered copy the call used, which a later lookup would miss)
-                node = _gradient_node(module)
+                # the gradient nodes of the parameters this call used, taken now: the graph holds
+                # them (FSDP2 frees the gathered copy the call used, which a later lookup would miss)
+                nodes = _gradient_nodes(module)
                 on_output_grad(waited, lambda grad: self._reached(adapter, units, grad, kept, staged, calls,
-                                                                  reads_grads, pass_of_call, node))
+                                                                  reads_grads, pass_of_call, nodes))
 
         # A deep copy of the model (an EMA or SWA average, a teacher) copies this function
         # along with the module's hooks: only the module it was placed on may feed the
@@ -157,13 +157,13 @@ class ActivationCapture:
         return ForwardHook(hook)
 
     def _reached(self, adapter, units: dict, grad: torch.Tensor, context, staged: dict, calls: dict,
-                 reads_grads: bool, pass_of_call: int = -1, node: Any = None) -> None:
+                 reads_grads: bool, pass_of_call: int = -1, nodes: list | None = None) -> None:
         """A backward reached a call's output: its activation terms are added (once, however
         many backwards pass through the call), then its output gradient is read. A pass that
         writes no gradient of the module's weight (``torch.autograd.grad`` or
         ``backward(inputs=...)`` with respect to the input: a gradient penalty) is skipped: its
         output gradient is not the loss's, and the call's rows wait for the pass that is."""
-        if node is not None and not _writes_gradient(node):
+        if nodes and not _writes_gradient(nodes):
             return
         if staged:
             self._before_write()
@@ -223,24 +223,24 @@ class ActivationCapture:
         self._handles.clear()
 
 
-def _gradient_node(module: nn.Module) -> Any:
-    """The autograd node that writes the gradient of ``module``'s first trainable parameter
-    (the one its call uses now), or ``None``."""
-    weight = next((p for p in module._parameters.values() if p is not None and p.requires_grad), None)
-    if weight is None or is_dtensor(weight):
-        # FSDP2, resharded after the forward: the sharded parameter is not the one the call used
-        return None
+def _gradient_nodes(module: nn.Module) -> list:
+    """The autograd nodes that write the gradients of ``module``'s trainable parameters (the
+    tensors its call uses now); empty where they cannot be told (FSDP2, resharded after the
+    forward: the sharded parameters are not the ones the call used), and no pass is skipped."""
+    params = [p for p in module._parameters.values() if p is not None and p.requires_grad]
+    if any(is_dtensor(p) for p in params):
+        return []
     try:
-        with torch.enable_grad():
-            return torch.autograd.graph.get_gradient_edge(weight).node
+        return [torch.autograd.graph.get_gradient_edge(p).node for p in params]
     except (RuntimeError, AttributeError):  # (a torch without get_gradient_edge: every pass reads)
-        return None
+        return []
 
 
-def _writes_gradient(node: Any) -> bool:
-    """Whether the running backward pass runs ``node`` (writes the weight's gradient)."""
+def _writes_gradient(nodes: list) -> bool:
+    """Whether the running backward pass runs any of ``nodes`` (writes a gradient of the
+    module's parameters: one a call leaves unused, as a gain taken only sometimes, never does)."""
     try:
-        return bool(torch._C._will_engine_execute_node(node))
+        return any(torch._C._will_engine_execute_node(node) for node in nodes)
     except (RuntimeError, AttributeError):  # autograd.grad with respect to the weights (or no engine to ask)
         return True
 

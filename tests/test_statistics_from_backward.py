@@ -390,3 +390,59 @@ def test_output_gradients_of_a_pass_that_leaves_the_weights_alone_stay_out(kind,
     got = (opt.state[model[0].weight]["output_factor"].reshape(8, 8) if kind == "whitened_muon"
            else opt.layers["0"].g_factor)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
+class GatedLinear(nn.Module):
+    """A Linear whose first registered parameter (a gain) the call uses only when gated."""
+
+    def __init__(self, i: int, o: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(o))
+        self.weight = nn.Parameter(torch.randn(o, i) / i ** 0.5)
+        self.bias = nn.Parameter(torch.zeros(o))
+        self.gated = False
+
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)
+        return y * self.gain if self.gated else y
+
+
+@pytest.mark.parametrize("kind", ["whitened_muon", "kfac"])
+def test_a_call_that_leaves_a_parameter_of_its_module_unused_still_counts(kind, monkeypatch):
+    """Whether a pass writes the call's gradients is asked of every trainable parameter of the
+    module: one the call does not use (a gain taken only when gated) writes nothing on any
+    pass, and reading it alone left A and G at zero. Reference: dense float64 A and G."""
+    from kron_precond import modules as adapter_registry
+    from kron_precond.modules import KFACAdapter, register_adapter
+
+    class GatedAdapter(KFACAdapter):  # weight and bias preconditioned, the gain elsewhere
+        def units(self, name, params):
+            return super().units(name, [(n, p) for n, p in params if n != "gain"])
+
+    monkeypatch.setattr(adapter_registry, "_ADAPTERS", list(adapter_registry._ADAPTERS))
+    register_adapter(GatedLinear, GatedAdapter)
+    torch.manual_seed(0)
+    gated = GatedLinear(5, 8)
+    model = nn.Sequential(gated, nn.Tanh(), nn.Linear(8, 3)).double()
+    if kind == "whitened_muon":
+        opt = WhitenedMuon(model, lr=1e-12, statistics_every=1, output_side=True, ns_dtype=F64)
+    else:
+        opt = KronPreconditioner(model, method="kfac", factor_update_steps=1, inv_update_steps=1, lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 5, generator=g, dtype=F64), torch.randn(16, 3, generator=g, dtype=F64)
+    kept: list[torch.Tensor] = []
+    gated.register_forward_hook(lambda m, a, out: out.retain_grad() or kept.append(out))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the gain's own parameter group has no gradient
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    rows = torch.cat([x, torch.ones(16, 1, dtype=F64)], 1) if kind == "kfac" else x
+    grads = kept[0].grad * 16
+    want_a, want_g = rows.T @ rows / 16, grads.T @ grads / 16
+    if kind == "whitened_muon":
+        state = opt.state[gated.weight]
+        got_a, got_g = state["input_factor"].reshape(want_a.shape), state["output_factor"].reshape(want_g.shape)
+    else:
+        got_a, got_g = opt.layers["0"].a_factor, opt.layers["0"].g_factor
+    torch.testing.assert_close(got_a, want_a, rtol=1e-10, atol=0)
+    torch.testing.assert_close(got_g, want_g, rtol=1e-10, atol=0)
