@@ -160,9 +160,9 @@ class ActivationCapture:
                  reads_grads: bool, pass_of_call: int = -1, nodes: list | None = None) -> None:
         """A backward reached a call's output: its activation terms are added (once, however
         many backwards pass through the call), then its output gradient is read. A pass that
-        writes no gradient of the module's weight (``torch.autograd.grad`` or
+        writes no gradient of the module's parameters (``torch.autograd.grad`` or
         ``backward(inputs=...)`` with respect to the input: a gradient penalty) is skipped: its
-        output gradient is not the loss's, and the call's rows wait for the pass that is."""
+        output gradient is not the loss's, and the call's rows wait for a pass that writes them."""
         if nodes and not _writes_gradient(nodes):
             return
         if staged:
