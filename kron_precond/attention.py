@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kron_precond.modules import Selected, owners_of, tied_elsewhere, usable_parameters
+from kron_precond.modules import Selected, overridden_forward, owners_of, tied_elsewhere, usable_parameters
 
 SEPARATE_PROJECTIONS = ("q_proj_weight", "k_proj_weight", "v_proj_weight")
 
@@ -199,6 +199,10 @@ def model_attention_units(model: nn.Module, is_skipped: Callable[[str, nn.Module
         if is_skipped(name, module):
             log(f"skipping {name or '<root>'} ({type(module).__name__}): matches skip_layers")
             continue
+        reason = overridden_forward(module, nn.MultiheadAttention, ("forward",))
+        if reason:  # its arguments may not be what the projections multiply
+            log(f"skipping {name or '<root>'}: {reason}")
+            continue
         found, unwhitened = attention_units(name, module, cross_attention=id(module) in cross,
                                             is_skipped=is_skipped, owners=owners, log=log)
         observed.extend(found)
@@ -229,6 +233,10 @@ def input_side_attention_units(model: nn.Module, is_skipped: Callable[[str, nn.M
         label = name or "<root>"
         if is_skipped(name, module):
             log(f"skipping {label} ({type(module).__name__}): matches skip_layers")
+            continue
+        reason = overridden_forward(module, nn.MultiheadAttention, ("forward",))
+        if reason:
+            log(f"skipping {label}: {reason}")
             continue
         if id(module) in cross:
             log(f"skipping {label}: cross-attention (its query, key and value read inputs of their own, "

@@ -84,8 +84,12 @@ class ActivationCapture:
         by_module: dict[int, tuple[nn.Module, object, dict[int, object]]] = {}
         for layer in layers:
             by_module.setdefault(id(layer.module), (layer.module, layer.adapter, {}))[2][layer.slot] = layer
+        # Ahead of the module's other forward hooks: a hook that returns another output (a scale,
+        # a cast, noise) hands later hooks its own tensor, and the output gradients read must be
+        # those of what the module computed.
         self._handles = [module.register_forward_hook(
-            self._forward_hook(module, adapter, units, self._reads_output_grads(units)), with_kwargs=True)
+            self._forward_hook(module, adapter, units, self._reads_output_grads(units)), with_kwargs=True,
+            prepend=True)
             for module, adapter, units in by_module.values()]
 
     def _reads_output_grads(self, units: dict) -> bool:
@@ -225,8 +229,9 @@ class ActivationCapture:
 
 def _gradient_nodes(module: nn.Module) -> list:
     """The autograd nodes that write the gradients of ``module``'s trainable parameters (the
-    tensors its call uses now); empty where they cannot be told (FSDP2, resharded after the
-    forward: the sharded parameters are not the ones the call used), and no pass is skipped."""
+    tensors its call uses now); empty where they cannot be told (sharded DTensor parameters at
+    the hook, not the gathered ones the call used: a module resharded by a forward hook that
+    ran ahead of the library's), and no pass is skipped."""
     params = [p for p in module._parameters.values() if p is not None and p.requires_grad]
     if any(is_dtensor(p) for p in params):
         return []

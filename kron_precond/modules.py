@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -171,15 +172,29 @@ class ConvAdapter(KFACAdapter):
 
 
 def _pad_like_conv(conv: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tensor:
-    # _reversed_padding_repeated_twice is what nn.ConvNd itself passes to F.pad for
-    # non-zero padding modes and for padding="same"; it is set for every padding kind.
-    pad = getattr(conv, "_reversed_padding_repeated_twice", None)
-    if pad is None:
-        pad = [p for p in reversed(conv.padding) for _ in range(2)]
+    """``x`` padded as the conv's own forward pads it at this call. Zeros padding is read from
+    the conv's settings now, as torch's forward reads them (a dilation surgery sets ``padding``
+    and ``dilation`` on a built conv, and ``"same"`` follows the dilation); other modes pad by
+    ``_reversed_padding_repeated_twice``, set at construction, which is what torch pads by."""
+    pad: list[int]
+    if conv.padding_mode != "zeros":
+        pad = list(conv._reversed_padding_repeated_twice)
+    elif conv.padding == "same":  # d·(k − 1) zeros, the odd one on the right (torch's split)
+        pad = []
+        for d, k in zip(reversed(conv.dilation), reversed(conv.kernel_size)):
+            total = d * (k - 1)
+            pad += [total // 2, total - total // 2]
+    elif conv.padding == "valid":
+        pad = []
+    else:
+        spatial = len(conv.kernel_size)
+        padding: Sequence[int] = (conv.padding if isinstance(conv.padding, (tuple, list))
+                                  else (int(conv.padding),) * spatial)
+        pad = [p for p in reversed(padding) for _ in range(2)]
     if not any(pad):
         return x
     mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
-    return F.pad(x, list(pad), mode=mode)
+    return F.pad(x, pad, mode=mode)
 
 
 # Subclasses whose own forward multiplies its input as the base class's does (the rows are its
@@ -187,25 +202,53 @@ def _pad_like_conv(conv: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tens
 _SAME_ROWS_FORWARD = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
 
 
-def _refuse_overridden(module: nn.Module, base: type, methods: tuple[str, ...]) -> None:
-    """:class:`UnsupportedModule` for a subclass of ``base`` that overrides one of ``methods``:
-    its forward may change its input before its weight multiplies it (a causal pad, a scale, a
-    transpose, a standardised weight), and the rows read from that input would be the wrong ones.
-    A module with parameters beyond weight and bias is refused for those (the more specific
-    reason; :func:`unknown_parameters`)."""
+def overridden_forward(module: nn.Module, base: type, methods: tuple[str, ...]) -> str | None:
+    """Why ``module``'s rows may not be the input of ``base``'s forward, or ``None``: its class
+    overrides one of ``methods`` (its forward may change its input before its weight multiplies
+    it: a causal pad, a scale, a transpose, a standardised weight), or one is replaced on the
+    instance (monkey-patched). A replacement that declares, through ``__wrapped__``, that it
+    calls the class's own method on this module (accelerate's device and autocast hooks) is
+    taken: it is trusted, as a registered adapter is, to hand that method its arguments."""
     cls = type(module)
     overridden = [m for m in methods if getattr(cls, m, None) is not getattr(base, m)]
-    if not overridden or f"{cls.__module__}.{cls.__qualname__}" in _SAME_ROWS_FORWARD:
+    if overridden and f"{cls.__module__}.{cls.__qualname__}" not in _SAME_ROWS_FORWARD:
+        return (f"{cls.__name__} overrides {' and '.join(overridden)}: the rows its weight multiplies may not be "
+                f"its input; register an adapter (register_adapter) that reads them")
+    replaced = [m for m in methods if m in vars(module) and not _calls_own(module, vars(module)[m], getattr(cls, m))]
+    if replaced:
+        return (f"{cls.__name__}'s {' and '.join(replaced)} is replaced on the instance: the rows its weight "
+                f"multiplies may not be its input; register an adapter (register_adapter) that reads them")
+    return None
+
+
+def _calls_own(module: nn.Module, replacement: Any, own: Any) -> bool:
+    """``replacement`` declares (``__wrapped__``, followed to its end) that it wraps ``own``,
+    the class's method, bound to ``module`` or plain."""
+    try:
+        inner = inspect.unwrap(replacement)
+    except ValueError:  # a cycle of __wrapped__
+        return False
+    return getattr(inner, "__func__", inner) is own and getattr(inner, "__self__", module) is module
+
+
+def _refuse_overridden(module: nn.Module, base: type, methods: tuple[str, ...]) -> None:
+    """:class:`UnsupportedModule` for a module whose rows may not be the input of ``base``'s
+    forward (:func:`overridden_forward`). A module with parameters beyond weight and bias is
+    refused for those (the more specific reason; :func:`unknown_parameters`)."""
+    reason = overridden_forward(module, base, methods)
+    if reason is None:
         return
-    reason = _beyond_weight_and_bias(list(module.named_parameters(recurse=False)))
-    raise UnsupportedModule(reason or (
-        f"{cls.__name__} overrides {' and '.join(overridden)}: the rows its weight multiplies may not be "
-        f"its input; register an adapter (register_adapter) that reads them"))
+    raise UnsupportedModule(_beyond_weight_and_bias(list(module.named_parameters(recurse=False))) or reason)
 
 
 def _linear_adapter(module: nn.Module) -> KFACAdapter:
     _refuse_overridden(module, nn.Linear, ("forward",))
     return KFACAdapter(module)
+
+
+def _transposed_linear_adapter(module: nn.Module) -> TransposedLinearAdapter:
+    _refuse_overridden(module, type(module), ("forward",))  # its class's forward is the definition
+    return TransposedLinearAdapter(module)
 
 
 def _conv_adapter(module: nn.Module) -> ConvAdapter:
@@ -220,7 +263,7 @@ def _conv_adapter(module: nn.Module) -> ConvAdapter:
 # and Conv entries take a subclass only if it keeps the base class's forward (_refuse_overridden).
 _ADAPTERS: list[tuple[Callable[[nn.Module], bool], Callable[[nn.Module], Any]]] = [
     (lambda m: isinstance(m, nn.Linear), _linear_adapter),
-    (_is_transposed_linear, TransposedLinearAdapter),
+    (_is_transposed_linear, _transposed_linear_adapter),
     (lambda m: isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)), _conv_adapter),
 ]
 

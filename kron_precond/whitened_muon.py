@@ -66,6 +66,7 @@ from kron_precond.modules import (
     find_kfac_modules,
     is_skipped,
     kfac_adapter,
+    overridden_forward,
     owners_of,
     unknown_parameters,
 )
@@ -181,6 +182,9 @@ def _listed_units(modules: list) -> tuple[list[Selected], list[Selected]]:
             raise TypeError(f"WhitenedMuon: modules[{i}] must be an nn.Module, got {type(module).__name__}")
         adapter, reason = kfac_adapter(module)  # a user's registration takes precedence
         if adapter is None and isinstance(module, nn.MultiheadAttention):  # self-attention unless kdim / vdim
+            overridden = overridden_forward(module, nn.MultiheadAttention, ("forward",))
+            if overridden:
+                raise ValueError(f"WhitenedMuon: {label} cannot be whitened: {overridden}")
             found, unwhitened = attention_units(f"modules[{i}]", module, cross_attention=False,
                                                 is_skipped=lambda name, m: False, owners={}, log=logger.info)
             if not found and not unwhitened:

@@ -103,3 +103,48 @@ def test_fsdp2_mixed_precision_keeps_the_state_in_the_models_dtype(tmp_path):
     assert result["factor_dtype"] == torch.float64
     # the first layer's input factor, from the same bfloat16 inputs: float64 rounding only
     assert result["gap"] < 1e-13 * result["scale"], result
+
+
+def penalty_worker(rank: int, world: int, out_dir: str) -> dict:
+    """A gradient penalty's pass with respect to the inputs (another batch), then the training
+    backward, on modules FSDP2 reshards after their forward or keeps gathered."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from kron_precond import WhitenedMuon
+
+    mesh = init_device_mesh("cpu", (1,))
+    gaps = {}
+    for kind in ("kfac", "whitened_muon"):
+        for reshard in (True, False):
+            model = _model()
+            for module in model:
+                if isinstance(module, nn.Linear):
+                    fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(model, mesh=mesh)
+            if kind == "kfac":
+                opt = KronPreconditioner(model, method="kfac", factor_update_steps=1, inv_update_steps=1)
+            else:
+                opt = WhitenedMuon(model, lr=1e-2, statistics_rows=None, statistics_every=1, center_inputs=False)
+            g = torch.Generator().manual_seed(11)
+            x = torch.randn(8, 5, generator=g, dtype=torch.float64)
+            probe = (3 + torch.randn(8, 5, generator=g, dtype=torch.float64)).requires_grad_()
+            torch.autograd.grad(model(probe).sum(), probe)  # writes no weight gradient
+            F.mse_loss(model(x), torch.zeros(8, 3, dtype=torch.float64)).backward()
+            opt.step()
+            if kind == "kfac":
+                got, rows = opt._layers[0].a_factor, torch.cat([x, torch.ones(8, 1, dtype=torch.float64)], 1)
+            else:
+                first = model[0].weight
+                got, rows = opt.state[first]["input_factor"].reshape(5, 5), x
+            gaps[f"{kind}, reshard_after_forward={reshard}"] = float((got.double() - rows.T @ rows / 8).abs().max())
+    return gaps
+
+
+def test_a_gradient_penalty_pass_stays_out_of_the_statistics_under_fsdp2(tmp_path):
+    """The pass with respect to the inputs writes no weight gradient: the first layer's input
+    factor holds the training batch's rows alone (float64 covariance), also where FSDP2
+    reshards the weight right after the forward."""
+    gaps = run_workers(penalty_worker, 1, tmp_path, timeout=120)[0]
+    assert all(gap < 1e-12 for gap in gaps.values()), gaps

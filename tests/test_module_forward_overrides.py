@@ -13,7 +13,10 @@ multiplies, built here in float64 (conv patches by explicit loops over output po
 """
 from __future__ import annotations
 
+import copy
+import functools
 import logging
+from types import MethodType
 
 import pytest
 import torch
@@ -277,3 +280,173 @@ def test_a_lazy_module_matched_by_skip_layers_is_not_refused():
     model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 3))
     precond = KronPreconditioner(model, method="kfac", skip_layers=["^0$"])
     assert list(precond.layers) == ["2"]
+
+
+# ----------------------------------------------------------------------------- forwards replaced on the instance
+def patched(linear: nn.Linear) -> nn.Linear:
+    """``linear.forward`` replaced on the instance (monkey-patching): a per-feature input scale."""
+    s = torch.arange(1, linear.in_features + 1, dtype=linear.weight.dtype)
+    linear.forward = MethodType(lambda self, x: F.linear(x * s, self.weight, self.bias), linear)
+    return linear
+
+
+def declared_wrapper(linear: nn.Linear) -> nn.Linear:
+    """A wrapper that declares the forward it calls (``__wrapped__``), as accelerate's
+    ``add_hook_to_module`` installs on the instance: the rows are still the input."""
+    old = linear.forward
+
+    def new_forward(module, *args, **kwargs):
+        return old(*args, **kwargs)
+
+    linear.forward = functools.update_wrapper(functools.partial(new_forward, linear), old)
+    return linear
+
+
+def patched_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(patched(nn.Linear(4, 5)), nn.Tanh(), nn.Linear(5, 2))
+
+
+def test_whitened_muon_gives_a_linear_whose_forward_is_replaced_to_adamw_naming_it(caplog):
+    model = patched_net()
+    with caplog.at_level(logging.INFO, logger="kron_precond"):
+        opt = whitening(model)
+    whitened = {id(p) for g in opt.param_groups if g["algorithm"] == "whitened_muon" for p in g["params"]}
+    assert whitened == {id(model[2].weight)}
+    assert any(m.startswith("skipping 0:") and "forward is replaced on the instance" in m
+               for m in skip_messages(caplog)), skip_messages(caplog)
+
+
+@pytest.mark.parametrize("method", CAPTURING)
+def test_kron_preconditioner_skips_a_linear_whose_forward_is_replaced(method, caplog):
+    with caplog.at_level(logging.INFO, logger="kron_precond"):
+        precond = KronPreconditioner(patched_net(), method=method)
+    assert list(precond.layers) == ["2"]
+    assert any(m.startswith("skipping 0:") and "forward is replaced on the instance" in m
+               for m in skip_messages(caplog)), skip_messages(caplog)
+
+
+def test_the_list_form_refuses_a_linear_whose_forward_is_replaced():
+    with pytest.raises(ValueError, match=r"modules\[1\] \(Linear\).*forward is replaced on the instance"):
+        WhitenedMuon([nn.Linear(3, 3), patched(nn.Linear(4, 5))], lr=1e-3)
+
+
+@pytest.mark.parametrize("method", CAPTURING)
+def test_a_declared_wrapper_of_the_forward_is_taken_with_its_input_covariance(method):
+    torch.manual_seed(0)
+    model = nn.Sequential(declared_wrapper(nn.Linear(4, 5)), nn.Tanh(), nn.Linear(5, 2)).double()
+    precond = KronPreconditioner(model, method=method, lr=0.1, factor_update_steps=1, inv_update_steps=1)
+    assert list(precond.layers) == ["0", "2"]
+    x = torch.randn(6, 4, dtype=DT)
+    model(x).square().mean().backward()
+    precond.step()
+    torch.testing.assert_close(precond.layers["0"].a_factor.to(DT), covariance(x, bias=True))
+
+
+class ShiftedAttention(nn.MultiheadAttention):
+    """Adds a fixed shift to the query and the key before the projections multiply them."""
+
+    def forward(self, query, key, value, **kwargs):
+        shift = torch.linspace(-1, 1, query.shape[-1], dtype=query.dtype)
+        return super().forward(query + shift, key + shift, value, **kwargs)
+
+
+def test_whitened_muon_gives_an_attention_subclass_with_its_own_forward_to_adamw(caplog):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8))
+    model.attn = ShiftedAttention(8, 2, batch_first=True)
+    with caplog.at_level(logging.INFO, logger="kron_precond"):
+        opt = whitening(model)
+    whitened = {id(p) for g in opt.param_groups if g["algorithm"] == "whitened_muon" for p in g["params"]}
+    assert id(model.attn.in_proj_weight) not in whitened
+    assert_skipped_for_its_forward(caplog, "attn", "ShiftedAttention")
+    with pytest.raises(ValueError, match=r"modules\[0\] \(ShiftedAttention\).*ShiftedAttention overrides forward"):
+        WhitenedMuon([ShiftedAttention(8, 2)], lr=1e-3)
+
+
+def test_input_side_kfac_skips_an_attention_subclass_with_its_own_forward(caplog):
+    model = nn.Sequential(nn.Linear(4, 8))
+    model.attn = ShiftedAttention(8, 2, batch_first=True)
+    with caplog.at_level(logging.INFO, logger="kron_precond"):
+        precond = KronPreconditioner(model, method="ikfac")
+    assert "attn" not in precond.layers
+    assert_skipped_for_its_forward(caplog, "attn", "ShiftedAttention")
+
+
+# ----------------------------------------------------------------------------- settings changed after construction
+def conv1d_rows_padded(conv: nn.Conv1d, x: torch.Tensor, left: int, right: int) -> torch.Tensor:
+    """``[B·L_out, C·k]`` rows of a Conv1d padded by ``(left, right)`` zeros, by an explicit loop."""
+    x = F.pad(x.to(DT), (left, right))
+    k, d, s = conv.kernel_size[0], conv.dilation[0], conv.stride[0]
+    span = d * (k - 1) + 1
+    return torch.stack([x[b, :, p:p + span:d].reshape(-1) for b in range(x.shape[0])
+                        for p in range(0, x.shape[2] - span + 1, s)])
+
+
+@pytest.mark.parametrize("kind", ["whitened_muon", "kfac"])
+@pytest.mark.parametrize("surgery", ["padding", "same"])
+def test_conv_settings_changed_after_construction_are_read_at_the_call(kind, surgery):
+    """DeepLab's dilation surgery sets ``stride``, ``dilation`` and ``padding`` on a built conv;
+    torch's zeros-padded forward reads them at every call, so the rows must too."""
+    torch.manual_seed(0)
+    if surgery == "padding":
+        conv = nn.Conv1d(3, 4, 3, stride=2, padding=1).double()
+        conv.stride, conv.dilation, conv.padding = (1,), (2,), (2,)
+        left = right = 2
+    else:  # padding="same" follows the dilation: 2·(3 − 1) = 4 zeros, 2 on each side
+        conv = nn.Conv1d(3, 4, 3, padding="same").double()
+        conv.dilation = (2,)
+        left = right = 2
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.LazyLinear(2)).double()
+    x = torch.randn(3, 3, 9, dtype=DT)
+    model(x)  # materialise the head
+    rows = conv1d_rows_padded(conv, x, left, right)
+    assert rows.shape[0] == conv(x).shape[0] * conv(x).shape[2]  # the reference's rows are the output positions
+    if kind == "kfac":
+        precond = KronPreconditioner(model, method="kfac", lr=0.1, factor_update_steps=1, inv_update_steps=1)
+        model(x).square().mean().backward()
+        precond.step()
+        torch.testing.assert_close(precond.layers["0"].a_factor.to(DT), covariance(rows, bias=True))
+    else:
+        opt = whitening(model)
+        model(x).square().mean().backward()
+        opt.step()
+        factor = opt.state[conv.weight]["input_factor"].to(DT)
+        torch.testing.assert_close(factor.reshape(9, 9), covariance(rows))
+
+
+# ----------------------------------------------------------------------------- a user's hook replaces the output
+class Doubled(nn.Module):
+    """Scales features 0-1 by 2 and the rest by -3."""
+
+    def forward(self, x):
+        return torch.cat([x[..., :2] * 2, x[..., 2:] * -3], -1)
+
+
+def hooked_and_twin() -> tuple[nn.Sequential, nn.Sequential]:
+    """The same function twice: a forward hook on the first Linear replaces its output (scaled
+    per feature), and a twin does the scaling in a module of its own after the Linear."""
+    torch.manual_seed(0)
+    twin = nn.Sequential(nn.Linear(4, 5), Doubled(), nn.Tanh(), nn.Linear(5, 3)).double()
+    hooked = copy.deepcopy(nn.Sequential(twin[0], nn.Tanh(), twin[3]))
+    scale = Doubled()
+    hooked[0].register_forward_hook(lambda m, i, o: scale(o))  # registered before the library's
+    return hooked, twin
+
+
+@pytest.mark.parametrize("kind", ["kfac", "whitened_muon"])
+def test_the_statistics_read_the_modules_own_output_before_a_users_hook_replaces_it(kind):
+    """The output side is ``E[δδᵀ]`` of the gradient with respect to what the layer computed,
+    ``W a + b``, not with respect to what a user's forward hook returned in its place."""
+    hooked, twin = hooked_and_twin()
+    x = torch.randn(7, 4, dtype=DT)
+    factors = []
+    for model, first in ((hooked, hooked[0]), (twin, twin[0])):
+        if kind == "kfac":
+            opt = KronPreconditioner(model, method="kfac", lr=0.1, factor_update_steps=1, inv_update_steps=1)
+        else:
+            opt = whitening(model, output_side=True)
+        model(x).square().mean().backward()
+        opt.step()
+        factors.append(opt.layers["0"].g_factor if kind == "kfac" else opt.state[first.weight]["output_factor"])
+    torch.testing.assert_close(factors[0].to(DT), factors[1].to(DT), rtol=1e-12, atol=1e-14)
