@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import copy
 import io
+import re
+import warnings
 
 import numpy as np
 import pytest
@@ -376,3 +378,192 @@ def test_a_layer_without_gradients_is_left_as_it_is_by_the_refreshes():
             for got, want in zip(two.b.parameters(), alone["b"].parameters()):
                 torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=1e-14)
             opt_alone.step()
+
+
+# ---------------------------------------------------------------------- factor_dtype
+@pytest.mark.parametrize("value", [torch.float16, torch.bfloat16, torch.int32, "float32"])
+def test_a_factor_dtype_other_than_float32_or_float64_is_refused_naming_it(value):
+    """Documented rule: ``factor_dtype`` is None, torch.float32 or torch.float64. float16's
+    moment underflows (ε = 1e-8 is 0 there) and bfloat16 has no QR on CPU: refused at
+    construction, with the option and the value named, before any state exists."""
+    with pytest.raises(ValueError, match=rf"factor_dtype.*{re.escape(repr(value))}"):
+        KronPreconditioner(one_layer(3, 3), method="soap", factor_dtype=value)
+
+
+@pytest.mark.parametrize("value", [None, torch.float32, torch.float64])
+def test_float32_float64_and_none_factor_dtypes_are_accepted(value):
+    KronPreconditioner(one_layer(3, 3), method="soap", factor_dtype=value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("moved_after", [False, True])
+def test_a_half_precision_model_with_the_default_factor_dtype_steps_finitely(dtype, moved_after):
+    """``factor_dtype=None`` follows the parameters, float32 or better (the documented rule):
+    a float16 / bfloat16 model -- made so before the preconditioner, or moved after -- keeps
+    float32 statistics, and eight steps through several warm-started QR refreshes give
+    finite gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 4))
+    if not moved_after:
+        model = model.to(dtype)
+    precond = KronPreconditioner(model, method="soap", inv_update_steps=2)
+    if moved_after:
+        model = model.to(dtype)
+    data = torch.Generator().manual_seed(0)
+    for _ in range(8):
+        model.zero_grad()
+        model(torch.randn(8, 6, generator=data).to(dtype)).float().pow(2).mean().backward()
+        precond.step()
+        for p in model.parameters():
+            assert p.grad.dtype == dtype and bool(torch.isfinite(p.grad).all())
+    state = precond.state_dict()["layers"]["0"]
+    assert {t.dtype for t in [*state["statistics"].values(), state["moment"]]} == {torch.float32}
+
+
+# ---------------------------------------------------------------------- non-finite gradients and refreshes
+def _layer_zero_updates(mode: str, inv: int, bad_step: int, absent: tuple[int, ...]) -> list[torch.Tensor]:
+    """Layer ``0``'s preconditioned gradients after ``bad_step``, where it gets a NaN gradient
+    (``mode="nan"``) or none (``"none"``); on the ``absent`` steps it gets none in both."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).to(F64)
+    precond = KronPreconditioner(model, method="soap", inv_update_steps=inv, factor_decay=0.9, moment_decay=0.9)
+    data = torch.Generator().manual_seed(1)
+    out = []
+    for step in range(12):
+        x = torch.randn(8, 5, generator=data, dtype=F64)
+        for p in model.parameters():
+            p.grad = None
+        model(x).pow(2).mean().backward()
+        if step == bad_step and mode == "nan":
+            model[0].weight.grad[0, 0] = float("nan")
+        elif step == bad_step or step in absent:
+            model[0].weight.grad = model[0].bias.grad = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the non-finite gradient's warning
+            precond.step()
+        if step > bad_step and step not in absent:
+            out.append(torch.cat([model[0].weight.grad.flatten(), model[0].bias.grad]))
+    return out
+
+
+@pytest.mark.parametrize("inv,bad_step,absent", [
+    (1, 3, ()),  # the NaN on a refresh step
+    (2, 3, (4,)),  # on a plain step, and no gradient at the next refresh
+    (2, 4, (5,)),  # on the other parity of the schedule
+    (3, 4, (5, 6)),  # on a plain step, then a plain step and a refresh without gradients
+])
+def test_a_nonfinite_gradient_is_as_no_gradient_for_the_refreshes(inv, bad_step, absent):
+    """Documented: a non-finite gradient "leaves every state unchanged". The bases included: a
+    refresh after it (and no finite gradient since the last one) is the refresh of a layer not
+    used, so the run goes on bitwise as one where the layer had no gradient on that step."""
+    nan, none = _layer_zero_updates("nan", inv, bad_step, absent), _layer_zero_updates("none", inv, bad_step, absent)
+    assert len(nan) == len(none) > 3
+    differing = [i for i, (a, b) in enumerate(zip(nan, none)) if not torch.equal(a, b)]
+    assert differing == [], [float((nan[i] - none[i]).norm() / none[i].norm()) for i in differing]
+
+
+def test_a_nonfinite_expert_gradient_is_as_an_idle_expert_for_the_refreshes():
+    """The same for one expert of a fused experts module: a NaN in its slice of the stacked
+    gradient on a refresh step is as a step where it was idle (an all-zero slice, what the
+    router sending it no token gives)."""
+    from kron_precond import RoutedExperts
+
+    def run(mode):
+        torch.manual_seed(0)
+        model = RoutedExperts(3, 4, 6, dtype=F64)
+        precond = KronPreconditioner(model, method="soap", kl_clip=None, inv_update_steps=1, moment_decay=0.9)
+        data = torch.Generator().manual_seed(3)
+        out = []
+        for step in range(8):
+            x = torch.randn(30, 4, generator=data, dtype=F64)
+            index = torch.randint(0, 3, (30, 1), generator=data)
+            model.zero_grad()
+            model(x, index, torch.ones(30, 1, dtype=F64)).pow(2).mean().backward()
+            if step == 3:  # the expert's gradient matrix [W | b]: NaN in one entry, or all zeros
+                model.down_weight.grad[1] = float("nan") if mode == "nan" else 0.0
+                if mode == "idle":
+                    model.down_bias.grad[1] = 0.0
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                precond.step()
+            if step > 3:
+                out.append(model.down_weight.grad[1].clone())
+        return out
+
+    nan, idle = run("nan"), run("idle")
+    assert [torch.equal(a, b) for a, b in zip(nan, idle)] == [True] * len(idle)
+
+
+def test_a_checkpoint_after_a_nonfinite_gradient_resumes_bitwise():
+    """Saved after a NaN gradient and before the next refresh (no finite gradient since the
+    last one): the resumed run leaves the layer at that refresh as the uninterrupted one."""
+    options = dict(method="soap", inv_update_steps=3, factor_decay=0.9, moment_decay=0.9)
+
+    def run(resume_at=None):
+        layer = one_layer(5, 6)
+        precond = KronPreconditioner(layer, **options)
+        outs = []
+        for step in range(9):
+            if step == resume_at:
+                buffer = io.BytesIO()
+                torch.save(precond.state_dict(), buffer)
+                precond = KronPreconditioner(layer, **options)
+                precond.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=False))
+            backward(layer, step, rows=9)
+            if step == 4:
+                layer.weight.grad[0, 0] = float("nan")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                precond.step()
+            outs.append(grad_matrix(layer).clone())
+        return torch.stack(outs[5:])
+
+    expected = run()
+    assert all(torch.equal(run(resume_at=at), expected) for at in (4, 5, 6))
+
+
+def _nonfinite_run(net: nn.Module, precond: KronPreconditioner, mode: str, rank: int = 0, world_size: int = 1
+                   ) -> list[torch.Tensor]:
+    """Steps 0-7 on ``_batch``, sharded over the ranks; layer ``a`` gets a NaN (``mode="nan"``)
+    or no gradient on step 3 (a plain step of ``SOAP_OPTIONS``), and none on step 4 (the next
+    refresh). Returns ``a``'s preconditioned gradients of steps 5-7."""
+    out = []
+    rows = 8 // world_size
+    for step in range(8):
+        net.zero_grad()
+        x, y = _batch(step)
+        shard = slice(rank * rows, (rank + 1) * rows)
+        ((net(x[shard]) - y[shard]) ** 2).sum().backward()
+        if world_size > 1:
+            for p in net.parameters():
+                torch.distributed.all_reduce(p.grad)
+        if step == 3 and mode == "nan":
+            net.a.weight.grad[0, 0] = float("nan")
+        elif step in (3, 4):
+            net.a.weight.grad = net.a.bias.grad = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            precond.step()
+        if step > 4:
+            out.append(torch.cat([net.a.weight.grad.flatten(), net.a.bias.grad]))
+    return out
+
+
+def _nonfinite_worker(rank, world_size, out_dir, fraction):
+    net = _net()
+    return _nonfinite_run(net, KronPreconditioner(net, grad_worker_fraction=fraction, **SOAP_OPTIONS), "nan",
+                          rank, world_size)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_two_ranks_leave_a_layer_with_a_nonfinite_gradient_as_one_process_without_one(tmp_path, fraction):
+    """Over two ranks (every rank a gradient worker of every layer, or one per layer and the
+    owner broadcasting), a NaN gradient followed by a refresh leaves the layer as one process
+    where it had no gradient on that step; the ranks agree bitwise."""
+    results = run_workers(_nonfinite_worker, 2, tmp_path, fraction)
+    net = _net()
+    expected = _nonfinite_run(net, KronPreconditioner(net, **SOAP_OPTIONS), "none")
+    for got, other in zip(results[0], results[1]):
+        assert torch.equal(got, other)
+    for got, want in zip(results[0], expected):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)

@@ -34,7 +34,7 @@ from: its moment stays elementwise, as before the first refresh, and its next re
 
 **Checkpoints.** Everything a step reads is saved or derived from what is: the warm-start flags
 and clusters come from the bases, and ``used_since_refresh`` holds whether the layer had a
-gradient (an expert: one that is not all zeros) since its last refresh, which decides whether
+finite gradient (an expert: one that is not all zeros) since its last refresh, which decides whether
 the next refresh moves it. A checkpoint without that entry loads as a layer without gradients
 since its last refresh.
 """
@@ -92,15 +92,18 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         self._bases: dict[str, list[torch.Tensor]] | None = None  # side -> [Q, eigenvalue estimates]
         self.moment: torch.Tensor | None = None
         self.updates = update_counter(device)  # moment updates
-        # whether the layer had gradients since its last refresh: a refresh of a layer that had
-        # none (a branch not taken) would move its basis by another warm-started iteration and
-        # re-pool its moment, where a layer that is not used must be left as it is
+        # whether the layer had gradients (not None) since its last refresh, on the host, the same
+        # on every rank: a refresh of a layer that had none (a branch not taken) is skipped, where
+        # it would move the basis by another warm-started iteration and re-pool the moment
         self._used = False
-        # The same for an expert of a fused experts module, on the device: whether it had a
-        # gradient that is not all zeros since its last refresh (an idle expert's zeros are no
-        # gradient: second_moment.idle_experts). Set by observe_gradients on refresh steps and by
-        # apply on the others; read by refresh on the device and by finalize_refresh in the host
-        # read it makes anyway.
+        # The same on the device, for the gradients that count: whether the layer had a finite
+        # gradient since its last refresh (an expert of a fused experts module: also not all
+        # zeros; an idle expert's zeros are no gradient: second_moment.idle_experts). A non-finite
+        # gradient leaves every state unchanged, so a refresh after only such gradients (``_used``
+        # set, this not) is that of a layer not used: its result is dropped on the device, no host
+        # sync. Set by observe_gradients on refresh steps and by apply on the others (the
+        # gradient's finiteness, as apply's); read by refresh on the device and by finalize_refresh
+        # in the host read it makes anyway.
         self._fresh = torch.zeros((), dtype=torch.bool, device=device)
         # Derived at each refresh from the (broadcast) bases, identically on every gradient
         # worker, and at a load from the loaded ones (a function of the bases alone, so a resumed
@@ -144,20 +147,23 @@ class SOAPLayer(GradientMatrix, LayerMethod):
     def observe_gradients(self, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:
         """On statistics steps, fold ``V Vᵀ`` and ``Vᵀ V`` into the statistics (gradient workers
         only); a non-finite gradient leaves them unchanged (decided on the device) and is counted.
-        So does an idle expert's gradient of zeros (not counted: a layer not called)."""
+        So does an idle expert's gradient of zeros (not counted: a layer not called). On refresh
+        steps, whether this gradient counts for the refresh (``_fresh``: finite, and an expert's
+        not all zeros)."""
         if any(g is None for g in grads):
             return
         self._used = True
         gather = ctx.statistics and bool(self.active)
-        if not self.holds_state or not (gather or (self.expert and ctx.refresh)):
+        if not self.holds_state or not (gather or ctx.refresh):
             return
         present = cast(Sequence[torch.Tensor], grads)  # none is None: returned above otherwise
         raw = self.grads_to_matrix([g.detach() for g in present])
         idle = None
         if self.expert:  # per layer, on statistics and refresh steps only (per layer anyway)
             idle = is_zero(raw)
-            if ctx.refresh:  # this step's gradient counts for this refresh (apply: the other steps)
-                self._fresh |= ~idle
+        if ctx.refresh:  # this step's gradient counts for this refresh (apply: the other steps)
+            counts = torch.isfinite(raw).all()
+            self._fresh |= counts if idle is None else counts & ~idle
         if not gather:
             return
         decay = ctx["factor_decay"]
@@ -178,7 +184,9 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         """The eigenbasis of one side (on its owner): ``eigh`` the first time and after a
         repeated eigenvalue, else one warm-started subspace-iteration step. The previous basis
         is kept if the statistic holds nothing or the decomposition fails; a layer without
-        gradients since its last refresh is left as it is."""
+        gradients since its last refresh is left as it is: skipped on the host (none was given),
+        or its result dropped on the device (none was finite; an expert's: none was not all
+        zeros)."""
         if part not in self.active or not self._used:
             return
         basis, estimates = self._allocated()[part]
@@ -193,9 +201,9 @@ class SOAPLayer(GradientMatrix, LayerMethod):
             if result is None:
                 return
             values, q = result
-        valid = (mass > 0) & torch.isfinite(q).all() & torch.isfinite(values).all()
-        if self.expert:  # an expert idle since its last refresh is left as it is (as not used)
-            valid = valid & self._fresh
+        # a layer whose gradients since its last refresh were all non-finite (an expert: also
+        # idle) is left as it is, as one not used
+        valid = (mass > 0) & torch.isfinite(q).all() & torch.isfinite(values).all() & self._fresh
         basis.copy_(torch.where(valid, q, basis))
         estimates.copy_(torch.where(valid, values, estimates))
 
@@ -207,14 +215,13 @@ class SOAPLayer(GradientMatrix, LayerMethod):
     def finalize_refresh(self, ctx: StepContext) -> None:
         """Find each side's clusters of equal eigenvalues (one host sync per layer, on refresh
         steps only); with any repeated eigenvalue, average the moment over the blocks. A layer
-        without gradients since its last refresh is left as it is."""
+        without gradients since its last refresh (none given; none finite, read in the same host
+        sync) is left as it is."""
         if not self._used:
             return
         self._used = False
-        fresh = None
-        if self.expert:
-            fresh = self._fresh.clone()
-            self._fresh.zero_()
+        fresh = self._fresh.clone()
+        self._fresh.zero_()
         self._derive_from_bases(pool_moment=True, fresh=fresh)
 
     def _derive_from_bases(self, pool_moment: bool, fresh: torch.Tensor | None = None) -> None:
@@ -224,8 +231,8 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         A side whose estimates are all zero (none measured: the starting identity, or a
         statistic holding nothing) is neither warm-started nor pooled over, as before the
         first refresh: a function of the bases alone, so a load derives what the run held.
-        ``fresh`` False (an expert idle since its last refresh, read in the same host sync):
-        nothing changes, as for a layer not used."""
+        ``fresh`` False (no finite gradient since its last refresh; an expert: none not all
+        zeros; read in the same host sync): nothing changes, as for a layer not used."""
         bases = self._allocated()
         if not self.active:
             return
@@ -268,10 +275,9 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         keep = torch.isfinite(matrix).all()
         use = keep
         if self.expert:  # an idle expert is a layer not called: its moment and count left alone
-            used = ~is_zero(matrix)
-            use = keep & used
-            if ctx is None or not ctx.refresh:  # (on refresh steps: observe_gradients)
-                self._fresh |= used
+            use = keep & ~is_zero(matrix)
+        if ctx is None or not ctx.refresh:  # counts for the next refresh (on refresh steps: observe_gradients)
+            self._fresh |= use
         bases = self._allocated()
         self.updates.add_(use.to(self.updates.dtype))
         pool = self._pooled if self._clusters is not None else None
@@ -302,8 +308,8 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         use = keep
         if idle is not None:  # an idle expert is a layer not called: its moment and count left alone
             use = keep & ~idle
-            if not ctx.refresh:  # (on refresh steps: observe_gradients)
-                stacked(layers, "_fresh", cache).logical_or_(~idle)
+        if not ctx.refresh:  # counts for the next refresh (on refresh steps: observe_gradients)
+            stacked(layers, "_fresh", cache).logical_or_(use.reshape(-1))
         updates = count_updates(layers, use, cache)
         out = _rotated_step(matrices, stacks["bases"], stacks["moment"], first.moment_decay, first.moment_eps,
                             updates, use, None)
@@ -352,10 +358,11 @@ class SOAPLayer(GradientMatrix, LayerMethod):
 
     def _used_since_refresh(self) -> bool:
         """Whether the layer had a gradient since its last refresh, which its next refresh then
-        acts on. An expert's counts only if it is not all zeros: one whose gradients since its
-        last refresh were all zeros is refreshed as a layer not used (its basis, moment and
-        clusters stay as they are), so ``_used`` and ``_fresh`` come down to one flag."""
-        return self._used and (not self.expert or bool(self._fresh))
+        acts on. Only a finite one counts (an expert's: also not all zeros): a layer whose
+        gradients since its last refresh were all non-finite (or idle) is refreshed as a layer
+        not used (its basis, moment and clusters stay as they are), so ``_used`` and ``_fresh``
+        come down to one flag."""
+        return self._used and bool(self._fresh)
 
     def check_state(self, state: dict[str, Any]) -> None:
         where = f"state of {self.name}"
@@ -461,6 +468,15 @@ def _check_decay(name: str, value) -> float:
     return check.check_unit_interval(name, value, low_open=False, high_open=True)
 
 
+def _check_factor_dtype(name: str, value) -> torch.dtype | None:
+    """None (the parameters' dtype, float32 or better), torch.float32 or torch.float64. Not
+    float16 (the moment, a mean of squares, underflows: ``moment_eps=1e-8`` is 0 there) nor
+    bfloat16 (no QR on CPU; and 8 bits of mantissa for the bases)."""
+    if value is not None and value not in (torch.float32, torch.float64):
+        raise ValueError(f"{name} must be None, torch.float32 or torch.float64, got {value!r}")
+    return value
+
+
 class SOAPSpec(MethodSpec):
     """SOAP-style second moments in the eigenbases of Shampoo's statistics (Vyas et al.,
     2024), bases refreshed by warm-started QR; Linear / ConvNd layers; needs only the
@@ -474,7 +490,7 @@ class SOAPSpec(MethodSpec):
         "moment_decay": Option(0.95, _check_decay),
         "moment_eps": Option(1e-8, check.check_positive),
         "max_factor_size": Option(4096, check.check_int, collective=True),
-        "factor_dtype": Option(None, lambda n, v: check.check_float_dtype(n, v, allow_none=True), collective=True),
+        "factor_dtype": Option(None, _check_factor_dtype, collective=True),
     }
 
     def select(self, model, is_skipped, log) -> list[Selected]:
