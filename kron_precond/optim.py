@@ -16,8 +16,11 @@ the loss did not reach after ``zero_grad(set_to_none=False)``, an expert the rou
 token): it skips 2–5, its weight decay included, and is not counted. A tensor whose gradient
 is not finite skips 2–5 too, and so does the parameter update of one whose preconditioned
 update ``P m̂`` is not finite (an overflow: the momentum and factors were updated); those
-are counted per parameter and a warning names the parameter. All of this is chosen with
-``torch.where``-style masks on the device, no host sync. The counters are read once every
+are counted per parameter and a warning names the parameter. A group setting held as a
+0-dim tensor (``lr``, ``b1``, ...) that is not finite or breaks its rule leaves the group's
+tensors exactly as they were too (Python numbers raise ``ValueError`` instead); those steps
+are counted per setting and warned about. All of this is chosen with ``torch.where``-style
+masks on the device, no host sync. The counters are read once every
 ``nonfinite_warn_interval`` steps -- the only host sync in :meth:`Kron.step` besides the
 one-time scale estimate of ``precond_init_scale=None``.
 
@@ -54,6 +57,12 @@ def compute_dtype(precond_dtype: torch.dtype) -> torch.dtype:
     Gram matrices of the Q update, would overflow), else ``precond_dtype`` itself (bfloat16
     has float32's range)."""
     return torch.float32 if precond_dtype == torch.float16 else precond_dtype
+
+
+def _wide_dtype(p: torch.Tensor, group: dict[str, Any]) -> torch.dtype:
+    """The dtype of a step's scalars (lr, weight decay, bias correction, update scale, RMS
+    norm): the parameter's and the factors' dtypes promoted with float32."""
+    return torch.promote_types(torch.promote_types(p.dtype, group["precond_dtype"]), torch.float32)
 
 
 def _check_positive(name: str, value: Any, *, allow_none: bool = False,
@@ -121,9 +130,51 @@ def _structure(group: dict[str, Any], p: torch.Tensor) -> tuple[Any, ...]:
 
 
 # A param group's settings, checked before every step (a scheduler or a user may set any value).
+# The tests are written with ``&`` so that they also run on a 0-dim tensor, on its device
+# (see _tensor_settings_valid); a clip value of None is no clipping (not checked).
+_CLIP_RULE = f"> 0 and at most {_FLOAT32_MAX:.3g} (clipping is computed in float32)"
 STEP_RULES: tuple[validation.GroupRule, ...] = (
     ("lr", ">= 0", lambda v: v >= 0), ("precond_lr", "> 0", lambda v: v > 0),
-    ("weight_decay", ">= 0", lambda v: v >= 0), ("b1", "in [0, 1)", lambda v: 0 <= v < 1))
+    ("weight_decay", ">= 0", lambda v: v >= 0), ("b1", "in [0, 1)", lambda v: (v >= 0) & (v < 1)),
+    ("clipnorm", _CLIP_RULE, lambda v: (v > 0) & (v <= _FLOAT32_MAX)),
+    ("clipvalue", _CLIP_RULE, lambda v: (v > 0) & (v <= _FLOAT32_MAX)))
+_STEP_NUMBERS = tuple(key for key, _, _ in STEP_RULES)
+
+
+def _check_one_clip(index: int, group: dict[str, Any], global_clipnorm: float | None) -> None:
+    """``ValueError`` when a group set later holds more than one of the clip settings."""
+    clips = [name for name in ("clipnorm", "clipvalue") if group.get(name) is not None]
+    if global_clipnorm is not None:
+        clips.append("global_clipnorm")
+    if len(clips) > 1:
+        raise ValueError(f"Kron: param group {index} sets {clips}; only one of clipnorm, clipvalue and "
+                         "global_clipnorm may be set")
+
+
+def _tensor_settings(index: int, group: dict[str, Any]) -> tuple[str, ...]:
+    """The settings of :data:`STEP_RULES` that ``group`` holds as tensors; ``ValueError`` for one
+    that is not a single floating-point number (read from its metadata: no host sync)."""
+    keys = []
+    for key in _STEP_NUMBERS:
+        value = group.get(key)
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1 or not value.is_floating_point():
+                raise ValueError(f"Kron: param group {index} has {key} as a tensor of shape {tuple(value.shape)} "
+                                 f"and dtype {value.dtype}; a setting held as a tensor must be one floating-point "
+                                 "number")
+            keys.append(key)
+    return tuple(keys)
+
+
+def _local_settings(group: dict[str, Any], keys: tuple[str, ...], device: torch.device,
+                    dtype: torch.dtype) -> dict[str, Any]:
+    """The numbers of :data:`STEP_RULES` for one parameter: a Python number as it is, one held
+    as a tensor (``keys``) as a 0-dim ``dtype`` tensor on ``device``, copied there by a kernel
+    (a CPU value is read as a scalar operand: no host-device sync)."""
+    values: dict[str, Any] = {key: group.get(key) for key in _STEP_NUMBERS}
+    for key in keys:
+        values[key] = torch.zeros((), dtype=dtype, device=device).add_(group[key].reshape(()))
+    return values
 
 
 # A traced step would reuse the code traced for one parameter for the others of its shape, whose
@@ -188,6 +239,9 @@ class Kron(torch.optim.Optimizer):
         self.global_clipnorm = _check_positive("global_clipnorm", global_clipnorm, allow_none=True,
                                                maximum=_FLOAT32_MAX, what=" (clipping is computed in float32)")
         self.seed = validation.check_int("seed", seed, minimum=-(2**63))
+        if self.seed > 2**64 - 1:  # torch.manual_seed's range; the probe seeds use it modulo 2**64
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1] (torch.manual_seed's range), "
+                             f"got {seed!r}")
         self._decider = UpdateDecider(preconditioner_update_probability)
         self._q_updates = 0
         self._reported: dict[int, int] = {}
@@ -196,6 +250,9 @@ class Kron(torch.optim.Optimizer):
         self._bound: dict[torch.Tensor, tuple[Any, ...]] = {}
         # per parameter with state, the group settings its state was made or loaded under
         self._made_with: dict[torch.Tensor, tuple[Any, ...]] = {}
+        # per (param group, setting) held as a tensor: steps on which its value was unusable,
+        # on the setting's device; read with the non-finite counters
+        self._bad_settings: dict[tuple[int, str], torch.Tensor] = {}
         defaults = dict(lr=lr, b1=b1, weight_decay=weight_decay,
                         max_size_triangular=max_size_triangular,
                         min_ndim_triangular=min_ndim_triangular,
@@ -245,6 +302,7 @@ class Kron(torch.optim.Optimizer):
         # an optimizer pickled by a version without it: its per-parameter tensors are rebuilt
         self.__dict__.setdefault("_bound", {})
         self.__dict__.setdefault("_made_with", {})
+        self.__dict__.setdefault("_bad_settings", {})
 
     @property
     def steps(self) -> int:
@@ -312,18 +370,37 @@ class Kron(torch.optim.Optimizer):
             tensor.uses_per_update = state.get("uses_per_update", 1.0)
             self._tensors[p] = tensor
             self._bound[p] = self._state_entries(state)
-        tensor.b1 = group["b1"]  # a scheduler may change it
         return tensor
 
     # -- the step --------------------------------------------------------------------
     @staticmethod
-    def _clip_local(grad: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        if group["clipvalue"] is not None:
-            return grad.clamp(-group["clipvalue"], group["clipvalue"])
-        if group["clipnorm"] is not None:
+    def _clip_local(grad: torch.Tensor, values: dict[str, Any]) -> torch.Tensor:
+        clipvalue, clipnorm = values["clipvalue"], values["clipnorm"]
+        if clipvalue is not None:
+            return grad.clamp(-clipvalue, clipvalue)
+        if clipnorm is not None:
             norm = torch.linalg.vector_norm(grad.float())
-            return grad * (group["clipnorm"] / norm.clamp_min(group["clipnorm"])).to(grad.dtype)
+            return grad * (clipnorm / norm.clamp_min(clipnorm)).to(grad.dtype)
         return grad
+
+    def _tensor_settings_valid(self, index: int, group: dict[str, Any], keys: tuple[str, ...]) -> torch.Tensor | None:
+        """For the settings of ``group`` held as tensors (``keys``), a 0-dim bool tensor: every
+        one is finite in float32 and within its rule of :data:`STEP_RULES`, computed where the
+        tensors live (no host sync); the steps on which one is not are counted per setting,
+        and reported with the non-finite gradients. ``None`` when there are none (the Python
+        numbers were checked by ``check_group_numbers``)."""
+        valid = None
+        for key, _, ok in STEP_RULES:
+            if key not in keys:
+                continue
+            value = group[key].reshape(())
+            flag = torch.isfinite(value) & (value.abs() <= _FLOAT32_MAX) & ok(value)
+            counter = self._bad_settings.get((index, key))
+            if counter is None or counter.device != flag.device:
+                counter = self._bad_settings[(index, key)] = torch.zeros((), dtype=torch.int32, device=flag.device)
+            counter.add_((~flag).to(torch.int32))
+            valid = flag if valid is None else valid & flag
+        return valid
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
@@ -338,42 +415,57 @@ class Kron(torch.optim.Optimizer):
         return loss
 
     def _step(self) -> None:
+        tensor_keys = []
         for index, group in enumerate(self.param_groups):  # before anything moves
             validation.check_group_numbers("Kron", index, group, STEP_RULES)
+            _check_one_clip(index, group, self.global_clipnorm)
+            tensor_keys.append(_tensor_settings(index, group))
             if any(p.grad is not None and p.grad.is_sparse for p in group["params"]):
                 raise RuntimeError("Kron does not support sparse gradients")
             self._check_structure(index, group)
+        # settings held as tensors cannot be read without a host sync: checked on their device,
+        # an unusable one leaves the group's parameters as they are (a mask, as a NaN gradient)
+        valid = [self._tensor_settings_valid(index, group, keys) if keys else None
+                 for index, (group, keys) in enumerate(zip(self.param_groups, tensor_keys))]
         probability = self._decider.current_probability()
         do_update = self._decider()
         if do_update:
             self._q_updates += 1
 
-        work = []  # (index, param, group, clipped grad, finite flag, active flag: finite and not all zero)
+        # per parameter: (index, param, group, its settings, clipped grad, raw grad finite,
+        # clipped grad finite too, active: that, not all zero and the group's settings usable)
+        work = []
         index = -1
-        for group in self.param_groups:
+        for group_index, group in enumerate(self.param_groups):
             for p in group["params"]:
                 index += 1
                 if p.grad is None or p.numel() == 0:  # a zero-element tensor: nothing to update
                     continue
-                grad = self._clip_local(p.grad, group)
+                values = _local_settings(group, tensor_keys[group_index], p.device, _wide_dtype(p, group))
+                grad = self._clip_local(p.grad, values)
                 peak = torch.linalg.vector_norm(p.grad, float("inf"))
-                finite = torch.isfinite(peak)
+                raw_finite = finite = torch.isfinite(peak)
+                if grad is not p.grad:  # the gradient the step uses: a bad clip value makes it NaN
+                    finite = finite & torch.isfinite(torch.linalg.vector_norm(grad, float("inf")))
                 # all zeros counts as no gradient: not stepped, and not counted as non-finite
-                work.append((index, p, group, grad, finite, finite & (peak > 0)))
+                active = finite & (peak > 0)
+                if valid[group_index] is not None:
+                    active = active & valid[group_index]
+                work.append((index, p, group, values, grad, raw_finite, finite, active))
 
         if self.global_clipnorm is not None and work:
-            sq = [torch.where(fin, torch.linalg.vector_norm(g.float()) ** 2, 0.0)
-                  for _, _, _, g, fin, _ in work]
+            sq = [torch.where(item[6], torch.linalg.vector_norm(item[4].float()) ** 2, 0.0) for item in work]
             total = torch.stack([s.to(sq[0].device) for s in sq]).sum().sqrt()
             scale = self.global_clipnorm / total.clamp_min(self.global_clipnorm)
-            work = [(i, p, gr, g * scale.to(g.device, g.dtype), fin, active)
-                    for i, p, gr, g, fin, active in work]
+            work = [(i, p, gr, v, g * scale.to(g.device, g.dtype), raw, fin, active)
+                    for i, p, gr, v, g, raw, fin, active in work]
 
-        for index, p, group, grad, finite, active in work:
-            self._update_param(index, p, group, grad, finite, active, do_update, probability)
+        for index, p, group, values, grad, raw_finite, finite, active in work:
+            self._update_param(index, p, group, values, grad, raw_finite, finite, active, do_update, probability)
 
         if (self._decider.step - 1) % self.nonfinite_warn_interval == 0:
             self._report_nonfinite()
+            self._report_bad_settings()
 
     def _check_structure(self, index: int, group: dict[str, Any]) -> None:
         """``ValueError`` when a setting in :data:`STRUCTURE_KEYS` differs from the one a
@@ -395,34 +487,37 @@ class Kron(torch.optim.Optimizer):
                     "step cannot follow them. Set them back; they can only be chosen before a parameter's "
                     "first step (a loaded checkpoint brings its own)")
 
-    def _update_param(self, index: int, p: torch.Tensor, group: dict[str, Any], grad: torch.Tensor,
-                      finite: torch.Tensor, active: torch.Tensor, do_update: bool, probability: float) -> None:
-        """Step ``p``; ``finite``: its gradient is finite; ``active``: finite and not all zero
-        (the rest is left exactly as it was, by masks)."""
+    def _update_param(self, index: int, p: torch.Tensor, group: dict[str, Any], values: dict[str, Any],
+                      grad: torch.Tensor, raw_finite: torch.Tensor, finite: torch.Tensor, active: torch.Tensor,
+                      do_update: bool, probability: float) -> None:
+        """Step ``p`` with the group's ``values`` (:func:`_local_settings`); ``raw_finite``: its
+        gradient is finite; ``finite``: the clipped one too; ``active``: finite, not all zero
+        and the settings usable (the rest is left exactly as it was, by masks)."""
         state = self.state[p]
         if len(state) == 0:
             state = self._init_state(p, index, group)
         tensor = self._tensor_of(p, index, group, state)
+        tensor.b1 = values["b1"]  # a scheduler may change it
         factors = tensor.factors
-        pdtype = group["precond_dtype"]
         cdtype = factors.compute_dtype  # of the preconditioning math (float32 for float16 factors)
         m = state["momentum_buffer"]
         g = torch.where(finite, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
 
         tensor.accumulate(grad, active)  # unchanged if skipped; counts applied steps only
-        # lr, weight decay and the step scale in float32 or wider (the parameter's and the
-        # factors' dtypes promoted with float32): in bfloat16 1 − 1e-4 is 1, in float16 2e-8
-        # is 0 and 1/debias overflows
-        wide = torch.promote_types(torch.promote_types(p.dtype, pdtype), torch.float32)
+        # lr, weight decay, the step scale and the bias correction in float32 or wider (the
+        # parameter's and the factors' dtypes promoted with float32): in bfloat16 1 − 1e-4 is 1,
+        # in float16 2e-8 is 0 and 1/debias overflows
+        wide = _wide_dtype(p, group)
         bias = tensor.debias(wide)
 
-        if not factors.initialized:
-            self._try_initialize(factors, g, state)
+        if not factors.initialized:  # from a gradient the step uses (not one a bad setting skips)
+            self._try_initialize(factors, torch.where(active, g, torch.zeros((), dtype=g.dtype, device=g.device)),
+                                 state)
         if factors.initialized:
             if do_update:
                 fit = m.to(cdtype) / bias.to(cdtype) if group["momentum_into_precond_update"] \
                     else g.to(cdtype)
-                lr_q = active.to(cdtype) * group["precond_lr"]
+                lr_q = torch.where(active, active.to(cdtype) * values["precond_lr"], 0.0).to(cdtype)
                 tensor.uses_per_update = state["uses_per_update"] = 1.0 / max(probability, 1e-3)
                 tensor.update_factors(fit, lr_q, step=self._decider.step, update_index=self._q_updates - 1,
                                       enabled=active)
@@ -436,12 +531,14 @@ class Kron(torch.optim.Optimizer):
         # A non-finite u (or norm) from a finite gradient, an overflow, is not written: the
         # parameter is left as it was and the step counted with the non-finite gradients.
         stepped = active & torch.isfinite(rms)
-        state["nonfinite_steps"].add_((~finite | (active & ~stepped)).to(torch.int32))
+        state["nonfinite_steps"].add_((~raw_finite | (active & ~stepped)).to(torch.int32))
         u = torch.where(stepped, u, torch.zeros((), dtype=u.dtype, device=u.device))
         scale = torch.minimum(1.0 / bias, RMS_CLIP / (rms + 1e-12))
-        lr = stepped.to(wide) * group["lr"]  # 0 skips this tensor
-        if group["weight_decay"] != 0 and p.dim() >= 2:  # p -= lr·(u + wd·p), decoupled
-            p.mul_(1.0 - lr * group["weight_decay"])
+        # 0 skips this tensor (a mask: a NaN lr or weight decay held as a tensor times 0 is NaN)
+        lr = torch.where(stepped, stepped.to(wide) * values["lr"], 0.0)
+        weight_decay = values["weight_decay"]
+        if (isinstance(weight_decay, torch.Tensor) or weight_decay != 0) and p.dim() >= 2:
+            p.mul_(1.0 - torch.where(stepped, lr * weight_decay, 0.0))  # p -= lr·(u + wd·p), decoupled
         # skipped: p + 0·(−0), bitwise p (the scale may be NaN then)
         p.addcmul_(u, -torch.where(stepped, lr * scale, 0.0))
 
@@ -456,6 +553,21 @@ class Kron(torch.optim.Optimizer):
             return
         state["q_initialized"] = True
 
+    def _report_bad_settings(self) -> None:
+        """Warn about param-group settings held as tensors whose value the step could not use
+        since the last report (one host read of each counter, at the report's cadence)."""
+        rules = {key: rule for key, rule, _ in STEP_RULES}
+        lines = []
+        for (index, key), counter in sorted(self._bad_settings.items(), key=lambda item: item[0]):
+            count = int(counter)
+            if count:
+                counter.zero_()
+                lines.append(f"param group {index}: {key} (must be finite and {rules[key]}) on {count} step(s)")
+        if lines:
+            warnings.warn("Kron: a param-group setting held as a tensor had a value the step cannot use; those "
+                          "steps left the group's parameters, momenta and preconditioners as they were: "
+                          + "; ".join(lines), RuntimeWarning, stacklevel=3)
+
     def _report_nonfinite(self) -> None:
         """Warn about parameters whose gradient (or preconditioned update) was non-finite
         since the last report."""
@@ -469,9 +581,20 @@ class Kron(torch.optim.Optimizer):
 
     # -- checkpoints -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """torch.optim's state dict plus ``'kron'``: the update-schedule counter."""
-        sd = super().state_dict()
+        """torch.optim's state dict plus ``'kron'``: the update-schedule counter. Hooks as in
+        ``torch.optim``: the ``register_state_dict_post_hook`` hooks see the whole dict
+        (``'kron'`` included), and what one returns is what is returned."""
+        post_hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = type(post_hooks)()  # torch's would run before 'kron' is in
+        try:
+            sd = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = post_hooks
         sd["kron"] = {"decider": self._decider.state_dict(), "q_updates": self._q_updates}
+        for post_hook in post_hooks.values():
+            result = post_hook(self, sd)
+            if result is not None:
+                sd = result
         if called_by_torchs_state_dict_api():
             warnings.warn("Kron.state_dict() was called by torch.distributed.checkpoint's state-dict API "
                           "(get_state_dict / get_optimizer_state_dict; Accelerate's FSDP checkpoints), which keeps "
@@ -508,7 +631,10 @@ class Kron(torch.optim.Optimizer):
                 raise ValueError(f"Kron.load_state_dict: param group {index} has a different "
                                  "number of parameters than this optimizer's")
             settings = {**group, **{k: v for k, v in saved_group.items() if k != "params"}}
-            _check_group(settings, self.global_clipnorm, scheduled=True)
+            try:
+                _check_group(settings, self.global_clipnorm, scheduled=True)
+            except (TypeError, ValueError) as err:  # e.g. a flag saved as "no" (TypeError at construction)
+                raise ValueError(f"Kron.load_state_dict: param group {index}: {err}") from None
             for key, p in zip(saved_group["params"], group["params"]):
                 if key in saved_state:
                     new_states[p] = self._load_param_state(saved_state[key], p, settings, f"state[{key!r}]")

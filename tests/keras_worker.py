@@ -204,7 +204,31 @@ BAD_ARGUMENTS = [
     (dict(global_clipnorm=0.0), "global_clipnorm"),
     (dict(momentum_into_precond_update="no"), "momentum_into_precond_update"),  # bool("no") is True
     (dict(merge_dims=1), "merge_dims"),
+    # P = s²·I must be finite in precond_dtype, as for the torch Kron: sqrt(float32 max) = 1.84e19
+    (dict(precond_init_scale=1e30), "precond_init_scale"),
+    (dict(precond_init_scale=300.0, precond_dtype="float16"), "precond_init_scale"),  # sqrt(65 504) = 256
+    # torch.manual_seed's range, as for the torch Kron
+    (dict(seed=2**64), "seed"),
+    (dict(seed=-(2**63) - 1), "seed"),
+    # NumPy bools are bools, as for the torch Kron
+    (dict(b1=np.False_), "b1"),
+    (dict(weight_decay=np.True_), "weight_decay"),
+    (dict(precond_lr=np.True_), "precond_lr"),
+    (dict(learning_rate=np.True_), "learning_rate"),
+    (dict(seed=np.True_), "seed"),
+    (dict(clipnorm=np.True_), "clipnorm"),
+    (dict(max_size_triangular=np.True_), "max_size_triangular"),
 ]
+
+# NumPy scalars where a number is expected (the torch Kron takes them too), and the bounds
+ACCEPTED_ARGUMENTS = {
+    "numpy_scalars": dict(b1=np.float32(0.9), weight_decay=np.float32(0.1), seed=np.int64(3),
+                          precond_lr=np.float32(0.2), precond_init_scale=np.float32(2.0),
+                          max_size_triangular=np.int64(64), min_ndim_triangular=np.int32(1),
+                          learning_rate=np.float32(0.01), clipnorm=np.float32(1.5)),
+    "numpy_float64": dict(b1=np.float64(0.8), weight_decay=np.float64(0.2), seed=np.uint64(2**64 - 1)),
+    "bounds": dict(precond_init_scale=1.8e19, seed=-(2**63)),
+}
 
 
 def scenario_arguments() -> dict:
@@ -239,8 +263,17 @@ def scenario_arguments() -> dict:
                           "keras_deserialize_type": type(via_keras).__name__,
                           "keras_round_trip_equal": via_keras.get_config() == config,
                           "config": {k: repr(v) for k, v in config.items()}}
+    accepted = {}
+    # a keras.Variable learning rate holds one number too
+    for label, kwargs in {**ACCEPTED_ARGUMENTS, "keras_variable": dict(learning_rate=keras.Variable(0.01))}.items():
+        try:
+            config = Kron(**kwargs).get_config()
+            json.dumps(config)  # plain Python numbers, as a saved model needs
+            accepted[label] = {k: config[k] for k in kwargs}
+        except Exception as exc:  # noqa: BLE001 -- reported to the test
+            accepted[label] = {"error": f"{type(exc).__name__}: {exc}"}
     defaults = Kron().get_config()
-    return {"raised": raised, "configs": configs,
+    return {"raised": raised, "configs": configs, "accepted": accepted,
             "defaults": {k: defaults[k] for k in (
                 "learning_rate", "b1", "weight_decay", "max_size_triangular",
                 "min_ndim_triangular", "memory_save_mode", "momentum_into_precond_update",

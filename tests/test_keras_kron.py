@@ -197,6 +197,33 @@ def test_bad_arguments_raise_value_error_naming_them(backend):
 
 
 @pytest.mark.parametrize("backend", _backends_with("arguments"))
+def test_numpy_scalars_are_accepted_as_by_the_torch_kron(backend):
+    """NumPy scalars are numbers (bools are not), as for the torch ``Kron``: the config holds
+    the Python number the torch ``Kron`` makes of each, and a JSON round trip works."""
+    import numpy as np
+    import torch
+
+    from kron_precond import Kron as TorchKron
+
+    accepted = scenario(backend, "arguments")["accepted"]
+    for label, config in accepted.items():
+        assert "error" not in config, (label, config)
+    numpy = accepted["numpy_scalars"]
+    torch_kron = TorchKron([torch.nn.Parameter(torch.ones(2, 2))], b1=np.float32(0.9),
+                           weight_decay=np.float32(0.1), precond_lr=np.float32(0.2), seed=np.int64(3),
+                           precond_init_scale=np.float32(2.0), max_size_triangular=np.int64(64),
+                           min_ndim_triangular=np.int32(1), clipnorm=np.float32(1.5))
+    for key in ("b1", "weight_decay", "precond_lr", "precond_init_scale", "max_size_triangular",
+                "min_ndim_triangular", "clipnorm"):
+        assert numpy[key] == torch_kron.defaults[key] and type(numpy[key]) is type(torch_kron.defaults[key]), key
+    assert numpy["seed"] == torch_kron.seed == 3
+    assert numpy["learning_rate"] == pytest.approx(float(np.float32(0.01)))
+    assert accepted["numpy_float64"] == {"b1": 0.8, "weight_decay": 0.2, "seed": 2**64 - 1}
+    assert accepted["bounds"] == {"precond_init_scale": 1.8e19, "seed": -(2**63)}
+    assert accepted["keras_variable"]["learning_rate"] == pytest.approx(float(np.float32(0.01)))
+
+
+@pytest.mark.parametrize("backend", _backends_with("arguments"))
 def test_config_round_trip_and_defaults(backend):
     r = scenario(backend, "arguments")
     for label, c in r["configs"].items():

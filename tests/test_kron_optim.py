@@ -1003,3 +1003,226 @@ def test_a_finite_gradient_whose_update_overflows_leaves_the_weight_and_is_count
         opt.step()
     assert torch.equal(weight.detach(), torch.ones(4, 3, dtype=torch.float64))
     assert int(opt.state[weight]["nonfinite_steps"]) == 1
+
+
+# ----------------------------------------------------------------------------- group settings set later
+def _snapshot(model, opt):
+    """Untouched copies of the weights and of every state tensor."""
+    return ([p.detach().clone() for p in model.parameters()],
+            [{k: (v.clone() if torch.is_tensor(v) else [t.clone() for t in v] if isinstance(v, list) else v)
+              for k, v in opt.state[p].items()} for p in model.parameters()])
+
+
+def _assert_same_as(snapshot, model, opt, skip=("nonfinite_steps",)):
+    weights, states = snapshot
+    for p, w, state in zip(model.parameters(), weights, states):
+        assert torch.equal(p, w)
+        for key, value in state.items():
+            if key in skip:
+                continue
+            now = opt.state[p][key]
+            if torch.is_tensor(value):
+                assert torch.equal(now, value), key
+            elif isinstance(value, list):
+                assert all(torch.equal(a, b) for a, b in zip(now, value)), key
+            else:
+                assert now == value, key
+
+
+@pytest.mark.parametrize("key,value", [
+    ("lr", float("nan")), ("lr", -1.0), ("lr", float("inf")), ("b1", 1.5), ("b1", 1.0), ("b1", float("nan")),
+    ("weight_decay", float("nan")), ("weight_decay", -1.0), ("precond_lr", float("nan")), ("precond_lr", 0.0),
+    ("clipnorm", float("nan")), ("clipnorm", -1.0), ("clipvalue", -1.0), ("clipvalue", float("inf"))])
+def test_a_bad_tensor_setting_on_a_group_leaves_everything_as_it_was_and_is_counted(key, value):
+    """The docs' rule for a bad group setting (nothing moves) holds for one held as a 0-dim
+    tensor too, which is checked on the device (no host read) instead of raising."""
+    model = mlp()
+    opt = Kron(model.parameters(), lr=1e-2, weight_decay=0.1, preconditioner_update_probability=1.0)
+    train_steps(model, opt, 0, 2)
+    opt.param_groups[0][key] = torch.tensor(value)
+    before = _snapshot(model, opt)
+    counts = [int(opt.state[p]["nonfinite_steps"]) for p in model.parameters()]
+    opt.nonfinite_warn_interval = 1
+    with pytest.warns(RuntimeWarning, match=f"param group 0: {key} "):
+        train_steps(model, opt, 2, 1)
+    _assert_same_as(before, model, opt, skip=())
+    # counted per setting and warned about, not as a non-finite gradient
+    assert [int(opt.state[p]["nonfinite_steps"]) for p in model.parameters()] == counts
+    opt.param_groups[0][key] = opt.defaults[key] if opt.defaults[key] is not None else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reported once
+        train_steps(model, opt, 3, 1)
+    assert not torch.equal(next(model.parameters()), before[0][0])  # and the run goes on
+
+
+def test_a_good_tensor_setting_steps_as_the_same_number():
+    """Valid 0-dim tensor settings give the run of the same Python numbers (bitwise)."""
+    runs = []
+    for as_tensor in (False, True):
+        model = mlp()
+        settings = dict(lr=1e-2, b1=0.8, weight_decay=0.1, precond_lr=0.2, clipnorm=0.5)
+        opt = Kron(model.parameters(), preconditioner_update_probability=1.0, **settings)
+        train_steps(model, opt, 0, 1)
+        if as_tensor:
+            opt.param_groups[0].update({k: torch.tensor(v) for k, v in settings.items()})
+        train_steps(model, opt, 1, 3)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+def test_tensor_settings_make_no_host_sync(monkeypatch):
+    model = mlp()
+    opt = Kron(model.parameters(), lr=1e-2, weight_decay=0.1)
+    train_steps(model, opt, 0, 1)
+    opt.param_groups[0].update(lr=torch.tensor(1e-2), b1=torch.tensor(0.9), weight_decay=torch.tensor(0.1),
+                               precond_lr=torch.tensor(0.1), clipnorm=torch.tensor(1.0))
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host sync in Kron.step")
+
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    train_steps(model, opt, 1, 3)
+
+
+@pytest.mark.parametrize("value", [torch.tensor([1e-2, 1e-2]), torch.tensor(True), torch.tensor(1)])
+def test_a_tensor_setting_that_is_not_one_floating_number_raises(value):
+    model = mlp()
+    opt = Kron(model.parameters(), lr=1e-2)
+    train_steps(model, opt, 0, 1)
+    opt.param_groups[0]["lr"] = value
+    assert_refused_before_anything_moves(model, opt, lambda: train_steps(model, opt, 1, 1), "lr")
+
+
+@pytest.mark.parametrize("key,value", [("clipnorm", -1.0), ("clipnorm", 0.0), ("clipnorm", float("nan")),
+                                       ("clipnorm", 1e39), ("clipvalue", -1.0), ("clipvalue", 0.0),
+                                       ("clipvalue", float("inf"))])
+def test_a_bad_clip_value_set_on_a_group_raises_at_the_next_step_before_anything_moves(key, value):
+    """As at construction: a clip value must be > 0 and finite in float32 (clipnorm = −1
+    reversed the gradient, clipvalue < 0 replaced it by a constant)."""
+    model = mlp()
+    opt = Kron(model.parameters(), lr=1e-2)
+    train_steps(model, opt, 0, 2)
+    opt.param_groups[0][key] = value
+    assert_refused_before_anything_moves(model, opt, lambda: train_steps(model, opt, 2, 1), key)
+
+
+def test_two_clips_set_on_a_group_raise_at_the_next_step_before_anything_moves():
+    model = mlp()
+    opt = Kron(model.parameters(), lr=1e-2, clipnorm=1.0)
+    train_steps(model, opt, 0, 1)
+    opt.param_groups[0]["clipvalue"] = 0.1
+    assert_refused_before_anything_moves(model, opt, lambda: train_steps(model, opt, 1, 1), "clipvalue")
+
+
+def test_a_nan_clipnorm_for_one_step_does_not_poison_the_momentum():
+    """The finiteness mask is that of the gradient the step uses (after clipping): a NaN
+    clip for one step is a skipped step, and the run goes on after it."""
+    model = mlp()
+    opt = Kron(model.parameters(), lr=1e-2, clipnorm=1.0)
+    train_steps(model, opt, 0, 1)
+    opt.param_groups[0]["clipnorm"] = torch.tensor(float("nan"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train_steps(model, opt, 1, 1)
+    opt.param_groups[0]["clipnorm"] = 1.0
+    before = [p.detach().clone() for p in model.parameters()]
+    train_steps(model, opt, 2, 3)
+    for p, b in zip(model.parameters(), before):
+        assert torch.isfinite(opt.state[p]["momentum_buffer"]).all()
+        assert not torch.equal(p, b)
+
+
+def test_the_momentum_bias_correction_is_exact_to_float64():
+    """float64 parameters and factors: 1 − b1^t in float64 (in float32 it was 1.5e-8 off at
+    t = 1). With a constant gradient and P = I the step is lr·g (float64 formula)."""
+    g = torch.tensor([0.3, -0.2, 0.1], dtype=torch.float64)
+    weight = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    lr = 1e-3
+    opt = Kron([weight], lr=lr, b1=0.9, precond_dtype=torch.float64, preconditioner_update_probability=0.0)
+    for _ in range(20):
+        before = weight.detach().clone()
+        weight.grad = g.clone()
+        opt.step()
+        torch.testing.assert_close((before - weight.detach()) / lr, g, rtol=1e-12, atol=0)
+
+
+def test_one_cycle_lr_needs_cycle_momentum_false():
+    """As docs/API.md says: Kron has no ``momentum`` or ``betas``, so OneCycleLR's default
+    cycle_momentum=True raises; with cycle_momentum=False it schedules the lr."""
+    model = mlp()
+    opt = Kron(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match="momentum or beta1"):
+        torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10, cycle_momentum=False)
+    train_steps(model, opt, 0, 1)
+    scheduler.step()
+    assert opt.param_groups[0]["lr"] != pytest.approx(0.1 / 25)
+
+
+@pytest.mark.parametrize("group,setting", [(0, dict(momentum_into_precond_update="no")), (1, dict(lr=-1.0)),
+                                           (1, dict(b1=1.0)), (0, dict(precond_dtype=torch.int32)),
+                                           (1, dict(memory_save_mode="x"))])
+def test_a_checkpoint_with_a_bad_group_setting_raises_value_error_naming_the_group(group, setting):
+    model = mlp()
+    opt = Kron([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.1}], lr=1e-2)
+    train_steps(model, opt, 0, 2)
+    saved = copy.deepcopy(opt.state_dict())
+    saved["param_groups"][group].update(setting)
+    before = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+    assert_load_refused_and_unchanged(opt, saved, f"param group {group}.*{next(iter(setting))}")
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == before
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 2**70])
+def test_a_seed_outside_what_torch_manual_seed_takes_is_refused(seed):
+    with pytest.raises(ValueError):
+        torch.manual_seed(seed)  # the range this follows
+    with pytest.raises(ValueError, match="seed"):
+        Kron(mlp().parameters(), seed=seed)
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, -(2**63), 2**63])
+def test_a_seed_torch_manual_seed_takes_is_accepted(seed):
+    torch.manual_seed(seed)
+    model = mlp()
+    train_steps(model, Kron(model.parameters(), seed=seed), 0, 1)
+
+
+def test_state_dict_post_hooks_see_the_whole_state_dict():
+    model = mlp()
+    opt = Kron(model.parameters(), lr=1e-2)
+    train_steps(model, opt, 0, 1)
+    seen = []
+    opt.register_state_dict_pre_hook(lambda o: seen.append("pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: seen.append(sorted(sd)))
+
+    def replace(o, sd):
+        return {**sd, "extra": 1}
+
+    opt.register_state_dict_post_hook(replace)
+    sd = opt.state_dict()
+    assert seen == ["pre", ["kron", "param_groups", "state"]]
+    assert sorted(sd) == ["extra", "kron", "param_groups", "state"]  # what a hook returns is returned
+
+
+def test_a_bad_tensor_setting_on_the_first_step_leaves_the_deferred_scale_unestimated():
+    """precond_init_scale=None estimates the scale from the first usable gradient: a step that
+    a bad tensor setting skips is not one, so the run then equals one without that step."""
+    runs = []
+    for skipped in (False, True):
+        model = mlp()
+        # no Q updates: their probes are drawn by step number, which the skipped step advanced
+        opt = Kron(model.parameters(), lr=1e-2, precond_init_scale=None, preconditioner_update_probability=0.0)
+        if skipped:
+            opt.param_groups[0]["lr"] = torch.tensor(float("nan"))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                train_steps(model, opt, 0, 1)
+            assert not any(opt.state[p]["q_initialized"] for p in model.parameters())
+            opt.param_groups[0]["lr"] = 1e-2
+        train_steps(model, opt, 0, 3)
+        runs.append([*model.parameters(), *(q for p in model.parameters() for q in opt.state[p]["Q"])])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

@@ -24,6 +24,7 @@ restore it.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Literal, overload
 
 import keras
@@ -44,16 +45,47 @@ _TOLERANCE = 1 << 10  # ~1e-6: float32 probabilities like 0.7 must still sum to 
 _BALANCE_EVERY = 100  # Q updates between factor rebalancings, as in the torch PSGDTensor
 
 
-def _check_positive(name: str, value: Any, *, allow_none: bool = False) -> None:
+_SEED_RANGE = (-(2**63), 2**64 - 1)  # torch.manual_seed's, as for the torch Kron
+
+
+def _number(value: Any) -> int | float | None:
+    """``value`` as a Python int or float -- NumPy scalars and one-element arrays included, as
+    the torch ``Kron`` takes them --, or ``None`` for anything else; bools (NumPy's too) are
+    not numbers."""
+    if not isinstance(value, numbers.Real) and not isinstance(value, str):
+        if "bool" in str(getattr(value, "dtype", "")):
+            return None
+        try:
+            if hasattr(value, "item"):  # np.bool_, a one-element array or tensor
+                value = value.item()
+            elif hasattr(value, "__float__"):  # a keras.Variable holding one number
+                value = float(value)
+        except (TypeError, ValueError, RuntimeError):  # more than one element
+            return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
+def _check_positive(name: str, value: Any, *, allow_none: bool = False,
+                    maximum: float | None = None, what: str = "") -> float | None:
+    """``value`` as a positive finite Python float at most ``maximum`` (``None`` when allowed)."""
     if value is None and allow_none:
-        return
-    try:
-        ok = not isinstance(value, bool) and math.isfinite(float(value)) and float(value) > 0
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
+        return None
+    number = _number(value)
+    if number is None or not math.isfinite(number) or number <= 0:
         raise ValueError(f"Invalid {name}: {value!r}; expected a positive finite number"
                          + (" or None" if allow_none else ""))
+    if maximum is not None and number > maximum:
+        raise ValueError(f"Invalid {name}: {value!r}; expected at most {maximum:.3g}{what}")
+    return float(number)
+
+
+def _float_max(dtype: str) -> float:
+    """The largest finite value of the floating dtype name ``dtype``."""
+    import ml_dtypes  # a Keras dependency: NumPy's finfo does not know bfloat16
+
+    return float(ml_dtypes.finfo(dtype).max)
 
 
 @overload
@@ -78,14 +110,11 @@ def _check_probability(p: Any):
         return PrecondUpdateProbSchedule()
     if callable(p):
         return as_keras_schedule(p)
-    try:
-        value = float(p)
-    except (TypeError, ValueError):
-        value = float("nan")
-    if isinstance(p, bool) or not 0.0 <= value <= 1.0:  # also rejects NaN
+    value = _number(p)
+    if value is None or not 0.0 <= value <= 1.0:  # also rejects NaN
         raise ValueError(f"Invalid preconditioner_update_probability: {p!r}; expected a "
                          "probability in [0, 1], a callable of the step, or None")
-    return value
+    return float(value)
 
 
 def _compute_dtype(precond_dtype: str) -> str:
@@ -209,37 +238,49 @@ class Kron(keras.optimizers.Optimizer):
                  loss_scale_factor: float | None = None,
                  gradient_accumulation_steps: int | None = None, name: str | None = None,
                  **kwargs):
+        # Numbers may be NumPy scalars (as for the torch Kron), never bools; kept as Python numbers.
         if not (isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule)
                 or callable(learning_rate)):
-            _check_positive("learning_rate", learning_rate)
-            learning_rate = float(learning_rate)
-        _check_positive("precond_lr", precond_lr)
-        _check_positive("precond_init_scale", precond_init_scale, allow_none=True)
-        for clip_name, clip in (("clipnorm", clipnorm), ("clipvalue", clipvalue),
-                                ("global_clipnorm", global_clipnorm)):
-            _check_positive(clip_name, clip, allow_none=True)
-        wd = 0.0 if weight_decay is None else weight_decay
-        if isinstance(wd, bool) or not (isinstance(wd, (int, float)) and math.isfinite(wd)
-                                        and wd >= 0):
+            learning_rate = _check_positive("learning_rate", learning_rate)
+        precond_lr_number = _check_positive("precond_lr", precond_lr)
+        assert precond_lr_number is not None  # for mypy: None is refused
+        mu_dtype = _check_float_dtype("mu_dtype", mu_dtype, allow_none=True)
+        precond_dtype = _check_float_dtype("precond_dtype", precond_dtype)
+        # P = s²·I must be finite in the factors' dtype, as the torch Kron requires (a larger
+        # scale overflows the first Q update, and the variable never trains)
+        precond_init_scale = _check_positive(
+            "precond_init_scale", precond_init_scale, allow_none=True,
+            maximum=math.sqrt(_float_max(precond_dtype)),
+            what=f" (its square, the initial preconditioner, must be finite in {precond_dtype})")
+        clipnorm, clipvalue, global_clipnorm = (
+            _check_positive(clip_name, clip, allow_none=True) for clip_name, clip in (
+                ("clipnorm", clipnorm), ("clipvalue", clipvalue), ("global_clipnorm", global_clipnorm)))
+        wd = _number(0.0 if weight_decay is None else weight_decay)
+        if wd is None or not (math.isfinite(wd) and wd >= 0):
             raise ValueError(f"Invalid weight_decay: {weight_decay!r}; expected a finite "
                              "float >= 0")
-        if isinstance(b1, bool) or not (isinstance(b1, (int, float)) and 0.0 <= b1 < 1.0):
+        b1_number = _number(b1)
+        if b1_number is None or not 0.0 <= b1_number < 1.0:
             raise ValueError(f"Invalid b1: {b1!r}; expected a float in [0, 1)")
         if memory_save_mode not in MEMORY_SAVE_MODES:
             raise ValueError(f"Invalid memory_save_mode: {memory_save_mode!r}; expected one "
                              f"of {MEMORY_SAVE_MODES}")
+        sizes = []
         for int_name, value, low in (("max_size_triangular", max_size_triangular, 1),
                                      ("min_ndim_triangular", min_ndim_triangular, 0)):
-            if isinstance(value, bool) or not (isinstance(value, int) and value >= low):
+            number = _number(value)
+            if not (isinstance(number, int) and number >= low):
                 raise ValueError(f"Invalid {int_name}: {value!r}; expected an int >= {low}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"Invalid seed: {seed!r}; expected an int")
+            sizes.append(number)
+        max_size_triangular, min_ndim_triangular = sizes
+        seed_number = _number(seed)
+        if not (isinstance(seed_number, int) and _SEED_RANGE[0] <= seed_number <= _SEED_RANGE[1]):
+            raise ValueError(f"Invalid seed: {seed!r}; expected an int in [-2**63, 2**64 - 1] "
+                             "(torch.manual_seed's range)")
         for bool_name, flag in (("momentum_into_precond_update", momentum_into_precond_update),
                                 ("merge_dims", merge_dims)):
             if not isinstance(flag, bool):  # bool("no") would be True
                 raise ValueError(f"Invalid {bool_name}: {flag!r}; expected a bool")
-        mu_dtype = _check_float_dtype("mu_dtype", mu_dtype, allow_none=True)
-        precond_dtype = _check_float_dtype("precond_dtype", precond_dtype)
         probability = _check_probability(preconditioner_update_probability)
 
         super().__init__(learning_rate=learning_rate, weight_decay=float(wd),
@@ -250,19 +291,18 @@ class Kron(keras.optimizers.Optimizer):
                          loss_scale_factor=loss_scale_factor,
                          gradient_accumulation_steps=gradient_accumulation_steps,
                          name=name, **kwargs)
-        self.b1 = float(b1)
+        self.b1 = float(b1_number)
         self.preconditioner_update_probability = probability
         self.max_size_triangular = max_size_triangular
         self.min_ndim_triangular = min_ndim_triangular
         self.memory_save_mode = memory_save_mode
         self.momentum_into_precond_update = momentum_into_precond_update
-        self.precond_lr = float(precond_lr)
-        self.precond_init_scale = (None if precond_init_scale is None
-                                   else float(precond_init_scale))
+        self.precond_lr = precond_lr_number
+        self.precond_init_scale = precond_init_scale
         self.mu_dtype = mu_dtype
         self.precond_dtype = precond_dtype
         self.merge_dims = merge_dims
-        self.seed = seed
+        self.seed = seed_number
 
     # -- state ----------------------------------------------------------------------
     def build(self, var_list):

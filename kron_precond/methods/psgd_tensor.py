@@ -25,13 +25,18 @@ def rms_clip_scale(update: torch.Tensor, limit: float = RMS_CLIP) -> torch.Tenso
 
 
 
-def momentum_debias(b1: float, steps: torch.Tensor) -> torch.Tensor:
+def momentum_debias(b1: float | torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """``1 − b1^t`` in ``steps``' dtype, accurate to its precision: ``−expm1(t · log b1)``, with
     ``log b1`` taken in float64. ``pow`` in float32 rounds ``b1`` first, and the subtraction's
-    cancellation magnifies that by ``b1^t / (1 − b1^t)``: 2e-4 of the correction at b1 = 0.9999."""
+    cancellation magnifies that by ``b1^t / (1 − b1^t)``: 2e-4 of the correction at b1 = 0.9999.
+    A ``b1`` held as a 0-dim tensor (a param-group setting) is computed with on its device, in
+    ``steps``' dtype, without reading it on the host."""
+    if isinstance(b1, torch.Tensor):  # log 0 = −inf: 1 for t ≥ 1; t = 0 is 0 (0·−inf is NaN)
+        return torch.where(steps > 0, -torch.expm1(steps * torch.log(b1.to(steps.dtype))), 0.0)
     if b1 == 0.0:  # log 0: 1 − 0^t is 1 for t ≥ 1 and 0 at t = 0
         return (steps > 0).to(steps.dtype)
     return -torch.expm1(steps * math.log(b1))
+
 
 class PSGDTensor:
     """PSGD state of one tensor.
@@ -51,13 +56,13 @@ class PSGDTensor:
     """
 
     def __init__(self, shape: Sequence[int], *, device: torch.device, seed: int, key: tuple[int, ...],
-                 momentum: bool = False, b1: float = 0.9, momentum_dtype: torch.dtype | None = None,
+                 momentum: bool = False, b1: float | torch.Tensor = 0.9, momentum_dtype: torch.dtype | None = None,
                  **factor_settings) -> None:
         self.factors = PSGDFactors(shape, device=device, **factor_settings)
         self.device = self.factors.device
         self.seed = seed
         self.key = tuple(key)
-        self.b1 = b1
+        self.b1: float | torch.Tensor = b1  # a 0-dim tensor: a param-group setting held as one
         self.momentum = (torch.zeros(tuple(shape), dtype=momentum_dtype or torch.float32, device=self.device)
                          if momentum else None)
         self.steps = torch.zeros((), dtype=torch.float32, device=self.device)  # finite gradients averaged
@@ -84,17 +89,22 @@ class PSGDTensor:
 
     # ------------------------------------------------------------------ the fitted average
     def accumulate(self, grad: torch.Tensor, finite: torch.Tensor) -> None:
-        """Fold a gradient into the running average; a non-finite one leaves it unchanged."""
+        """Fold a gradient into the running average; ``finite`` False leaves it exactly
+        unchanged (its weight is 0 by a mask: with a NaN ``b1`` a product would be NaN)."""
         if self.momentum is None:
             return
         m = self.momentum
         g = torch.where(finite, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
-        m.lerp_(g.to(m.dtype), finite.to(m.dtype) * (1.0 - self.b1))
+        weight = torch.where(finite, finite.to(m.dtype) * (1.0 - self.b1), 0.0).to(m.dtype)
+        m.lerp_(g.to(m.dtype), weight)
         self.steps.add_(finite.to(self.steps.dtype))
 
     def debias(self, dtype: torch.dtype) -> torch.Tensor:
-        """``1 − b1^t`` for the ``t`` finite gradients averaged so far (at least tiny)."""
-        return momentum_debias(self.b1, self.steps).clamp_min(1e-30).to(dtype)
+        """``1 − b1^t`` for the ``t`` finite gradients averaged so far (at least tiny), in
+        ``dtype``; computed in ``dtype`` promoted with float32 (the step count's dtype): a
+        float64 correction is not rounded to float32 (1.5e-8 off at t = 1)."""
+        wide = torch.promote_types(dtype, self.steps.dtype)
+        return momentum_debias(self.b1, self.steps.to(wide)).clamp_min(1e-30).to(dtype)
 
     def debiased_momentum(self, dtype: torch.dtype) -> torch.Tensor:
         return self.held_momentum().to(dtype) / self.debias(dtype)
