@@ -11,6 +11,7 @@ on the wrapper changes the base optimizer's learning rate.
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable
@@ -59,6 +60,10 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             raise TypeError("optimizer is already a PreconditionedOptimizer; wrap its base optimizer instead")
         if not isinstance(preconditioner, KronPreconditioner):
             raise TypeError(f"preconditioner must be a KronPreconditioner, got {type(preconditioner).__name__}")
+        if _needs_closure(optimizer):
+            raise TypeError(f"optimizer {type(optimizer).__name__} needs a closure in step(), which it calls several "
+                            "times per step (a line search); the gradients preconditioned once before it cannot "
+                            "follow those calls. Use an optimizer that steps from the gradients it is given")
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         missing = [f"{layer.name}.{name}" for layer in preconditioner.layers.values()
                    for name, p in layer.params if id(p) not in stepped]
@@ -136,7 +141,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         gradients since the last ``zero_grad`` and no ``step()`` came (a ``GradScaler`` skipped
         it: ``scaler.step(optimizer)`` calls nothing on an overflow), that iteration was
         abandoned: its statistics are dropped, so they do not enter the next step's factors. A
-        second ``zero_grad`` with no backward in between (after the forward, say) drops nothing."""
+        second ``zero_grad`` with no backward in between (after the forward, say) drops nothing.
+        A loop that resets gradients otherwise (the HF ``Trainer``'s ``model.zero_grad()``)
+        calls ``preconditioner.discard_statistics()`` itself after a skipped step (docs/API.md)."""
         if self._iterations.abandoned():
             self.preconditioner.discard_statistics()
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -194,10 +201,13 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                              "PreconditionedOptimizer.state_dict() (torch.distributed.checkpoint's set_state_dict: "
                              "pass optimizer.optimizer, the base optimizer, and load optimizer.preconditioner "
                              "as an entry of its own)")
+        saved_format = state_dict.get("format", _FORMAT)
+        if saved_format != _FORMAT:
+            raise ValueError(f"state_dict has format={saved_format!r}; PreconditionedOptimizer reads {_FORMAT!r}")
         version = state_dict.get("format_version", _FORMAT_VERSION)
-        if version > _FORMAT_VERSION:
+        if isinstance(version, bool) or not isinstance(version, int) or version > _FORMAT_VERSION:
             raise ValueError(f"state_dict has format_version={version!r}; this version of kron_precond "
-                             f"reads up to {_FORMAT_VERSION}")
+                             f"reads an integer up to {_FORMAT_VERSION}")
         base = {k: v for k, v in state_dict.items()
                 if k not in ("preconditioner", "format", "format_version")}
         # The base optimizer first, from a snapshot to roll back to (it may fail after changing
@@ -218,3 +228,12 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         inner = "\n".join("  " + line for line in repr(self.optimizer).splitlines())
         return f"{type(self).__name__}(\n{inner},\n  preconditioner={str(self.preconditioner.method)!r} " \
                f"with {len(self.preconditioner.layers)} layers\n)"
+
+
+def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """``optimizer.step`` has a ``closure`` argument without a default (``torch.optim.LBFGS``)."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature to read: take it as torch.optim's
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty

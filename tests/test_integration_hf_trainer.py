@@ -165,3 +165,83 @@ def test_hf_trainer_fine_tunes_lora_adapters_with_one_whitened_muon(tmp_path):
     straight, *_ = _fit_lora(6, tmp_path / "a", save_steps=4)
     resumed, *_ = _fit_lora(6, tmp_path / "b", resume_from=str(tmp_path / "a" / "checkpoint-4"))
     assert_same_parameters(straight, resumed)
+
+
+def test_a_window_the_grad_scaler_skips_is_dropped_by_the_documented_callback(tmp_path):
+    """float16's ``GradScaler`` skips a window whose loss overflowed; the HF ``Trainer`` then
+    resets the gradients with ``model.zero_grad()``, which the wrapper never sees, so the
+    window's statistics would enter the next step's factors. The callback of docs/API.md drops
+    them: the run equals one by hand that never saw that window. The scaler is a CPU one
+    (float32 on a CPU), put where ``fp16=True`` puts it (float16 needs a GPU)."""
+    transformers = _transformers()
+    from kron_precond import KronPreconditioner, PreconditionedOptimizer
+
+    steps, k, batch, seq, poisoned = 5, 2, 4, 8, 2  # micro-batch 2: the first of window 1
+    config = transformers.GPT2Config(vocab_size=32, n_positions=seq, n_embd=16, n_layer=1, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    initial = transformers.GPT2LMHeadModel(config).state_dict()
+    tokens = torch.randint(0, 32, (steps * k * batch, seq), generator=torch.Generator().manual_seed(1))
+    dataset = [{"input_ids": t, "labels": t} for t in tokens]
+    seen = []
+
+    def collate(items):
+        out = {key: torch.stack([item[key] for item in items]) for key in items[0]}
+        seen.append({key: value.clone() for key, value in out.items()})
+        return out
+
+    settings = dict(accumulation_steps=k, damping=3e-3, factor_update_steps=1, inv_update_steps=2,
+                    skip_layers=["lm_head"])
+
+    class Overflowing(transformers.Trainer):
+        calls = 0
+
+        def compute_loss(self, model, inputs, **kw):
+            loss = super().compute_loss(model, inputs, **kw)
+            Overflowing.calls += 1
+            return loss * 1e38 if Overflowing.calls - 1 == poisoned else loss
+
+    model = transformers.GPT2LMHeadModel(config)
+    model.load_state_dict(initial)
+    optimizer = PreconditionedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=5e-2),
+        KronPreconditioner(model, **settings, grad_scaler=lambda: trainer.accelerator.scaler.get_scale()))
+
+    class DropSkippedStatistics(transformers.TrainerCallback):  # as in docs/API.md
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            if trainer.accelerator.optimizer_step_was_skipped:
+                optimizer.preconditioner.discard_statistics()
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=batch, gradient_accumulation_steps=k,
+        logging_steps=100, save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0, seed=0,
+        use_cpu=True, max_grad_norm=0.0)
+    trainer = Overflowing(model=model, args=args, train_dataset=dataset, data_collator=collate,
+                          optimizers=(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)),
+                          callbacks=[DropSkippedStatistics()])
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    assert optimizer.preconditioner._steps == steps - 1  # the poisoned window was skipped
+
+    def by_hand(drop_window: bool):
+        twin = transformers.GPT2LMHeadModel(config)
+        twin.load_state_dict(initial)
+        opt = PreconditionedOptimizer(torch.optim.SGD(twin.parameters(), lr=5e-2), KronPreconditioner(twin, **settings))
+        for step in range(steps):
+            if drop_window and step == poisoned // k:
+                continue
+            window = seen[step * k:(step + 1) * k]
+            items = sum(int(b["labels"].numel()) for b in window)
+            opt.zero_grad()
+            for b in window:
+                twin(**b, num_items_in_batch=torch.tensor(items)).loss.backward()
+            opt.step()
+        return twin
+
+    def gap(other):
+        return max(float((a - b).detach().abs().max()) for a, b in zip(model.parameters(), other.parameters()))
+
+    assert gap(by_hand(drop_window=True)) < 1e-6
+    assert gap(by_hand(drop_window=False)) > 1e-2  # the reference can tell

@@ -146,6 +146,17 @@ def test_construction_errors_name_the_argument():
         PreconditionedOptimizer(torch.optim.SGD(model[2].parameters(), lr=0.1), precond)
 
 
+
+def test_a_base_optimizer_whose_step_needs_a_closure_is_refused_naming_it():
+    """LBFGS calls its closure several times per step (line search): the preconditioned
+    gradient of the first call is not what its later calls see, so it cannot be wrapped; it
+    is refused before anything is built on it."""
+    model = make_model()
+    precond = KronPreconditioner(model, **KW["kfac"])
+    with pytest.raises(TypeError, match=r"LBFGS.*closure"):
+        PreconditionedOptimizer(torch.optim.LBFGS(model.parameters()), precond)
+
+
 # ------------------------------------------------------------------ kl_clip reads the optimizer's lr
 def test_kl_clip_uses_the_optimizers_current_lr():
     """One K-FAC step on a single Linear: V = (G⊗A + λI)⁻¹∇ densely in float64, scaled by
@@ -363,6 +374,20 @@ def test_load_rejects_a_plain_optimizer_state():
     model, opt = build("kfac", **KW["kfac"])
     with pytest.raises(ValueError, match="preconditioner"):
         opt.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
+
+
+
+@pytest.mark.parametrize("field, value", [("format", "something.else"), ("format_version", "2"),
+                                          ("format_version", 1.5), ("format_version", 2)])
+def test_a_load_with_another_format_raises_value_error_naming_it_and_changes_nothing(field, value):
+    model, opt = build("kfac", **KW["kfac"])
+    train(model, opt, 2)
+    good = _snapshot(opt)
+    bad = _snapshot(opt)
+    bad[field] = value
+    with pytest.raises(ValueError, match=field):
+        opt.load_state_dict(bad)
+    _assert_same(_snapshot(opt), good)
 
 
 def test_warmup_from_lr_zero_steps_without_clipping():
