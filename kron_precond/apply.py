@@ -122,7 +122,7 @@ def precondition_gradients(layers: Sequence, *, holds: Callable, owner_of: Calla
         if kl_clip is not None:  # over full tensors: the same sum on every rank
             keep = finite[_index(tensor_layer, finite.device, cache)]
             scale = _kl_clip_factor(_kl_sum(sources, destinations, keep), kl_clip, lr)
-        norms = _update_norms(sources, tensor_layer, finite, scale, cache)
+        norms = _update_norms(sources, tensor_layer, _updated(work, finite, ctx, cache), scale, cache)
         if runtime.sharding is not None:  # this rank's rows, into its shards
             destinations = [runtime.local(p.grad) for p in params]
             sources = [runtime.local_rows(p, v) for p, v in zip(params, sources)]
@@ -195,7 +195,7 @@ def precondition_exchanged(layers: Sequence, *, owner_of: Callable, runtime, ctx
         return None
     assert finite is not None  # set for a non-empty work
     norms = _update_norms([v for out in results for v in out], [i for i, w in enumerate(work) for _ in w.grads],
-                          finite, scale, cache)
+                          _updated(work, finite, ctx, cache), scale, cache)
     return finite, mine, norms
 
 
@@ -271,6 +271,25 @@ def _finite_per_layer(grads: list[list[torch.Tensor]], cache: dict) -> torch.Ten
                                              torch.tensor(counts, device=norms.device))
     per_layer = torch.zeros(len(counts), dtype=torch.float32, device=norms.device)
     return per_layer.index_add_(0, cache[key], bad) == 0
+
+
+def _updated(work: list[_Work], finite: torch.Tensor, ctx: StepContext, cache: dict) -> torch.Tensor:
+    """``finite`` less the layers whose method handed their gradient on unpreconditioned (no
+    preconditioner yet, on a rank that holds the layer; :meth:`LayerMethod.preconditions`): a
+    raw gradient is no update of theirs to measure. The flags change at refreshes (and loads,
+    which clear ``cache``) only: read once per refresh, no op per layer on the other steps."""
+    generation = ctx.refresh_index + ctx.refresh  # refreshes done, this step's included
+    key = ("updated", tuple(id(w.layer) for w in work), finite.device)
+    cached = cache.get(key)
+    if cached is None or cached[0] != generation:
+        flags = [w.layer.method.preconditions() if w.holds else True for w in work]
+        applied = None
+        if not all(flag is True for flag in flags):
+            constant = (torch.zeros(1, device=finite.device), torch.ones(1, device=finite.device))
+            applied = torch.cat([flag.reshape(1).to(device=finite.device, dtype=torch.float32)
+                                 if isinstance(flag, torch.Tensor) else constant[int(flag)] for flag in flags]) != 0
+        cached = cache[key] = (generation, applied)
+    return finite if cached[1] is None else finite & cached[1]
 
 
 def _update_norms(values: list[torch.Tensor], tensor_layer: list[int], finite: torch.Tensor,

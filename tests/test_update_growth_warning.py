@@ -287,3 +287,45 @@ def test_a_run_rolled_back_from_a_blow_up_measures_its_updates_afresh():
     precond.load_state_dict(saved)
     assert steps(11, 10, 1.0) == []
     assert steps(21, 10, 3e3) != [], "a 3e3-fold jump after the rollback was not reported"
+
+
+class LateBranch(nn.Module):
+    """``branch`` (no bias, inputs scaled by 0.01, as GPT-2's embeddings are small) is first
+    called at step ``start``; until its first refresh input-side K-FAC passes its gradient
+    through, and its first preconditioned update is about 1 / (1.2 · 0.01²) times that."""
+
+    def __init__(self, start: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.branch, self.out = nn.Linear(8, 16), nn.Linear(16, 16, bias=False), nn.Linear(16, 4)
+        self.start, self.step = start, 0
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        if self.step >= self.start:
+            h = h + torch.tanh(self.branch(h * 0.01))
+        return self.out(h)
+
+
+@pytest.mark.parametrize("start", [0, 5])
+def test_a_layer_whose_gradient_passed_through_before_its_first_refresh_is_not_warned_about(start):
+    """The gradients a layer passes through unpreconditioned are no updates of its method: they
+    do not become the reference its first preconditioned update is measured against."""
+    model = LateBranch(start)
+    precond = KronPreconditioner(model, method="ikfac")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(40):
+            model.step = step
+            x, y = torch.randn(64, 8, generator=g), torch.randn(64, 4, generator=g)
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            precond.step()
+            opt.step()
+            losses.append(loss.item())
+    assert losses[-1] < losses[0]  # it trains
+    assert not [str(w.message) for w in caught if MATCH in str(w.message)]

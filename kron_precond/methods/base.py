@@ -75,6 +75,14 @@ class LayerMethod(abc.ABC):
     #: each parameter is preconditioned on its own, one without a gradient is left out.
     joint_gradients: bool = False
 
+    def preconditions(self) -> bool | torch.Tensor:
+        """Whether this rank's state preconditions the layer's gradient now: ``True``, ``False``
+        (before its first refresh: the gradient is handed on unchanged), or a one-element tensor
+        on the device, non-zero where it does (a validity flag read without a host sync). A
+        gradient handed on is no update of the method: the health checks do not take it as the
+        reference its first update is measured against."""
+        return True
+
     # ------------------------------------------------------------------ statistics
     def observe_activations(self, rows: torch.Tensor) -> Any:
         """Activation rows ``[N, in]`` of one forward call (methods that capture), added at

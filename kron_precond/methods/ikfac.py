@@ -208,6 +208,10 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
             self.ready = True
 
     # ------------------------------------------------------------------ apply
+    def preconditions(self) -> bool | torch.Tensor:
+        # the refresh's validity flag: 0 until a refresh saw rows of the layer (one first called late)
+        return self._refreshed[1] if self.ready and self._refreshed is not None else False
+
     def apply(self, grads: list[torch.Tensor], ctx: StepContext) -> list[torch.Tensor]:
         if not self.ready:
             return grads
