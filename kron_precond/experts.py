@@ -278,7 +278,9 @@ class RoutedExperts(nn.Module):
     ``y_t = Σ_j weights[t, j] · down_e(act(up_e(x_t)))`` with ``e = index[t, j]``, computed
     by a loop of ``F.linear`` over the experts (a plain, readable implementation, not a
     fast one). Weights are stacked: ``up_weight [E, hidden, d]``, ``down_weight [E, d, hidden]``
-    (and ``[E, out]`` biases). K-FAC / EK-FAC precondition every expert of both weights.
+    (and ``[E, out]`` biases). The methods that capture statistics (K-FAC, EK-FAC, input-side
+    K-FAC) and those that read gradients per layer (SOAP, the second moment) take every expert
+    of both weights as a layer of its own.
 
     Args:
         num_experts: ``E``.
