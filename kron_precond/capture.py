@@ -84,20 +84,28 @@ class ActivationCapture:
         by_module: dict[int, tuple[nn.Module, object, dict[int, object]]] = {}
         for layer in layers:
             by_module.setdefault(id(layer.module), (layer.module, layer.adapter, {}))[2][layer.slot] = layer
-        # Ahead of the module's other forward hooks: a hook that returns another output (a scale,
-        # a cast, noise) hands later hooks its own tensor, and the output gradients read must be
-        # those of what the module computed.
-        self._handles = [module.register_forward_hook(
-            self._forward_hook(module, adapter, units, self._reads_output_grads(units)), with_kwargs=True,
-            prepend=True)
-            for module, adapter, units in by_module.values()]
+        # Two hooks per module. The one that reads the call runs ahead of the module's other
+        # forward hooks: a hook that returns another output (a scale, a cast, noise) hands later
+        # hooks its own tensor, the output gradients read must be those of what the module
+        # computed, and FSDP2's hook after the forward swaps the gathered weights out. The one
+        # that puts the gradient hook on the output runs after them: the tensor hooks they put
+        # on it (FSDP2's, which gathers the weights again for the backward) then run first.
+        self._handles = []
+        for module, adapter, units in by_module.values():
+            observe, wait = self._forward_hooks(module, adapter, units, self._reads_output_grads(units))
+            self._handles.append(module.register_forward_hook(observe, with_kwargs=True, prepend=True))
+            self._handles.append(module.register_forward_hook(wait, with_kwargs=True))
 
     def _reads_output_grads(self, units: dict) -> bool:
         if callable(self.output_grads):
             return any(self.output_grads(layer) for layer in units.values())
         return bool(self.output_grads)
 
-    def _forward_hook(self, module: nn.Module, adapter, units: dict, output_grads: bool):
+    def _forward_hooks(self, module: nn.Module, adapter, units: dict,
+                       output_grads: bool) -> tuple[ForwardHook, ForwardHook]:
+        """(the hook that reads a call, the hook that then waits for its output's gradient)."""
+        waiting: list[tuple[torch.Tensor, Callable[[torch.Tensor], None]]] = []  # this call's, if any
+
         @run_eagerly(FULLGRAPH_REASON)  # see the module docstring
         def observe(module: nn.Module, inputs, kwargs, output):
             with torch.no_grad(), autocast_disabled():
@@ -139,8 +147,13 @@ class ActivationCapture:
                 # the gradient nodes of the parameters this call used, taken now: the graph holds
                 # them (FSDP2 frees the gathered copy the call used, which a later lookup would miss)
                 nodes = _gradient_nodes(module)
-                on_output_grad(waited, lambda grad: self._reached(adapter, units, grad, kept, staged, calls,
-                                                                  reads_grads, pass_of_call, nodes))
+                waiting.append((waited, lambda grad: self._reached(adapter, units, grad, kept, staged, calls,
+                                                                   reads_grads, pass_of_call, nodes)))
+
+        @run_eagerly(FULLGRAPH_REASON)
+        def wait(module: nn.Module, inputs, kwargs, output) -> None:
+            while waiting:
+                on_output_grad(*waiting.pop())
 
         # A deep copy of the model (an EMA or SWA average, a teacher) copies this function
         # along with the module's hooks: only the module it was placed on may feed the
@@ -148,6 +161,7 @@ class ActivationCapture:
         placed_on = weakref.ref(module)
 
         def hook(module: nn.Module, inputs, kwargs, output):
+            waiting.clear()  # a call whose forward hooks stopped short (an exception) waits for nothing
             if self.collecting and torch.is_grad_enabled():
                 if module is not placed_on():
                     # a replica sharing the module's hooks (nn.DataParallel's replicate copies
@@ -158,7 +172,7 @@ class ActivationCapture:
                 else:
                     self.eval_forward = True
 
-        return ForwardHook(hook)
+        return ForwardHook(hook), ForwardHook(wait)
 
     def _reached(self, adapter, units: dict, grad: torch.Tensor, context, staged: dict, calls: dict,
                  reads_grads: bool, pass_of_call: int = -1, nodes: list | None = None) -> None:
@@ -281,7 +295,11 @@ class ForwardHook:
     def __init__(self, hook: Callable[..., None]) -> None:
         self._hook = hook
 
-    def __call__(self, module: nn.Module, inputs, kwargs, output) -> None:
+    def __call__(self, module: nn.Module, inputs, *rest) -> None:
+        # (kwargs, output) as registered; (output,) alone when torch calls a hook removed by an
+        # earlier hook of the same call (an optimizer freed there): its with_kwargs flag went
+        # with it, and it still runs once from the hook list torch took before
+        kwargs, output = rest if len(rest) == 2 else ({}, rest[0])
         self._hook(module, inputs, kwargs, output)
 
     def __reduce__(self):

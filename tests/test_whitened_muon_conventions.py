@@ -825,3 +825,16 @@ def test_a_checkpoint_of_other_parameter_names_is_refused_and_changes_nothing():
     compiled_names = WhitenedMuon(torch.compile(copy.deepcopy(plain)), lr=1e-2)
     assert compiled_names.param_groups[0]["param_names"][0].startswith("_orig_mod.")
     compiled_names.load_state_dict(checkpoint)
+
+
+def test_an_optimizer_removed_during_a_forward_hook_of_the_same_call_raises_nothing():
+    """Freeing an optimizer removes its hooks, possibly while torch runs the module's forward
+    hooks (the garbage collector can run inside any hook). torch still calls a hook removed
+    during that call's hook loop, without the keyword arguments it was registered with: it
+    must take that call (and do nothing harmful) rather than raise."""
+    model = mlp()
+    dropped = WhitenedMuon(model, lr=1e-3)
+    kept = WhitenedMuon(model, lr=1e-3)  # its hook runs first (the library's hooks go first)
+    model[0].register_forward_hook(lambda m, args, out: dropped.remove(), prepend=True)
+    train(model, kept, 2)
+    assert kept.state[model[0].weight]["input_seen"].item() == 1

@@ -296,6 +296,59 @@ def test_sharded_fused_experts_leave_an_idle_or_non_finite_expert_alone_as_one_p
     assert torch.equal(moved[2][0][3], moved[1][0][3]) and torch.equal(moved[3][0][3], moved[1][0][3])
 
 
+
+class _ExpertsBlock(torch.nn.Module):
+    """Fused experts behind a projection: FSDP2 can wrap the experts module on its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from kron_precond import RoutedExperts
+
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(4, 4, dtype=torch.float64)
+        self.experts = RoutedExperts(EXPERTS, 4, 4, bias=False, dtype=torch.float64)
+
+    def forward(self, x, index, weights):
+        return self.experts(torch.tanh(self.inp(x)), index, weights)
+
+
+def _expert_block_run(rank: int = 0, world: int = 1) -> list:
+    model = _ExpertsBlock()
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        fully_shard(model.experts, mesh=mesh, reshard_after_forward=True)  # gathered again for the backward
+        fully_shard(model, mesh=mesh)
+    opt = WhitenedMuon(model, lr=LR, statistics_every=1, output_side=True, ns_dtype=torch.float64)
+    trajectory = []
+    for x, y, index, weights in _expert_batches():
+        opt.zero_grad()
+        (model(x, index, weights) - y).square().mean().backward()  # the full batch on every rank
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+        trajectory.append([(w.full_tensor() if hasattr(w, "full_tensor") else w).detach().clone()
+                           for w in (model.experts.up_weight, model.experts.down_weight)])
+    return trajectory
+
+
+def _expert_block_worker(rank, world, out_dir):
+    return _expert_block_run(rank, world)
+
+
+def test_an_experts_module_fsdp2_wraps_on_its_own_is_whitened_on_both_sides_as_one_process(tmp_path):
+    """Wrapped on its own and resharded after its forward, the experts module's weights are
+    gathered again for the backward by FSDP2's hook on its output, which the output side's
+    rows (read through the down weight) wait for: the one-process result, step by step."""
+    single = _expert_block_run()
+    for run in run_workers(_expert_block_worker, 2, tmp_path, timeout=240):
+        for step, expected in enumerate(single):
+            for got, want in zip(run[step], expected):
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
 # ---------------------------------------------------------------------- an abandoned iteration
 ABANDONED_AT = 2  # a statistics step (statistics_every=2; K-FAC gathers every step)
 
