@@ -343,7 +343,7 @@ def refuse_fullgraph(root: nn.Module, hooked: Sequence[nn.Module], who: str) -> 
             raise ValueError(f"{who}: {name or type(root).__name__} is compiled with fullgraph=True, and the "
                              f"statistics hooks of the modules inside it need a graph break each (the observation "
                              f"runs outside the compiled graph). Compile it without fullgraph (torchtitan: "
-                             f"--compile.enable false), or leave its modules out with skip_layers")
+                             f"--compile.no-enable), or leave its modules out with skip_layers")
 
 
 class AbandonedIterations:

@@ -182,7 +182,7 @@ class KronPreconditioner:
         self._spec: MethodSpec = spec_class(_method_settings(spec_class, options, engine_args))
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        model = _unwrap(model)
+        given, model = model, _unwrap(model)  # the wrappers' own settings are read from given
         self._model = model
         self.method = spec_class.name
         self.assignment_strategy = AssignmentStrategy.parse(assignment_strategy, "assignment_strategy")
@@ -263,7 +263,7 @@ class KronPreconditioner:
         self._apply_cache: dict = {}
         self._health = Health(self._layers, captures=self._spec.captures)
         if self._spec.captures:
-            refuse_fullgraph(model, [layer.module for layer in self._layers], "KronPreconditioner")
+            refuse_fullgraph(given, [layer.module for layer in self._layers], "KronPreconditioner")
         self._capture = (ActivationCapture(self._layers, accumulation_steps=self._accumulation_steps,
                                            loss_scale=loss_scale, before_write=weakly(self._wait_for_statistics),
                                            before_observe=weakly(self._follow_parameters),

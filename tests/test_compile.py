@@ -112,6 +112,15 @@ def test_blocks_compiled_with_fullgraph_are_refused_at_construction_by_name(kind
     _build(kind, plain)
 
 
+@pytest.mark.parametrize("kind", ["whitened_muon", "kfac", "ikfac"])
+def test_a_whole_model_compiled_with_fullgraph_is_refused_at_construction(kind):
+    """The compiled wrapper itself (``torch.compile(model, fullgraph=True)``) is refused as a
+    compiled block is, not taken apart first and then failing at the first forward."""
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"fullgraph=True"):
+        _build(kind, torch.compile(_Blocks(), fullgraph=True))
+
+
 @pytest.mark.parametrize("kind", ["whitened_muon", "kfac"])
 def test_compiled_with_fullgraph_after_construction_fails_with_our_explanation(kind):
     """Compiled with ``fullgraph=True`` only after the hooks are in place, the model cannot be
