@@ -206,10 +206,17 @@ def overridden_forward(module: nn.Module, base: type, methods: tuple[str, ...]) 
     """Why ``module``'s rows may not be the input of ``base``'s forward, or ``None``: its class
     overrides one of ``methods`` (its forward may change its input before its weight multiplies
     it: a causal pad, a scale, a transpose, a standardised weight), or one is replaced on the
-    instance (monkey-patched). A replacement that declares, through ``__wrapped__``, that it
-    calls the class's own method on this module (accelerate's device and autocast hooks) is
-    taken: it is trusted, as a registered adapter is, to hand that method its arguments."""
+    instance or on torch's own class (monkey-patched). A replacement on the instance that
+    declares, through ``__wrapped__``, that it calls the class's own method on this module
+    (accelerate's device and autocast hooks) is taken: it is trusted, as a registered adapter
+    is, to hand that method its arguments."""
     cls = type(module)
+    if base.__module__.startswith("torch."):  # torch's own method, not one patched onto its class
+        patched = [m for m in methods if not getattr(getattr(base, m), "__module__", "").startswith("torch.")]
+        if patched:
+            return (f"nn.{base.__name__}.{' and '.join(patched)} is replaced (patched onto torch's class): the "
+                    f"rows its weight multiplies may not be its input; register an adapter (register_adapter) "
+                    f"that reads them")
     overridden = [m for m in methods if getattr(cls, m, None) is not getattr(base, m)]
     if overridden and f"{cls.__module__}.{cls.__qualname__}" not in _SAME_ROWS_FORWARD:
         return (f"{cls.__name__} overrides {' and '.join(overridden)}: the rows its weight multiplies may not be "

@@ -450,3 +450,12 @@ def test_the_statistics_read_the_modules_own_output_before_a_users_hook_replaces
         opt.step()
         factors.append(opt.layers["0"].g_factor if kind == "kfac" else opt.state[first.weight]["output_factor"])
     torch.testing.assert_close(factors[0].to(DT), factors[1].to(DT), rtol=1e-12, atol=1e-14)
+
+
+def test_a_forward_patched_on_torchs_own_class_is_refused_naming_it(monkeypatch):
+    """``nn.Linear.forward`` replaced for every Linear (monkey-patching the class): subclass and
+    base then share the patched method, so the class check alone cannot see it."""
+    original = nn.Linear.forward
+    monkeypatch.setattr(nn.Linear, "forward", lambda self, x: original(self, 3 * x))
+    with pytest.raises(ValueError, match=r"modules\[0\] \(Linear\).*nn\.Linear\.forward is replaced"):
+        WhitenedMuon([nn.Linear(3, 3)], lr=1e-3)
