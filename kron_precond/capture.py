@@ -94,7 +94,8 @@ class ActivationCapture:
         for module, adapter, units in by_module.values():
             observe, wait = self._forward_hooks(module, adapter, units, self._reads_output_grads(units))
             self._handles.append(module.register_forward_hook(observe, with_kwargs=True, prepend=True))
-            self._handles.append(module.register_forward_hook(wait, with_kwargs=True))
+            # always_call: a hook of the user's that raises in between still leaves the queue as it was
+            self._handles.append(module.register_forward_hook(wait, with_kwargs=True, always_call=True))
 
     def _reads_output_grads(self, units: dict) -> bool:
         if callable(self.output_grads):
@@ -147,12 +148,16 @@ class ActivationCapture:
                 # the gradient nodes of the parameters this call used, taken now: the graph holds
                 # them (FSDP2 frees the gathered copy the call used, which a later lookup would miss)
                 nodes = _gradient_nodes(module)
-                waiting.append((waited, lambda grad: self._reached(adapter, units, grad, kept, staged, calls,
-                                                                   reads_grads, pass_of_call, nodes)))
+                pair = _PairedGradient(lambda grad: self._reached(adapter, units, grad, kept, staged, calls,
+                                                                  reads_grads, pass_of_call, nodes))
+                on_output_grad(waited, pair.own)  # before a later hook changes the output in place
+                waiting.append((waited, pair.after_others))
 
         @run_eagerly(FULLGRAPH_REASON)
         def wait(module: nn.Module, inputs, kwargs, output) -> None:
-            while waiting:
+            # this call's entry: the last one queued (a call of the module made by one of its own
+            # forward hooks, in between, has taken its own already)
+            if waiting:
                 on_output_grad(*waiting.pop())
 
         # A deep copy of the model (an EMA or SWA average, a teacher) copies this function
@@ -161,7 +166,6 @@ class ActivationCapture:
         placed_on = weakref.ref(module)
 
         def hook(module: nn.Module, inputs, kwargs, output):
-            waiting.clear()  # a call whose forward hooks stopped short (an exception) waits for nothing
             if self.collecting and torch.is_grad_enabled():
                 if module is not placed_on():
                     # a replica sharing the module's hooks (nn.DataParallel's replicate copies
@@ -282,6 +286,36 @@ def backward_pass() -> int:
     one). ``-1`` outside a read. One pass is one micro-batch of the step, however many calls
     of a module it reaches."""
     return getattr(_backward, "pass_of_call", -1)
+
+
+class _PairedGradient:
+    """Two tensor hooks on one call's output, and ``reached`` called once both fired in a
+    backward pass, with the first one's gradient. ``own`` is put on when the call is read,
+    ahead of the module's other forward hooks: it gets the gradient of what the module
+    computed, also where a later hook changes the output in place. ``after_others`` is put on
+    after those hooks, so that the tensor hooks they put on the output (FSDP2's, which gathers
+    the weights again for the backward) run before ``reached`` does."""
+
+    __slots__ = ("_reached", "_grad", "_fired")
+
+    def __init__(self, reached: Callable[[torch.Tensor], None]) -> None:
+        self._reached = reached
+        self._grad: torch.Tensor | None = None
+        self._fired = 0
+
+    def own(self, grad: torch.Tensor) -> None:
+        self._grad = grad
+        self._count()
+
+    def after_others(self, grad: torch.Tensor) -> None:
+        self._count()
+
+    def _count(self) -> None:
+        self._fired += 1
+        if self._fired == 2:  # both, in either order (an in-place change puts `own` after)
+            grad, self._grad, self._fired = self._grad, None, 0
+            assert grad is not None
+            self._reached(grad)
 
 
 class ForwardHook:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import operator
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable
@@ -205,7 +206,11 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         if saved_format != _FORMAT:
             raise ValueError(f"state_dict has format={saved_format!r}; PreconditionedOptimizer reads {_FORMAT!r}")
         version = state_dict.get("format_version", _FORMAT_VERSION)
-        if isinstance(version, bool) or not isinstance(version, int) or version > _FORMAT_VERSION:
+        try:  # an integer of any kind (NumPy's, a 0-dim tensor), not a bool
+            number = None if isinstance(version, bool) else operator.index(version)
+        except TypeError:
+            number = None
+        if number is None or number > _FORMAT_VERSION:
             raise ValueError(f"state_dict has format_version={version!r}; this version of kron_precond "
                              f"reads an integer up to {_FORMAT_VERSION}")
         base = {k: v for k, v in state_dict.items()

@@ -423,22 +423,29 @@ class Doubled(nn.Module):
         return torch.cat([x[..., :2] * 2, x[..., 2:] * -3], -1)
 
 
-def hooked_and_twin() -> tuple[nn.Sequential, nn.Sequential]:
-    """The same function twice: a forward hook on the first Linear replaces its output (scaled
-    per feature), and a twin does the scaling in a module of its own after the Linear."""
+def hooked_and_twin(how: str) -> tuple[nn.Sequential, nn.Sequential]:
+    """The same function twice: a forward hook on the first Linear changes its output (scaled
+    per feature: a new tensor, or the output itself in place), and a twin does the scaling in a
+    module of its own after the Linear."""
     torch.manual_seed(0)
     twin = nn.Sequential(nn.Linear(4, 5), Doubled(), nn.Tanh(), nn.Linear(5, 3)).double()
     hooked = copy.deepcopy(nn.Sequential(twin[0], nn.Tanh(), twin[3]))
     scale = Doubled()
-    hooked[0].register_forward_hook(lambda m, i, o: scale(o))  # registered before the library's
+    if how == "returns another output":
+        hooked[0].register_forward_hook(lambda m, i, o: scale(o))  # registered before the library's
+    else:
+        factor = torch.tensor([2.0, 2.0, -3.0, -3.0, -3.0], dtype=DT)  # Doubled's map
+        hooked[0].register_forward_hook(lambda m, i, o: o.mul_(factor))
     return hooked, twin
 
 
+@pytest.mark.parametrize("how", ["returns another output", "changes it in place"])
 @pytest.mark.parametrize("kind", ["kfac", "whitened_muon"])
-def test_the_statistics_read_the_modules_own_output_before_a_users_hook_replaces_it(kind):
+def test_the_statistics_read_the_modules_own_output_before_a_users_hook_replaces_it(kind, how):
     """The output side is ``E[δδᵀ]`` of the gradient with respect to what the layer computed,
-    ``W a + b``, not with respect to what a user's forward hook returned in its place."""
-    hooked, twin = hooked_and_twin()
+    ``W a + b``, not with respect to what a user's forward hook made of it (a new tensor, or
+    the output changed in place)."""
+    hooked, twin = hooked_and_twin(how)
     x = torch.randn(7, 4, dtype=DT)
     factors = []
     for model, first in ((hooked, hooked[0]), (twin, twin[0])):
@@ -459,3 +466,42 @@ def test_a_forward_patched_on_torchs_own_class_is_refused_naming_it(monkeypatch)
     monkeypatch.setattr(nn.Linear, "forward", lambda self, x: original(self, 3 * x))
     with pytest.raises(ValueError, match=r"modules\[0\] \(Linear\).*nn\.Linear\.forward is replaced"):
         WhitenedMuon([nn.Linear(3, 3)], lr=1e-3)
+
+
+
+def _probe(grad: bool):
+    """A forward hook that runs its module once more on a scaled input, result unused."""
+    inside = []
+
+    def probe(m, args, out):
+        if not inside:  # the probe's own call runs the hooks too
+            inside.append(True)
+            with torch.set_grad_enabled(grad):
+                m(args[0] * 3)
+            inside.clear()
+    return probe
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("kind", ["kfac", "whitened_muon"])
+def test_a_users_hook_that_calls_the_module_again_leaves_the_calls_statistics_whole(kind, grad):
+    """A forward hook that runs the module once more (a probe, a log; its result unused) makes a
+    call of the module inside the call's own hooks: the outer call's statistics still count,
+    and the inner call, whose output no backward reaches, adds none."""
+    x = torch.randn(7, 4, dtype=DT)
+    factors = []
+    for probed in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+        if probed:
+            model[0].register_forward_hook(_probe(grad))
+        if kind == "kfac":
+            opt = KronPreconditioner(model, method="kfac", lr=0.1, factor_update_steps=1, inv_update_steps=1)
+        else:
+            opt = whitening(model, output_side=True)
+        model(x).square().mean().backward()
+        opt.step()
+        factors.append((opt.layers["0"].a_factor, opt.layers["0"].g_factor) if kind == "kfac" else
+                       (opt.state[model[0].weight]["input_factor"], opt.state[model[0].weight]["output_factor"]))
+    for got, want in zip(*factors):
+        torch.testing.assert_close(got.to(DT), want.to(DT), rtol=1e-12, atol=1e-14)

@@ -390,6 +390,21 @@ def test_a_load_with_another_format_raises_value_error_naming_it_and_changes_not
     _assert_same(_snapshot(opt), good)
 
 
+
+@pytest.mark.parametrize("version", [1, "absent", "numpy", "tensor"])
+def test_a_format_version_saved_as_any_integer_or_absent_loads(version):
+    import numpy as np
+
+    model, opt = build("kfac", **KW["kfac"])
+    train(model, opt, 2)
+    state = _snapshot(opt)
+    if version == "absent":
+        del state["format_version"], state["format"]
+    elif version != 1:
+        state["format_version"] = np.int64(1) if version == "numpy" else torch.tensor(1)
+    opt.load_state_dict(state)
+
+
 def test_warmup_from_lr_zero_steps_without_clipping():
     """Warm-up schedules start at lr = 0: kl_clip's ν = min(1, sqrt(κ / 0)) = 1."""
     model_a, opt = build("kfac", damping=1e-2, kl_clip=1e-6)
