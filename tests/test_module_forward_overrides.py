@@ -505,3 +505,77 @@ def test_a_users_hook_that_calls_the_module_again_leaves_the_calls_statistics_wh
                        (opt.state[model[0].weight]["input_factor"], opt.state[model[0].weight]["output_factor"]))
     for got, want in zip(*factors):
         torch.testing.assert_close(got.to(DT), want.to(DT), rtol=1e-12, atol=1e-14)
+
+
+def _scaled_in_hook(kind: str, in_place: bool, taken: list):
+    """The first Linear's output scaled per feature by a user's hook (in place, or a new tensor),
+    which keeps a term of the output as it was (``taken``: an auxiliary loss, say) and the
+    tensor it hands on; the optimizer built after it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    factor = torch.tensor([2.0, 2.0, -3.0, -3.0, -3.0], dtype=DT)
+
+    def scale(m, args, out):
+        aux = out.sum() * 0.1
+        new = out.mul_(factor) if in_place else out * factor
+        taken.append((aux, new))
+        return new
+    model[0].register_forward_hook(scale)
+    if kind == "kfac":
+        opt = KronPreconditioner(model, method="kfac", lr=0.1, factor_update_steps=1, inv_update_steps=1)
+    else:
+        opt = whitening(model, output_side=True)
+    return model, opt
+
+
+def _g(kind, model, opt):
+    return opt.layers["0"].g_factor if kind == "kfac" else opt.state[model[0].weight]["output_factor"]
+
+
+@pytest.mark.parametrize("kind", ["kfac", "whitened_muon"])
+def test_passes_that_reach_the_output_before_or_after_an_in_place_change_count_as_with_a_new_tensor(kind):
+    """A backward of a term taken before the user's hook changed the output in place reaches the
+    module's own output only, and one with respect to the changed output does not reach it:
+    each counts as it does where the hook returns a new tensor (the same function)."""
+    x = torch.randn(7, 4, dtype=DT)
+    results = {}
+    for in_place in (True, False):
+        for scenario in ("auxiliary term first", "gradient with respect to the changed output first"):
+            taken: list = []
+            model, opt = _scaled_in_hook(kind, in_place, taken)
+            loss = model(x).square().mean()
+            aux, changed = taken[0]
+            if scenario == "auxiliary term first":
+                aux.backward(retain_graph=True)
+            else:
+                torch.autograd.grad(loss, changed, retain_graph=True)
+            loss.backward()
+            opt.step()
+            results[in_place, scenario] = _g(kind, model, opt).to(DT)
+    for scenario in ("auxiliary term first", "gradient with respect to the changed output first"):
+        torch.testing.assert_close(results[True, scenario], results[False, scenario], rtol=1e-12, atol=1e-14)
+
+
+def test_a_forward_interrupted_between_the_librarys_hooks_keeps_no_output_alive():
+    """A ``KeyboardInterrupt`` in a user's hook (between the library's two hooks: torch's
+    ``always_call`` does not cover it) leaves the call's entry queued; it holds no graph."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    outputs = []
+
+    def interrupt(m, args, out):
+        outputs.append(weakref.ref(out))
+        raise KeyboardInterrupt
+    handle = model[0].register_forward_hook(interrupt)
+    opt = whitening(model)
+    for _ in range(3):
+        with pytest.raises(KeyboardInterrupt):
+            model(torch.randn(6, 4))
+    gc.collect()
+    assert [ref() for ref in outputs] == [None] * 3
+    handle.remove()
+    model(torch.randn(6, 4)).square().mean().backward()
+    opt.step()  # and training goes on
