@@ -423,6 +423,21 @@ class Doubled(nn.Module):
         return torch.cat([x[..., :2] * 2, x[..., 2:] * -3], -1)
 
 
+def capturing(kind: str, model: nn.Module):
+    """K-FAC refreshed every step, or WhitenedMuon with both sides, on ``model``."""
+    if kind == "kfac":
+        return KronPreconditioner(model, method="kfac", lr=0.1, factor_update_steps=1, inv_update_steps=1)
+    return whitening(model, output_side=True)
+
+
+def first_factors(kind: str, model: nn.Module, opt) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input side, output side) of the first Linear, in float64."""
+    if kind == "kfac":
+        return opt.layers["0"].a_factor.to(DT), opt.layers["0"].g_factor.to(DT)
+    state = opt.state[model[0].weight]
+    return state["input_factor"].to(DT), state["output_factor"].to(DT)
+
+
 def hooked_and_twin(how: str) -> tuple[nn.Sequential, nn.Sequential]:
     """The same function twice: a forward hook on the first Linear changes its output (scaled
     per feature: a new tensor, or the output itself in place), and a twin does the scaling in a
@@ -448,15 +463,12 @@ def test_the_statistics_read_the_modules_own_output_before_a_users_hook_replaces
     hooked, twin = hooked_and_twin(how)
     x = torch.randn(7, 4, dtype=DT)
     factors = []
-    for model, first in ((hooked, hooked[0]), (twin, twin[0])):
-        if kind == "kfac":
-            opt = KronPreconditioner(model, method="kfac", lr=0.1, factor_update_steps=1, inv_update_steps=1)
-        else:
-            opt = whitening(model, output_side=True)
+    for model in (hooked, twin):
+        opt = capturing(kind, model)
         model(x).square().mean().backward()
         opt.step()
-        factors.append(opt.layers["0"].g_factor if kind == "kfac" else opt.state[first.weight]["output_factor"])
-    torch.testing.assert_close(factors[0].to(DT), factors[1].to(DT), rtol=1e-12, atol=1e-14)
+        factors.append(first_factors(kind, model, opt)[1])
+    torch.testing.assert_close(factors[0], factors[1], rtol=1e-12, atol=1e-14)
 
 
 def test_a_forward_patched_on_torchs_own_class_is_refused_naming_it(monkeypatch):
@@ -495,16 +507,12 @@ def test_a_users_hook_that_calls_the_module_again_leaves_the_calls_statistics_wh
         model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
         if probed:
             model[0].register_forward_hook(_probe(grad))
-        if kind == "kfac":
-            opt = KronPreconditioner(model, method="kfac", lr=0.1, factor_update_steps=1, inv_update_steps=1)
-        else:
-            opt = whitening(model, output_side=True)
+        opt = capturing(kind, model)
         model(x).square().mean().backward()
         opt.step()
-        factors.append((opt.layers["0"].a_factor, opt.layers["0"].g_factor) if kind == "kfac" else
-                       (opt.state[model[0].weight]["input_factor"], opt.state[model[0].weight]["output_factor"]))
+        factors.append(first_factors(kind, model, opt))
     for got, want in zip(*factors):
-        torch.testing.assert_close(got.to(DT), want.to(DT), rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
 def _scaled_in_hook(kind: str, in_place: bool, taken: list):
@@ -521,15 +529,7 @@ def _scaled_in_hook(kind: str, in_place: bool, taken: list):
         taken.append((aux, new))
         return new
     model[0].register_forward_hook(scale)
-    if kind == "kfac":
-        opt = KronPreconditioner(model, method="kfac", lr=0.1, factor_update_steps=1, inv_update_steps=1)
-    else:
-        opt = whitening(model, output_side=True)
-    return model, opt
-
-
-def _g(kind, model, opt):
-    return opt.layers["0"].g_factor if kind == "kfac" else opt.state[model[0].weight]["output_factor"]
+    return model, capturing(kind, model)
 
 
 @pytest.mark.parametrize("kind", ["kfac", "whitened_muon"])
@@ -551,7 +551,7 @@ def test_passes_that_reach_the_output_before_or_after_an_in_place_change_count_a
                 torch.autograd.grad(loss, changed, retain_graph=True)
             loss.backward()
             opt.step()
-            results[in_place, scenario] = _g(kind, model, opt).to(DT)
+            results[in_place, scenario] = first_factors(kind, model, opt)[1]
     for scenario in ("auxiliary term first", "gradient with respect to the changed output first"):
         torch.testing.assert_close(results[True, scenario], results[False, scenario], rtol=1e-12, atol=1e-14)
 
