@@ -105,7 +105,7 @@ class ActivationCapture:
     def _forward_hooks(self, module: nn.Module, adapter, units: dict,
                        output_grads: bool) -> tuple[ForwardHook, ForwardHook]:
         """(the hook that reads a call, the hook that then waits for its output's gradient)."""
-        waiting: list[tuple[weakref.ref, _PairedGradient]] = []  # this call's, if any
+        waiting: list[tuple[weakref.ref, _PairedGradient, int]] = []  # this call's, if any
 
         @run_eagerly(FULLGRAPH_REASON)  # see the module docstring
         def observe(module: nn.Module, inputs, kwargs, output):
@@ -151,18 +151,19 @@ class ActivationCapture:
                 pair = _PairedGradient(lambda grad: self._reached(adapter, units, grad, kept, staged, calls,
                                                                   reads_grads, pass_of_call, nodes))
                 on_output_grad(waited, pair.own)  # before a later hook changes the output in place
-                # (weakly: an entry a KeyboardInterrupt between the two hooks leaves keeps no graph)
-                waiting.append((weakref.ref(waited), pair))
+                # (weakly: an entry a KeyboardInterrupt between the two hooks leaves keeps no graph;
+                # the version tells whether a hook in between changed the output in place)
+                waiting.append((weakref.ref(waited), pair, _hooked(waited)._version))
 
         @run_eagerly(FULLGRAPH_REASON)
         def wait(module: nn.Module, inputs, kwargs, output) -> None:
             # this call's entry: the last one queued (a call of the module made by one of its own
             # forward hooks, in between, has taken its own already)
             if waiting:
-                ref, pair = waiting.pop()
+                ref, pair, version = waiting.pop()
                 waited = ref()
                 if waited is not None:
-                    pair.wait = _hooked_node(waited)
+                    pair.same_node = _hooked(waited)._version == version
                     on_output_grad(waited, pair.after_others)
 
         # A deep copy of the model (an EMA or SWA average, a teacher) copies this function
@@ -298,62 +299,42 @@ class _PairedGradient:
     reaches what the module computed, with that gradient. ``own`` is put on when the call is
     read, ahead of the module's other forward hooks: it gets the gradient of what the module
     computed, also where a later hook changes the output in place. ``after_others`` is put on
-    after those hooks (``wait`` is its node), so that the tensor hooks they put on the output
-    (FSDP2's, which gathers the weights again for the backward) run before ``reached`` does.
+    after those hooks, so that the tensor hooks they put on the output (FSDP2's, which gathers
+    the weights again for the backward) run before ``reached`` does.
 
-    In a pass, on one node (no in-place change), ``own`` fires first and ``after_others`` right
-    after it; with an in-place change, ``after_others``'s node runs first. A pass that reaches
-    ``own`` alone (one from a term taken before the change) acts on ``own`` at once, and one
-    that reaches ``after_others`` alone (a gradient with respect to the changed output) adds
-    nothing: the module's own output is not on its path."""
+    Where nothing changed the output in between (``same_node``: both hang on one autograd node),
+    ``after_others`` fires right after ``own`` in every pass, and acts on ``own``'s gradient.
+    Where a hook changed it in place, ``after_others`` hangs on the node of the change, which a
+    pass runs before ``own``'s (or alone: a gradient with respect to the changed output, which
+    does not reach the module's), so ``own`` acts at once (also in a pass that reaches it alone:
+    a term taken before the change). No autograd node is held here: a node holds its hooks, and
+    a reference back would make a cycle that keeps each call's graph alive."""
 
-    __slots__ = ("_reached", "_grad", "_own_pass", "_after_pass", "wait")
+    __slots__ = ("_reached", "_grad", "same_node")
 
     def __init__(self, reached: Callable[[torch.Tensor], None]) -> None:
         self._reached = reached
         self._grad: torch.Tensor | None = None
-        # the pass each fired in last, until acted on
-        self._own_pass: int | None = None
-        self._after_pass: int | None = None
-        self.wait: Any = None  # the autograd node ``after_others`` hangs on
+        self.same_node = False  # set by the second forward hook; until then ``own`` acts alone
 
     def own(self, grad: torch.Tensor) -> None:
-        current = graph_task()
-        if self._after_pass == current or not _will_run(self.wait):
-            self._act(grad)
-        else:  # after_others comes later in this pass
-            self._grad, self._own_pass = grad, current
+        if self.same_node:
+            self._grad = grad
+        else:
+            self._reached(grad)
 
     def after_others(self, grad: torch.Tensor) -> None:
-        current = graph_task()
-        if self._own_pass == current and self._grad is not None:
-            self._act(self._grad)
-        else:
-            self._after_pass = current
-
-    def _act(self, grad: torch.Tensor) -> None:
-        self._grad = self._own_pass = self._after_pass = None
-        self._reached(grad)
+        if self._grad is not None:
+            grad, self._grad = self._grad, None
+            self._reached(grad)
 
 
-@run_eagerly("kron_precond asks the autograd engine about the running backward pass")
-def _will_run(node: Any) -> bool:
-    """Whether the running backward pass will run ``node`` (``True`` where that cannot be told:
-    a backward that compiled autograd runs, say)."""
-    if node is None:
-        return False
-    try:
-        return bool(torch._C._will_engine_execute_node(node))
-    except (RuntimeError, AttributeError):
-        return True
-
-
-def _hooked_node(output: torch.Tensor) -> Any:
-    """The autograd node :func:`on_output_grad` hangs a hook on for ``output`` now."""
+def _hooked(output: torch.Tensor) -> torch.Tensor:
+    """The tensor :func:`on_output_grad` hangs a hook on for ``output``: it, or its base."""
     base = output._base
     if base is None or not base.requires_grad or not base.is_contiguous():
-        return output.grad_fn
-    return base.grad_fn
+        return output
+    return base
 
 
 class ForwardHook:

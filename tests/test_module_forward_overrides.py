@@ -579,3 +579,30 @@ def test_a_forward_interrupted_between_the_librarys_hooks_keeps_no_output_alive(
     handle.remove()
     model(torch.randn(6, 4)).square().mean().backward()
     opt.step()  # and training goes on
+
+
+@pytest.mark.parametrize("kind", ["kfac", "whitened_muon"])
+def test_a_forward_never_backpropagated_frees_its_graph_by_reference_counting(kind):
+    """A training forward whose loss is not taken (a metric, a GAN's detached sample) is freed
+    as soon as it is dropped, without the cycle collector: nothing the hooks keep refers back
+    to the graph (a cycle through an autograd node would keep every such graph alive until
+    as many full collections as the model has hooked layers)."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    opt = capturing(kind, model)
+    inputs = []
+    gc.disable()
+    try:
+        for _ in range(5):
+            x = torch.randn(6, 4)
+            inputs.append(weakref.ref(x))
+            model(x).square().mean()  # dropped at once
+            del x
+        assert [ref() for ref in inputs] == [None] * 5
+    finally:
+        gc.enable()
+    model(torch.randn(6, 4)).square().mean().backward()
+    opt.step()
