@@ -84,12 +84,13 @@ class ActivationCapture:
         by_module: dict[int, tuple[nn.Module, object, dict[int, object]]] = {}
         for layer in layers:
             by_module.setdefault(id(layer.module), (layer.module, layer.adapter, {}))[2][layer.slot] = layer
-        # Two hooks per module. The one that reads the call runs ahead of the module's other
-        # forward hooks: a hook that returns another output (a scale, a cast, noise) hands later
-        # hooks its own tensor, the output gradients read must be those of what the module
-        # computed, and FSDP2's hook after the forward swaps the gathered weights out. The one
-        # that puts the gradient hook on the output runs after them: the tensor hooks they put
-        # on it (FSDP2's, which gathers the weights again for the backward) then run first.
+        # Two hooks per module. The one that reads the call (and hooks its output's gradient)
+        # runs ahead of the module's other forward hooks: a hook that returns another output (a
+        # scale, a cast, noise) hands later hooks its own tensor, the output gradients read must
+        # be those of what the module computed, and FSDP2's hook after the forward swaps the
+        # gathered weights out. The second runs after them and hooks the output again, so that
+        # the tensor hooks they put on it (FSDP2's, which gathers the weights again for the
+        # backward) run before the call is acted on (_PairedGradient).
         self._handles = []
         for module, adapter, units in by_module.values():
             observe, wait = self._forward_hooks(module, adapter, units, self._reads_output_grads(units))
