@@ -331,7 +331,8 @@ class _PairedGradient:
 
 
 def _hooked(output: torch.Tensor) -> torch.Tensor:
-    """The tensor :func:`on_output_grad` hangs a hook on for ``output``: it, or its base."""
+    """The tensor :func:`on_output_grad` hangs a hook on for ``output``: it, or its base (a
+    contiguous base that requires grad)."""
     base = output._base
     if base is None or not base.requires_grad or not base.is_contiguous():
         return output
@@ -474,8 +475,8 @@ def on_output_grad(output: torch.Tensor, hook: Callable[[torch.Tensor], None]) -
     hook goes on the base (when contiguous, the view's strides index its gradient
     directly) and reads the view's elements out of it.
     """
-    base = output._base
-    if base is None or not base.requires_grad or not base.is_contiguous():
+    base = _hooked(output)
+    if base is output:
         output.register_hook(hook)
         return
     size, stride = output.size(), output.stride()

@@ -166,6 +166,15 @@ def _tensor_settings(index: int, group: dict[str, Any]) -> tuple[str, ...]:
     return tuple(keys)
 
 
+def _times(flag: torch.Tensor, value: Any, dtype: torch.dtype) -> torch.Tensor:
+    """``flag · value`` in ``dtype``: 0 where ``flag`` is False. A setting held as a tensor is
+    masked as well (an unusable one may be NaN, and NaN · 0 is NaN); a number needs no mask."""
+    product = flag.to(dtype) * value
+    if isinstance(value, torch.Tensor):
+        product = torch.where(flag, product, 0.0).to(dtype)
+    return product
+
+
 def _local_settings(group: dict[str, Any], keys: tuple[str, ...], device: torch.device,
                     dtype: torch.dtype) -> dict[str, Any]:
     """The numbers of :data:`STEP_RULES` for one parameter: a Python number as it is, one held
@@ -517,7 +526,7 @@ class Kron(torch.optim.Optimizer):
             if do_update:
                 fit = m.to(cdtype) / bias.to(cdtype) if group["momentum_into_precond_update"] \
                     else g.to(cdtype)
-                lr_q = torch.where(active, active.to(cdtype) * values["precond_lr"], 0.0).to(cdtype)
+                lr_q = _times(active, values["precond_lr"], cdtype)
                 tensor.uses_per_update = state["uses_per_update"] = 1.0 / max(probability, 1e-3)
                 tensor.update_factors(fit, lr_q, step=self._decider.step, update_index=self._q_updates - 1,
                                       enabled=active)
@@ -534,11 +543,13 @@ class Kron(torch.optim.Optimizer):
         state["nonfinite_steps"].add_((~raw_finite | (active & ~stepped)).to(torch.int32))
         u = torch.where(stepped, u, torch.zeros((), dtype=u.dtype, device=u.device))
         scale = torch.minimum(1.0 / bias, RMS_CLIP / (rms + 1e-12))
-        # 0 skips this tensor (a mask: a NaN lr or weight decay held as a tensor times 0 is NaN)
-        lr = torch.where(stepped, stepped.to(wide) * values["lr"], 0.0)
+        lr = _times(stepped, values["lr"], wide)  # 0 skips this tensor
         weight_decay = values["weight_decay"]
         if (isinstance(weight_decay, torch.Tensor) or weight_decay != 0) and p.dim() >= 2:
-            p.mul_(1.0 - torch.where(stepped, lr * weight_decay, 0.0))  # p -= lr·(u + wd·p), decoupled
+            decay = lr * weight_decay
+            if isinstance(weight_decay, torch.Tensor):  # an unusable one may be NaN: 0 · NaN is NaN
+                decay = torch.where(stepped, decay, 0.0)
+            p.mul_(1.0 - decay)  # p -= lr·(u + wd·p), decoupled
         # skipped: p + 0·(−0), bitwise p (the scale may be NaN then)
         p.addcmul_(u, -torch.where(stepped, lr * scale, 0.0))
 

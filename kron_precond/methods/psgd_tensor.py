@@ -90,12 +90,14 @@ class PSGDTensor:
     # ------------------------------------------------------------------ the fitted average
     def accumulate(self, grad: torch.Tensor, finite: torch.Tensor) -> None:
         """Fold a gradient into the running average; ``finite`` False leaves it exactly
-        unchanged (its weight is 0 by a mask: with a NaN ``b1`` a product would be NaN)."""
+        unchanged (its weight is 0; masked where ``b1`` is a tensor, which may be NaN)."""
         if self.momentum is None:
             return
         m = self.momentum
         g = torch.where(finite, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
-        weight = torch.where(finite, finite.to(m.dtype) * (1.0 - self.b1), 0.0).to(m.dtype)
+        weight = finite.to(m.dtype) * (1.0 - self.b1)
+        if isinstance(self.b1, torch.Tensor):
+            weight = torch.where(finite, weight, 0.0).to(m.dtype)
         m.lerp_(g.to(m.dtype), weight)
         self.steps.add_(finite.to(self.steps.dtype))
 
