@@ -143,6 +143,13 @@ def _trainable(param: torch.Tensor | None, owners: dict[int, list[str]], name: s
     return True
 
 
+def replaced_forward(module: nn.MultiheadAttention) -> str | None:
+    """Why ``module``'s forward may not be ``nn.MultiheadAttention``'s own (replaced on the
+    instance, overridden in a subclass or patched onto the class), or ``None``: the query, key
+    and value it is called with may then not be what the projections multiply."""
+    return overridden_forward(module, nn.MultiheadAttention, ("forward",))
+
+
 def attention_units(name: str, module: nn.MultiheadAttention, *, cross_attention: bool,
                     is_skipped: Callable[[str, nn.Module], bool], owners: dict[int, list[str]],
                     log: Callable[[str], None]) -> tuple[list[Selected], list[Selected]]:
@@ -199,7 +206,7 @@ def model_attention_units(model: nn.Module, is_skipped: Callable[[str, nn.Module
         if is_skipped(name, module):
             log(f"skipping {name or '<root>'} ({type(module).__name__}): matches skip_layers")
             continue
-        reason = overridden_forward(module, nn.MultiheadAttention, ("forward",))
+        reason = replaced_forward(module)
         if reason:  # its arguments may not be what the projections multiply
             log(f"skipping {name or '<root>'}: {reason}")
             continue
@@ -234,7 +241,7 @@ def input_side_attention_units(model: nn.Module, is_skipped: Callable[[str, nn.M
         if is_skipped(name, module):
             log(f"skipping {label} ({type(module).__name__}): matches skip_layers")
             continue
-        reason = overridden_forward(module, nn.MultiheadAttention, ("forward",))
+        reason = replaced_forward(module)
         if reason:
             log(f"skipping {label}: {reason}")
             continue

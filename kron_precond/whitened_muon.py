@@ -50,7 +50,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from kron_precond import validation
-from kron_precond.attention import PackedInputAdapter, any_rank, attention_units, model_attention_units, several_ranks
+from kron_precond.attention import (
+    PackedInputAdapter,
+    any_rank,
+    attention_units,
+    model_attention_units,
+    replaced_forward,
+    several_ranks,
+)
 from kron_precond.autocast import autocast_disabled
 from kron_precond.capture import AbandonedIterations, ActivationCapture, grad_scaler_scale, refuse_fullgraph, weakly
 from kron_precond.checkpoint import run_load_pre_hooks
@@ -66,7 +73,6 @@ from kron_precond.modules import (
     find_kfac_modules,
     is_skipped,
     kfac_adapter,
-    overridden_forward,
     owners_of,
     unknown_parameters,
 )
@@ -182,7 +188,7 @@ def _listed_units(modules: list) -> tuple[list[Selected], list[Selected]]:
             raise TypeError(f"WhitenedMuon: modules[{i}] must be an nn.Module, got {type(module).__name__}")
         adapter, reason = kfac_adapter(module)  # a user's registration takes precedence
         if adapter is None and isinstance(module, nn.MultiheadAttention):  # self-attention unless kdim / vdim
-            overridden = overridden_forward(module, nn.MultiheadAttention, ("forward",))
+            overridden = replaced_forward(module)
             if overridden:
                 raise ValueError(f"WhitenedMuon: {label} cannot be whitened: {overridden}")
             found, unwhitened = attention_units(f"modules[{i}]", module, cross_attention=False,
