@@ -64,7 +64,12 @@ class _ProbSchedule:
 
 
 def check_probability(p: Any, name: str = "preconditioner_update_probability") -> float:
-    """``float(p)`` if it is a probability in [0, 1], else ``ValueError`` naming ``name``."""
+    """``float(p)`` if it is a probability in [0, 1], else ``ValueError`` naming ``name``.
+    A bool or a string is refused as the constant is, also where a schedule returns it
+    (``float(True)`` is 1.0, ``float("0.5")`` 0.5)."""
+    if isinstance(p, (bool, str, bytes)) or str(getattr(p, "dtype", "")) in ("bool", "torch.bool"):
+        raise ValueError(f"Invalid {name}: {p!r}; expected a float in [0, 1] or a callable "
+                         "of the step")
     try:
         value = float(p)
     except (TypeError, ValueError):

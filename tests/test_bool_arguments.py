@@ -69,3 +69,21 @@ def test_the_update_probability_schedule_refuses_a_bool_for_a_number(name):
     precond_update_prob_schedule(**{name: 1.0 if name != "min_prob" else 0.0})  # a number: accepted
     with pytest.raises(ValueError, match=name):
         precond_update_prob_schedule(**{name: True})
+
+
+@pytest.mark.parametrize("value", [True, "0.5", torch.tensor(True)])
+def test_an_update_probability_refuses_a_bool_or_a_string_also_when_a_schedule_returns_it(value):
+    """``float(True)`` is 1.0 and ``float("0.5")`` 0.5: a schedule returning either (or either
+    given as the constant) would refresh on a value the constant form of the setting refuses."""
+    from kron_precond.schedules import UpdateDecider
+
+    assert UpdateDecider(lambda step: 0.5)() is False  # a number: accepted
+    with pytest.raises(ValueError, match="preconditioner_update_probability"):
+        UpdateDecider(lambda step: value)()
+    with pytest.raises(ValueError, match="preconditioner_update_probability"):
+        UpdateDecider(value)
+    model = _model()
+    precond = KronPreconditioner(model, method="psgd", preconditioner_update_probability=lambda step: value)
+    model(torch.randn(5, 4)).square().mean().backward()
+    with pytest.raises(ValueError, match="preconditioner_update_probability"):
+        precond.step()
