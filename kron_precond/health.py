@@ -36,6 +36,11 @@
     ``1 / damping`` (1e3) for K-FAC by design and unbounded for the normalised methods
     (Adam's second moment, SOAP, PSGD) where a gradient is near zero.
 
+  Under MEM_OPT / HYBRID_OPT a rank that does not hold a layer judges its updates only if the
+  layer's holders never hand its gradient on unpreconditioned; else (ikfac: no inverse yet
+  for a layer first called after a refresh) it cannot tell such a gradient from an update,
+  and the holders' warning alone counts (``LayerMethod.hands_on_gradients``).
+
   It does not see a run whose first update is already far too large, one whose update grows
   at the start as a healthy one does and then stops while the loss stays high (an lr several
   times too large for SGD), nor a normalised method's bounded update while the loss
@@ -101,7 +106,8 @@ class Health:
         # mean log of the usable update norms so far, their count, and the largest growths since
         # the last read of the update norm over the reference before it and over the first norm
         self._updates: torch.Tensor | None = None
-        self._update_index: dict[tuple, torch.Tensor] = {}
+        # per (layers, judged by this rank): their column indices and the mask of those judged
+        self._update_index: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     # ------------------------------------------------------------------ gradients
     def record_gradients(self, finite: torch.Tensor, layers: list) -> None:
@@ -150,11 +156,21 @@ class Health:
         if self._updates is None or self._updates.device != norms.device:
             self._updates = torch.zeros(5, len(self._layers), dtype=torch.float32, device=norms.device)
             self._update_index.clear()
-        key = tuple(layer.index for layer in layers)
-        index = self._update_index.get(key)
-        if index is None:
-            index = self._update_index[key] = torch.tensor(key, dtype=torch.int64, device=norms.device)
+        # a rank that does not hold a layer whose holders may hand its gradient on unchanged
+        # (LayerMethod.hands_on_gradients) cannot tell that gradient from an update: it records
+        # nothing for the layer (as for a gradient handed on), and the holders' verdict counts
+        judged = tuple(getattr(layer.method, "holds_state", True)
+                       or not getattr(layer.method, "hands_on_gradients", False) for layer in layers)
+        key = (tuple(layer.index for layer in layers), judged)
+        cached = self._update_index.get(key)
+        if cached is None:
+            index = torch.tensor(key[0], dtype=torch.int64, device=norms.device)
+            mask = None if all(judged) else torch.tensor(judged, dtype=torch.bool, device=norms.device)
+            cached = self._update_index[key] = (index, mask)
+        index, mask = cached
         norms = norms.to(torch.float32)  # (float64 is not available on every device)
+        if mask is not None:
+            norms = torch.where(mask, norms, 0.0)
         updates = self._updates.index_select(1, index)
         first, log_mean, count = updates[:3].unbind(0)
         seen = count > 0  # the reference exists

@@ -300,11 +300,22 @@ def test_layer_that_stops_receiving_statistics_is_reported_by_name():
 
 
 # ============================================================================ dtypes
-def test_float16_statistics_of_many_rows_do_not_overflow():
-    """70,000 rows of |x| ≈ 1 sum past float16's 65,504: accumulate in float32."""
+@pytest.mark.parametrize("method", ["kfac", "ekfac", "ikfac", "shampoo"])
+def test_a_float16_factor_dtype_is_refused_naming_it(method):
+    """float16's range (6.1e-5 to 65,504) loses the statistics at ordinary scales: inputs of
+    size 300 overflow A (skipped as non-finite: the layer is never preconditioned), of size
+    1e-4 round it to 0. bfloat16 stores them at the same cost with float32's range."""
+    KronPreconditioner(nn.Linear(3, 2), method=method, factor_dtype=torch.bfloat16)  # accepted
+    with pytest.raises(ValueError, match="factor_dtype.*float16"):
+        KronPreconditioner(nn.Linear(3, 2), method=method, factor_dtype=torch.float16)
+
+
+def test_statistics_of_a_float16_model_over_many_rows_do_not_overflow():
+    """70,000 rows of |x| ≈ 1 sum past float16's 65,504: a float16 model's factors are
+    float32 by default, and the statistics are accumulated in float32."""
     torch.manual_seed(0)
     layer = nn.Linear(3, 2).half()
-    precond = KronPreconditioner(layer, kl_clip=None, factor_dtype=torch.float16)
+    precond = KronPreconditioner(layer, kl_clip=None)
     x = (torch.rand(70_000, 3) + 0.5).half()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -285,12 +285,12 @@ def test_nonfinite_gradient_passes_through_and_leaves_statistics():
 
 def test_statistics_that_overflow_their_dtype_are_skipped():
     model = nn.Linear(4, 3)
-    precond = KronPreconditioner(model, method="shampoo", factor_dtype=torch.float16)
+    precond = KronPreconditioner(model, method="shampoo", factor_dtype=torch.bfloat16)
     for p in model.parameters():
-        p.grad = torch.full_like(p, 300.0)  # 300² · 4 overflows float16
+        p.grad = torch.full_like(p, 1e20)  # 1e40 · 4 overflows bfloat16 (and float32)
     with pytest.warns(RuntimeWarning, match="skipped 2 non-finite update"):
         precond.step()
-    assert all(torch.equal(p.grad, torch.full_like(p, 300.0)) for p in model.parameters())  # passed through
+    assert all(torch.equal(p.grad, torch.full_like(p, 1e20)) for p in model.parameters())  # passed through
     state = precond.state_dict()["layers"][""]
     assert all(not t.any() for t in state["statistics"].values()) and all(not m for m in state["mass"])
 
@@ -310,7 +310,8 @@ BAD_OPTIONS = [
     ("exponent", 0.0, ValueError), ("exponent", 0.75, ValueError),
     ("max_factor_size", 0, ValueError), ("factor_update_steps", 0, ValueError),
     ("inv_update_steps", 1.5, ValueError), ("inv_dtype", torch.float16, ValueError),
-    ("factor_dtype", torch.int32, ValueError), ("grafting", "yes", TypeError),
+    ("factor_dtype", torch.int32, ValueError), ("factor_dtype", torch.float16, ValueError),
+    ("grafting", "yes", TypeError),
 ]
 
 

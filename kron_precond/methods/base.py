@@ -74,13 +74,20 @@ class LayerMethod(abc.ABC):
     #: engine then passes the layer's gradients through and leaves its state alone. ``False``:
     #: each parameter is preconditioned on its own, one without a gradient is left out.
     joint_gradients: bool = False
+    #: :meth:`preconditions` can be false on the ranks that hold the layer while it has a
+    #: gradient (ikfac: a layer first called after the last refresh has no inverse until the
+    #: next). A rank that does not hold the layer (MEM_OPT, HYBRID_OPT) receives the gradient
+    #: handed on with no way to tell it from an update, so its health checks leave the layer's
+    #: updates to the holders (kron_precond.health). ``False``: every rank judges them alike.
+    hands_on_gradients: bool = False
 
     def preconditions(self) -> bool | torch.Tensor:
         """Whether this rank's state preconditions the layer's gradient now: ``True``, ``False``
         (before its first refresh: the gradient is handed on unchanged), or a one-element tensor
         on the device, non-zero where it does (a validity flag read without a host sync). A
         gradient handed on is no update of the method: the health checks do not take it as the
-        reference its first update is measured against."""
+        reference its first update is measured against. A method whose holders may hand a
+        gradient on this way sets :attr:`hands_on_gradients`."""
         return True
 
     # ------------------------------------------------------------------ statistics
