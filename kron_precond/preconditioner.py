@@ -42,7 +42,7 @@ from kron_precond.capture import (
 from kron_precond.compiled import run_eagerly
 from kron_precond.distributed.assignment import WorkAssignment, assign_work
 from kron_precond.distributed.runtime import Runtime
-from kron_precond.distributed.sharded import is_dtensor
+from kron_precond.distributed.sharded import ShardedLayout, is_dtensor
 from kron_precond.enums import AssignmentStrategy, DistributedStrategy, strategy_by_name
 from kron_precond.health import Health
 from kron_precond.methods import registry
@@ -280,6 +280,11 @@ class KronPreconditioner:
                 adapter.on_cross_attention = _no_rows
         self._collecting = False
         self._update_collecting()
+        # fully_shard(model) after construction: the first step takes the sharded parameters
+        # (_bind_to_model); _follow_parameters leaves the plain ones alone until then
+        self._bound = False
+        self._fsdp_modules: set[int] = set()  # ids of the modules FSDP2 manages (_fsdp_managed)
+        self._adopted_sharding = False
         # The model's training forwards since the last step (a Python int per forward), counted
         # to check accumulation_steps, which scales the output-gradient statistics by its square:
         # against the first step's forwards, then for a change of the count during the run.
@@ -409,6 +414,12 @@ class KronPreconditioner:
         (and ``kl_clip``) must see true gradients. Inside an autocast region the step still
         runs in its own dtypes (autocast is turned off for it).
         """
+        with torch.no_grad(), autocast_disabled():
+            if not self._bound:  # the first step: the parameters fully_shard put in since construction
+                self._bind_to_model()
+                self._bound = True
+            for layer in self._layers:  # first: a model sharded since the first step is refused here
+                self._follow_parameters(layer, at_step=True)
         if self._skipped_by_scaler():
             # the scaler will skip the optimizer's step: this step never happens here either (its
             # statistics dropped, nothing counted), so the schedule and the first refresh see the
@@ -418,8 +429,6 @@ class KronPreconditioner:
         self._check_accumulation()
         self._report_unfrozen()
         with torch.no_grad(), autocast_disabled():
-            for layer in self._layers:
-                self._follow_parameters(layer)
             self._health.poll()
             ctx = self._plan(lr)  # raises before any state changes
             if ctx.refresh:  # the call gave no rows (no layout to keep): a refresh step may read
@@ -664,10 +673,11 @@ class KronPreconditioner:
             self._capture.collecting = self._collecting
 
     # ------------------------------------------------------------------ placement
-    def _follow_parameters(self, layer: Layer) -> None:
+    def _follow_parameters(self, layer: Layer, at_step: bool = False) -> None:
         """Move ``layer``'s state to its parameters if the model was moved since the state
         was made (``model.to(device / dtype)`` after construction, ``to_empty`` from
-        ``meta``). Compares metadata only: no host sync."""
+        ``meta``). Compares metadata only: no host sync. ``at_step``: called by :meth:`step`
+        (outside any forward), where a model sharded since the first step is refused."""
         name, param = layer.params[0]
         current = getattr(layer.module, name, param)
         if is_dtensor(param) and not is_dtensor(current) and current.device == param.device:
@@ -675,6 +685,15 @@ class KronPreconditioner:
             # the state stays with the sharded parameters (following the copy would round float64
             # state through the copy's dtype, and wait on the statistics reduction, every forward).
             # A copy on another device (CPU offload) is followed: its rows are on that device
+            return
+        if (current is not param and not is_dtensor(param)
+                and (is_dtensor(current) or self._fsdp_managed(layer.module))):
+            # fully_shard(model) since construction: the first step takes the sharded parameters
+            # (_bind_to_model); until then a hook sees them or FSDP2's gathered copy (in the
+            # forward's mixed-precision dtype), which is not followed
+            if at_step:  # the first step bound what fully_shard put in: sharded since (all named)
+                raise self._sharded_late([other for other in self._layers
+                                          if getattr(other.module, other.params[0][0]) is not other.params[0][1]])
             return
         if current is not param:  # to_empty() from meta makes new Parameter objects
             layer.params = [(n, getattr(layer.module, n, p)) for n, p in layer.params]
@@ -686,6 +705,77 @@ class KronPreconditioner:
         layer.method.to(param.device, param.dtype)
         layer.placement = placement
         self._apply_cache.clear()  # batched apply stacked the old tensors
+
+    def _fsdp_managed(self, module: nn.Module) -> bool:
+        """Whether FSDP2 manages ``module``'s parameters: it is in the model under a module that
+        ``fully_shard`` wrapped. Read only where a layer holds a plain parameter its module no
+        longer holds (the set of such modules is found again until it holds ``module``)."""
+        if id(module) not in self._fsdp_modules:
+            try:
+                from torch.distributed.fsdp import FSDPModule
+            except ImportError:  # pragma: no cover - a torch without FSDP2
+                return False
+            self._fsdp_modules = {id(inner) for outer in self._model.modules() if isinstance(outer, FSDPModule)
+                                  for inner in outer.modules()}
+        return id(module) in self._fsdp_modules
+
+    def _bind_to_model(self) -> bool:
+        """Before the first step: if ``fully_shard(model)`` replaced the registered modules'
+        parameters with DTensors since construction (a trainer that shards the model after the
+        optimizer is built: Accelerate's FSDP2 ``prepare()``), take them, and the sharded layout,
+        as if built after ``fully_shard``: the layers' parameters are re-read from their modules,
+        the layout is validated (``ValueError`` as at construction), and the statistics and
+        gradient paths of sharded models are set up. Returns whether it rebound anything.
+
+        Metadata only (no collective, no host sync), the same on every rank; a no-op for a model
+        not sharded since construction. The statistics gathered so far are kept: no step has
+        folded them yet, and they do not depend on the layout."""
+        found = [(layer, [(n, getattr(layer.module, n, p)) for n, p in layer.params]) for layer in self._layers]
+        moved = [(layer, current) for layer, current in found
+                 if any(c is not p for (_, c), (_, p) in zip(current, layer.params))]
+        if not any(is_dtensor(c) and not is_dtensor(p)
+                   for layer, current in moved for (_, c), (_, p) in zip(current, layer.params)):
+            return False  # not sharded since construction (to_empty() from meta: _follow_parameters)
+        # FSDP2 shards every parameter of a module: each replaced one must now be the module's DTensor
+        # of the same global shape. One replaced by a plain tensor (a module FSDP2 keeps gathered
+        # after the backward) would leave a stale parameter, whose gradient no backward writes
+        odd = [layer for layer, current in moved
+               if not all(c is p or (is_dtensor(c) and not is_dtensor(p) and c.shape == p.shape)
+                          for (_, c), (_, p) in zip(current, layer.params))]
+        if odd:
+            raise self._sharded_late(odd, after_step=False)
+        if any(layer.expert is not None for layer in self._layers):
+            raise ValueError("fused experts (one layer per expert of a stacked parameter) are not supported on "
+                             "FSDP2 / HSDP sharded models yet; skip_layers= the experts modules or use DDP")
+        layout = ShardedLayout.detect(list(self._model.named_parameters()), self.world_size)
+        for layer, current in moved:
+            layer.params = current
+        self._runtime.sharding = layout
+        self._setup_sharding()
+        self._apply_cache.clear()
+        self._adopted_sharding = True
+        logger.info("kron_precond: the model was sharded (fully_shard) after the KronPreconditioner was built: "
+                    "took the sharded parameters of %d layers at the first step", len(moved))
+        return True
+
+    def _bind_before_first_step(self) -> None:
+        """:meth:`_bind_to_model` where the first step has not come yet (the state-dict calls a
+        trainer may make before it: the layout decides which rank saves and loads what)."""
+        if not self._bound:
+            self._bind_to_model()
+
+    def _sharded_late(self, layers: list[Layer], after_step: bool = True) -> RuntimeError:
+        """The error for layers whose modules now hold other parameters than the preconditioner's,
+        which it cannot take (after its first step, or not FSDP2's sharded ones)."""
+        names = ", ".join(repr(layer.name) for layer in layers[:4]) + (", ..." if len(layers) > 4 else "")
+        when = ("after its first step: its state and the statistics' layout were set up for the unsharded model"
+                if after_step else "but not all as FSDP2's sharded parameters of the same shapes (a module kept "
+                "gathered after the backward, or parameters replaced otherwise)")
+        return RuntimeError(
+            f"KronPreconditioner: the parameters of module(s) {names} were replaced (fully_shard(model) swaps each "
+            f"for a DTensor) {when}. Nothing was changed: build KronPreconditioner after fully_shard(model), as "
+            f"PyTorch asks of optimizers (one built before fully_shard takes the sharded parameters at its first "
+            f"step)")
 
     def _layer_owner(self, layer: Layer) -> int:
         return self.assignment.owner(layer.name, layer.method.parts[0])
@@ -736,6 +826,7 @@ class KronPreconditioner:
     def memory_usage(self) -> dict[str, int]:
         """Bytes of preconditioner state held on this rank, by kind of state (after finishing
         any statistics reduction still in flight)."""
+        self._bind_before_first_step()
         self._wait_for_statistics()
         usage: dict[str, int] = {}
         for layer in self._layers:
@@ -760,6 +851,7 @@ class KronPreconditioner:
         ``dcp.load`` on any number of ranks asks each rank for the pieces it will hold.
         :meth:`gather_state_dict` still assembles the whole state on every rank.
         """
+        self._bind_before_first_step()
         if self._runtime.sharding is not None:
             self._wait_for_statistics()
             return self._pack({layer.name: layer.method.state_dict() for layer in self._layers
@@ -787,6 +879,7 @@ class KronPreconditioner:
 
     def _gathered_state(self, caller: str) -> dict[str, Any]:
         """:meth:`gather_state_dict` for ``caller`` (named in the error of a rank left alone)."""
+        self._bind_before_first_step()
         if self.world_size > 1 and (self._runtime.sharding is not None or self.grad_workers < self.world_size):
             # it gathers: check (bounded wait) that every rank entered, before any collective
             self._runtime.enter_gather(caller, self._gather_advice(caller))
@@ -849,6 +942,7 @@ class KronPreconditioner:
         rejected on any rank raises ``ValueError`` on every rank (naming the ranks that
         rejected it, and on those ranks why), and no rank loads it.
         """
+        self._bind_before_first_step()  # a model sharded since construction loads as a sharded one
         # Sharded: each rank checks (and loads) only the state it holds -- a layer's factors on
         # its owner alone under any strategy (_layer_state), its refreshed state on its gradient
         # workers -- so the checks' outcome differs by rank and must be agreed on

@@ -761,6 +761,9 @@ class WhitenedMuon(torch.optim.Optimizer):
                 self._names.setdefault(id(weight), f"{unit.name}.{unit.params[0][0]}" if unit.index is None
                                        else unit.name.rsplit(".", 1)[0])
                 whitened.append(weight)
+        # where each weight lives, read once at the first step (_refuse_sharded_since_built)
+        self._homes = [(unit.module, unit.params[0][0], _weight(unit)) for unit in units + plain]
+        self._homes_checked = False
         groups: list[dict[str, Any]] = [dict(params=whitened, algorithm=WHITENED)]
         if rest:
             groups.append(dict(params=rest, algorithm=ADAMW))
@@ -1052,6 +1055,9 @@ class WhitenedMuon(torch.optim.Optimizer):
         return [p for g in self.param_groups if g["algorithm"] == WHITENED for p in g["params"]]
 
     def _step(self) -> None:
+        if not self._homes_checked:
+            self._refuse_sharded_since_built()
+            self._homes_checked = True
         for index, group in enumerate(self.param_groups):  # a value set since: checked before anything moves
             _check_group(index, group)
             if group["algorithm"] == WHITENED:
@@ -1132,6 +1138,21 @@ class WhitenedMuon(torch.optim.Optimizer):
             warnings.warn(f"WhitenedMuon: {names} had a gradient but its module's forward never ran in training "
                           "mode with grad enabled; it is stepped as plain Muon (identity whitener)",
                           RuntimeWarning, stacklevel=6)  # the caller of step()
+
+    def _refuse_sharded_since_built(self) -> None:
+        """At the first step, before anything changes: ``RuntimeError`` if ``fully_shard(model)``
+        replaced whitened weights with DTensors since this optimizer was built. Its param groups,
+        statistics hooks, views and whiteners belong to the weights of construction, which get no
+        gradient any more: it would step nothing, silently. A module attribute read per weight,
+        once (the first step only: no cost on later steps)."""
+        replaced = [w for module, attr, w in self._homes if not is_dtensor(w) and is_dtensor(getattr(module, attr, w))]
+        if replaced:
+            names = ", ".join(repr(self._names[id(w)]) for w in replaced[:4]) + (", ..." if len(replaced) > 4 else "")
+            raise RuntimeError(
+                f"WhitenedMuon: fully_shard(model) replaced {names} with DTensor parameters after WhitenedMuon was "
+                f"built. Its param groups, statistics hooks and whiteners hold the old weights, which no gradient "
+                f"reaches any more (re-mapping the param groups, as Accelerate's prepare() does, does not move the "
+                f"rest): it would not update them. Nothing was changed: build WhitenedMuon after fully_shard(model)")
 
     def _check_known(self, index: int, params: list[nn.Parameter]) -> None:
         """``RuntimeError`` for a whitened group's parameter this optimizer was not built on: its

@@ -78,6 +78,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         preconditioner._scaler_read_by_caller = True
         self._iterations = AbandonedIterations(  # see zero_grad
             lambda: [p for layer in preconditioner.layers.values() for _, p in layer.params])
+        self._checked_rebinding = False  # see _check_rebinding
         # What torch.optim.Optimizer.__init__ sets up, minus parameter groups of our own.
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
@@ -132,10 +133,36 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._checked_rebinding:
+            self._check_rebinding()
         self.preconditioner.step(lr=self.param_groups[0]["lr"])
         self.optimizer.step()
         self._iterations.stepped()
         return loss
+
+    def _check_rebinding(self) -> None:
+        """At the first step: a model sharded since construction (``fully_shard`` after this was
+        built) has new parameters, which the preconditioner takes
+        (:meth:`KronPreconditioner._bind_to_model`). The base optimizer must step them too --
+        Accelerate's ``prepare()`` re-maps its param groups so -- or it would update nothing (the
+        parameters it holds get no gradient any more): ``RuntimeError`` then, before anything
+        changes. Once (ids only, no host sync)."""
+        precond = self.preconditioner
+        with torch.no_grad():
+            precond._bind_before_first_step()
+        if precond._adopted_sharding:
+            stepped = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+            stale = [layer for layer in precond.layers.values() if any(id(p) not in stepped for _, p in layer.params)]
+            if stale:
+                names = ", ".join(repr(layer.name) for layer in stale[:4]) + (", ..." if len(stale) > 4 else "")
+                raise RuntimeError(
+                    f"PreconditionedOptimizer: fully_shard(model) replaced the parameters of module(s) {names} after "
+                    f"the optimizer was built, and the base optimizer ({type(self.optimizer).__name__}) still steps "
+                    f"the old ones, which get no gradient any more: it would not update the model. Nothing was "
+                    f"changed. Build the base optimizer after fully_shard(model) (the KronPreconditioner may be "
+                    f"built before it), or let the trainer re-map its param groups to the sharded parameters "
+                    f"(Accelerate's prepare() does)")
+        self._checked_rebinding = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The base optimizer's ``zero_grad`` (every parameter it steps). If a backward wrote
@@ -169,6 +196,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             hook(self)
         state = dict(self.optimizer.state_dict())
         precond = self.preconditioner
+        precond._bind_before_first_step()  # a model sharded since construction: its layout decides below
         # with grad_worker_fraction < 1 each rank holds some layers' refreshed state: assembled
         # on every rank (the same test on every rank, so every rank joins the collective); a rank
         # left alone there (a save on rank 0 only) raises after a bounded wait instead of hanging
