@@ -527,9 +527,25 @@ def usable_parameters(owners: dict[int, list[str]], name: str, label: str, own: 
     return True
 
 
+def stores_weight_transposed(module: nn.Module) -> bool:
+    """Whether ``module`` is a linear layer whose 2-D ``weight`` is stored ``[in, out]`` (GPT-2
+    style ``Conv1D``, or a module kind registered with a :class:`TransposedLinearAdapter`): the
+    adapter K-FAC would take says so, or, where that adapter refuses the module (an overridden
+    forward: a reason about its rows, not its weight's layout), the built-in recognition does."""
+    weight = module._parameters.get("weight")
+    if weight is None or weight.dim() != 2:
+        return False
+    adapter, _ = kfac_adapter(module)
+    if adapter is None:
+        return _is_transposed_linear(module)
+    return isinstance(adapter, KFACAdapter) and adapter.weight_transposed
+
+
 def find_parameter_modules(model: nn.Module, is_skipped, log) -> list[Selected]:
     """Every module with trainable parameters of its own, each parameter once (so tied
-    weights are preconditioned once); for methods that need only the gradient."""
+    weights are preconditioned once); for methods that need only the gradient. A unit's
+    ``weight_transposed`` says its ``weight`` is a linear map stored ``[in, out]``
+    (:func:`stores_weight_transposed`), for methods that precondition it as ``[out, in]``."""
     found: list[Selected] = []
     taken: set[int] = set()
     for name, module, own, label in _candidates(model, is_skipped, log):
@@ -541,5 +557,5 @@ def find_parameter_modules(model: nn.Module, is_skipped, log) -> list[Selected]:
         own = [(n, p) for n, p in own if p.requires_grad and id(p) not in taken]
         if own:
             taken.update(id(p) for _, p in own)
-            found.append(Selected(name, module, own, None))
+            found.append(Selected(name, module, own, None, weight_transposed=stores_weight_transposed(module)))
     return found

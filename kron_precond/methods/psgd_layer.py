@@ -13,6 +13,11 @@ The RMS clip runs before the result is rounded to the gradient's dtype (float32 
 gradient), so a float16 model's clipped update does not overflow either. A preconditioned
 gradient that is still not finite from a finite gradient (an overflow) is not written: the
 gradient passes through, as a non-finite one does, and the skip is counted in ``nonfinite``.
+
+A linear weight stored ``[in, out]`` (GPT-2 style ``Conv1D``) is preconditioned as its ``[out, in]``
+matrix, as an ``nn.Linear`` twin's weight is: its factors, probes and fitted average are those of
+the transposed gradient (the diagonal side under ``memory_save_mode`` included), and its result is
+transposed back; its state is saved in that layout (``weight_layout``).
 """
 from __future__ import annotations
 
@@ -29,13 +34,20 @@ from kron_precond.modules import find_parameter_modules
 from kron_precond.optim import compute_dtype
 from kron_precond.schedules import ProbabilitySchedule, StepContext, check_probability
 
+#: the ``weight_layout`` entry of a layer's state: a weight stored ``[in, out]`` has the state of
+#: its ``[out, in]`` matrix
+WEIGHT_LAYOUT = "out_in"
+
 
 class PSGDLayer(LayerMethod):
     """Kronecker whitening factors for the parameters of one module.
 
     Args:
         name: qualified module name (used in warnings).
-        shapes: ``(parameter name, shape)`` for each registered parameter.
+        shapes: ``(parameter name, shape)`` for each registered parameter, as stored.
+        transposed: the names of 2-D parameters stored ``[in, out]`` (a transposed linear weight):
+            their state is that of the ``[out, in]`` matrix (:attr:`shapes` holds that shape),
+            gradients are transposed in and the results back.
         momentum_into_precond_update: fit the factors to a debiased running average of
             the gradient (decay ``b1``) instead of the gradient itself.
         seed, layer_index: determine the probe vectors.
@@ -47,10 +59,18 @@ class PSGDLayer(LayerMethod):
 
     def __init__(self, name: str, shapes: Sequence[tuple[str, torch.Size]], *, device: torch.device,
                  momentum_into_precond_update: bool, b1: float, seed: int, layer_index: int,
-                 **factor_settings) -> None:
+                 transposed: Sequence[str] = (), **factor_settings) -> None:
         self.name = name
-        self.shapes = {part: torch.Size(shape) for part, shape in shapes}
+        stored = {part: torch.Size(shape) for part, shape in shapes}
+        unknown = [part for part in transposed if part not in stored or len(stored[part]) != 2]
+        if unknown:
+            raise ValueError(f"{name}: transposed parameters must be 2-D parameters of the layer, got {unknown}")
+        #: per part, the shape its state has: a transposed part's ``[out, in]``
+        self.shapes = {part: torch.Size(reversed(shape)) if part in transposed else shape
+                       for part, shape in stored.items()}
         self.parts = tuple(self.shapes)
+        #: per part (in :attr:`parts` order): its gradient is stored ``[in, out]``
+        self.transposed = tuple(part in transposed for part in self.parts)
         self.device = device
         self.b1 = b1
         self.seed = seed
@@ -108,9 +128,11 @@ class PSGDLayer(LayerMethod):
     def observe_gradients(self, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:
         """Advance the fitted average; estimate initial scales (``precond_init_scale=None``)
         on ranks that hold the factors."""
-        for part, grad in zip(self.parts, grads):
+        for part, flip, grad in zip(self.parts, self.transposed, grads):
             if grad is None:
                 continue
+            if flip:
+                grad = grad.T
             if self._averages is not None:
                 self._averages[part].accumulate(grad, torch.isfinite(grad).all())
             if self.holds_state:
@@ -125,10 +147,13 @@ class PSGDLayer(LayerMethod):
     def refresh(self, part: str, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:
         """One Q update of ``part`` (run by its owner); nothing to fit without a gradient
         or before the initial scale could be estimated."""
-        grad = grads[self.parts.index(part)]
+        index = self.parts.index(part)
+        grad = grads[index]
         state = self.tensor(part)
         if grad is None or not state.factors.initialized:
             return
+        if self.transposed[index]:
+            grad = grad.T
         fit = self._averages[part].debiased_momentum(state.factors.compute_dtype) if self._averages else grad
         applied = state.update_factors(fit, ctx["precond_lr"], step=ctx.step, update_index=ctx.refresh_index)
         self.nonfinite.add_((~applied).to(self.nonfinite.dtype))
@@ -161,11 +186,13 @@ class PSGDLayer(LayerMethod):
         engine's flag; ``None``: judged per gradient here)."""
         out = []
         overflowed = []
-        for part, grad in zip(self.parts, grads):
+        for part, flip, grad in zip(self.parts, self.transposed, grads):
             state = self.tensor(part)
             if not state.factors.initialized:  # initial scale not estimated yet
                 out.append(grad)
                 continue
+            if flip:  # [in, out] stored: preconditioned as [out, in], the result transposed back
+                grad = grad.T
             # in float32 for a float16 gradient: P g may pass 65 504 before the clip
             wide = compute_dtype(grad.dtype)
             update = state.precondition(grad.to(wide))
@@ -173,14 +200,16 @@ class PSGDLayer(LayerMethod):
             given = _finite(grad.unsqueeze(0))[0] if keep is None else keep
             written = given & _finite(update.unsqueeze(0))[0]
             overflowed.append(given & ~written)
-            out.append(torch.where(written, update, grad))
+            result = torch.where(written, update, grad)
+            out.append(result.T if flip else result)
         if overflowed:
             self.nonfinite.add_(torch.stack(overflowed).sum().to(self.nonfinite.dtype))
         return out
 
     def batch_key(self) -> Hashable | None:
         """Layers whose parameters have equal shapes and factor structures (which products are
-        formed), all initialised, of rank at most 2, are preconditioned together."""
+        formed), all initialised, of rank at most 2, are preconditioned together; a weight stored
+        ``[in, out]`` beside one stored ``[out, in]`` too (both are preconditioned as ``[out, in]``)."""
         key: list[Hashable] = [type(self)]
         for part in self.parts:
             state = self.tensor(part)
@@ -201,7 +230,8 @@ class PSGDLayer(LayerMethod):
         (two products). Built when a factor changes; each layer's tensors are then re-pointed
         at their slice of the stack, so nothing is held twice and in-place updates reach it.
         The products are in the factors' compute dtype, a stacked ``Q_i`` is cast to it per step
-        (as :meth:`PSGDFactors.precondition` does). Where ``keep`` is False (a non-finite
+        (as :meth:`PSGDFactors.precondition` does). A gradient stored ``[in, out]`` is stacked
+        transposed and its result transposed back. Where ``keep`` is False (a non-finite
         gradient) or the result is not finite (an overflow, counted in the layer's
         ``nonfinite``), the gradient is returned as it is."""
         if len(layers) == 1:
@@ -217,7 +247,8 @@ class PSGDLayer(LayerMethod):
         overflowed = torch.zeros(count, dtype=torch.int64, device=keep.device)
         for j, stacks in enumerate(cache["stacks"]):
             factors = states[0][j].factors
-            raw = torch.stack([g[j] for g in grads])
+            flips = [layer.transposed[j] for layer in layers]
+            raw = torch.stack([g[j].T if flip else g[j] for g, flip in zip(grads, flips)])
             x = raw.reshape(count, *factors.work_shape).to(factors.compute_dtype)
             if x.dim() == 2:  # one dim: [L, n] -> x P (row vectors)
                 x = _right_multiply(x.unsqueeze(1), *stacks[0]).squeeze(1)
@@ -233,7 +264,7 @@ class PSGDLayer(LayerMethod):
             written = keep & _finite(x)
             overflowed += keep & ~written
             x = torch.where(written.reshape(shape), x, raw)
-            columns.append(x.unbind(0))
+            columns.append([v.T if flip else v for v, flip in zip(x.unbind(0), flips)])
         torch._foreach_add_([layer.nonfinite for layer in layers], list(overflowed.unbind(0)))
         return [list(row) for row in zip(*columns)]
 
@@ -269,11 +300,50 @@ class PSGDLayer(LayerMethod):
             {k: v.steps.clone() for k, v in self._averages.items()},
             # decides whether Q_iᵀQ_i is formed: saved so that a resumed run is bitwise the same
             "uses_per_update": {part: self.tensor(part).uses_per_update for part in self.parts},
+            # a weight stored [in, out] has the state of its [out, in] matrix (files without this
+            # entry hold it in the stored layout: _in_this_layout reads them)
+            "weight_layout": WEIGHT_LAYOUT,
         }
+
+    def _in_this_layout(self, state: Any) -> Any:
+        """``state`` with the entries of the parts stored ``[in, out]`` in the ``[out, in]`` layout
+        this layer keeps: a file without a ``weight_layout`` entry (written by versions that
+        preconditioned such a weight as stored) has their factors (and Lipschitz estimates) in the
+        reverse order and their fitted average transposed. A new dict where anything changes
+        (``state`` is not modified); entries of unexpected kinds are left as they are, for
+        :meth:`check_state` to reject. ``ValueError`` for an unknown ``weight_layout``."""
+        if not isinstance(state, Mapping):
+            return state
+        if "weight_layout" in state:
+            if state["weight_layout"] != WEIGHT_LAYOUT:
+                raise ValueError(f"state of {self.name}: unknown weight_layout {state['weight_layout']!r} "
+                                 f"(this version writes {WEIGHT_LAYOUT!r})")
+            return state
+        flipped = [part for part, flip in zip(self.parts, self.transposed) if flip]
+        if not flipped:
+            return state
+        state = dict(state)
+        if isinstance(state.get("factors"), Mapping):
+            factors = state["factors"] = dict(state["factors"])
+            for part in flipped:
+                if isinstance(factors.get(part), Mapping):
+                    entry = factors[part] = dict(factors[part])
+                    for key in ("q", "lipschitz"):
+                        if isinstance(entry.get(key), (list, tuple)):
+                            entry[key] = list(entry[key])[::-1]
+        if isinstance(state.get("momentum"), Mapping):
+            momentum = state["momentum"] = dict(state["momentum"])
+            for part in flipped:
+                if isinstance(momentum.get(part), torch.Tensor) and momentum[part].dim() == 2:
+                    momentum[part] = momentum[part].T
+        return state
 
     def check_state(self, state: dict[str, Any]) -> None:
         """Raise ``ValueError`` if ``state`` does not hold loadable factors for these
         parameters (missing entries, wrong shapes, integer or non-finite tensors)."""
+        self._check_state(self._in_this_layout(state))
+
+    def _check_state(self, state: dict[str, Any]) -> None:
         where = f"state of {self.name}"
         factors = checks.entry(state, "factors", where)
         missing = set(self.parts) - set(factors if isinstance(factors, dict) else ())
@@ -318,7 +388,8 @@ class PSGDLayer(LayerMethod):
         return {part: checks.number(uses.get(part, 1.0), f"{where}[{part!r}]", minimum=1.0) for part in self.parts}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.check_state(state)
+        state = self._in_this_layout(state)
+        self._check_state(state)
         uses = self._checked_uses(state)
         for part in self.parts:
             self.factor(part).load_state_dict(state["factors"][part])
@@ -443,8 +514,12 @@ class PSGDSpec(MethodSpec):
 
     def make_layer(self, index: int, selected: Selected) -> PSGDLayer:
         s = self.settings
+        # a linear weight stored [in, out] is preconditioned as [out, in], as an nn.Linear twin's
+        transposed = [n for n, p in selected.params
+                      if selected.weight_transposed and n == "weight" and p.dim() == 2 and selected.index is None]
         return PSGDLayer(
             selected.name, [(n, p.shape) for n, p in selected.params], device=selected.params[0][1].device,
+            transposed=transposed,
             momentum_into_precond_update=s["momentum_into_precond_update"], b1=s["precond_b1"],
             seed=s["seed"], layer_index=index, max_size_triangular=s["max_size_triangular"],
             min_ndim_triangular=s["min_ndim_triangular"], memory_save_mode=s["memory_save_mode"],
