@@ -262,6 +262,9 @@ class KronPreconditioner:
         self._warned_frozen_in_part: set[str] = set()
         self._apply_cache: dict = {}
         self._health = Health(self._layers, captures=self._spec.captures)
+        # a schedule that cannot give step 0's values is refused before any hook is on the model
+        self._schedule.collects(0)
+        self._schedule.refreshes(0)
         if self._spec.captures:
             refuse_fullgraph(given, [layer.module for layer in self._layers], "KronPreconditioner")
         self._capture = (ActivationCapture(self._layers, accumulation_steps=self._accumulation_steps,
@@ -561,6 +564,8 @@ class KronPreconditioner:
     def _plan(self, step_lr=None) -> StepContext:
         """This step's decisions and hyperparameters, all checked before anything changes."""
         step = self._steps
+        if self._collects_failed:  # after the last step the schedule could not give this one's
+            self._schedule.collects(step)
         statistics = self._collecting
         refresh = self._schedule.refreshes(step)
         hparams: dict[str, Any] = dict(self._schedule.hparams(step))
@@ -663,12 +668,14 @@ class KronPreconditioner:
         """Whether the next forward gathers statistics. ``after_step``: a scheduled value that
         is invalid for the next step does not fail the step just completed; that step's own
         plan raises it, before anything changes."""
+        self._collects_failed = False
         try:
             self._collecting = self._schedule.collects(self._steps)
-        except ValueError:
+        except Exception:  # a user's callable may raise anything (an IndexError from a table)
             if not after_step:
                 raise
             self._collecting = False
+            self._collects_failed = True  # the next step's plan asks again, and raises before it changes anything
         if self._capture is not None:
             self._capture.collecting = self._collecting
 
@@ -1020,6 +1027,9 @@ class KronPreconditioner:
             raise ValueError(f"state_dict: bad 'schedule' entry: {err}") from None
         except (KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"state_dict: bad 'schedule' entry ({err!r})") from None
+        # the loaded step's schedule values (a callable may refuse that step): before anything loads
+        probe.collects(counters["steps"])
+        probe.refreshes(counters["steps"])
         for layer in needed:  # all checks first: a rejected state changes nothing
             layer.method.check_state(layers[layer.name])
         return layers, needed, counters, state["schedule"], unexpected

@@ -83,7 +83,13 @@ def test_an_update_probability_refuses_a_bool_or_a_string_also_when_a_schedule_r
     with pytest.raises(ValueError, match="preconditioner_update_probability"):
         UpdateDecider(value)
     model = _model()
-    precond = KronPreconditioner(model, method="psgd", preconditioner_update_probability=lambda step: value)
+    with pytest.raises(ValueError, match="preconditioner_update_probability"):  # step 0's value, at construction
+        KronPreconditioner(model, method="psgd", preconditioner_update_probability=lambda step: value)
+    precond = KronPreconditioner(model, method="psgd",
+                                 preconditioner_update_probability=lambda step: value if step else 1.0)
+    model(torch.randn(5, 4)).square().mean().backward()
+    precond.step()
     model(torch.randn(5, 4)).square().mean().backward()
     with pytest.raises(ValueError, match="preconditioner_update_probability"):
         precond.step()
+    assert precond.steps == 1
