@@ -42,6 +42,7 @@ from . import validation
 from .autocast import autocast_disabled
 from .checkpoint import called_by_torchs_state_dict_api, run_load_pre_hooks
 from .compiled import step_eagerly
+from .distributed.sharded import is_dtensor
 from .health import new_nonfinite_steps
 from .methods import state_checks as checks
 from .methods.psgd import PSGDFactors, check_memory_save_mode, check_update_rule
@@ -285,6 +286,13 @@ class Kron(torch.optim.Optimizer):
         complex_ = [tuple(t.shape) for t in tensors if t.is_complex()]
         if complex_:  # its step would train the real part alone
             raise TypeError(f"Kron does not support complex parameters; got complex parameters of shapes {complex_}")
+        sharded = [p[0] if isinstance(p, tuple) else f"params[{i}] of shape {tuple(t.shape)}"
+                   for i, (p, t) in enumerate(zip(params, tensors)) if is_dtensor(t)]
+        if sharded:  # a rank holds a shard: the factors of the whole tensor cannot be fitted to it
+            listed = ", ".join(map(str, sharded[:4])) + (", ..." if len(sharded) > 4 else "")
+            raise TypeError(f"Kron does not support DTensor parameters (FSDP2, HSDP, tensor parallel): got {listed}. "
+                            "Use KronPreconditioner(model, method=\"psgd\") in front of a torch optimizer, which "
+                            "takes FSDP2 / HSDP models, or WhitenedMuon(model)")
         param_group = {**param_group, "params": params}
         numbers = _check_group({**self.defaults, **param_group}, self.global_clipnorm)
         param_group = dict(param_group)
