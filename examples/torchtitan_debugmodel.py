@@ -1,4 +1,5 @@
-"""torchtitan's own trainer on its llama3 debug model, with K-FAC in front of its AdamW.
+"""torchtitan's own trainer on its llama3 debug model, with K-FAC in front of its AdamW, or
+WhitenedMuon in its place.
 
 The route on a GPU machine (torchtitan's tokenizer and c4_test assets in ./tests/assets, as in
 its repository) is torchtitan's command plus one override; nothing else changes::
@@ -10,14 +11,20 @@ This script runs the same trainer anywhere, this CPU included, and downloads not
 
     python examples/torchtitan_debugmodel.py --steps 20                       # one process
     torchrun --nproc_per_node=2 examples/torchtitan_debugmodel.py --steps 20  # FSDP2 over 2 ranks
+    python examples/torchtitan_debugmodel.py --method whitened_muon           # the README's WhitenedMuon command
     python examples/torchtitan_debugmodel.py --method none                     # torchtitan's AdamW alone
     python examples/torchtitan_debugmodel.py -- --training.local_batch_size 4  # more torchtitan flags
 
 It writes a word-level tokenizer and a small text dataset (Python's standard-library sources)
 under ``--out``, and on a machine without an accelerator applies the workarounds of
-:func:`cpu_workarounds` (torchtitan 0.3.0 targets GPUs). The preconditioner's settings are the
-JSON of ``--override.imports``: the fields of ``KronOptimizersContainer.Config`` plus any
-``KronPreconditioner`` option.
+:func:`cpu_workarounds` (torchtitan 0.3.0 targets GPUs). ``--settings`` is the JSON of the
+optimizer override: for a preconditioner method, the fields of ``KronOptimizersContainer.Config``
+plus any ``KronPreconditioner`` option; for ``whitened_muon``, ``skip_layers`` plus any
+``WhitenedMuon`` keyword (default: the README's ``{"lr": 0.02, "skip_layers": ["lm_head"]}``).
+
+An ``--override.imports`` among the torchtitan flags after ``--`` joins the script's own entries
+(the CPU workarounds' SDPA stays); an entry of ``kron_precond.integrations.torchtitan``
+(``kron_optimizers=...``, ``whitened_muon_optimizers=...``) takes the place of ``--method``'s.
 """
 from __future__ import annotations
 
@@ -43,8 +50,11 @@ import torch._dynamo  # noqa: E402,F401
 from torchtitan.config import override  # noqa: E402
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention  # noqa: E402
 
-OVERRIDE = "kron_precond.integrations.torchtitan.kron_optimizers"
+INTEGRATION = "kron_precond.integrations.torchtitan"
+OVERRIDE = f"{INTEGRATION}.kron_optimizers"
+WMUON_OVERRIDE = f"{INTEGRATION}.whitened_muon_optimizers"
 KFAC_SETTINGS = {"damping": 0.003, "factor_update_steps": 1, "inv_update_steps": 10}
+WMUON_SETTINGS = {"lr": 0.02, "skip_layers": ["lm_head"]}  # the README's command
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"
 
 
@@ -164,17 +174,58 @@ def needs_cpu_workarounds() -> bool:
 
 
 # ---------------------------------------------------------------------- the command
+def default_settings(method: str | None) -> dict:
+    """``--settings`` when not given: K-FAC's / EK-FAC's schedule, the README's WhitenedMuon
+    settings, else none."""
+    if method == "whitened_muon":
+        return dict(WMUON_SETTINGS)
+    return dict(KFAC_SETTINGS) if method in ("kfac", "ekfac") else {}
+
+
 def override_entry(method: str, settings: dict) -> str:
-    """One ``--override.imports`` token: the preconditioner override with its JSON settings."""
+    """One ``--override.imports`` token: the optimizer override with its JSON settings
+    (``whitened_muon``: WhitenedMuon as the optimizer; else a preconditioner method)."""
+    if method == "whitened_muon":
+        return f"{WMUON_OVERRIDE}={json.dumps(settings)}"
     return f"{OVERRIDE}={json.dumps({'method': method, **settings})}"
+
+
+def split_override_imports(extra: list[str]) -> tuple[list[str], list[str]]:
+    """(the entries of every ``--override.imports`` in ``extra``, the other flags). torchtitan
+    keeps only the last ``--override.imports`` it is given, so the script gathers them into one."""
+    imports: list[str] = []
+    rest: list[str] = []
+    taking = False
+    for token in extra:
+        if token == "--override.imports":
+            taking = True
+        elif token.startswith("--override.imports="):
+            taking = True
+            imports.append(token.partition("=")[2])
+        elif taking and not token.startswith("--"):
+            imports.append(token)
+        else:
+            taking = False
+            rest.append(token)
+    return imports, rest
+
+
+def _target(entry: str) -> str:
+    return entry.partition("=")[0]
 
 
 def torchtitan_args(*, steps: int, tokenizer: Path, data: Path, dump: Path, method: str | None,
                     settings: dict | None = None, cpu: bool = False, extra: list[str] = ()) -> list[str]:
-    """torchtitan's command line for the llama3 debug model on the offline assets."""
-    imports = [override_entry(method, settings or {})] if method else []
+    """torchtitan's command line for the llama3 debug model on the offline assets. The
+    ``--override.imports`` entries in ``extra`` join the script's: an entry of kron_precond's
+    torchtitan module replaces ``method``'s, one of the same target as another replaces it."""
+    users, extra = split_override_imports(list(extra))
+    ours = [override_entry(method, settings or {})] if method else []
     if cpu:
-        imports.append(f"{sdpa_attention.__module__}.sdpa_attention")
+        ours.append(f"{sdpa_attention.__module__}.sdpa_attention")
+    targets = {_target(entry) for entry in users}
+    replaced = targets | ({OVERRIDE, WMUON_OVERRIDE} if targets & {OVERRIDE, WMUON_OVERRIDE} else set())
+    imports = [entry for entry in ours if _target(entry) not in replaced] + users
     args = ["--module", "llama3", "--config", "llama3_debugmodel",
             "--training.steps", str(steps), "--training.seq_len", "128", "--training.local_batch_size", "2",
             "--hf_assets_path", str(tokenizer), "--dataloader.dataset_path", str(data),
@@ -198,10 +249,14 @@ def _single_process_env() -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--method", default="kfac", help="kfac, ekfac, shampoo, psgd, or none (AdamW alone)")
+    parser.add_argument("--method", default="kfac",
+                        help="kfac, ekfac, shampoo, psgd (a preconditioner in front of torchtitan's AdamW), "
+                             "whitened_muon (WhitenedMuon in its place), or none (AdamW alone)")
     parser.add_argument("--settings", default=None,
-                        help="JSON: KronOptimizersContainer.Config fields and KronPreconditioner options "
-                             f"(default for K-FAC / EK-FAC: {json.dumps(KFAC_SETTINGS)}; else none)")
+                        help="JSON: KronOptimizersContainer.Config fields and KronPreconditioner options, or "
+                             "for whitened_muon skip_layers and WhitenedMuon keywords (default for K-FAC / "
+                             f"EK-FAC: {json.dumps(KFAC_SETTINGS)}; for whitened_muon: "
+                             f"{json.dumps(WMUON_SETTINGS)}; else none)")
     parser.add_argument("--out", default="runs/torchtitan_debugmodel")
     args, extra = parser.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
@@ -216,8 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     if cpu:
         extra = cpu_workarounds() + extra
     method = None if args.method == "none" else args.method
-    settings = json.loads(args.settings) if args.settings else (
-        KFAC_SETTINGS if method in ("kfac", "ekfac") else {})
+    settings = json.loads(args.settings) if args.settings else default_settings(method)
     sys.argv = [sys.argv[0], *torchtitan_args(steps=args.steps, tokenizer=tokenizer, data=data, dump=out / "dump",
                                               method=method, settings=settings, cpu=cpu,
                                               extra=extra)]

@@ -234,7 +234,7 @@ def test_whitened_muon_override_keeps_the_stock_adamw_settings_for_its_adamw_hal
 
     from kron_precond.integrations.torchtitan import whitened_muon_optimizers
 
-    config = whitened_muon_optimizers(default_adamw(lr=1e-2, implementation="for-loop"), skip_layers="^1$",
+    config = whitened_muon_optimizers(_for_loop(default_adamw(lr=1e-2)), skip_layers="^1$",
                                       lr=0.05, momentum=0.8)
     model = _tiny_model()
     twin = copy.deepcopy(model)
@@ -278,8 +278,16 @@ def _plain_container(model, **fields):
 
     from kron_precond.integrations.torchtitan import kron_optimizers
 
-    config = kron_optimizers(default_adamw(lr=1e-2, implementation="for-loop"), **fields)
-    return config.build(model_parts=[model])
+    return kron_optimizers(_for_loop(default_adamw(lr=1e-2)), **fields).build(model_parts=[model])
+
+
+def _for_loop(config):
+    """``config`` with torch's single-tensor optimizers: ``implementation`` is a field of the
+    container's config (``default_adamw(implementation=...)`` would put it into AdamW's group
+    settings and leave the container fused)."""
+    import dataclasses
+
+    return dataclasses.replace(config, implementation="for-loop")
 
 
 def _tiny_model(wrap: bool = False):
@@ -308,14 +316,19 @@ def test_override_keeps_the_stock_groups_and_routes_settings():
 
 
 def test_container_step_is_precondition_then_adamw():
-    """Reference: KronPreconditioner + torch.optim.AdamW driven by hand on a copy of the model."""
+    """Reference: KronPreconditioner + torch.optim.AdamW driven by hand on a copy of the model,
+    with the implementation the container's config names ("for-loop": torch's single-tensor
+    AdamW), so the two agree bitwise."""
     from kron_precond import KronPreconditioner
 
     model, twin = _tiny_model(), _tiny_model()
     container = _plain_container(model, **KFAC)
+    group = container.optimizers[0].param_groups[0]
+    # the config's implementation, not a group setting (it would be saved into checkpoints)
+    assert "implementation" not in group and group["fused"] is False and group["foreach"] is False, group
     precond = KronPreconditioner(twin, **KFAC)
     adamw = torch.optim.AdamW(twin.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                              foreach=False)
+                              foreach=False, fused=False)
     g = torch.Generator().manual_seed(2)
     for _ in range(3):
         x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
@@ -324,7 +337,7 @@ def test_container_step_is_precondition_then_adamw():
             ((net(x) - y) ** 2).mean().backward()
             step()
     for p, q in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        assert torch.equal(p, q), float((p - q).abs().max())
 
 
 def test_container_state_round_trips_under_canonical_names():
@@ -344,3 +357,195 @@ def test_container_state_round_trips_under_canonical_names():
             torch.testing.assert_close(loaded[factor], layer[factor], rtol=0, atol=0)
     with pytest.raises(ValueError, match="kron_precond"):
         fresh.load_state_dict({k: v for k, v in state.items() if k != "kron_precond"})
+
+
+# ---------------------------------------------------------------------- whitened_muon_optimizers: stock groups
+class _MoELike(torch.nn.Module):
+    """The parameter names of torchtitan's qwen3 MoE model where its ``param_groups`` debug
+    config's patterns look (``tok_embeddings.``, ``output.``, ``.router.gate.``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.tok_embeddings = torch.nn.Embedding(11, 6)
+        block = torch.nn.Module()
+        block.attention_norm = torch.nn.LayerNorm(6)
+        block.moe = torch.nn.Module()
+        block.moe.router = torch.nn.Module()
+        block.moe.router.gate = torch.nn.Linear(6, 3, bias=False)
+        block.w1 = torch.nn.Linear(6, 6)
+        self.layers = torch.nn.ModuleList([block])
+        self.norm = torch.nn.LayerNorm(6)
+        self.output = torch.nn.Linear(6, 11, bias=False)
+
+    def forward(self, ids):
+        x = self.tok_embeddings(ids)
+        block = self.layers[0]
+        h = block.attention_norm(x)
+        x = x + block.w1(h) + block.moe.router.gate(h).sum(-1, keepdim=True)
+        return self.output(self.norm(x))
+
+
+def _qwen3_param_groups_config():
+    """torchtitan's own ``qwen3_debugmodel_moe_param_groups`` optimizer config: embeddings and
+    output AdamW without weight decay, the router gate Adam at lr 1e-4, the rest AdamW wd 0.1."""
+    from torchtitan.models.qwen3.config_registry import qwen3_debugmodel_moe_param_groups
+
+    return qwen3_debugmodel_moe_param_groups().optimizer
+
+
+def _settings_by_name(optimizer) -> dict[str, dict]:
+    keys = ("algorithm", "lr", "weight_decay", "betas", "eps")
+    return {name: {k: group[k] for k in keys if k in group}
+            for group in optimizer.param_groups for name in group["param_names"]}
+
+
+def test_whitened_muon_override_maps_every_stock_group_onto_its_parameters():
+    """Each parameter takes the settings of the stock group whose pattern claims it (first match
+    wins, as torchtitan assigns them): a whitened weight its group's lr and weight decay, an
+    AdamW-half parameter its group's lr, betas, eps and weight decay (an Adam group without
+    weight decay: 0). Keywords given explicitly apply to every group of their half."""
+    from kron_precond.integrations.torchtitan import whitened_muon_optimizers
+
+    stock = _qwen3_param_groups_config()
+    adamw = {"algorithm": "adamw", "betas": (0.9, 0.95), "eps": 1e-8}
+    expected = {
+        "tok_embeddings.weight": {**adamw, "lr": 8e-4, "weight_decay": 0.0},
+        "layers.0.attention_norm.weight": {**adamw, "lr": 8e-4, "weight_decay": 0.1},
+        "layers.0.attention_norm.bias": {**adamw, "lr": 8e-4, "weight_decay": 0.1},
+        "layers.0.moe.router.gate.weight": {"algorithm": "whitened_muon", "lr": 1e-4, "weight_decay": 0.0},
+        "layers.0.w1.weight": {"algorithm": "whitened_muon", "lr": 8e-4, "weight_decay": 0.1},
+        "layers.0.w1.bias": {**adamw, "lr": 8e-4, "weight_decay": 0.1},
+        "norm.weight": {**adamw, "lr": 8e-4, "weight_decay": 0.1},
+        "norm.bias": {**adamw, "lr": 8e-4, "weight_decay": 0.1},
+        "output.weight": {"algorithm": "whitened_muon", "lr": 8e-4, "weight_decay": 0.0},
+    }
+    container = whitened_muon_optimizers(stock).build(model_parts=[_MoELike()])
+    assert _settings_by_name(container.optimizers[0]) == expected
+    # explicit keywords: every group of their half; the others keep the stock groups' values
+    container = whitened_muon_optimizers(stock, lr=0.02, adamw_betas=[0.8, 0.9]).build(model_parts=[_MoELike()])
+    settings = _settings_by_name(container.optimizers[0])
+    for name, want in expected.items():
+        if want["algorithm"] == "whitened_muon":
+            want = {**want, "lr": 0.02}
+        else:
+            want = {**want, "betas": (0.8, 0.9)}
+        assert settings[name] == want, name
+    # it trains, and torchtitan's flat state resumes bitwise in a new container
+    import copy
+
+    model = _MoELike()
+    twin = copy.deepcopy(model)
+    config = whitened_muon_optimizers(stock, statistics_every=1)
+    container = config.build(model_parts=[model])
+    ids = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        container.zero_grad()
+        model(ids).square().mean().backward()
+        container.step()
+    resumed = config.build(model_parts=[twin])
+    twin.load_state_dict(model.state_dict())
+    resumed.load_state_dict(copy.deepcopy(container.state_dict()))
+    for net, c in ((model, container), (twin, resumed)):
+        c.zero_grad()
+        net(ids).square().mean().backward()
+        c.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_whitened_muon_override_refuses_stock_settings_it_cannot_honour():
+    """An Adam group's weight decay is L2 added to the gradient, which neither half of
+    WhitenedMuon does: refused, naming the group, unless the keyword of the half it would feed
+    is given. Settings neither half has (amsgrad, maximize, a key torch's Adam does not take)
+    are refused too, and so is a parameter no stock pattern claims (torchtitan refuses it)."""
+    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+
+    from kron_precond.integrations.torchtitan import whitened_muon_optimizers
+
+    def stock(gate_kwargs, rest=".*"):
+        return OptimizersContainer.Config(param_groups=[
+            ParamGroupConfig(pattern=r"\.router\.gate\.", optimizer_name="Adam", optimizer_kwargs=gate_kwargs),
+            ParamGroupConfig(pattern=rest, optimizer_name="AdamW",
+                             optimizer_kwargs={"lr": 8e-4, "weight_decay": 0.1})])
+
+    coupled = stock({"lr": 1e-4, "weight_decay": 0.01})
+    with pytest.raises(ValueError, match=r"param_groups\[0\] \(Adam, .*weight_decay=0.01.*set weight_decay explicitly "
+                                         r"\(for its whitened weights \['layers.0.moe.router.gate.weight'\]\)"):
+        whitened_muon_optimizers(coupled).build(model_parts=[_MoELike()])
+    container = whitened_muon_optimizers(coupled, weight_decay=0.05).build(model_parts=[_MoELike()])
+    settings = _settings_by_name(container.optimizers[0])
+    assert settings["layers.0.moe.router.gate.weight"]["weight_decay"] == 0.05
+    assert settings["layers.0.w1.bias"]["weight_decay"] == 0.1
+    for key, value in (("amsgrad", True), ("maximize", True), ("nope", 1)):
+        with pytest.raises(ValueError, match=key):
+            whitened_muon_optimizers(stock({"lr": 1e-4, key: value})).build(model_parts=[_MoELike()])
+    # implementation switches change no number: accepted
+    whitened_muon_optimizers(stock({"lr": 1e-4, "fused": False, "foreach": True})).build(model_parts=[_MoELike()])
+    with pytest.raises(ValueError, match=r"no stock param group.*norm\.weight"):
+        whitened_muon_optimizers(stock({"lr": 1e-4}, rest=r"^(tok_embeddings|layers\.0\.w1|output)\.")).build(
+            model_parts=[_MoELike()])
+
+
+# ---------------------------------------------------------------------- config keys
+@pytest.mark.parametrize("factory", ["kron_optimizers", "whitened_muon_optimizers"])
+def test_skip_layers_of_another_type_is_refused_by_name(factory):
+    from torchtitan.components.optimizer import default_adamw
+
+    import kron_precond.integrations.torchtitan as titan
+
+    with pytest.raises(TypeError, match="skip_layers"):
+        getattr(titan, factory)(default_adamw(lr=1e-3), skip_layers=5)
+
+
+def test_unknown_and_unserialisable_keys_are_refused_when_configured():
+    from torchtitan.components.optimizer import default_adamw
+
+    from kron_precond.integrations.torchtitan import kron_optimizers, whitened_muon_optimizers
+
+    stock = default_adamw(lr=1e-3)
+    for key in ("horizon", "defaults", "nope"):  # the first two: local variables of WhitenedMuon.__init__
+        with pytest.raises(ValueError, match=rf"\['{key}'\] are not WhitenedMuon keywords"):
+            whitened_muon_optimizers(stock, **{key: 1})
+    for factory in (kron_optimizers, whitened_muon_optimizers):
+        for key in ("process_group", "grad_scaler"):
+            with pytest.raises(ValueError, match=key):
+                factory(stock, **{key: "x"})
+    with pytest.raises(ValueError, match=r"\['dampin'\] are not KronPreconditioner options"):
+        kron_optimizers(stock, dampin=0.01)
+    # every method's options pass (a setting of another method warns when built, as KronPreconditioner does)
+    kron_optimizers(stock, method="psgd", precond_lr=0.2, damping=0.01, kl_clip=None)
+
+
+# ---------------------------------------------------------------------- the example's command line
+def test_example_merges_the_users_override_imports_and_runs_whitened_muon(tmp_path):
+    """``examples/torchtitan_debugmodel.py``: a user's ``--override.imports`` (after ``--``)
+    joins the script's own entries (the CPU SDPA workaround stays); an entry of kron_precond's
+    torchtitan module takes the place of the script's ``--method`` entry; ``--method
+    whitened_muon`` is the README's WhitenedMuon command."""
+    sdpa = f"{TITAN_EXAMPLE.sdpa_attention.__module__}.sdpa_attention"
+    wmuon = WMUON_OVERRIDE + '={"lr": 0.02, "skip_layers": ["lm_head"]}'
+    paths = dict(tokenizer=tmp_path / "t", data=tmp_path / "d", dump=tmp_path / "o")
+
+    def imports(args):
+        assert args.count("--override.imports") == 1, args
+        start = args.index("--override.imports") + 1
+        end = next((i for i in range(start, len(args)) if args[i].startswith("--")), len(args))
+        return args[start:end], args[:start - 1] + args[end:]
+
+    args = TITAN_EXAMPLE.torchtitan_args(steps=2, method=None, cpu=True, **paths,
+                                         extra=["--override.imports", wmuon, "--training.local_batch_size", "4"])
+    entries, rest = imports(args)
+    assert entries == [sdpa, wmuon]
+    assert rest[-2:] == ["--training.local_batch_size", "4"]
+    # the user's optimizer override replaces the script's K-FAC entry; = form too
+    args = TITAN_EXAMPLE.torchtitan_args(steps=2, method="kfac", settings={"damping": 0.01}, cpu=True, **paths,
+                                         extra=[f"--override.imports={wmuon}"])
+    assert imports(args)[0] == [sdpa, wmuon]
+    # --method whitened_muon: the README's command
+    settings = TITAN_EXAMPLE.default_settings("whitened_muon")
+    assert settings == {"lr": 0.02, "skip_layers": ["lm_head"]}
+    args = TITAN_EXAMPLE.torchtitan_args(steps=2, method="whitened_muon", settings=settings, cpu=False, **paths)
+    assert imports(args)[0] == [wmuon]
+    assert TITAN_EXAMPLE.default_settings("kfac") == TITAN_EXAMPLE.KFAC_SETTINGS
+    assert TITAN_EXAMPLE.default_settings("psgd") == {}

@@ -9,7 +9,8 @@ carries the preconditioner's state under ``"kron_precond"``. No torchtitan file 
 
 A second container, :class:`WhitenedMuonOptimizersContainer`, replaces the stock optimizers by one
 :class:`~kron_precond.WhitenedMuon` built from the model (its AdamW groups take the parameters it
-does not whiten, with the stock AdamW group's settings)::
+does not whiten; every parameter keeps the lr and weight decay of the stock param group that
+claims it, and an AdamW-half parameter its betas and eps too)::
 
       torchrun --nproc_per_node=8 -m torchtitan.train --module llama3 --config llama3_8b \\
         --override.imports 'kron_precond.integrations.torchtitan.whitened_muon_optimizers={"lr": 0.02,
@@ -37,6 +38,7 @@ This module imports torchtitan; ``import kron_precond`` never does.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,9 +46,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchtitan.components.checkpointer.utils import canonical_fqn
-from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.config import derive, override
 
+from kron_precond import validation
 from kron_precond.enums import strategy_by_name
 from kron_precond.methods import registry
 from kron_precond.preconditioner import KronPreconditioner
@@ -180,24 +183,68 @@ def kron_optimizers(cfg: OptimizersContainer.Config, *, method: str = "kfac",
     :class:`KronOptimizersContainer.Config` fields; any other keyword is a
     :class:`~kron_precond.KronPreconditioner` option."""
     registry.get(method)  # an unknown method fails here, before anything is built
+    _refuse_objects("kron_optimizers", options)
+    # KronPreconditioner's own keywords and every registered method's options (a setting of
+    # another method warns when the preconditioner is built, as KronPreconditioner does)
+    known = (_keywords(KronPreconditioner.__init__, "method", "skip_layers", "accumulation_steps")
+             | {name for spec in registry.all_specs() for name in spec.options})
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"kron_optimizers: {unknown} are not KronPreconditioner options (nor fields of "
+                         f"KronOptimizersContainer.Config)")
     return derive(cfg, KronOptimizersContainer.Config, method=method, skip_layers=_patterns(skip_layers),
                   accumulation_steps=accumulation_steps, options=dict(options))
 
 
+# Keywords whose values are Python objects, which an --override.imports JSON cannot hold.
+_OBJECT_KEYWORDS = ("process_group", "grad_scaler")
+
+
+def _refuse_objects(factory: str, options: dict[str, Any]) -> None:
+    given = [key for key in _OBJECT_KEYWORDS if key in options]
+    if given:
+        raise ValueError(f"{factory}: {given} take Python objects, not config values: leave them out (the "
+                         "default process group; torchtitan scales no loss)")
+
+
+def _keywords(function, *fields: str) -> set[str]:
+    """``function``'s named keywords, less ``self``, the first positional one and ``fields``."""
+    parameters = list(inspect.signature(function).parameters.values())[2:]
+    return {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - set(fields)
+
+
 def _patterns(skip_layers) -> list[str]:
     """One regex or several, as ``KronPreconditioner(skip_layers=...)`` takes them."""
-    return [skip_layers] if isinstance(skip_layers, str) else list(skip_layers)
+    if isinstance(skip_layers, str):
+        return [skip_layers]
+    if isinstance(skip_layers, (list, tuple)):
+        return list(skip_layers)
+    raise TypeError(f"skip_layers must be a regex or a list of regexes (module names / class names), "
+                    f"got {skip_layers!r}")
 
 
 class WhitenedMuonOptimizersContainer(OptimizersContainer):
     """torchtitan's ``OptimizersContainer`` holding one :class:`~kron_precond.WhitenedMuon` built
     from the model part: the layers it whitens, and AdamW groups for every other parameter.
 
-    The AdamW groups take the stock config's AdamW (or Adam) group settings (``lr``, ``betas``,
-    ``eps``, ``weight_decay``) unless ``options`` sets ``adamw_*``; ``lr`` and ``weight_decay``
-    of the whitened layers default to the same values. Checkpoints are torchtitan's own
-    FQN-keyed optimizer state (the param groups carry ``param_names``): a DCP checkpoint
-    resumes on another number of ranks.
+    Each parameter keeps the settings of the stock param group that claims it (torchtitan's
+    rule: the first ``pattern`` that matches its name): a whitened weight that group's ``lr``
+    and ``weight_decay``; a parameter of the AdamW half its ``lr``, ``betas``, ``eps`` and
+    ``weight_decay`` -- what the group leaves out is torch's default for its optimizer, as
+    torchtitan would have run it. WhitenedMuon's param groups are split so: one whitened and
+    one AdamW group per stock group that has such parameters (one stock group: the usual two).
+    A keyword set in ``options`` overrides its setting in every group of its half: ``lr`` and
+    ``weight_decay`` the whitened groups, ``adamw_lr``, ``adamw_betas``, ``adamw_eps`` and
+    ``adamw_weight_decay`` the AdamW groups. A stock setting neither half can honour raises
+    ``ValueError`` naming the group, unless the keyword it would feed is set: an Adam group's
+    non-zero ``weight_decay`` (an L2 term in the gradient, where WhitenedMuon decays weights
+    decoupled, as AdamW), a group of another optimizer (``DistMuon``), ``amsgrad`` or
+    ``maximize``, a key torch's optimizer does not take. The switches that change no number
+    (``fused``, ``foreach``, ``capturable``, ``differentiable``) are ignored. No stock groups at
+    all: WhitenedMuon's own defaults.
+
+    Checkpoints are torchtitan's own FQN-keyed optimizer state (the param groups carry
+    ``param_names``): a DCP checkpoint resumes on another number of ranks.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -222,17 +269,20 @@ class WhitenedMuonOptimizersContainer(OptimizersContainer):
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"ns_dtype={name!r} is not a torch dtype name")
             options["ns_dtype"] = dtype
-        stock: dict[str, Any] = next((g.optimizer_kwargs for g in config.param_groups
-                                      if g.optimizer_name in ("AdamW", "Adam")), {})
-        for key, adamw_key in (("lr", "adamw_lr"), ("betas", "adamw_betas"), ("eps", "adamw_eps"),
-                               ("weight_decay", "adamw_weight_decay")):
-            if key in stock:
-                options.setdefault(adamw_key, tuple(stock[key]) if key == "betas" else stock[key])
-        for key in ("lr", "weight_decay"):
-            if key in stock:
-                options.setdefault(key, stock[key])
+        model = model_parts[0]
+        stock = _StockGroups(config.param_groups, model) if config.param_groups else None
+        if stock is not None:
+            # the constructor's defaults (for groups added later): a value every stock group agrees on
+            for keys in _HALVES.values():
+                for setting, keyword in keys.items():
+                    if keyword not in options:
+                        agreed = stock.agreed(setting)
+                        if agreed is not None:
+                            options[keyword] = agreed
         self.model_parts = model_parts
-        optimizer = WhitenedMuon(model_parts[0], skip_layers=_patterns(config.skip_layers), **options)
+        optimizer = WhitenedMuon(model, skip_layers=_patterns(config.skip_layers), **options)
+        if stock is not None:
+            stock.split(optimizer, config.options)
         for group in optimizer.param_groups:  # as torchtitan's checkpoints spell them
             group["param_names"] = [canonical_fqn(name) for name in group["param_names"]]
         self.optimizers = [optimizer]
@@ -241,15 +291,130 @@ class WhitenedMuonOptimizersContainer(OptimizersContainer):
         self._post_init(params)
 
 
+# The settings of each half of WhitenedMuon that a stock group gives, and the keyword of each.
+_HALVES: dict[str, dict[str, str]] = {
+    "whitened_muon": {"lr": "lr", "weight_decay": "weight_decay"},
+    "adamw": {"lr": "adamw_lr", "betas": "adamw_betas", "eps": "adamw_eps", "weight_decay": "adamw_weight_decay"},
+}
+_STOCK_OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
+
+
+class _StockGroups:
+    """The stock config's param groups over the model: which one claims each parameter (as
+    torchtitan assigns them), and the settings each gives, checked; ``ValueError`` for a
+    parameter no group claims (torchtitan's container refuses it too) and a group that matches
+    none (torchtitan: "matched no parameters")."""
+
+    def __init__(self, configs: list[ParamGroupConfig], model: nn.Module) -> None:
+        built, _ = OptimizersContainer._build_param_groups(model, configs, {})
+        seen: dict[str, int] = {}
+        self.owner: dict[int, int] = {}
+        for index, cfg in enumerate(configs):  # _build_param_groups lists them by optimizer, in order
+            group = built[cfg.optimizer_name][seen.get(cfg.optimizer_name, 0)]
+            seen[cfg.optimizer_name] = seen.get(cfg.optimizer_name, 0) + 1
+            for p in group["params"]:
+                self.owner[id(p)] = index
+        unclaimed = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in self.owner]
+        if unclaimed:
+            raise ValueError(f"whitened_muon_optimizers: no stock param group's pattern claims these trainable "
+                             f"parameters: {unclaimed} (patterns: {[c.pattern for c in configs]})")
+        self.settings = [self._settings(index, cfg) for index, cfg in enumerate(configs)]
+
+    @staticmethod
+    def where(index: int, cfg: ParamGroupConfig) -> str:
+        return f"param_groups[{index}] ({cfg.optimizer_name}, pattern {cfg.pattern!r})"
+
+    def _settings(self, index: int, cfg: ParamGroupConfig) -> dict[str, Any]:
+        """lr, betas, eps, weight_decay as torch's optimizer runs the group (its defaults for what
+        the group leaves out), checked; a setting WhitenedMuon cannot honour maps to the reason."""
+        where = self.where(index, cfg)
+        optimizer = _STOCK_OPTIMIZERS.get(cfg.optimizer_name)
+        if optimizer is None:
+            reason = (f"{where} is a {cfg.optimizer_name} group, whose settings WhitenedMuon does not read "
+                      f"(Adam and AdamW groups only)")
+            return {key: _Refused(reason) for key in ("lr", "betas", "eps", "weight_decay")}
+        kwargs = dict(cfg.optimizer_kwargs)
+        defaults = {name: p.default for name, p in inspect.signature(optimizer).parameters.items()
+                    if p.default is not p.empty}
+        unknown = sorted(key for key in kwargs if key not in defaults)  # fused, foreach, ... are known: ignored
+        if unknown:
+            raise ValueError(f"whitened_muon_optimizers: {where} sets {unknown}, which torch.optim."
+                             f"{cfg.optimizer_name} does not take and WhitenedMuon cannot honour")
+        on = sorted(key for key in ("amsgrad", "maximize") if kwargs.get(key))
+        if on:
+            raise ValueError(f"whitened_muon_optimizers: {where} sets {on}, which WhitenedMuon's AdamW half "
+                             f"does not have")
+        settings: dict[str, Any] = {key: kwargs.get(key, defaults[key]) for key in ("lr", "betas", "eps",
+                                                                                    "weight_decay")}
+        settings["lr"] = validation.check_positive(f"{where} lr", settings["lr"])
+        settings["eps"] = validation.check_positive(f"{where} eps", settings["eps"])
+        settings["weight_decay"] = validation.check_non_negative(f"{where} weight_decay", settings["weight_decay"])
+        try:
+            beta1, beta2 = settings["betas"]
+        except (TypeError, ValueError):
+            raise TypeError(f"{where} betas must be a pair of floats, got {settings['betas']!r}") from None
+        settings["betas"] = tuple(validation.check_unit_interval(f"{where} betas[{i}]", beta, low_open=False,
+                                                                 high_open=True)
+                                  for i, beta in enumerate((beta1, beta2)))
+        decoupled = kwargs.get("decoupled_weight_decay", cfg.optimizer_name == "AdamW")
+        if not decoupled and settings["weight_decay"] != 0:
+            settings["weight_decay"] = _Refused(
+                f"{where} has weight_decay={settings['weight_decay']!r}, an L2 term added to the gradient "
+                f"({cfg.optimizer_name} without decoupled weight decay), which WhitenedMuon does not have (its "
+                f"weight decay is decoupled, as AdamW's)")
+        return settings
+
+    def agreed(self, setting: str) -> Any:
+        """The value every stock group gives ``setting`` (``None`` if they differ or one cannot)."""
+        values = [s[setting] for s in self.settings]
+        if any(isinstance(v, _Refused) for v in values) or any(v != values[0] for v in values):
+            return None
+        return values[0]
+
+    def split(self, optimizer: WhitenedMuon, explicit: dict[str, Any]) -> None:
+        """``optimizer``'s groups split by stock group (in the model's order within each), each
+        with the settings of its stock group, unless set in ``explicit``."""
+        groups = []
+        for group in optimizer.param_groups:
+            half = group["algorithm"]
+            parts: dict[int, list[tuple[str, nn.Parameter]]] = {}
+            for name, p in zip(group["param_names"], group["params"]):
+                parts.setdefault(self.owner[id(p)], []).append((name, p))
+            for index in sorted(parts):
+                settings = {}
+                for setting, keyword in _HALVES[half].items():
+                    value = group[setting] if keyword in explicit else self.settings[index][setting]
+                    if isinstance(value, _Refused):
+                        held = "whitened weights" if half == "whitened_muon" else "AdamW-half parameters"
+                        raise ValueError(f"whitened_muon_optimizers: {value.reason}: set {keyword} explicitly "
+                                         f"(for its {held} {[name for name, _ in parts[index]]})")
+                    settings[setting] = value
+                kept = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+                groups.append({**kept, **settings, "params": parts[index]})
+        optimizer.param_groups.clear()
+        for group in groups:
+            optimizer.add_param_group(group)
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """A stock setting WhitenedMuon cannot honour, and why."""
+
+    reason: str
+
+
 @override(target=OptimizersContainer.Config,
           description="kron_precond: WhitenedMuon (Muon in K-FAC's input-whitened norm) as the one optimizer")
 def whitened_muon_optimizers(cfg: OptimizersContainer.Config, *,
                              skip_layers: list[str] | tuple[str, ...] = (),
                              **options: Any) -> WhitenedMuonOptimizersContainer.Config:
     """The ``--override.imports`` entry: the matched optimizer config replaced by one
-    :class:`~kron_precond.WhitenedMuon` (the stock groups' AdamW settings kept for its AdamW
-    half). Keywords: ``skip_layers`` and any :class:`~kron_precond.WhitenedMuon` keyword."""
-    unknown = sorted(set(options) - set(WhitenedMuon.__init__.__code__.co_varnames[2:]))
+    :class:`~kron_precond.WhitenedMuon`, each parameter in a group with its stock param group's
+    settings (:class:`WhitenedMuonOptimizersContainer`). Keywords: ``skip_layers`` and any
+    :class:`~kron_precond.WhitenedMuon` keyword but ``process_group`` and ``grad_scaler`` (Python
+    objects); one given overrides the stock groups' setting it names in every group of its half."""
+    _refuse_objects("whitened_muon_optimizers", options)
+    unknown = sorted(set(options) - _keywords(WhitenedMuon.__init__, "skip_layers"))
     if unknown:
         raise ValueError(f"whitened_muon_optimizers: {unknown} are not WhitenedMuon keywords")
     return derive(cfg, WhitenedMuonOptimizersContainer.Config, skip_layers=_patterns(skip_layers),
