@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -33,6 +34,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+_logger = logging.getLogger("kron_precond")
 
 
 class UnsupportedModule(ValueError):
@@ -127,9 +130,34 @@ class TransposedLinearAdapter(KFACAdapter):
     weight_transposed = True
 
 
+def _fsdp_module_class() -> type | None:
+    """FSDP2's ``FSDPModule`` (``None`` where torch has no FSDP2)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    return FSDPModule
+
+
+def _unsharded(cls: type) -> type:
+    """``cls``, or for FSDP2's class the one it was made from: the first class of its MRO that is
+    not an FSDP2 class."""
+    fsdp = _fsdp_module_class()
+    if fsdp is None or not issubclass(cls, fsdp):
+        return cls
+    return next((c for c in cls.__mro__ if not issubclass(c, fsdp)), cls)
+
+
+def module_class(module: nn.Module) -> type:
+    """The class ``module`` was written as: ``fully_shard`` (FSDP2) changes a module's class to
+    a subclass it makes on the fly (``FSDPConv1D``: ``FSDPModule`` and the original class), whose
+    ``forward`` is the original's."""
+    return _unsharded(type(module))
+
+
 def _is_transposed_linear(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
-    return (type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int)
+    return (module_class(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int)
             and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == module.nf)
 
 
@@ -210,7 +238,8 @@ def overridden_forward(module: nn.Module, base: type, methods: tuple[str, ...]) 
     declares, through ``__wrapped__``, that it calls the class's own method on this module
     (accelerate's device and autocast hooks) is taken: it is trusted, as a registered adapter
     is, to hand that method its arguments."""
-    cls = type(module)
+    cls = module_class(module)  # FSDP2's class (forward the original's) is not an override
+    base = _unsharded(base)  # FSDP2's class (made in torch.distributed) stands for the original
     if base.__module__.startswith("torch."):  # torch's own method, not one patched onto its class
         patched = [m for m in methods if not getattr(getattr(base, m), "__module__", "").startswith("torch.")]
         if patched:
@@ -535,7 +564,12 @@ def stores_weight_transposed(module: nn.Module) -> bool:
     weight = module._parameters.get("weight")
     if weight is None or weight.dim() != 2:
         return False
-    adapter, _ = kfac_adapter(module)
+    try:
+        adapter, _ = kfac_adapter(module)
+    except Exception as err:  # a registered factory's own failure: PSGD needs no adapter
+        _logger.debug("kron_precond: the K-FAC adapter of %s raised %s: %s; its weight layout is judged by "
+                      "the built-in recognition", type(module).__name__, type(err).__name__, err)
+        return _is_transposed_linear(module)
     if adapter is None:
         return _is_transposed_linear(module)
     return isinstance(adapter, KFACAdapter) and adapter.weight_transposed

@@ -17,7 +17,9 @@ gradient passes through, as a non-finite one does, and the skip is counted in ``
 A linear weight stored ``[in, out]`` (GPT-2 style ``Conv1D``) is preconditioned as its ``[out, in]``
 matrix, as an ``nn.Linear`` twin's weight is: its factors, probes and fitted average are those of
 the transposed gradient (the diagonal side under ``memory_save_mode`` included), and its result is
-transposed back; its state is saved in that layout (``weight_layout``).
+transposed back. Its state is saved in the stored layout, as versions before did (the factors in
+the stored dims' order, the fitted average ``[in, out]``), so a checkpoint's format does not
+depend on the version (``torch.save`` and ``torch.distributed.checkpoint`` alike).
 """
 from __future__ import annotations
 
@@ -34,10 +36,6 @@ from kron_precond.modules import find_parameter_modules
 from kron_precond.optim import compute_dtype
 from kron_precond.schedules import ProbabilitySchedule, StepContext, check_probability
 
-#: the ``weight_layout`` entry of a layer's state: a weight stored ``[in, out]`` has the state of
-#: its ``[out, in]`` matrix
-WEIGHT_LAYOUT = "out_in"
-
 
 class PSGDLayer(LayerMethod):
     """Kronecker whitening factors for the parameters of one module.
@@ -47,7 +45,8 @@ class PSGDLayer(LayerMethod):
         shapes: ``(parameter name, shape)`` for each registered parameter, as stored.
         transposed: the names of 2-D parameters stored ``[in, out]`` (a transposed linear weight):
             their state is that of the ``[out, in]`` matrix (:attr:`shapes` holds that shape),
-            gradients are transposed in and the results back.
+            gradients are transposed in and the results back; :meth:`state_dict` writes it in the
+            stored layout (:meth:`_swap_layout`) and the loads read it back.
         momentum_into_precond_update: fit the factors to a debiased running average of
             the gradient (decay ``b1``) instead of the gradient itself.
         seed, layer_index: determine the probe vectors.
@@ -288,7 +287,9 @@ class PSGDLayer(LayerMethod):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {
+        """The state, a weight stored ``[in, out]``'s in that stored layout (:meth:`_swap_layout`):
+        the format does not depend on whether the weight is preconditioned as ``[out, in]``."""
+        return self._swap_layout({
             # the factors, their initialised flag and, for the Procrustes-style fit, its running
             # Lipschitz estimates (without them a resumed run takes other steps)
             "factors": {part: {key: [t.clone() for t in value] if isinstance(value, list) else value
@@ -300,27 +301,17 @@ class PSGDLayer(LayerMethod):
             {k: v.steps.clone() for k, v in self._averages.items()},
             # decides whether Q_iᵀQ_i is formed: saved so that a resumed run is bitwise the same
             "uses_per_update": {part: self.tensor(part).uses_per_update for part in self.parts},
-            # a weight stored [in, out] has the state of its [out, in] matrix (files without this
-            # entry hold it in the stored layout: _in_this_layout reads them)
-            "weight_layout": WEIGHT_LAYOUT,
-        }
+        }, copy=True)
 
-    def _in_this_layout(self, state: Any) -> Any:
-        """``state`` with the entries of the parts stored ``[in, out]`` in the ``[out, in]`` layout
-        this layer keeps: a file without a ``weight_layout`` entry (written by versions that
-        preconditioned such a weight as stored) has their factors (and Lipschitz estimates) in the
-        reverse order and their fitted average transposed. A new dict where anything changes
-        (``state`` is not modified); entries of unexpected kinds are left as they are, for
-        :meth:`check_state` to reject. ``ValueError`` for an unknown ``weight_layout``."""
-        if not isinstance(state, Mapping):
-            return state
-        if "weight_layout" in state:
-            if state["weight_layout"] != WEIGHT_LAYOUT:
-                raise ValueError(f"state of {self.name}: unknown weight_layout {state['weight_layout']!r} "
-                                 f"(this version writes {WEIGHT_LAYOUT!r})")
-            return state
+    def _swap_layout(self, state: Any, copy: bool = False) -> Any:
+        """``state`` with the entries of the parts stored ``[in, out]`` swapped between the stored
+        layout (files) and the ``[out, in]`` one this layer keeps (the swap is its own inverse):
+        their per-dimension lists (factors, Lipschitz estimates) reversed and their fitted
+        average transposed (``copy``: into a new contiguous tensor, else a view). A new dict
+        where anything changes (``state`` is not modified); entries of unexpected kinds are left
+        as they are, for :meth:`check_state` to reject."""
         flipped = [part for part, flip in zip(self.parts, self.transposed) if flip]
-        if not flipped:
+        if not flipped or not isinstance(state, Mapping):
             return state
         state = dict(state)
         if isinstance(state.get("factors"), Mapping):
@@ -328,20 +319,22 @@ class PSGDLayer(LayerMethod):
             for part in flipped:
                 if isinstance(factors.get(part), Mapping):
                     entry = factors[part] = dict(factors[part])
-                    for key in ("q", "lipschitz"):
-                        if isinstance(entry.get(key), (list, tuple)):
-                            entry[key] = list(entry[key])[::-1]
+                    for key, value in entry.items():
+                        if isinstance(value, (list, tuple)):  # per dimension: q, lipschitz
+                            entry[key] = list(value)[::-1]
         if isinstance(state.get("momentum"), Mapping):
             momentum = state["momentum"] = dict(state["momentum"])
             for part in flipped:
-                if isinstance(momentum.get(part), torch.Tensor) and momentum[part].dim() == 2:
-                    momentum[part] = momentum[part].T
+                value = momentum.get(part)
+                if isinstance(value, torch.Tensor) and value.dim() == 2:
+                    momentum[part] = value.T.clone(memory_format=torch.contiguous_format) if copy else value.T
         return state
 
     def check_state(self, state: dict[str, Any]) -> None:
         """Raise ``ValueError`` if ``state`` does not hold loadable factors for these
-        parameters (missing entries, wrong shapes, integer or non-finite tensors)."""
-        self._check_state(self._in_this_layout(state))
+        parameters (missing entries, wrong shapes, integer or non-finite tensors). ``state`` is
+        as :meth:`state_dict` writes it (a weight stored ``[in, out]``'s in that layout)."""
+        self._check_state(self._swap_layout(state))
 
     def _check_state(self, state: dict[str, Any]) -> None:
         where = f"state of {self.name}"
@@ -353,6 +346,7 @@ class PSGDLayer(LayerMethod):
             probe = PSGDFactors(self.shapes[part], device="meta", **self._settings)
             expected = [tuple(q.shape) for q in probe.tensors()]
             saved = factors[part]
+            self._check_structure(part, saved, expected)
             checks.tensor_list(checks.entry(saved, "q", f"{where}.{part}"), expected, f"{where}.{part}: q")
             checks.boolean(checks.entry(saved, "initialized", f"{where}.{part}"), f"{where}.{part}: initialized")
             if "lipschitz" in saved and probe.lipschitz:  # Procrustes-style fit (older files lack it)
@@ -378,6 +372,29 @@ class PSGDLayer(LayerMethod):
                 checks.integer(steps, f"{where}: momentum_steps")
         self._checked_uses(state)
 
+    def _check_structure(self, part: str, saved: Any, expected: list[tuple[int, ...]]) -> None:
+        """``ValueError`` for the factors of a weight stored ``[in, out]`` saved with the structure
+        versions before gave it (square, ``memory_save_mode="one_diag"``: the diagonal factor on
+        the stored layout's first side, the input; it now follows the ``nn.Linear`` twin's
+        ``[out, in]``, the output side): as saved, in the stored order, they have the shapes this
+        layer's factors have in its own order."""
+        if not self.transposed[self.parts.index(part)] or not isinstance(saved, Mapping):
+            return
+        qs = saved.get("q")
+        if not isinstance(qs, list) or not all(isinstance(q, torch.Tensor) for q in qs):
+            return
+        got = [tuple(q.shape) for q in qs]  # in this layer's order (swapped)
+        if got == expected or got[::-1] != expected:
+            return
+        raise ValueError(
+            f"state of {self.name}.{part}: the factor layout of a weight stored [in, out] (GPT-2 style "
+            f"Conv1D) changed: it is preconditioned as its nn.Linear twin's [out, in] matrix, and under "
+            f"memory_save_mode={self._settings.get('memory_save_mode')!r} the diagonal side now follows the "
+            f"nn.Linear twin (the output side of a square weight); this state has the factor structure "
+            f"of the stored layout (saved by an earlier version: diagonal on the input side), factor "
+            f"shapes {got[::-1]} where {expected[::-1]} are expected, and cannot be loaded into this "
+            f"structure (start its preconditioner afresh, or load it with the version that saved it)")
+
     def _checked_uses(self, state: dict[str, Any]) -> dict[str, float]:
         """The saved ``uses_per_update`` of each part (1 where older files lack it): 1 / the update
         probability, a finite number >= 1; ``ValueError`` naming the part otherwise."""
@@ -388,7 +405,7 @@ class PSGDLayer(LayerMethod):
         return {part: checks.number(uses.get(part, 1.0), f"{where}[{part!r}]", minimum=1.0) for part in self.parts}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        state = self._in_this_layout(state)
+        state = self._swap_layout(state)
         self._check_state(state)
         uses = self._checked_uses(state)
         for part in self.parts:
