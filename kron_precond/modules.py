@@ -402,8 +402,10 @@ def compile_skip_patterns(skip_layers, argument: str = "skip_layers") -> list[re
 
 
 def is_skipped(name: str, module: nn.Module, patterns: list[re.Pattern]) -> bool:
-    class_name = type(module).__name__
-    return any(p.search(name) or p.search(class_name) for p in patterns)
+    """Whether a pattern matches the module's name or its class's name -- the class it was
+    written as too, where FSDP2 renamed it (``FSDPConv1D``: ``^Conv1D$`` skips it)."""
+    names = {type(module).__name__, module_class(module).__name__}
+    return any(p.search(name) or any(p.search(c) for c in names) for p in patterns)
 
 
 def tied_elsewhere(owners: dict[int, list[str]], name: str, params: Iterable[torch.Tensor]) -> list[str]:

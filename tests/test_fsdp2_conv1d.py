@@ -138,3 +138,34 @@ def test_a_raising_adapter_factory_does_not_break_psgd(monkeypatch, caplog):
     transposed = {layer.name: layer.method.transposed for layer in precond._layers}
     assert transposed == {"0": (True, False), "2": (False, False)}
     assert any("factory bug" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
+
+
+def skip_worker(rank: int, world: int, out_dir: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    registered = {}
+    for pattern in ("^Conv1D$", "^Tanh$"):
+        model = _model()
+        for module in model:
+            if isinstance(module, Conv1D):
+                fully_shard(module, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for method in ("kfac", "psgd"):
+            try:
+                registered[pattern, method] = sorted(KronPreconditioner(model, method=method,
+                                                                        skip_layers=[pattern]).layers)
+            except ValueError as err:  # nothing left to precondition
+                registered[pattern, method] = str(err)
+    return registered
+
+
+def test_skip_layers_matches_the_class_a_sharded_module_was_written_as(tmp_path):
+    """``fully_shard`` renames the class (``FSDPConv1D``): an anchored class pattern still
+    skips the module, as on the unsharded model."""
+    registered = run_workers(skip_worker, 1, tmp_path, timeout=120)[0]
+    for method in ("kfac", "psgd"):
+        assert not isinstance(registered["^Tanh$", method], str) and registered["^Tanh$", method]
+        skipped = registered["^Conv1D$", method]
+        assert isinstance(skipped, str) or skipped == [], (method, skipped)
