@@ -39,7 +39,10 @@
   Under MEM_OPT / HYBRID_OPT a rank that does not hold a layer judges its updates only if the
   layer's holders never hand its gradient on unpreconditioned; else (ikfac: no inverse yet
   for a layer first called after a refresh) it cannot tell such a gradient from an update,
-  and the holders' warning alone counts (``LayerMethod.hands_on_gradients``).
+  and records nothing for the layer (``LayerMethod.hands_on_gradients``). The holders' verdict
+  then reaches every rank: at each check the ranks take the largest of each growth over the
+  group (``combine``: one small all-reduce, on the check's steps only, which are the same on
+  every rank), so a blow-up of any layer is reported on every rank, rank 0 included.
 
   It does not see a run whose first update is already far too large, one whose update grows
   at the start as a healthy one does and then stops while the loss stays high (an lr several
@@ -50,7 +53,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -96,9 +99,15 @@ def new_nonfinite_steps(optimizer: torch.optim.Optimizer, reported: dict[int, in
 
 
 class Health:
-    def __init__(self, layers: Sequence, *, captures: bool) -> None:
+    """``combine``: where some rank records nothing for layers another rank judges (see the
+    module's docstring), a collective that takes the elementwise maximum of an int64 tensor over
+    the ranks, in place; called with the same shape on every rank at every check."""
+
+    def __init__(self, layers: Sequence, *, captures: bool,
+                 combine: Callable[[torch.Tensor], None] | None = None) -> None:
         self._layers = list(layers)
         self._captures = captures
+        self._combine = combine
         self._observed_checked = False
         self._stale: set[str] = set()  # layers reported as no longer receiving statistics
         self._pending: list[tuple[torch.Tensor, torch.cuda.Event | None, list]] = []
@@ -207,6 +216,17 @@ class Health:
         peak.zero_()
         return growth
 
+    def _combined(self, growth: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """:meth:`_update_growth` with each value the largest over the ranks (``combine``), a
+        non-finite one (``-1``) kept as such; every layer's, also on a rank that recorded none."""
+        if not len(growth):
+            growth = torch.zeros(2 * len(self._layers), dtype=torch.int64, device=device)
+        top = torch.iinfo(torch.int64).max  # non-finite above every growth (at most 2**62)
+        values = torch.where(growth < 0, top, growth)
+        assert self._combine is not None
+        self._combine(values)
+        return torch.where(values == top, -1, values)
+
     def _report_updates(self, growth: list[int]) -> None:
         if not growth:
             return
@@ -242,6 +262,8 @@ class Health:
         health = [layer.method.statistics_health() for layer in watched]
         growth = self._update_growth()
         every = [f.reshape(-1) for f in flags + [o.to(torch.int64) for o in observed] + health]
+        if self._combine is not None:
+            growth = self._combined(growth, every[0].device)
         values = torch.cat([growth.to(every[0].device)] + every).tolist()  # one host sync for every check
         self._report_updates(values[:len(growth)])
         values = values[len(growth):]

@@ -261,7 +261,13 @@ class KronPreconditioner:
         self._warned_lr_fallback = False
         self._warned_frozen_in_part: set[str] = set()
         self._apply_cache: dict = {}
-        self._health = Health(self._layers, captures=self._spec.captures)
+        # ranks that do not hold a layer whose holders may hand its gradient on record nothing for
+        # it (kron_precond.health): the holders' verdict is combined into every rank's at each check
+        judged_elsewhere = (self.world_size > 1 and self.grad_workers < self.world_size
+                            and any(layer.method.hands_on_gradients for layer in self._layers))
+        self._health = Health(self._layers, captures=self._spec.captures,
+                              combine=functools.partial(_max_over_ranks, group=self.process_group)
+                              if judged_elsewhere else None)
         # a schedule that cannot give step 0's values is refused before any hook is on the model
         self._schedule.collects(0)
         self._schedule.refreshes(0)
@@ -286,7 +292,9 @@ class KronPreconditioner:
         # fully_shard(model) after construction: the first step takes the sharded parameters
         # (_bind_to_model); _follow_parameters leaves the plain ones alone until then
         self._bound = False
-        self._fsdp_modules: set[int] = set()  # ids of the modules FSDP2 manages (_fsdp_managed)
+        # per layer module (by id): it and the modules above it in the model, the last walk's (_fsdp_managed)
+        self._module_chains: dict[int, tuple[nn.Module, ...]] | None = None
+        self._module_chains_step = -1
         self._adopted_sharding = False
         # The model's training forwards since the last step (a Python int per forward), counted
         # to check accumulation_steps, which scales the output-gradient statistics by its square:
@@ -687,44 +695,57 @@ class KronPreconditioner:
         (outside any forward), where a model sharded since the first step is refused."""
         name, param = layer.params[0]
         current = getattr(layer.module, name, param)
-        if is_dtensor(param) and not is_dtensor(current) and current.device == param.device:
+        if is_dtensor(param) and not is_dtensor(current):
             # FSDP2's gathered copy, swapped in around the forward in its mixed-precision dtype:
-            # the state stays with the sharded parameters (following the copy would round float64
-            # state through the copy's dtype, and wait on the statistics reduction, every forward).
-            # A copy on another device (CPU offload) is followed: its rows are on that device
+            # the layer keeps the sharded parameters, and the state their dtype (following the
+            # copy would round float64 state through the copy's dtype every forward). Only a copy
+            # on another device moves the state there, as its rows are (CPU offload; sharded on
+            # meta, then to_empty): the step follows the sharded parameters again
+            self._place_state(layer, current.device, layer.placement[1])
             return
         if (current is not param and not is_dtensor(param)
                 and (is_dtensor(current) or self._fsdp_managed(layer.module))):
             # fully_shard(model) since construction: the first step takes the sharded parameters
             # (_bind_to_model); until then a hook sees them or FSDP2's gathered copy (in the
-            # forward's mixed-precision dtype), which is not followed
+            # forward's mixed-precision dtype), which is not taken. The state still goes to their
+            # device (built on meta, then to_empty; Accelerate's prepare() moving a CPU-built
+            # model during fully_shard), in the sharded parameters' dtype (the copy's: kept)
             if at_step:  # the first step bound what fully_shard put in: sharded since (all named)
                 raise self._sharded_late([other for other in self._layers
                                           if getattr(other.module, other.params[0][0]) is not other.params[0][1]])
+            self._place_state(layer, current.device, current.dtype if is_dtensor(current) else layer.placement[1])
             return
         if current is not param:  # to_empty() from meta makes new Parameter objects
             layer.params = [(n, getattr(layer.module, n, p)) for n, p in layer.params]
             param = current
-        placement = (param.device, param.dtype)
+        self._place_state(layer, param.device, param.dtype)
+
+    def _place_state(self, layer: Layer, device: torch.device, dtype: torch.dtype) -> None:
+        """Move ``layer``'s state to ``device`` / ``dtype`` unless it is there (metadata only)."""
+        placement = (device, dtype)
         if placement == layer.placement:
             return
         self._wait_for_statistics()
-        layer.method.to(param.device, param.dtype)
+        layer.method.to(device, dtype)
         layer.placement = placement
         self._apply_cache.clear()  # batched apply stacked the old tensors
 
     def _fsdp_managed(self, module: nn.Module) -> bool:
-        """Whether FSDP2 manages ``module``'s parameters: it is in the model under a module that
-        ``fully_shard`` wrapped. Read only where a layer holds a plain parameter its module no
-        longer holds (the set of such modules is found again until it holds ``module``)."""
-        if id(module) not in self._fsdp_modules:
-            try:
-                from torch.distributed.fsdp import FSDPModule
-            except ImportError:  # pragma: no cover - a torch without FSDP2
-                return False
-            self._fsdp_modules = {id(inner) for outer in self._model.modules() if isinstance(outer, FSDPModule)
-                                  for inner in outer.modules()}
-        return id(module) in self._fsdp_modules
+        """Whether FSDP2 manages ``module``'s parameters: it or a module above it in the model
+        was wrapped by ``fully_shard`` (which changes the wrapped module's class in place). Read
+        only where a layer holds a plain parameter its module no longer holds (``to_empty`` from
+        meta, a parametrization, fully_shard). The modules above each layer's module are found
+        by one walk of the model, at most once per step (forwards and step), kept until the next
+        step; each query checks that chain's classes: metadata, no host sync."""
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover - a torch without FSDP2
+            return False
+        chains = self._module_chains
+        if chains is None or self._module_chains_step != self._steps:
+            chains = self._module_chains = _chains_above(self._model, {id(layer.module) for layer in self._layers})
+            self._module_chains_step = self._steps
+        return any(isinstance(above, FSDPModule) for above in chains.get(id(module), ()))
 
     def _bind_to_model(self) -> bool:
         """Before the first step: if ``fully_shard(model)`` replaced the registered modules'
@@ -1102,6 +1123,28 @@ def _method_settings(spec_class: type[MethodSpec], given: dict[str, Any], engine
             value = option.check(name, value)
         settings[name] = value
     return settings
+
+
+def _chains_above(model: nn.Module, targets: set[int]) -> dict[int, tuple[nn.Module, ...]]:
+    """For each module of ``model`` whose id is in ``targets``: ``model``, the modules between,
+    and the module itself, along the first path :meth:`nn.Module.modules` reaches it by. One walk."""
+    chains: dict[int, tuple[nn.Module, ...]] = {}
+    visited: set[int] = set()
+    stack: list[tuple[nn.Module, tuple[nn.Module, ...]]] = [(model, (model,))]
+    while stack:
+        module, chain = stack.pop()
+        if id(module) in visited:
+            continue
+        visited.add(id(module))
+        if id(module) in targets:
+            chains[id(module)] = chain
+        stack.extend((child, chain + (child,)) for child in reversed(list(module.children())))
+    return chains
+
+
+def _max_over_ranks(values: torch.Tensor, group) -> None:
+    """In place: the elementwise maximum of ``values`` over the ranks of ``group`` (a collective)."""
+    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=group)
 
 
 def _remove_hooks(capture: ActivationCapture, forward_counter: Any) -> None:

@@ -329,3 +329,33 @@ def test_a_layer_whose_gradient_passed_through_before_its_first_refresh_is_not_w
             losses.append(loss.item())
     assert losses[-1] < losses[0]  # it trains
     assert not [str(w.message) for w in caught if MATCH in str(w.message)]
+
+
+def test_combined_verdict_takes_each_rank_largest_and_keeps_non_finite():
+    """``combine`` (MEM_OPT / HYBRID_OPT with a method whose holders hand gradients on: an
+    all-reduce MAX in the engine): every rank reports what any rank measured, a non-finite update
+    included; a rank that recorded nothing yet still joins with every layer's values."""
+    other = {}  # what the other rank measured, as _update_growth encodes it (-1: non-finite)
+
+    def combine(values: torch.Tensor) -> None:  # the other rank's values, encoded as _combined does
+        theirs = other["growth"]
+        values.copy_(torch.maximum(values, torch.where(theirs < 0, torch.iinfo(torch.int64).max, theirs)))
+
+    layers = [_Layer(0), _Layer(1), _Layer(2)]
+    health = Health(layers, captures=False, combine=combine)
+    # this rank recorded nothing yet; the other saw layer0 non-finite and layer2 at 2e3
+    other["growth"] = torch.tensor([-1, 0, 2000, -1, 0, 5], dtype=torch.int64)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        health.report_state(statistics_seen=True)
+    text = " ".join(_growth_warnings(record))
+    assert "layer0 (non-finite)" in text and "layer2 (2e+03x)" in text and "layer1" not in text, text
+    # this rank measured layer1's blow-up; the other rank nothing
+    health.record_updates(torch.tensor([1.0, 1.0, 1.0]), layers)
+    health.record_updates(torch.tensor([1.0, 3.0 * UPDATE_GROWTH_WARNING, 1.0]), layers)
+    other["growth"] = torch.zeros(6, dtype=torch.int64)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        health.report_state(statistics_seen=True)
+    text = " ".join(_growth_warnings(record))
+    assert "layer1 (3e+03x)" in text and "layer0" not in text and "layer2" not in text, text

@@ -77,8 +77,9 @@ class LayerMethod(abc.ABC):
     #: :meth:`preconditions` can be false on the ranks that hold the layer while it has a
     #: gradient (ikfac: a layer first called after the last refresh has no inverse until the
     #: next). A rank that does not hold the layer (MEM_OPT, HYBRID_OPT) receives the gradient
-    #: handed on with no way to tell it from an update, so its health checks leave the layer's
-    #: updates to the holders (kron_precond.health). ``False``: every rank judges them alike.
+    #: handed on with no way to tell it from an update, so its health checks record nothing for
+    #: the layer and take the holders' verdict, combined over the ranks at each check
+    #: (kron_precond.health). ``False``: every rank judges them alike.
     hands_on_gradients: bool = False
 
     def preconditions(self) -> bool | torch.Tensor:
