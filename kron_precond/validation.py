@@ -79,6 +79,19 @@ def check_float_dtype(name: str, value: Any, *, allow_none: bool = False) -> tor
     return value
 
 
+def check_statistics_dtype(name: str, value: Any) -> torch.dtype | None:
+    """``None`` or a floating dtype other than float16 for a method's statistics (``factor_dtype``):
+    float16's range (6.1e-5 to 65 504) loses a mean of squares at ordinary scales -- inputs of
+    size 300 overflow it (non-finite statistics are skipped: the layer is never preconditioned),
+    of size 1e-4 round it to 0, with no warning. bfloat16 costs the same with float32's range."""
+    value = check_float_dtype(name, value, allow_none=True)
+    if value == torch.float16:
+        raise ValueError(f"{name} must be None, torch.float32, torch.float64 or torch.bfloat16 (float16's range, "
+                         f"6.1e-5 to 65504, loses the statistics: inputs of size 300 overflow them, of size 1e-4 "
+                         f"round them to 0), got {value!r}")
+    return value
+
+
 def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")

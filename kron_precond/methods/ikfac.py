@@ -363,20 +363,6 @@ def _check_rows(name: str, value) -> int | None:
     return None if value is None else check.check_int(name, value)
 
 
-def _check_factor_dtype(name: str, value) -> torch.dtype | None:
-    """None (the parameters' dtype, float32 or wider), torch.float32, torch.float64 or
-    torch.bfloat16. Not float16: its range (6.1e-5 to 65 504) loses A, a mean of squared
-    activations, at both ends: activations of size 300 overflow it (non-finite statistics,
-    skipped, so the layer is never preconditioned) and of size 1e-4 round to an all-zero A.
-    bfloat16 has float32's range and A is inverted in float32 or better: it is only rounded
-    (0.4-0.7% from the float64 average at the default decay, tests/test_ikfac.py; 1.2% at 0.99)."""
-    value = check.check_float_dtype(name, value, allow_none=True)
-    if value == torch.float16:
-        raise ValueError(f"{name} must be None, torch.float32, torch.float64 or torch.bfloat16 (float16's range, "
-                         f"6.1e-5 to 65504, loses A: activations of size 300 overflow it, of size 1e-4 round "
-                         f"to 0), got {value!r}")
-    return value
-
 
 def _check_inv_dtype(name: str, value) -> torch.dtype:
     if value not in (torch.float32, torch.float64):
@@ -400,7 +386,7 @@ class InputKFACSpec(MethodSpec):
         "inv_update_steps": Option(32, check.check_int, per_step="always", collective=True),
         "damping": Option(0.2, check.check_positive, per_step="refresh"),
         "factor_decay": Option(0.95, _check_decay, per_step="statistics"),
-        "factor_dtype": Option(None, _check_factor_dtype, collective=True),
+        "factor_dtype": Option(None, check.check_statistics_dtype, collective=True),
         "inv_dtype": Option(torch.float32, _check_inv_dtype, collective=True),
         "statistics_rows": Option(None, _check_rows),
         "moment_decay": Option(None, check_moment_decay),

@@ -650,16 +650,6 @@ def _adopt_into_stacks(layers: Sequence[KFACLayer]) -> dict[str, Any]:
     return stacks
 
 
-def _check_factor_dtype(name: str, value) -> torch.dtype | None:
-    """None, or a floating dtype other than float16, whose range (6.1e-5 to 65 504) loses
-    A and G: they overflow (skipped as non-finite: the layer is never preconditioned) or
-    round to 0 (no warning) at ordinary scales. bfloat16 has float32's range."""
-    value = check.check_float_dtype(name, value, allow_none=True)
-    if value == torch.float16:
-        raise ValueError(f"{name} must be None, torch.float32, torch.float64 or torch.bfloat16 (float16's "
-                         f"range, 6.1e-5 to 65504, loses A and G), got {value!r}")
-    return value
-
 
 def _check_inv_dtype(name: str, value) -> torch.dtype:
     if value not in (torch.float32, torch.float64, torch.bfloat16):
@@ -698,7 +688,7 @@ class KFACSpec(MethodSpec):
         "factor_decay": Option(0.95, _check_decay, per_step="statistics"),
         "compute_method": Option(ComputeMethod.EIGEN, _check_compute_method, collective=True),
         "compute_eigenvalue_outer_product": Option(True, check.check_bool),
-        "factor_dtype": Option(None, _check_factor_dtype,
+        "factor_dtype": Option(None, check.check_statistics_dtype,
                                collective=True),
         "inv_dtype": Option(torch.float32, _check_inv_dtype, collective=True),
         "statistics_rows": Option(None, _check_statistics_rows),

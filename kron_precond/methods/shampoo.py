@@ -438,16 +438,6 @@ def _element_size(dtype: torch.dtype) -> int:
 
 
 # ---------------------------------------------------------------------- options
-def _check_factor_dtype(name: str, value) -> torch.dtype | None:
-    """None, or a floating dtype other than float16, whose range (6.1e-5 to 65 504) loses
-    the statistics: they overflow (skipped as non-finite: the layer is never preconditioned) or
-    round to 0 (no warning) at ordinary scales. bfloat16 has float32's range."""
-    value = check.check_float_dtype(name, value, allow_none=True)
-    if value == torch.float16:
-        raise ValueError(f"{name} must be None, torch.float32, torch.float64 or torch.bfloat16 (float16's "
-                         f"range, 6.1e-5 to 65504, loses the statistics), got {value!r}")
-    return value
-
 
 def _check_inv_dtype(name: str, value) -> torch.dtype:
     if value not in (torch.float32, torch.float64, torch.bfloat16):
@@ -481,7 +471,7 @@ class ShampooSpec(MethodSpec):
         # on by default: ungrafted, stale roots between refreshes can diverge (module docstring)
         "grafting": Option(True, check.check_bool),
         "max_factor_size": Option(8192, check.check_int, collective=True),
-        "factor_dtype": Option(None, _check_factor_dtype,
+        "factor_dtype": Option(None, check.check_statistics_dtype,
                                collective=True),
         "inv_dtype": Option(torch.float32, _check_inv_dtype, collective=True),
     }
