@@ -201,11 +201,12 @@ def test_deterministic_ties_and_registration_order():
 
 # ----------------------------------------------------------------------------- grid
 class FakeDist:
-    """Stands in for ``torch.distributed`` inside ``groups``: records created groups."""
+    """Stands in for ``torch.distributed`` inside ``groups``: records created groups. The grid's
+    group is the first ``world`` ranks of a world ``outside`` ranks larger."""
 
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.created: list[tuple[int, ...]] = []
+    def __init__(self, world: int, rank: int, outside: int = 0) -> None:
+        self.world, self.rank, self.outside = world, rank, outside
+        self.created: list[tuple[tuple[int, ...], bool]] = []
         self.group = SimpleNamespace(WORLD="WORLD")
         self.GroupMember = SimpleNamespace(NON_GROUP_MEMBER="not a member")
 
@@ -213,19 +214,25 @@ class FakeDist:
         assert group == "WORLD"
         return list(range(self.world))
 
+    def get_world_size(self, group=None):
+        assert group is None
+        return self.world + self.outside
+
     def new_group(self, members, use_local_synchronization=False):
-        # only the members create a group (so ranks outside a sub-group are never needed)
-        assert use_local_synchronization
-        self.created.append(tuple(members))
+        self.created.append((tuple(members), use_local_synchronization))
+        if self.rank not in members:
+            assert not use_local_synchronization  # only the members create a local group
+            return self.GroupMember.NON_GROUP_MEMBER
         return ("group", tuple(members))
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["whole-world", "sub-group"])
 @pytest.mark.parametrize("world,workers", [(4, 1), (4, 2), (4, 4), (6, 2), (6, 3), (2, 1), (2, 2), (3, 1), (3, 3)])
-def test_worker_grid_arithmetic(monkeypatch, world, workers):
+def test_worker_grid_arithmetic(monkeypatch, world, workers, whole):
     columns = world // workers
     created_by_rank = []
     for rank in range(world):
-        fake = FakeDist(world)
+        fake = FakeDist(world, rank, outside=0 if whole else 2)
         monkeypatch.setattr(groups_module, "dist", fake)
         grid = WorkerGrid(world, rank, workers)
         created_by_rank.append(fake.created)
@@ -253,13 +260,22 @@ def test_worker_grid_arithmetic(monkeypatch, world, workers):
         else:
             assert grid.row_group == ("group", tuple(row))
         assert grid.global_rank(rank) == rank
-    # every group is created by exactly its members (group-local synchronisation), each
-    # rank creating its column's group before its row's
-    for rank, created in enumerate(created_by_rank):
-        assert all(rank in members for members in created)
-        assert len(created) == (workers > 1 and columns > 1) * 2
-    for members in {m for created in created_by_rank for m in created}:
-        assert [r for r, created in enumerate(created_by_rank) if members in created] == list(members)
+        assert grid.creates_groups == (workers > 1 and columns > 1)
+    makes = workers > 1 and columns > 1
+    if whole:
+        # the whole world builds the grid: every rank creates every group (world-collective
+        # new_group, named by a count every rank advances alike), columns then rows, in one order
+        expected = [(tuple(range(c, world, columns)), False) for c in range(columns)] + \
+                   [(tuple(range(w * columns, (w + 1) * columns)), False) for w in range(workers)]
+        assert all(created == (expected if makes else []) for created in created_by_rank)
+    else:
+        # a sub-group: every group is created by exactly its members (group-local
+        # synchronisation), each rank creating its column's group before its row's
+        for rank, created in enumerate(created_by_rank):
+            assert all(rank in members and local for members, local in created)
+            assert len(created) == makes * 2
+        for members in {m for created in created_by_rank for m, _ in created}:
+            assert [r for r, created in enumerate(created_by_rank) if (members, True) in created] == list(members)
 
 
 def test_worker_grid_single_process_and_invalid():
@@ -287,3 +303,31 @@ def test_grad_worker_fraction_rejects_non_divisors(fraction, world):
     from kron_precond.preconditioner import _grad_workers
     with pytest.raises(ValueError, match="grad_worker_fraction"):
         _grad_workers(fraction, world)
+
+
+# ----------------------------------------------------------------------------- equal costs
+def test_items_of_equal_cost_spread_over_the_ranks():
+    # zero costs (a method with no refresh work to balance): the load never grows, so the item
+    # count breaks the tie -- not always rank 0 (every layer on it: [8, 0, 0, 0])
+    result = assign_work(single_part([0] * 8), 4)
+    per_rank = [sum(1 for r in result.owners.values() if r == rank) for rank in range(4)]
+    assert per_rank == [2, 2, 2, 2]
+    assert [result.owner(f"L{i}", "all") for i in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert result.imbalance == pytest.approx(1.0)
+
+
+def test_imbalance_of_zero_loads_counts_items():
+    # every load 0: balance is judged by the items each rank holds, not reported perfect
+    result = assign_work(single_part([0] * 3), 2)
+    assert result.loads == [0.0, 0.0]
+    assert result.imbalance == pytest.approx(2 / 1.5)
+    assert assign_work({}, 2).imbalance == 1.0
+
+
+def test_second_moment_costs_grow_with_the_moment():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(4, 2, bias=False))
+    precond = KronPreconditioner(model, method="second_moment")
+    costs = [layer.method.factor_costs()["moment"] for layer in precond._layers]
+    sizes = [8 * 9, 4 * 9, 2 * 4]
+    assert all(c[0] > 0 for c in costs)
+    assert [c[0] / s for c, s in zip(costs, sizes)] == pytest.approx([costs[0][0] / sizes[0]] * 3)

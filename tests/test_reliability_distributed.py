@@ -11,6 +11,11 @@
 * HYBRID_OPT with a user-given sub-``process_group`` created its groups with torch's
   world-collective ``new_group``: two jobs on disjoint rank sets each created "their"
   groups under the same names and hung.
+* HYBRID_OPT after some ranks made a process group of their own (``use_local_synchronization``)
+  hung: torch named the grid's groups after each rank's count of groups. The whole world now
+  creates them collectively (names agree); a sub-group whose ranks' counts differ is refused on
+  every rank. A ``process_group`` of the wrong type, or one this rank is not in, is refused
+  naming it.
 
 Real gloo processes (``dist_utils.run_workers``) with hard timeouts; each spawn here is
 short and a hang fails its test after ``TIMEOUT`` seconds.
@@ -174,3 +179,75 @@ def test_hybrid_opt_in_disjoint_sub_process_groups_does_not_hang(tmp_path):
         assert all(torch.equal(r["params"], ranks[0]["params"]) for r in ranks)
     # Both jobs train the same model on the same data: the same result.
     assert torch.equal(results[0]["params"], results[4]["params"])
+
+
+# ----------------------------------------------------------------------------- grid groups' names
+# torch (2.13) names a group made with ``use_local_synchronization=True`` after its ranks and the
+# number of groups the creating process already has: ranks whose group histories differ (here
+# ranks 0 and 1 made a pair of their own first) named "the same" grid group differently, never met,
+# and the construction hung (torch's default timeout: 30 min).
+def _side_group_first_worker(rank, world, out_dir, sub_group):
+    if rank in (0, 1):
+        side = dist.new_group([0, 1], use_local_synchronization=True)  # e.g. an evaluation pair
+        dist.all_reduce(torch.ones(1), group=side)
+    members = list(range(4))
+    group = dist.new_group(members) if sub_group else None  # every rank makes it (torch's rule)
+    if sub_group and rank not in members:
+        return None  # outside the job
+    model = make_model()
+    start = time.monotonic()
+    try:
+        precond = KronPreconditioner(model, grad_worker_fraction=DistributedStrategy.HYBRID_OPT,
+                                     process_group=group, inv_dtype=F64)
+        for step in range(2):
+            train_step(model, precond, step, rank, 4, group=group)
+    except ValueError as err:
+        return {"error": str(err), "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start, "grad_workers": precond.grad_workers,
+            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+
+
+def test_hybrid_opt_after_a_local_group_on_some_ranks_builds_and_steps(tmp_path):
+    # the whole world: the grid's groups are made by every rank, in one order (names agree)
+    results = run_workers(_side_group_first_worker, 4, tmp_path, False, timeout=TIMEOUT)
+    assert [r["error"] for r in results] == [None] * 4
+    assert all(r["grad_workers"] == 2 for r in results)
+    assert all(torch.equal(r["params"], results[0]["params"]) for r in results)
+
+
+def test_hybrid_opt_sub_group_after_a_local_group_on_some_ranks_is_refused_on_every_rank(tmp_path):
+    # a sub-group (rank 4 outside it): the grid's groups can only be made by their members, whose
+    # names then differ: refused on every rank of the group, quickly, naming the cause and remedies
+    results = run_workers(_side_group_first_worker, 5, tmp_path, True, timeout=TIMEOUT)
+    assert results[4] is None
+    for rank, result in enumerate(results[:4]):
+        message = result["error"]
+        assert message is not None, rank
+        assert "process groups" in message and "COMM_OPT" in message and "MEM_OPT" in message, message
+        assert result["seconds"] < 20.0, (rank, result["seconds"])
+
+
+# ----------------------------------------------------------------------------- process_group values
+def _bad_process_group_worker(rank, world, out_dir):
+    pair = dist.new_group([0, 1])  # every rank makes it (torch's rule); rank 2 is not in it
+    out = {}
+    cases = {"list": [0, 1, 2], "string": "world", "int": 0}
+    if rank == 2:
+        cases["not a member"] = pair
+    for name, value in cases.items():
+        try:
+            KronPreconditioner(make_model(), process_group=value, inv_dtype=F64)
+            out[name] = ("no error", "")
+        except Exception as err:  # noqa: BLE001 - its type is checked
+            out[name] = (type(err).__name__, str(err))
+    return out
+
+
+def test_a_process_group_of_the_wrong_type_or_without_this_rank_is_refused(tmp_path):
+    results = run_workers(_bad_process_group_worker, 3, tmp_path, timeout=TIMEOUT)
+    for rank, result in enumerate(results):
+        for name in ("list", "string", "int"):
+            kind, message = result[name]
+            assert kind == "TypeError" and "process_group" in message, (rank, name, kind, message)
+    kind, message = results[2]["not a member"]
+    assert kind == "ValueError" and "process_group" in message and "rank 2" in message, (kind, message)

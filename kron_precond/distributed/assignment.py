@@ -33,9 +33,24 @@ class WorkAssignment:
 
     @property
     def imbalance(self) -> float:
-        """Max rank load over mean rank load (1.0 is perfect balance)."""
+        """Max rank load over mean rank load (1.0 is perfect balance); where every load is 0
+        (work estimated as free), of the items each rank holds instead."""
         mean = sum(self.loads) / len(self.loads)
-        return max(self.loads) / mean if mean > 0 else 1.0
+        if mean > 0:
+            return max(self.loads) / mean
+        counts = self.item_counts
+        mean = sum(counts) / len(counts)
+        return max(counts) / mean if mean > 0 else 1.0
+
+    @property
+    def item_counts(self) -> list[int]:
+        """Work items (layers, or parts when not colocated) placed on each rank."""
+        counts = [0] * len(self.loads)
+        items = {layer: next(iter(parts.values())) for layer, parts in self.layers.items()} if self.colocated \
+            else {key: rank for key, rank in self.owners.items()}
+        for rank in items.values():
+            counts[rank] += 1
+        return counts
 
     def summary(self) -> str:
         lines = [f"work assignment ({self.strategy.value}, colocated={self.colocated}, "
@@ -62,8 +77,9 @@ def assign_work(
         strategy: COMPUTE balances the first estimate, MEMORY the second.
         colocate: keep all parts of a layer on one rank.
 
-    Items are placed largest first on the least-loaded rank; ties go to the lowest rank
-    and equal costs keep registration order, so every rank computes the same answer.
+    Items are placed largest first on the least-loaded rank; equal loads go to the rank
+    holding fewer items, then to the lowest rank (so items estimated as free spread over
+    the ranks), and equal costs keep registration order: every rank computes the same answer.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -79,13 +95,13 @@ def assign_work(
                 items.append((cost[index], order, layer, [part]))
                 order += 1
     items.sort(key=lambda item: (-item[0], item[1]))
-    heap = [(0.0, rank) for rank in range(world_size)]
+    heap = [(0.0, 0, rank) for rank in range(world_size)]
     loads = [0.0] * world_size
     owners: dict[tuple[str, str], int] = {}
     for item_cost, _, layer, item_parts in items:
-        load, rank = heapq.heappop(heap)
+        load, count, rank = heapq.heappop(heap)
         loads[rank] = load + item_cost
-        heapq.heappush(heap, (loads[rank], rank))
+        heapq.heappush(heap, (loads[rank], count + 1, rank))
         for part in item_parts:
             owners[(layer, part)] = rank
     # Report in registration order, independent of placement order.

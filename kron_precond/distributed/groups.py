@@ -37,26 +37,44 @@ class WorkerGrid:
         global_ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
         self._global_ranks = global_ranks
         whole = self.process_group if self.process_group is not None else dist.group.WORLD
-        # Each rank creates only the groups it belongs to (its column, then its row), with
-        # group-local synchronisation: ranks outside ``process_group`` -- which never build
-        # this grid -- must not be needed, or a sub-group would hang the whole world.
-        # (torch's default ``new_group`` is collective over every rank of the world.)
         my_column, my_row = self.column_of(self.rank), self.row_of(self.rank)
+        columns = [[global_ranks[r] for r in range(c, self.world_size, self.columns)] for c in range(self.columns)]
+        rows = [[global_ranks[w * self.columns + c] for c in range(self.columns)] for w in range(self.grad_workers)]
+        made_by_all = self.creates_groups and spans_the_world(global_ranks)
+        if made_by_all:
+            # The whole world builds this grid: every rank creates every group, in one order,
+            # with torch's world-collective ``new_group``. Its names come from a count every rank
+            # advances alike, so they agree whatever other groups single ranks made before (a
+            # group made with local synchronisation is named after the number of groups its
+            # creator already has, which may differ by rank: such names never met -- a hang).
+            made_columns = [dist.new_group(members) for members in columns]
+            made_rows = [dist.new_group(members) for members in rows]
+        # Otherwise (a sub-group) each rank creates only the groups it belongs to (its column,
+        # then its row), with group-local synchronisation: ranks outside ``process_group`` --
+        # which never build this grid -- must not be needed, or a sub-group would hang the whole
+        # world (torch's default ``new_group`` is collective over every rank of the world). Their
+        # names agree only if the ranks have as many process groups each (Runtime.check_agreement).
         if self.grad_workers > 1:
             for column in range(self.columns):
                 if self.columns == 1:
                     self._column_groups[column] = whole
+                elif made_by_all:
+                    self._column_groups[column] = made_columns[column]
                 elif column == my_column:
-                    members = [global_ranks[r] for r in range(column, self.world_size, self.columns)]
-                    self._column_groups[column] = _local_group(members)
+                    self._column_groups[column] = _local_group(columns[column])
                 else:  # exists, but this rank is not in it
                     self._column_groups[column] = dist.GroupMember.NON_GROUP_MEMBER
         if self.columns > 1:
             if self.grad_workers == 1:
                 self._row_group = whole
             else:
-                members = [global_ranks[my_row * self.columns + c] for c in range(self.columns)]
-                self._row_group = _local_group(members)
+                self._row_group = made_rows[my_row] if made_by_all else _local_group(rows[my_row])
+
+    @property
+    def creates_groups(self) -> bool:
+        """Whether this grid creates process groups of its own (``1 < grad_workers < world_size``:
+        HYBRID_OPT and such fractions); COMM_OPT and MEM_OPT use the process group itself."""
+        return self.world_size > 1 and 1 < self.grad_workers < self.world_size
 
     def row_of(self, rank: int) -> int:
         return rank // self.columns
@@ -90,6 +108,11 @@ class WorkerGrid:
         if self.world_size == 1:
             return rank
         return self._global_ranks[rank]
+
+
+def spans_the_world(global_ranks: list[int]) -> bool:
+    """Whether a group of these global ranks is the whole world (every rank builds its grid)."""
+    return len(global_ranks) == dist.get_world_size()
 
 
 def _local_group(members: list[int]):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kron_precond.distributed import collectives
-from kron_precond.distributed.groups import WorkerGrid
+from kron_precond.distributed.groups import WorkerGrid, spans_the_world
 from kron_precond.distributed.sharded import OwnerExchange, ShardedLayout, is_dtensor
 
 #: Seconds a rank that enters a gather every rank must enter (``gather_state_dict()``, and
@@ -39,10 +39,16 @@ class Runtime:
     """
 
     def __init__(self, process_group, *, bucket_cap_bytes: int, symmetric: bool) -> None:
+        _check_process_group(process_group)
         self.process_group = process_group
         if dist.is_available() and dist.is_initialized():
             self.world_size = dist.get_world_size(process_group)
             self.rank = dist.get_rank(process_group)
+            if self.rank < 0:  # torch's answer for a rank outside the group
+                raise ValueError(
+                    f"process_group: this process (global rank {dist.get_rank()}) is not a member of the "
+                    f"process group given (its global ranks: {dist.get_process_group_ranks(process_group)}); "
+                    "build the preconditioner only on the ranks of its process_group, with that group")
         else:
             self.world_size, self.rank = 1, 0
         self.bucket_cap_bytes = bucket_cap_bytes
@@ -55,6 +61,9 @@ class Runtime:
         # store (agreed by check_agreement) and how many gathers it entered (the same on every rank)
         self._instance = 0
         self._gathers = 0
+        # per rank of the group (check_agreement): how many process groups it had, by the two
+        # counts torch names new groups after (None: not gathered)
+        self._group_counts: list[tuple[int, int]] | None = None
 
     # ------------------------------------------------------------------ set-up
     def check_agreement(self, description: str, model: nn.Module) -> None:
@@ -75,11 +84,16 @@ class Runtime:
                 checksum += (i + 1) * (flat * weights).sum()
         # and a random name (52 bits: exact in float64) for this preconditioner, rank 0's for all
         nonce = torch.tensor(float(secrets.randbits(52)), dtype=torch.float64, device=device)
-        local = torch.stack([torch.tensor(float(fingerprint), dtype=torch.float64, device=device), checksum, nonce])
+        # and the counts torch names the worker grid's new groups after (create_grid compares them)
+        groups, world_groups = _process_group_counts()
+        local = torch.stack([torch.tensor(float(fingerprint), dtype=torch.float64, device=device), checksum, nonce,
+                             torch.tensor(float(groups), dtype=torch.float64, device=device),
+                             torch.tensor(float(world_groups), dtype=torch.float64, device=device)])
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(gathered, local, group=self.process_group)
         values = torch.stack(gathered).tolist()
         self._instance = int(values[0][2])
+        self._group_counts = [(int(v[3]), int(v[4])) for v in values]
         if len({v[0] for v in values}) > 1:
             raise ValueError("ranks registered different layers or use different settings: check "
                              "skip_layers, method, its options (e.g. factor_update_steps, inv_update_steps, "
@@ -98,7 +112,42 @@ class Runtime:
         return collectives.failed_ranks(failed, device, self.process_group)
 
     def create_grid(self, grad_workers: int) -> None:
+        """The worker grid; ``ValueError`` on every rank (instead of a hang) where it would create
+        process groups whose names differ across ranks (see :meth:`_check_group_names`)."""
+        self._check_group_names(grad_workers)
         self.grid = WorkerGrid(self.world_size, self.rank, grad_workers, self.process_group)
+
+    def _check_group_names(self, grad_workers: int) -> None:
+        """torch (2.13) names a new process group after a count kept by each process: a group made
+        by its members only (``use_local_synchronization=True``) after the number of process groups
+        its creator has, one made by every rank after the number of such world-collective groups.
+        Ranks whose counts differ name the same group differently and never meet in it: the grid's
+        creation would hang (torch's default timeout: 30 minutes). Decided from the counts
+        :meth:`check_agreement` gathered (the same on every rank), so every rank raises alike."""
+        counts = self._group_counts
+        if counts is None or not (1 < grad_workers < self.world_size):
+            return  # the grid creates no group (COMM_OPT, MEM_OPT, one rank)
+        ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
+        whole = spans_the_world(ranks)
+        index = 1 if whole else 0  # which count names the groups: see WorkerGrid._create_groups
+        seen = [c[index] for c in counts]
+        if min(seen) < 0 or len(set(seen)) == 1:
+            return  # agreed (or torch keeps no count this version can read: nothing to compare)
+        if whole:
+            cause = (f"the ranks made different numbers of world-collective process groups before it "
+                     f"(torch.distributed.new_group without use_local_synchronization, per rank of the group: "
+                     f"{seen}), which every rank of the world must make alike")
+        else:
+            cause = (f"with a process_group smaller than the world, its ranks create these groups among "
+                     f"themselves (use_local_synchronization=True), which torch names after the number of "
+                     f"process groups each rank already has, and those differ (per rank of the group: "
+                     f"{seen}): e.g. some ranks made a group of their own first")
+        raise ValueError(
+            f"grad_worker_fraction: {grad_workers} gradient workers of {self.world_size} ranks need process "
+            f"groups of their own, and {cause}; the ranks would name them differently and never meet (a hang). "
+            "Build the preconditioner before any process group that only some ranks make, make the same "
+            "process groups on every rank of the group, or use grad_worker_fraction=DistributedStrategy.COMM_OPT "
+            "or DistributedStrategy.MEM_OPT, which create no process groups")
 
     def _grid(self) -> WorkerGrid:
         """The worker grid, once :meth:`create_grid` made it (placement queries need it)."""
@@ -292,6 +341,32 @@ class Runtime:
         payload: list[Any] = [_to_cpu(local_state) if local_state is not None else None]
         dist.broadcast_object_list(payload, src=self._grid().global_rank(owner), group=self.process_group)
         return payload[0]
+
+
+def _check_process_group(process_group) -> None:
+    """``TypeError`` unless ``process_group`` is ``None`` or a ProcessGroup; ``ValueError`` for
+    torch's marker of a group this rank is not in (what ``new_group`` returns there)."""
+    if process_group is None:
+        return
+    if dist.is_available() and isinstance(process_group, dist.ProcessGroup):
+        return
+    marker = dist.GroupMember.NON_GROUP_MEMBER if dist.is_available() else None
+    if (type(process_group) is type(marker) and process_group == marker and dist.is_initialized()):
+        raise ValueError(f"process_group: this process (global rank {dist.get_rank()}) is not a member of the "
+                         "process group given (torch.distributed.new_group returned GroupMember.NON_GROUP_MEMBER "
+                         "here); build the preconditioner only on the ranks of its process_group, with that group")
+    raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got "
+                    f"{type(process_group).__name__} {process_group!r}"[:300])
+
+
+def _process_group_counts() -> tuple[int, int]:
+    """This process's count of process groups, and of those made by every rank of the world, as
+    torch (2.13) names new groups after them (private state: ``-1`` each where it is not there)."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    try:
+        return len(world.pg_names), int(world.group_count)  # type: ignore[union-attr]
+    except (AttributeError, TypeError):
+        return -1, -1
 
 
 def _to_cpu(value):

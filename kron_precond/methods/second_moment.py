@@ -62,6 +62,11 @@ def check_moment_decay(name: str, value) -> float | None:
     return check.check_unit_interval(name, value, low_open=False, high_open=True)
 
 
+#: Estimated flops per moment entry and step (square, blend, root, add, divide; the count
+#: matters only relative to other layers of the same method: placement by compute cost).
+MOMENT_FLOPS_PER_ENTRY = 6.0
+
+
 class SecondMomentLayer(GradientMatrix, LayerMethod):
     """The running second moment of one Linear / ConvNd layer's gradient matrix."""
 
@@ -78,6 +83,23 @@ class SecondMomentLayer(GradientMatrix, LayerMethod):
                                   device=device)
         self.updates = update_counter(device)
         self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
+        self._holds = True
+
+    # Only the layer's gradient workers apply it (MEM_OPT: its owner), so only they keep the
+    # moment; elsewhere it is an empty tensor (no bytes), made whole again if the rank holds
+    # the layer once more. The engine sets ``holds_state`` after construction.
+    @property
+    def holds_state(self) -> bool:
+        return self._holds
+
+    @holds_state.setter
+    def holds_state(self, value: bool) -> None:
+        self._holds = bool(value)
+        if not value:
+            self.moment = self.moment.new_zeros((0, self.a_dim))
+        elif self.moment.numel() == 0:
+            self.moment = self.moment.new_zeros((self.g_dim, self.a_dim))
+            self.updates.zero_()
 
     # the moment is per-step state: nothing to refresh or broadcast
     def refresh(self, part: str, grads, ctx: StepContext) -> None:
@@ -87,7 +109,9 @@ class SecondMomentLayer(GradientMatrix, LayerMethod):
         return []
 
     def release_refreshed(self) -> None:
-        pass
+        """Drop the moment: this rank does not hold the layer (after a load: the engine loads
+        every layer on every rank, then releases those another rank holds)."""
+        self.holds_state = False
 
     def apply(self, grads: list[torch.Tensor], ctx: StepContext) -> list[torch.Tensor]:
         matrix = self.grads_to_matrix(grads)
@@ -120,7 +144,11 @@ class SecondMomentLayer(GradientMatrix, LayerMethod):
         return cls.unstack_matrices(layers, torch.where(use.reshape(-1, 1, 1), out, matrices))
 
     def factor_costs(self) -> dict[str, tuple[float, float]]:
-        return {"moment": (0.0, float(self.moment.numel()))}
+        """The moment's holder does elementwise work on each of its entries every step (square,
+        blend, root, divide: a few flops each): placed as such, not as free work (which put every
+        layer on rank 0)."""
+        entries = float(self.g_dim * self.a_dim)
+        return {"moment": (MOMENT_FLOPS_PER_ENTRY * entries, entries)}
 
     def memory_by_kind(self) -> dict[str, int]:
         return {"moments": tensor_bytes([self.moment])}
@@ -133,6 +161,9 @@ class SecondMomentLayer(GradientMatrix, LayerMethod):
         self.updates = moved(self.updates, device)
 
     def state_dict(self) -> dict[str, Any]:
+        if not self._holds:
+            raise RuntimeError(f"{self.name}: this rank does not hold the layer's moment (its gradient "
+                               "workers do); gather the state from them")
         return {"moment": self.moment.clone(), "updates": int(self.updates)}
 
     def check_state(self, state: dict[str, Any]) -> None:
@@ -144,7 +175,8 @@ class SecondMomentLayer(GradientMatrix, LayerMethod):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
-        self.moment.copy_(state["moment"])  # in place: it may be a view into a stack
+        if self._holds:  # elsewhere no moment is kept (release_refreshed follows such a load)
+            self.moment.copy_(state["moment"])  # in place: it may be a view into a stack
         self.updates.fill_(int(state["updates"]))
 
 
