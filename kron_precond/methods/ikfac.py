@@ -102,6 +102,25 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
         self.moment = (torch.zeros(self.g_dim, self.a_dim, dtype=self.statistics_dtype, device=device)
                        if moment_decay is not None else None)
         self.updates = update_counter(device)  # second-moment updates
+        self._holds = True
+
+    # Only the layer's gradient workers apply the moment (MEM_OPT: its owner), so only they keep
+    # it; elsewhere it is an empty tensor (no bytes), made whole again if the rank holds the
+    # layer once more. The engine sets ``holds_state`` after construction.
+    @property
+    def holds_state(self) -> bool:
+        return self._holds
+
+    @holds_state.setter
+    def holds_state(self, value: bool) -> None:
+        self._holds = bool(value)
+        if self.moment is None:
+            return
+        if not value:
+            self.moment = self.moment.new_zeros((0, self.a_dim))
+        elif self.moment.numel() == 0:
+            self.moment = self.moment.new_zeros((self.g_dim, self.a_dim))
+            self.updates.zero_()
 
     # ------------------------------------------------------------------ statistics
     def activation_terms(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, int]:
@@ -182,8 +201,12 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
         return self._allocated()
 
     def release_refreshed(self) -> None:
+        """Drop the inverse and the moment: this rank does not hold the layer (after a load, the
+        engine loads every layer on every rank, then releases those another rank holds)."""
         self._refreshed = None
         self.ready = False
+        if self.moment is not None:
+            self.moment = self.moment.new_zeros((0, self.a_dim))
 
     def refresh(self, part: str, grads, ctx: StepContext) -> None:
         """``(A + λI)⁻¹`` by Cholesky, ``λ = damping · tr(A) / dim``; previous inverse kept on failure."""
@@ -320,6 +343,8 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
         for dst, src in zip(self._allocated(), state["refreshed"], strict=True):
             dst.copy_(src)  # in place: they may be views into a batch of layers
         if self.moment is not None:
+            if self.moment.numel() == 0:  # released on this rank: whole again for the load
+                self.moment = self.moment.new_zeros((self.g_dim, self.a_dim))
             self.moment.copy_(state["moment"])
         self.ready = bool(state["ready"])
 
