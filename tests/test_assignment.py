@@ -316,6 +316,14 @@ def test_items_of_equal_cost_spread_over_the_ranks():
     assert result.imbalance == pytest.approx(1.0)
 
 
+def test_a_tie_of_positive_loads_goes_to_the_lowest_rank_as_before():
+    # the item count breaks ties of zero loads only: positive loads keep the placement the
+    # library always made (a resumed run places its layers where it did). Costs 6, 5, 3, 1, 1, 1
+    # on 2 ranks: after 6 | 5+3, 1 and 1 go to rank 0 (8 | 8), and the last 1 to rank 0 (lowest)
+    result = assign_work(single_part([3, 1, 1, 1, 6, 5]), 2)
+    assert [result.owner(f"L{i}", "all") for i in range(6)] == [1, 0, 0, 0, 0, 1]
+
+
 def test_imbalance_of_zero_loads_counts_items():
     # every load 0: balance is judged by the items each rank holds, not reported perfect
     result = assign_work(single_part([0] * 3), 2)

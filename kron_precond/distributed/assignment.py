@@ -77,9 +77,10 @@ def assign_work(
         strategy: COMPUTE balances the first estimate, MEMORY the second.
         colocate: keep all parts of a layer on one rank.
 
-    Items are placed largest first on the least-loaded rank; equal loads go to the rank
-    holding fewer items, then to the lowest rank (so items estimated as free spread over
-    the ranks), and equal costs keep registration order: every rank computes the same answer.
+    Items are placed largest first on the least-loaded rank; equal positive loads go to the
+    lowest rank, equal zero loads to the rank holding fewer items (so items estimated as free
+    spread over the ranks), and equal costs keep registration order: every rank computes the
+    same answer.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -101,7 +102,9 @@ def assign_work(
     for item_cost, _, layer, item_parts in items:
         load, count, rank = heapq.heappop(heap)
         loads[rank] = load + item_cost
-        heapq.heappush(heap, (loads[rank], count + 1, rank))
+        # ties of zero loads (items of no cost) go to the rank holding fewest items; ties of
+        # positive loads to the lowest rank, as they always did (a load never returns to zero)
+        heapq.heappush(heap, (loads[rank], count + 1 if loads[rank] == 0 else 0, rank))
         for part in item_parts:
             owners[(layer, part)] = rank
     # Report in registration order, independent of placement order.
