@@ -43,6 +43,7 @@ from kron_precond.attention import input_side_attention_units
 from kron_precond.methods import state_checks as checks
 from kron_precond.methods.base import GradientMatrix, LayerMethod, MethodSpec, Option, Selected, moved, tensor_bytes
 from kron_precond.methods.second_moment import (
+    MomentOnHolders,
     adopt_stack,
     check_moment_decay,
     count_skipped,
@@ -55,7 +56,7 @@ from kron_precond.modules import find_kfac_modules
 from kron_precond.schedules import IntervalSchedule, StepContext
 
 
-class InputKFACLayer(GradientMatrix, LayerMethod):
+class InputKFACLayer(MomentOnHolders, GradientMatrix, LayerMethod):
     """The activation factor, its damped inverse and (optionally) a second moment of one layer.
 
     Args:
@@ -102,25 +103,6 @@ class InputKFACLayer(GradientMatrix, LayerMethod):
         self.moment = (torch.zeros(self.g_dim, self.a_dim, dtype=self.statistics_dtype, device=device)
                        if moment_decay is not None else None)
         self.updates = update_counter(device)  # second-moment updates
-        self._holds = True
-
-    # Only the layer's gradient workers apply the moment (MEM_OPT: its owner), so only they keep
-    # it; elsewhere it is an empty tensor (no bytes), made whole again if the rank holds the
-    # layer once more. The engine sets ``holds_state`` after construction.
-    @property
-    def holds_state(self) -> bool:
-        return self._holds
-
-    @holds_state.setter
-    def holds_state(self, value: bool) -> None:
-        self._holds = bool(value)
-        if self.moment is None:
-            return
-        if not value:
-            self.moment = self.moment.new_zeros((0, self.a_dim))
-        elif self.moment.numel() == 0:
-            self.moment = self.moment.new_zeros((self.g_dim, self.a_dim))
-            self.updates.zero_()
 
     # ------------------------------------------------------------------ statistics
     def activation_terms(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, int]:

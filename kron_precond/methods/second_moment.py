@@ -67,9 +67,38 @@ def check_moment_decay(name: str, value) -> float | None:
 MOMENT_FLOPS_PER_ENTRY = 6.0
 
 
-class SecondMomentLayer(GradientMatrix, LayerMethod):
+class MomentOnHolders:
+    """``holds_state`` for a layer whose ``moment`` (``[g_dim, a_dim]``, or ``None``) only its
+    gradient workers apply (MEM_OPT: its owner): elsewhere the moment is an empty tensor (no
+    bytes), made whole again (and its update count reset) if the rank holds the layer once
+    more. The engine sets ``holds_state`` after construction."""
+
+    moment: torch.Tensor | None
+    g_dim: int
+    a_dim: int
+    updates: torch.Tensor
+    _holds = True
+
+    @property
+    def holds_state(self) -> bool:
+        return self._holds
+
+    @holds_state.setter
+    def holds_state(self, value: bool) -> None:
+        self._holds = bool(value)
+        if self.moment is None:
+            return
+        if not value:
+            self.moment = self.moment.new_zeros((0, self.a_dim))
+        elif self.moment.numel() == 0:
+            self.moment = self.moment.new_zeros((self.g_dim, self.a_dim))
+            self.updates.zero_()
+
+
+class SecondMomentLayer(MomentOnHolders, GradientMatrix, LayerMethod):
     """The running second moment of one Linear / ConvNd layer's gradient matrix."""
 
+    moment: torch.Tensor  # always kept (empty where this rank does not hold the layer)
     parts = ("moment",)
     expert = False  # one expert of a fused experts module (see idle_experts); set by make_layer
 
@@ -83,23 +112,6 @@ class SecondMomentLayer(GradientMatrix, LayerMethod):
                                   device=device)
         self.updates = update_counter(device)
         self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
-        self._holds = True
-
-    # Only the layer's gradient workers apply it (MEM_OPT: its owner), so only they keep the
-    # moment; elsewhere it is an empty tensor (no bytes), made whole again if the rank holds
-    # the layer once more. The engine sets ``holds_state`` after construction.
-    @property
-    def holds_state(self) -> bool:
-        return self._holds
-
-    @holds_state.setter
-    def holds_state(self, value: bool) -> None:
-        self._holds = bool(value)
-        if not value:
-            self.moment = self.moment.new_zeros((0, self.a_dim))
-        elif self.moment.numel() == 0:
-            self.moment = self.moment.new_zeros((self.g_dim, self.a_dim))
-            self.updates.zero_()
 
     # the moment is per-step state: nothing to refresh or broadcast
     def refresh(self, part: str, grads, ctx: StepContext) -> None:
