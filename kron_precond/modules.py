@@ -139,6 +139,12 @@ def _fsdp_module_class() -> type | None:
     return FSDPModule
 
 
+def is_fsdp_module(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` (FSDP2) wrapped ``module`` (it changes the module's class in place)."""
+    fsdp = _fsdp_module_class()
+    return fsdp is not None and isinstance(module, fsdp)
+
+
 def _unsharded(cls: type) -> type:
     """``cls``, or for FSDP2's class the one it was made from: the first class of its MRO that is
     not an FSDP2 class."""

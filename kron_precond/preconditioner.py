@@ -47,7 +47,14 @@ from kron_precond.enums import AssignmentStrategy, DistributedStrategy, strategy
 from kron_precond.health import Health
 from kron_precond.methods import registry
 from kron_precond.methods.base import LayerMethod, MethodSpec
-from kron_precond.modules import Selected, compile_skip_patterns, is_skipped, recording_frozen, refuse_lazy
+from kron_precond.modules import (
+    Selected,
+    compile_skip_patterns,
+    is_fsdp_module,
+    is_skipped,
+    recording_frozen,
+    refuse_lazy,
+)
 from kron_precond.schedules import StepContext, resolve
 
 logger = logging.getLogger("kron_precond")
@@ -426,9 +433,8 @@ class KronPreconditioner:
         runs in its own dtypes (autocast is turned off for it).
         """
         with torch.no_grad(), autocast_disabled():
-            if not self._bound:  # the first step: the parameters fully_shard put in since construction
-                self._bind_to_model()
-                self._bound = True
+            self._bind_before_first_step()  # the parameters fully_shard put in since construction
+            self._bound = True
             for layer in self._layers:  # first: a model sharded since the first step is refused here
                 self._follow_parameters(layer, at_step=True)
         if self._skipped_by_scaler():
@@ -737,23 +743,19 @@ class KronPreconditioner:
         meta, a parametrization, fully_shard). The modules above each layer's module are found
         by one walk of the model, at most once per step (forwards and step), kept until the next
         step; each query checks that chain's classes: metadata, no host sync."""
-        try:
-            from torch.distributed.fsdp import FSDPModule
-        except ImportError:  # pragma: no cover - a torch without FSDP2
-            return False
         chains = self._module_chains
         if chains is None or self._module_chains_step != self._steps:
             chains = self._module_chains = _chains_above(self._model, {id(layer.module) for layer in self._layers})
             self._module_chains_step = self._steps
-        return any(isinstance(above, FSDPModule) for above in chains.get(id(module), ()))
+        return any(is_fsdp_module(above) for above in chains.get(id(module), ()))
 
-    def _bind_to_model(self) -> bool:
+    def _bind_to_model(self) -> None:
         """Before the first step: if ``fully_shard(model)`` replaced the registered modules'
         parameters with DTensors since construction (a trainer that shards the model after the
         optimizer is built: Accelerate's FSDP2 ``prepare()``), take them, and the sharded layout,
         as if built after ``fully_shard``: the layers' parameters are re-read from their modules,
         the layout is validated (``ValueError`` as at construction), and the statistics and
-        gradient paths of sharded models are set up. Returns whether it rebound anything.
+        gradient paths of sharded models are set up.
 
         Metadata only (no collective, no host sync), the same on every rank; a no-op for a model
         not sharded since construction. The statistics gathered so far are kept: no step has
@@ -763,7 +765,7 @@ class KronPreconditioner:
                  if any(c is not p for (_, c), (_, p) in zip(current, layer.params))]
         if not any(is_dtensor(c) and not is_dtensor(p)
                    for layer, current in moved for (_, c), (_, p) in zip(current, layer.params)):
-            return False  # not sharded since construction (to_empty() from meta: _follow_parameters)
+            return  # not sharded since construction (to_empty() from meta: _follow_parameters)
         # FSDP2 shards every parameter of a module: each replaced one must now be the module's DTensor
         # of the same global shape. One replaced by a plain tensor (a module FSDP2 keeps gathered
         # after the backward) would leave a stale parameter, whose gradient no backward writes
@@ -784,7 +786,6 @@ class KronPreconditioner:
         self._adopted_sharding = True
         logger.info("kron_precond: the model was sharded (fully_shard) after the KronPreconditioner was built: "
                     "took the sharded parameters of %d layers at the first step", len(moved))
-        return True
 
     def _bind_before_first_step(self) -> None:
         """:meth:`_bind_to_model` where the first step has not come yet (the state-dict calls a

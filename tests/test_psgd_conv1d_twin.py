@@ -111,17 +111,23 @@ def relative_difference(model: nn.Module, twin: nn.Module) -> float:
     return max(((mine[k] - theirs[k]).norm() / theirs[k].norm()).item() for k in theirs)
 
 
-def train(model: nn.Module, settings: dict, steps: int = 6) -> KronPreconditioner:
-    precond = KronPreconditioner(model, method="psgd", precond_dtype=F64, **settings)
+def _run(model: nn.Module, precond: KronPreconditioner, steps: range) -> None:
+    """SGD on the preconditioned gradient over ``steps`` (each step's batch drawn from its number:
+    a run resumed at a step sees the uninterrupted run's batches)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    data = torch.Generator().manual_seed(1)
-    for _ in range(steps):
+    for step in steps:
+        data = torch.Generator().manual_seed(100 + step)
         x = torch.randn(16, 6, generator=data, dtype=F64)
         y = torch.randn(16, 4, generator=data, dtype=F64)
         optimizer.zero_grad()
         (model(x) - y).square().mean().backward()
         precond.step()
         optimizer.step()
+
+
+def train(model: nn.Module, settings: dict, steps: int = 6) -> KronPreconditioner:
+    precond = KronPreconditioner(model, method="psgd", precond_dtype=F64, **settings)
+    _run(model, precond, range(steps))
     return precond
 
 
@@ -247,18 +253,6 @@ def test_a_stored_layout_state_whose_factors_do_not_fit_is_refused_and_changes_n
                                          r"out\].* changed.*diagonal side now follows the nn\.Linear twin"):
         loaded.load_state_dict(old)
     assert_same(loaded.state_dict(), before)
-
-
-def _run(model: nn.Module, precond: KronPreconditioner, steps: range) -> None:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    for step in steps:
-        data = torch.Generator().manual_seed(100 + step)
-        x = torch.randn(16, 6, generator=data, dtype=F64)
-        y = torch.randn(16, 4, generator=data, dtype=F64)
-        optimizer.zero_grad()
-        (model(x) - y).square().mean().backward()
-        precond.step()
-        optimizer.step()
 
 
 DCP_SETTINGS = {"momentum_into_precond_update": True, "precond_dtype": F64}

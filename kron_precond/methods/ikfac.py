@@ -183,12 +183,8 @@ class InputKFACLayer(MomentOnHolders, GradientMatrix, LayerMethod):
         return self._allocated()
 
     def release_refreshed(self) -> None:
-        """Drop the inverse and the moment: this rank does not hold the layer (after a load, the
-        engine loads every layer on every rank, then releases those another rank holds)."""
         self._refreshed = None
         self.ready = False
-        if self.moment is not None:
-            self.moment = self.moment.new_zeros((0, self.a_dim))
 
     def refresh(self, part: str, grads, ctx: StepContext) -> None:
         """``(A + λI)⁻¹`` by Cholesky, ``λ = damping · tr(A) / dim``; previous inverse kept on failure."""
@@ -324,9 +320,7 @@ class InputKFACLayer(MomentOnHolders, GradientMatrix, LayerMethod):
             return
         for dst, src in zip(self._allocated(), state["refreshed"], strict=True):
             dst.copy_(src)  # in place: they may be views into a batch of layers
-        if self.moment is not None:
-            if self.moment.numel() == 0:  # released on this rank: whole again for the load
-                self.moment = self.moment.new_zeros((self.g_dim, self.a_dim))
+        if self.moment is not None and self.holds_state:  # elsewhere no moment is kept (MomentOnHolders)
             self.moment.copy_(state["moment"])
         self.ready = bool(state["ready"])
 
