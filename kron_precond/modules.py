@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 _logger = logging.getLogger("kron_precond")
 
@@ -143,6 +144,27 @@ def is_fsdp_module(module: nn.Module) -> bool:
     """Whether ``fully_shard`` (FSDP2) wrapped ``module`` (it changes the module's class in place)."""
     fsdp = _fsdp_module_class()
     return fsdp is not None and isinstance(module, fsdp)
+
+
+class ParametrizationWatch:
+    """Notices a ``torch.nn.utils.parametrize`` parametrization put on a module since it was
+    registered. The weight is then computed from ``parametrizations.<name>.original``, whose
+    gradient is not the weight's: the registered parameter gets no gradient any more, or (an
+    optimizer holding the original) a step in the wrong geometry. Registering a parametrization
+    swaps the module's class for a generated subclass, so the usual check is one identity test
+    (a module already parametrized at registration is asked every time)."""
+
+    __slots__ = ("module", "built_class")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.built_class = None if parametrize.is_parametrized(module) else type(module)
+
+    def since(self, names: Iterable[str]) -> list[str]:
+        """Which of ``names`` (plain parameters of the module at registration) are parametrized now."""
+        if type(self.module) is self.built_class:
+            return []
+        return [name for name in names if parametrize.is_parametrized(self.module, name)]
 
 
 def _unsharded(cls: type) -> type:

@@ -48,6 +48,7 @@ from kron_precond.health import Health
 from kron_precond.methods import registry
 from kron_precond.methods.base import LayerMethod, MethodSpec
 from kron_precond.modules import (
+    ParametrizationWatch,
     Selected,
     compile_skip_patterns,
     is_fsdp_module,
@@ -94,6 +95,7 @@ class Layer:
         # The parameters' device and dtype when the state was made: when the model is moved
         # after construction, the state follows (KronPreconditioner._follow_parameters).
         self.placement = (self.params[0][1].device, self.params[0][1].dtype)
+        self.parametrization = ParametrizationWatch(unit.module)  # one put on since is refused
 
     def gradients(self) -> list[torch.Tensor | None]:
         """This layer's gradients: ``.grad`` of each parameter (its row for an expert)."""
@@ -699,6 +701,8 @@ class KronPreconditioner:
         was made (``model.to(device / dtype)`` after construction, ``to_empty`` from
         ``meta``). Compares metadata only: no host sync. ``at_step``: called by :meth:`step`
         (outside any forward), where a model sharded since the first step is refused."""
+        if layer.parametrization.since(n for n, _ in layer.params):
+            raise self._parametrized_since()
         name, param = layer.params[0]
         current = getattr(layer.module, name, param)
         if is_dtensor(param) and not is_dtensor(current):
@@ -725,6 +729,18 @@ class KronPreconditioner:
             layer.params = [(n, getattr(layer.module, n, p)) for n, p in layer.params]
             param = current
         self._place_state(layer, param.device, param.dtype)
+
+    def _parametrized_since(self) -> RuntimeError:
+        """The error for layers given a ``torch.nn.utils.parametrize`` parametrization since they
+        were registered (all of them named)."""
+        found = [(layer.name, layer.parametrization.since(n for n, _ in layer.params)) for layer in self._layers]
+        names = ", ".join(f"{name!r} ({', '.join(tensors)})" for name, tensors in found if tensors)
+        return RuntimeError(
+            f"KronPreconditioner: layers {names} were reparametrized (torch.nn.utils.parametrize) after the "
+            f"preconditioner was built: each such tensor is now computed from parametrizations.<name>.original, "
+            f"whose gradient is not the tensor's, and the parameter the preconditioner holds gets none. Refused "
+            f"before the step changes anything. Parametrize before building the preconditioner (such a layer is then "
+            f"not preconditioned: its gradients pass through), or remove the parametrization")
 
     def _place_state(self, layer: Layer, device: torch.device, dtype: torch.dtype) -> None:
         """Move ``layer``'s state to ``device`` / ``dtype`` unless it is there (metadata only)."""

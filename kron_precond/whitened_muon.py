@@ -67,6 +67,7 @@ from kron_precond.distributed.sharded import ShardedLayout, is_dtensor
 from kron_precond.health import new_nonfinite_steps
 from kron_precond.methods import state_checks as checks
 from kron_precond.modules import (
+    ParametrizationWatch,
     Selected,
     UnsupportedModule,
     compile_skip_patterns,
@@ -763,6 +764,8 @@ class WhitenedMuon(torch.optim.Optimizer):
                 whitened.append(weight)
         # where each weight lives, read once at the first step (_refuse_sharded_since_built)
         self._homes = [(unit.module, unit.params[0][0], _weight(unit)) for unit in units + plain]
+        # a parametrization put on a whitened weight since is refused at every step (_refuse_parametrized)
+        self._parametrizations = [(ParametrizationWatch(module), attr, weight) for module, attr, weight in self._homes]
         self._homes_checked = False
         groups: list[dict[str, Any]] = [dict(params=whitened, algorithm=WHITENED)]
         if rest:
@@ -1058,6 +1061,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         if not self._homes_checked:
             self._refuse_sharded_since_built()
             self._homes_checked = True
+        self._refuse_parametrized()
         for index, group in enumerate(self.param_groups):  # a value set since: checked before anything moves
             _check_group(index, group)
             if group["algorithm"] == WHITENED:
@@ -1153,6 +1157,22 @@ class WhitenedMuon(torch.optim.Optimizer):
                 f"built. Its param groups, statistics hooks and whiteners hold the old weights, which no gradient "
                 f"reaches any more (re-mapping the param groups, as Accelerate's prepare() does, does not move the "
                 f"rest): it would not update them. Nothing was changed: build WhitenedMuon after fully_shard(model)")
+
+    def _refuse_parametrized(self) -> None:
+        """``RuntimeError``, before anything changes, for whitened weights given a
+        ``torch.nn.utils.parametrize`` parametrization since this optimizer was built: the
+        weight is then computed from ``parametrizations.<name>.original``, and whitening the
+        original's gradient by the module's inputs is a step in the wrong geometry (built after,
+        the original is an AdamW parameter). One class identity test per weight and step."""
+        found = [weight for watch, attr, weight in self._parametrizations if watch.since((attr,))]
+        if found:
+            names = ", ".join(repr(self._names[id(w)]) for w in found[:4]) + (", ..." if len(found) > 4 else "")
+            raise RuntimeError(
+                f"WhitenedMuon: {names} were reparametrized (torch.nn.utils.parametrize) after WhitenedMuon was "
+                f"built: each is now computed from parametrizations.<name>.original, whose gradient is not the "
+                f"weight's, so whitening it by the module's inputs would step in the wrong geometry. Nothing was "
+                f"changed: parametrize before building WhitenedMuon (the original is then stepped by AdamW), or "
+                f"remove the parametrization")
 
     def _check_known(self, index: int, params: list[nn.Parameter]) -> None:
         """``RuntimeError`` for a whitened group's parameter this optimizer was not built on: its
