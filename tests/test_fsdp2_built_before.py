@@ -192,8 +192,7 @@ def run_meta(order: str, kwargs: dict, rank: int, world: int, mp_policy=None) ->
 
 
 def meta_worker(rank: int, world: int, out_dir: str) -> dict:
-    """One rank: with several, the constructor's agreement check cannot read a model on meta.
-    ``kfac-bf16``: the first layer's forward in bfloat16 (its gathered copy): the state made on
+    """``kfac-bf16``: the first layer's forward in bfloat16 (its gathered copy): the state made on
     meta goes to the CPU in float64, not in the copy's dtype."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -430,3 +429,13 @@ def _check_meta_runs(runs: dict, reference: dict) -> None:
 
 def test_built_on_meta_before_fully_shard_follows_to_empty_one_rank(tmp_path, reference):
     _check_meta_runs(run_workers(meta_worker, 1, tmp_path, timeout=120)[0], reference)
+
+
+def test_built_on_meta_follows_to_empty_two_ranks(tmp_path, reference):
+    """At several ranks too: the constructor's agreement check compares the settings (no values
+    on meta to compare) on the CPU, and every rank trains as one process on the full batch."""
+    ranks = run_workers(meta_worker, 2, tmp_path, timeout=180)
+    _check_meta_runs(ranks[0], reference)
+    for key, got in ranks[1].items():
+        assert isinstance(got, dict), (key, got)
+        assert torch.equal(got["trajectory"], ranks[0][key]["trajectory"]), key

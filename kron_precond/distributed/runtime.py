@@ -68,15 +68,20 @@ class Runtime:
     # ------------------------------------------------------------------ set-up
     def check_agreement(self, description: str, model: nn.Module) -> None:
         """Fail on every rank (instead of hanging later) if ranks disagree on ``description``
-        (registration and settings) or on the model's parameters."""
+        (registration and settings) or on the model's parameters. Parameters on ``meta`` (a model
+        materialised later with ``to_empty``) have no values to compare: the settings still are."""
         if self.world_size == 1:
             return
         fingerprint = int(hashlib.sha256(description.encode()).hexdigest()[:13], 16)
         device = next(iter(model.parameters())).device
+        if device.type == "meta":  # a model to materialise later (to_empty): no values to compare yet;
+            device = _collective_device(self.process_group)  # the settings still are
         with torch.no_grad():
             # Position-weighted, so permuted values do not cancel out.
             checksum = torch.zeros((), dtype=torch.float64, device=device)
             for i, param in enumerate(model.parameters()):
+                if param.device.type == "meta":
+                    continue
                 # compare whole values: shards differ by design
                 p = param.full_tensor() if is_dtensor(param) else param
                 flat = p.detach().double().reshape(-1)
@@ -357,6 +362,15 @@ def _check_process_group(process_group) -> None:
                          "here); build the preconditioner only on the ranks of its process_group, with that group")
     raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got "
                     f"{type(process_group).__name__} {process_group!r}"[:300])
+
+
+def _collective_device(group) -> torch.device:
+    """A device the collectives of ``group``'s backend take tensors on: the current CUDA device
+    for NCCL alone, the CPU otherwise (gloo, or a backend per device type that includes it)."""
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and "gloo" not in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _process_group_counts() -> tuple[int, int]:
