@@ -725,6 +725,14 @@ class KronPreconditioner:
                                           if getattr(other.module, other.params[0][0]) is not other.params[0][1]])
             self._place_state(layer, current.device, current.dtype if is_dtensor(current) else layer.placement[1])
             return
+        if current is not param and not at_step:
+            # in a forward: new Parameter objects (to_empty() from meta), or FSDP2's gathered copy of a
+            # model that fully_shard wrapped at a module above the preconditioner's (which
+            # _fsdp_managed cannot see), there only for the forward, in its mixed-precision dtype.
+            # The state follows the device now (the statistics are about to be gathered there) and
+            # the step takes the parameters at rest, with their dtype
+            self._place_state(layer, current.device, layer.placement[1])
+            return
         if current is not param:  # to_empty() from meta makes new Parameter objects
             layer.params = [(n, getattr(layer.module, n, p)) for n, p in layer.params]
             param = current

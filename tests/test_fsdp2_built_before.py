@@ -291,6 +291,38 @@ def ddp_runs(rank: int, world: int) -> dict:
     return out
 
 
+def submodule_runs(rank: int, world: int) -> dict:
+    """A preconditioner on a submodule of a model that ``fully_shard`` wraps only at its root,
+    with a bfloat16 policy: no FSDP2 module lies within the preconditioner's model, so the first
+    forward's gathered copies cannot be recognised as such. The state keeps the float64 of the
+    parameters at rest (it used to take the copies' bfloat16 for the first statistics: 7e-8 off)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    out = {}
+    for order in ("after", "before"):
+        model = make_model()
+        model = nn.Sequential(model[:4], *model[4:])  # the first three layers: one submodule
+        if order == "after":
+            fully_shard(model, mesh=init_device_mesh("cpu", (world,)),
+                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=F64))
+        precond = KronPreconditioner(model[0], **SCENARIOS["kfac"])
+        if order == "before":
+            fully_shard(model, mesh=init_device_mesh("cpu", (world,)),
+                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=F64))
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5)
+
+        def step(precond=precond, opt=opt):
+            precond.step()
+            opt.step()
+            opt.zero_grad()
+
+        trajectory = torch.stack(train(model, step, rank, world, forward=lambda x, model=model: model(x).double()))
+        out[order] = (trajectory, {layer.method.a_factor.dtype for layer in precond._layers
+                                   if getattr(layer.method, "a_factor", None) is not None})
+    return out
+
+
 def worker(rank: int, world: int, out_dir: str) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -311,6 +343,7 @@ def worker(rank: int, world: int, out_dir: str) -> dict:
             results["errors"][("kfac-bf16", order)] = f"{type(err).__name__}: {err}"
     results["refusals"] = refusals(rank, world)
     results["ddp"] = ddp_runs(rank, world)
+    results["submodule"] = submodule_runs(rank, world)
     return results
 
 
@@ -368,6 +401,14 @@ def test_mixed_precision_forward_does_not_pull_the_state_to_bfloat16(spawned):
         after, before = _run(spawned, rank, ("kfac-bf16", "after")), _run(spawned, rank, ("kfac-bf16", "before"))
         assert before["factor_dtypes"] == after["factor_dtypes"] == {F64}
         assert torch.equal(before["trajectory"], after["trajectory"]), rank
+
+
+def test_preconditioner_on_a_submodule_of_a_model_sharded_at_its_root(spawned):
+    for rank in range(WORLD):
+        (after, after_dtypes), (before, before_dtypes) = (spawned[rank]["submodule"][o] for o in ("after", "before"))
+        assert after_dtypes == before_dtypes == {F64}
+        assert torch.equal(before, after), float((before - after).norm() / after.norm())
+        assert torch.equal(after, spawned[0]["submodule"]["after"][0])
 
 
 def test_base_optimizer_left_on_the_plain_parameters_is_refused(spawned):
