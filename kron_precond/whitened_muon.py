@@ -1143,6 +1143,10 @@ class WhitenedMuon(torch.optim.Optimizer):
                           "mode with grad enabled; it is stepped as plain Muon (identity whitener)",
                           RuntimeWarning, stacklevel=6)  # the caller of step()
 
+    def _listed(self, weights: list[nn.Parameter]) -> str:
+        """The names of ``weights`` for a message: the first four, quoted."""
+        return ", ".join(repr(self._names[id(w)]) for w in weights[:4]) + (", ..." if len(weights) > 4 else "")
+
     def _refuse_sharded_since_built(self) -> None:
         """At the first step, before anything changes: ``RuntimeError`` if ``fully_shard(model)``
         replaced whitened weights with DTensors since this optimizer was built. Its param groups,
@@ -1151,7 +1155,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         once (the first step only: no cost on later steps)."""
         replaced = [w for module, attr, w in self._homes if not is_dtensor(w) and is_dtensor(getattr(module, attr, w))]
         if replaced:
-            names = ", ".join(repr(self._names[id(w)]) for w in replaced[:4]) + (", ..." if len(replaced) > 4 else "")
+            names = self._listed(replaced)
             raise RuntimeError(
                 f"WhitenedMuon: fully_shard(model) replaced {names} with DTensor parameters after WhitenedMuon was "
                 f"built. Its param groups, statistics hooks and whiteners hold the old weights, which no gradient "
@@ -1166,7 +1170,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         the original is an AdamW parameter). One class identity test per weight and step."""
         found = [weight for watch, attr, weight in self._parametrizations if watch.since((attr,))]
         if found:
-            names = ", ".join(repr(self._names[id(w)]) for w in found[:4]) + (", ..." if len(found) > 4 else "")
+            names = self._listed(found)
             raise RuntimeError(
                 f"WhitenedMuon: {names} were reparametrized (torch.nn.utils.parametrize) after WhitenedMuon was "
                 f"built: each is now computed from parametrizations.<name>.original, whose gradient is not the "
