@@ -1196,31 +1196,29 @@ def test_a_side_block_size_does_not_divide_is_named_at_construction():
         WhitenedMuon(copy.deepcopy(net), lr=LR, output_side=True, block_size=None)
 
 
-def _disagreeing_worker(rank, world, out, setting, values):
-    """Each rank builds WhitenedMuon with its own value of ``setting``; returns the error text."""
-    net = make_net()
-    try:
-        WhitenedMuon(net, **{"lr": LR, setting: values[rank]})
-    except ValueError as err:
-        return str(err)
-    return None
+DISAGREEING = {"statistics_every": (2, 3), "damping": (0.1, 0.2), "block_size": (None, 2), "lr": (0.05, 0.06)}
 
 
-@pytest.mark.parametrize("setting, values", [("statistics_every", (2, 3)), ("damping", (0.1, 0.2)),
-                                             ("block_size", (None, 2)), ("lr", (0.05, 0.06))])
-def test_ranks_that_disagree_on_a_setting_fail_at_construction_naming_it(tmp_path, setting, values):
+def _agreement_worker(rank, world, out):
+    """Each rank builds WhitenedMuon with its own value of each setting in turn (the error text,
+    or None), then all with the same values (one spawn: the refusals leave the group usable)."""
+    errors = {}
+    for setting, values in DISAGREEING.items():
+        try:
+            WhitenedMuon(make_net(), **{"lr": LR, setting: values[rank]})
+            errors[setting] = None
+        except ValueError as err:
+            errors[setting] = str(err)
+    WhitenedMuon(make_net(), lr=LR, statistics_every=2, damping=0.2)
+    return errors
+
+
+def test_ranks_that_disagree_on_a_setting_fail_at_construction_naming_it(tmp_path):
     """A setting that differs across ranks would hang the statistics' all-reduce (another
     interval), abort it (another layout) or let the ranks drift apart silently (another
-    damping or lr): every rank refuses it at construction instead, naming it."""
-    errors = run_workers(_disagreeing_worker, 2, tmp_path, setting, values, timeout=120)
-    assert all(e is not None and setting in e and "ranks" in e for e in errors), errors
-
-
-def _agreeing_worker(rank, world, out):
-    net = make_net()
-    WhitenedMuon(net, lr=LR, statistics_every=2, damping=0.2)
-    return True
-
-
-def test_ranks_that_agree_build_as_before(tmp_path):
-    assert run_workers(_agreeing_worker, 2, tmp_path, timeout=120) == [True, True]
+    damping or lr): every rank refuses it at construction instead, naming it. Ranks that agree
+    build as before."""
+    ranks = run_workers(_agreement_worker, 2, tmp_path, timeout=120)
+    for setting in DISAGREEING:
+        assert all(e[setting] is not None and setting in e[setting] and "ranks" in e[setting] for e in ranks), (
+            setting, [e[setting] for e in ranks])
