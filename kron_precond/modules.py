@@ -27,7 +27,10 @@ import contextlib
 import contextvars
 import inspect
 import logging
+import os
 import re
+import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -434,6 +437,38 @@ def is_skipped(name: str, module: nn.Module, patterns: list[re.Pattern]) -> bool
     written as too, where FSDP2 renamed it (``FSDPConv1D``: ``^Conv1D$`` skips it)."""
     names = {type(module).__name__, module_class(module).__name__}
     return any(p.search(name) or any(p.search(c) for c in names) for p in patterns)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_stacklevel() -> int:
+    """For ``warnings.warn`` in the function that calls this: the ``stacklevel`` of the first
+    frame outside this package, the user's call, however deep inside it the warning is made."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn_unmatched_skips(model: nn.Module, patterns: list[re.Pattern], owner: str) -> None:
+    """One ``UserWarning`` naming the ``skip_layers`` patterns that match no module of ``model``:
+    a typo, or a parameter's or an expert's name (the patterns are searched in module and class
+    names only), skips nothing, and the layer it meant trains preconditioned. ``owner``: the
+    class being built, which the message names. Construction only: one pass over the modules."""
+    if not patterns:
+        return
+    modules = list(model.named_modules())
+    unmatched = [p.pattern for p in patterns if not any(is_skipped(name, module, [p]) for name, module in modules)]
+    if unmatched:
+        listed = ", ".join(repr(p) for p in unmatched)
+        warnings.warn(f"{owner}: skip_layers pattern{'s' if len(unmatched) > 1 else ''} {listed} match"
+                      f"{'' if len(unmatched) > 1 else 'es'} no module of {type(model).__name__}, so "
+                      f"{'they skip' if len(unmatched) > 1 else 'it skips'} nothing. Patterns are searched in "
+                      f"module names (model.named_modules(): 'blocks.0.mlp.fc') and class names ('Linear'), not "
+                      f"in parameter or expert names; a fused experts module is skipped whole. A list shared "
+                      f"across models may name modules this one lacks: then ignore this warning",
+                      UserWarning, stacklevel=user_stacklevel())
 
 
 def tied_elsewhere(owners: dict[int, list[str]], name: str, params: Iterable[torch.Tensor]) -> list[str]:

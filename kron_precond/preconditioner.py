@@ -55,6 +55,7 @@ from kron_precond.modules import (
     is_skipped,
     recording_frozen,
     refuse_lazy,
+    warn_unmatched_skips,
 )
 from kron_precond.schedules import StepContext, resolve
 
@@ -229,6 +230,7 @@ class KronPreconditioner:
 
         # ---- registration
         patterns = compile_skip_patterns(skip_layers)
+        warn_unmatched_skips(model, patterns, "KronPreconditioner")
         # a lazy module's shapes are unknown until its first forward (skip_layers may leave it out)
         refuse_lazy(((n, m) for n, m in model.named_modules() if not is_skipped(n, m, patterns)),
                     "KronPreconditioner")

@@ -76,6 +76,7 @@ from kron_precond.modules import (
     kfac_adapter,
     owners_of,
     unknown_parameters,
+    warn_unmatched_skips,
 )
 from kron_precond.modules import refuse_lazy as _refuse_lazy
 from kron_precond.whitening import MatrixView, UnitObserver, WhiteningStatistics
@@ -863,6 +864,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         if isinstance(params, nn.Module):
             _refuse_lazy(params.named_modules())
             patterns = compile_skip_patterns(skip_layers)
+            warn_unmatched_skips(params, patterns, "WhitenedMuon")
 
             def skipped(name: str, module: nn.Module) -> bool:
                 return is_skipped(name, module, patterns)
