@@ -77,6 +77,10 @@ def _check_positive(name: str, value: Any, *, allow_none: bool = False,
     return number
 
 
+# The dtypes momentum and factors may be kept in: float8 has no matmul or linalg to run the math in
+STATE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _check_group(group: dict[str, Any], global_clipnorm: float | None, *, scheduled: bool = False) -> dict[str, Any]:
     """Validate one parameter group's hyperparameters (``ValueError`` naming the argument);
     return the numeric ones as plain Python numbers. ``scheduled``: a group a scheduler has
@@ -84,9 +88,9 @@ def _check_group(group: dict[str, Any], global_clipnorm: float | None, *, schedu
     out: dict[str, Any] = {}
     for name in ("mu_dtype", "precond_dtype"):
         dtype = group[name]
-        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point) and not (
-                name == "mu_dtype" and dtype is None):
-            raise ValueError(f"Invalid {name}: {dtype!r}; expected a floating torch.dtype")
+        if dtype not in STATE_DTYPES and not (name == "mu_dtype" and dtype is None):
+            raise ValueError(f"Invalid {name}: {dtype!r}; expected one of torch.float16, torch.bfloat16, "
+                             f"torch.float32, torch.float64")
     out["lr"] = (validation.check_non_negative("lr", group["lr"]) if scheduled
                  else _check_positive("lr", group["lr"]))
     out["precond_lr"] = _check_positive("precond_lr", group["precond_lr"])

@@ -218,6 +218,15 @@ BAD_ARGUMENTS = [
     (dict(seed=np.True_), "seed"),
     (dict(clipnorm=np.True_), "clipnorm"),
     (dict(max_size_triangular=np.True_), "max_size_triangular"),
+    # norms are taken in float32, as for the torch Kron: a larger clip value overflows there
+    # (clipnorm / inf = NaN reached the momentum, and the variable never trained again)
+    (dict(clipnorm=1e39), "clipnorm"),
+    (dict(global_clipnorm=1e39), "global_clipnorm"),
+    (dict(clipvalue=1e39), "clipvalue"),
+    # the factors need a dtype (None meant floatx(), silently) that their math runs in
+    (dict(precond_dtype=None), "precond_dtype"),
+    (dict(precond_dtype="float8_e4m3fn"), "precond_dtype"),
+    (dict(mu_dtype="float8_e4m3fn"), "mu_dtype"),
 ]
 
 # NumPy scalars where a number is expected (the torch Kron takes them too), and the bounds

@@ -69,6 +69,9 @@ def assert_load_refused_and_unchanged(opt, saved, match):
     (dict(clipnorm=1.0, clipvalue=1.0), "clipvalue"),
     (dict(clipvalue=1.0, global_clipnorm=1.0), "global_clipnorm"),
     (dict(precond_dtype=torch.int32), "precond_dtype"),
+    # float8 has no matmul or linalg here: refused at construction, not at the first step
+    (dict(precond_dtype=torch.float8_e4m3fn), "precond_dtype"),
+    (dict(mu_dtype=torch.float8_e5m2), "mu_dtype"),
 ])
 def test_bad_arguments_raise_naming_them(kwargs, name):
     with pytest.raises(ValueError, match=name):

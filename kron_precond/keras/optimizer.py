@@ -88,20 +88,29 @@ def _float_max(dtype: str) -> float:
     return float(ml_dtypes.finfo(dtype).max)
 
 
+# The dtypes momentum and factors may be kept in: float8 has no matmul or linalg to run the math in
+STATE_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
 @overload
 def _check_float_dtype(name: str, dtype: Any, *, allow_none: Literal[False] = False) -> str: ...
 @overload
 def _check_float_dtype(name: str, dtype: Any, *, allow_none: bool) -> str | None: ...
 def _check_float_dtype(name: str, dtype: Any, *, allow_none: bool = False) -> str | None:
-    if dtype is None and allow_none:
-        return None
-    try:
-        std = keras.backend.standardize_dtype(dtype)
-    except (TypeError, ValueError, AttributeError):
+    """``dtype``'s standard name, one of :data:`STATE_DTYPES` (``None`` when allowed: Keras would
+    read ``None`` as ``floatx()``, silently)."""
+    if dtype is None:
+        if allow_none:
+            return None
         std = None
-    if std is None or not keras.backend.is_float_dtype(std):
-        raise ValueError(f"Invalid {name}: {dtype!r}; expected a floating dtype name such as "
-                         "'float32'" + (" or None" if allow_none else ""))
+    else:
+        try:
+            std = keras.backend.standardize_dtype(dtype)
+        except (TypeError, ValueError, AttributeError):
+            std = None
+    if std not in STATE_DTYPES:
+        raise ValueError(f"Invalid {name}: {dtype!r}; expected one of {', '.join(map(repr, STATE_DTYPES))}"
+                         + (" or None" if allow_none else ""))
     return std
 
 
@@ -252,8 +261,10 @@ class Kron(keras.optimizers.Optimizer):
             "precond_init_scale", precond_init_scale, allow_none=True,
             maximum=math.sqrt(_float_max(precond_dtype)),
             what=f" (its square, the initial preconditioner, must be finite in {precond_dtype})")
+        # norms are taken in float32: a larger clip value overflows there (clipnorm / inf is NaN)
         clipnorm, clipvalue, global_clipnorm = (
-            _check_positive(clip_name, clip, allow_none=True) for clip_name, clip in (
+            _check_positive(clip_name, clip, allow_none=True, maximum=_float_max("float32"),
+                            what=" (clipping is computed in float32)") for clip_name, clip in (
                 ("clipnorm", clipnorm), ("clipvalue", clipvalue), ("global_clipnorm", global_clipnorm)))
         wd = _number(0.0 if weight_decay is None else weight_decay)
         if wd is None or not (math.isfinite(wd) and wd >= 0):
