@@ -227,6 +227,15 @@ BAD_ARGUMENTS = [
     (dict(precond_dtype=None), "precond_dtype"),
     (dict(precond_dtype="float8_e4m3fn"), "precond_dtype"),
     (dict(mu_dtype="float8_e4m3fn"), "mu_dtype"),
+    # Keras's own arguments, which its base class takes unchecked (a loss scale of 0 skipped
+    # every step, a negative one ascended)
+    (dict(loss_scale_factor=0.0), "loss_scale_factor"),
+    (dict(loss_scale_factor=-1.0), "loss_scale_factor"),
+    (dict(gradient_accumulation_steps=2.5), "gradient_accumulation_steps"),
+    (dict(gradient_accumulation_steps=1), "gradient_accumulation_steps"),
+    (dict(use_ema="yes"), "use_ema"),
+    (dict(ema_momentum=1.5), "ema_momentum"),
+    (dict(ema_overwrite_frequency=0), "ema_overwrite_frequency"),
 ]
 
 # NumPy scalars where a number is expected (the torch Kron takes them too), and the bounds

@@ -293,14 +293,33 @@ class Kron(keras.optimizers.Optimizer):
             if not isinstance(flag, bool):  # bool("no") would be True
                 raise ValueError(f"Invalid {bool_name}: {flag!r}; expected a bool")
         probability = _check_probability(preconditioner_update_probability)
+        # Keras's own arguments, which its base class passes through unchecked: a loss scale of 0
+        # skipped every step and a negative one ascended; 2.5 accumulation steps or use_ema="no"
+        # were taken as they came
+        loss_scale_factor = _check_positive("loss_scale_factor", loss_scale_factor, allow_none=True)
+        if not isinstance(use_ema, bool):
+            raise ValueError(f"Invalid use_ema: {use_ema!r}; expected a bool")
+        ema_number = _number(ema_momentum)
+        if ema_number is None or not 0.0 <= ema_number <= 1.0:
+            raise ValueError(f"Invalid ema_momentum: {ema_momentum!r}; expected a float in [0, 1]")
+        ema_momentum = float(ema_number)
+        optional_counts: tuple[tuple[str, Any, int], ...] = (
+            ("ema_overwrite_frequency", ema_overwrite_frequency, 1),
+            ("gradient_accumulation_steps", gradient_accumulation_steps, 2))
+        for count_name, given, least in optional_counts:
+            count = None if given is None else _number(given)
+            if given is not None and not (isinstance(count, int) and count >= least):
+                raise ValueError(f"Invalid {count_name}: {given!r}; expected None or an int >= {least}")
+        overwrite_every, accumulation = (None if v is None else int(v)
+                                         for v in (ema_overwrite_frequency, gradient_accumulation_steps))
 
         super().__init__(learning_rate=learning_rate, weight_decay=float(wd),
                          clipnorm=clipnorm, clipvalue=clipvalue,
                          global_clipnorm=global_clipnorm, use_ema=use_ema,
                          ema_momentum=ema_momentum,
-                         ema_overwrite_frequency=ema_overwrite_frequency,
+                         ema_overwrite_frequency=overwrite_every,
                          loss_scale_factor=loss_scale_factor,
-                         gradient_accumulation_steps=gradient_accumulation_steps,
+                         gradient_accumulation_steps=accumulation,
                          name=name, **kwargs)
         self.b1 = float(b1_number)
         self.preconditioner_update_probability = probability
