@@ -766,7 +766,9 @@ class WhitenedMuon(torch.optim.Optimizer):
         # where each weight lives, read once at the first step (_refuse_sharded_since_built)
         self._homes = [(unit.module, unit.params[0][0], _weight(unit)) for unit in units + plain]
         # a parametrization put on a whitened weight since is refused at every step (_refuse_parametrized)
-        self._parametrizations = [(ParametrizationWatch(module), attr, weight) for module, attr, weight in self._homes]
+        # (once per weight: a fused experts weight has a unit per expert)
+        self._parametrizations = list({id(weight): (ParametrizationWatch(module), attr, weight)
+                                       for module, attr, weight in self._homes}.values())
         self._homes_checked = False
         groups: list[dict[str, Any]] = [dict(params=whitened, algorithm=WHITENED)]
         if rest:
