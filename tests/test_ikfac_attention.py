@@ -6,6 +6,7 @@ input no hook sees; a cross-attention, whose parts read inputs of their own) is 
 optimizer, and said so."""
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -97,12 +98,17 @@ def _distributed_worker(rank, world_size, out_dir):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_ranks_equal_one_process_on_the_full_batch(tmp_path, world):
+def test_ranks_equal_one_process_on_the_full_batch(tmp_path, world, request):
     """The query's rows join the statistics' all-reduce like any layer's: every rank's
-    preconditioned gradients are one process's on the full batch, at every step."""
+    preconditioned gradients are one process's on the full batch, at every step. (2 ranks:
+    the shared spawn at the end of the file; 4 ranks: a spawn of its own.)"""
     from dist_utils import run_workers
 
-    results = run_workers(_distributed_worker, world, tmp_path, timeout=90)
+    if world == 2:
+        results = _of(request.getfixturevalue("two_ranks"), "distributed")
+    else:
+        results = run_workers(_distributed_worker, world, tmp_path, timeout=90)
+    assert len(results) == world
     torch.manual_seed(0)
     packed = Packed()
     precond = KronPreconditioner(packed, inv_dtype=torch.float64, **SETTINGS)
@@ -143,15 +149,13 @@ def _fsdp_worker(rank, world_size, out_dir):
     return {reshard: _fsdp_trajectory(rank, world_size, reshard) for reshard in (True, False)}
 
 
-def test_fsdp2_ranks_equal_one_process_on_the_full_batch(tmp_path):
+def test_fsdp2_ranks_equal_one_process_on_the_full_batch(two_ranks):
     """Under FSDP2 the packed in_proj is a DTensor sharded by rows: its preconditioned step on
     2 ranks equals one process's on the full batch, whether or not FSDP2 reshards it after
     the forward, on every rank and every step."""
-    from dist_utils import run_workers
-
     single = _fsdp_trajectory(0, 1, True)
-    results = run_workers(_fsdp_worker, 2, tmp_path, timeout=90)
-    assert single["layers"] == ["attn"]
+    results = _of(two_ranks, "fsdp")
+    assert single["layers"] == ["attn"] and len(results) == 2
     for by_reshard in results:
         for r in by_reshard.values():
             assert r["layers"] == ["attn"]
@@ -192,19 +196,54 @@ def _cross_attention_on_one_rank_worker(rank: int, world: int, out_dir: str, cas
     try:
         loss().backward()
         precond.step()
-    except RuntimeError as error:
-        return {"raised": str(error)}
+    except Exception as error:  # noqa: BLE001 - its type is checked; the spawn's other scenarios go on
+        return {"raised": f"{type(error).__name__}: {error}"}
     return {"raised": None}
 
 
 @pytest.mark.parametrize("case", sorted(CROSS_ON_ONE_RANK))
-def test_a_call_read_as_cross_attention_on_one_rank_raises_on_every_rank(tmp_path, case):
+def test_a_call_read_as_cross_attention_on_one_rank_raises_on_every_rank(case, two_ranks):
     """One rank reads a call as cross-attention, the other not: from the values (padding on one
     rank only), or because the model's code passes a context on one rank's batch and the query
     itself on the other's, so only one rank's forward sees anything to decide (a collective
     there would go out of step). Every rank must refuse at the step, not only the rank that saw
-    it: the others would otherwise wait in the statistics' all-reduce."""
+    it: the others would otherwise wait in the statistics' all-reduce (a hang: the shared
+    spawn's timeout)."""
+    results = _of(two_ranks, f"refused/{case}")
+    assert len(results) == 2
+    for r in results:
+        raised = r["raised"]
+        assert raised is not None and raised.startswith("RuntimeError: "), r
+        assert "'attn'" in raised and "cross-attention" in raised, r
+
+
+# ----------------------------------------------------------------------------- the shared spawn
+# Spawning gloo ranks (each imports torch) costs more than the scenarios above, so every
+# scenario on 2 ranks shares one spawn, one after the other, each seeding and building its own
+# model as it did alone. The refusals come last: each is caught on every rank (every rank
+# refuses at the same step, so the group stays in step for the next).
+TWO_RANKS = {
+    "distributed": _distributed_worker,
+    "fsdp": _fsdp_worker,
+    **{f"refused/{case}": functools.partial(_cross_attention_on_one_rank_worker, case=case)
+       for case in sorted(CROSS_ON_ONE_RANK)},
+}
+TWO_RANKS_TIMEOUT = 3 * 90 + 2 * 60  # what the spawns it replaces had
+
+
+def _two_ranks_worker(rank: int, world: int, out_dir: str) -> dict:
+    """``{scenario: its result on this rank}`` for every scenario of ``TWO_RANKS``, in order."""
+    return {name: scenario(rank, world, out_dir) for name, scenario in TWO_RANKS.items()}
+
+
+def _of(ranks: list[dict], name: str) -> list:
+    """One scenario's results, in rank order."""
+    return [r[name] for r in ranks]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """Every 2-rank scenario: per rank, ``{scenario: result}``."""
     from dist_utils import run_workers
 
-    for r in run_workers(_cross_attention_on_one_rank_worker, 2, tmp_path, case, timeout=60):
-        assert r["raised"] is not None and "'attn'" in r["raised"] and "cross-attention" in r["raised"], r
+    return run_workers(_two_ranks_worker, 2, tmp_path_factory.mktemp("w2"), timeout=TWO_RANKS_TIMEOUT)

@@ -18,10 +18,12 @@
   naming it.
 
 Real gloo processes (``dist_utils.run_workers``) with hard timeouts; each spawn here is
-short and a hang fails its test after ``TIMEOUT`` seconds.
+short and a hang fails its test after ``TIMEOUT`` seconds (``TIMEOUT`` per scenario in the
+2-rank spawn that several tests share).
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -71,8 +73,8 @@ def _rank0_saves_worker(rank, world, out_dir, method, strategy):
         try:
             state = precond.state_dict()
             outcome = ("returned", state)
-        except ValueError as err:
-            outcome = ("raised", str(err))
+        except Exception as err:  # noqa: BLE001 - its type is checked
+            outcome = ("raised", f"{type(err).__name__}: {err}")
         seconds = time.monotonic() - start
     # The group still works and training goes on, on every rank.
     for step in range(2, 4):
@@ -84,13 +86,14 @@ def _rank0_saves_worker(rank, world, out_dir, method, strategy):
 
 
 @pytest.mark.parametrize("method", ["kfac", "psgd"])
-def test_state_dict_on_rank_zero_only_does_not_hang(tmp_path, method):
-    results = run_workers(_rank0_saves_worker, 2, tmp_path, method, DistributedStrategy.MEM_OPT,
-                          timeout=TIMEOUT)
+def test_state_dict_on_rank_zero_only_does_not_hang(method, two_ranks):
+    # both methods' runs: scenarios of the shared 2-rank spawn (a hang: its timeout)
+    results = _of(two_ranks, f"rank0_saves/{method}")
+    assert len(results) == 2
     kind, value = results[0]["outcome"]
     assert results[0]["seconds"] < 10.0
     if kind == "raised":
-        assert "gather_state_dict" in value, value
+        assert value.startswith("ValueError: ") and "gather_state_dict" in value, value
     else:  # a complete checkpoint: it loads into a single process
         model = make_model()
         KronPreconditioner(model, method=method).load_state_dict(value)
@@ -135,20 +138,51 @@ def _disagree_worker(rank, world, out_dir):
             for step in range(3):
                 train_step(model, precond, step, rank, world)
             out[name] = ("no error", time.monotonic() - start)
-        except ValueError as err:
-            out[name] = (str(err), time.monotonic() - start)
+        except Exception as err:  # noqa: BLE001 - its type is checked
+            out[name] = (f"{type(err).__name__}: {err}", time.monotonic() - start)
         probe = torch.ones(1)
         dist.all_reduce(probe)  # the group still works
     return out
 
 
-def test_settings_that_change_the_collective_schedule_must_agree(tmp_path):
-    results = run_workers(_disagree_worker, 2, tmp_path, timeout=TIMEOUT)
+def test_settings_that_change_the_collective_schedule_must_agree(two_ranks):
+    # a scenario of the shared 2-rank spawn, after the state_dict ones (each refusal is caught
+    # on every rank, and the group is checked to work after it)
+    results = _of(two_ranks, "disagree")
+    assert len(results) == 2
     for name in DISAGREEMENTS:
         for rank, result in enumerate(results):
             message, seconds = result[name]
-            assert message != "no error" and "differ" in message, (name, rank, message)
+            assert message.startswith("ValueError: ") and "differ" in message, (name, rank, message)
             assert seconds < 20.0, (name, rank, seconds)
+
+
+# ----------------------------------------------------------------------------- the shared 2-rank spawn
+# Spawning gloo ranks (each imports torch) costs more than these scenarios: the state_dict ones
+# (both methods) and the disagreements share one spawn, one after the other, each building its
+# own model and preconditioner as it did alone. The tests below that make process groups of
+# their own, or depend on how many a process made, keep spawns of their own.
+TWO_RANKS = {
+    **{f"rank0_saves/{method}": functools.partial(_rank0_saves_worker, method=method,
+                                                  strategy=DistributedStrategy.MEM_OPT)
+       for method in ("kfac", "psgd")},
+    "disagree": _disagree_worker,  # refusals last
+}
+
+
+def _two_ranks_worker(rank, world, out_dir):
+    """``{scenario: its result on this rank}`` for every scenario of ``TWO_RANKS``, in order."""
+    return {name: scenario(rank, world, out_dir) for name, scenario in TWO_RANKS.items()}
+
+
+def _of(ranks, name):
+    """One scenario's results, in rank order."""
+    return [r[name] for r in ranks]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return run_workers(_two_ranks_worker, 2, tmp_path_factory.mktemp("w2"), timeout=len(TWO_RANKS) * TIMEOUT)
 
 
 # ----------------------------------------------------------------------------- sub-groups

@@ -9,6 +9,7 @@ weights stepped unwhitened and the biases.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -599,21 +600,24 @@ def _dist_worker(rank: int, world: int, out_dir: str):
     return {"params": [p.detach().clone() for p in params], "identical": identical, "per_part": per_part}
 
 
-def test_any_world_size_gives_the_one_process_result_for_attention(tmp_path):
+def test_any_world_size_gives_the_one_process_result_for_attention(tmp_path, one_process, two_ranks):
     """The attention's statistics (the query's rows, the separate key and value rows, a packed
     cross-attention's rows per part) join the all-reduce like any layer's; the unwhitened
     weights need none: 2 and 4 ranks end where one process on the full batch ends, every rank
-    identical after every step."""
+    identical after every step. (One process and 2 ranks: the shared spawns at the end of the
+    file; 4 ranks: a spawn of its own.)"""
     from dist_utils import run_workers
 
-    single = run_workers(_dist_worker, 1, tmp_path / "w1", timeout=90)[0]
+    single = one_process["dist"]
     assert single["per_part"]
     torch.manual_seed(0)
     start = Attentions()
     assert sum((p - q).abs().max() for p, q in zip(single["params"], start.parameters())) > 1e-2
     names = [n for n, _ in start.named_parameters()]
     for world in (2, 4):
-        for r in run_workers(_dist_worker, world, tmp_path / f"w{world}", timeout=90):
+        ranks = _of(two_ranks, "dist") if world == 2 else run_workers(_dist_worker, 4, tmp_path / "w4", timeout=90)
+        assert len(ranks) == world
+        for r in ranks:
             assert all(r["identical"])
             for name, got, want in zip(names, r["params"], single["params"]):
                 # the key's bias has no gradient but rounding noise, which AdamW's steps follow to ~1e-10
@@ -667,18 +671,15 @@ def _assert_per_part_as_one_process(results: list, single: dict, names: list[str
             torch.testing.assert_close(got, want, rtol=1e-10, atol=atol)
 
 
-def test_whether_an_attention_is_cross_attention_is_decided_alike_on_every_rank(tmp_path):
+def test_whether_an_attention_is_cross_attention_is_decided_alike_on_every_rank(one_process, two_ranks):
     """Whether key and value are the query is read from their values when they are other
     tensors. Ranks whose batches differ can read differently (padding on one rank only); the
     ranks agree (cross-attention if any rank sees it), so every rank takes the same path into
     the statistics' all-reduce and ends where one process on the full batch ends."""
-    from dist_utils import run_workers
-
-    single = run_workers(_masked_value_worker, 1, tmp_path / "w1", timeout=90)[0]
+    single = one_process["masked_value"]
     assert single["per_part"]  # one process sees the padding: per part
     names = [n for n, _ in _MaskedValue().named_parameters()]
-    _assert_per_part_as_one_process(run_workers(_masked_value_worker, 2, tmp_path / "w2", timeout=90),
-                                    single, names)
+    _assert_per_part_as_one_process(_of(two_ranks, "masked_value"), single, names)
 
 
 def test_self_attention_whose_arguments_a_pre_hook_rebuilt_is_still_self_attention():
@@ -752,12 +753,11 @@ def _fsdp_mixed_precision_worker(rank: int, world: int, out_dir: str):
             "whitened": opt.state[in_proj]["input_whitener"] is not None}
 
 
-def test_fsdp2_mixed_precision_self_attention_is_whitened_as_self_attention(tmp_path):
+def test_fsdp2_mixed_precision_self_attention_is_whitened_as_self_attention(two_ranks):
     """FSDP2's MixedPrecisionPolicy casts the query, key and value one by one: three equal
     tensors, which are still self-attention (not refused as cross-attention)."""
-    from dist_utils import run_workers
-
-    results = run_workers(_fsdp_mixed_precision_worker, 2, tmp_path, timeout=90)
+    results = _of(two_ranks, "fsdp_mixed_precision")
+    assert len(results) == 2
     assert all(r["whitened"] for r in results)
     assert torch.equal(results[0]["in_proj"], results[1]["in_proj"])
     assert torch.isfinite(results[0]["in_proj"]).all()
@@ -784,15 +784,13 @@ def _fsdp_cross_worker(rank: int, world: int, out_dir: str):
     return {"in_proj": full.detach().clone(), "whitener": tuple(opt.state[in_proj]["input_whitener"].shape)}
 
 
-def test_fsdp2_cross_attention_is_whitened_per_part_as_one_process(tmp_path):
+def test_fsdp2_cross_attention_is_whitened_per_part_as_one_process(one_process, two_ranks):
     """Under FSDP2 the module holds a gathered copy of in_proj_weight during its forward, not
     the parameter the optimizer steps: the per-part switch still reaches the optimizer's
     weight, and two sharded ranks end where one process on the full batch ends."""
-    from dist_utils import run_workers
-
-    single = run_workers(_fsdp_cross_worker, 1, tmp_path / "w1", timeout=90)[0]
-    results = run_workers(_fsdp_cross_worker, 2, tmp_path / "w2", timeout=90)
-    assert single["whitener"] == (3, 1, E, E)
+    single = one_process["fsdp_cross"]
+    results = _of(two_ranks, "fsdp_cross")
+    assert single["whitener"] == (3, 1, E, E) and len(results) == 2
     for r in results:
         assert r["whitener"] == (3, 1, E, E)
         torch.testing.assert_close(r["in_proj"], single["in_proj"], rtol=1e-10, atol=1e-12)
@@ -925,20 +923,21 @@ def _context_on_one_rank_worker(rank: int, world: int, out_dir: str, order=(0, 1
 
 
 @pytest.mark.parametrize("order", [(0, 1), (1, 0)])
-def test_an_attention_called_as_cross_attention_on_one_rank_only_is_whitened_per_part_on_every_rank(tmp_path, order):
+def test_an_attention_called_as_cross_attention_on_one_rank_only_is_whitened_per_part_on_every_rank(
+        order, one_process, two_ranks):
     """The model's code picks the key and value per batch: the rank whose batch has a context
     calls cross-attention, the other self-attention with the query itself (no collective of its
     own could run in the forward: the ranks' calls differ). Every rank whitens per part from
     that step on, stays bitwise identical to the others, and ends where one process ends with
     both halves as micro-batches of each step, in either order (the self-attention call's rows
-    are the query's, the key's and the value's alike)."""
-    from dist_utils import run_workers
-
-    single = run_workers(_context_on_one_rank_worker, 1, tmp_path / "w1", order, timeout=90)[0]
+    are the query's, the key's and the value's alike). The 2-rank run does not depend on the
+    order: it runs once, and each order's one-process run is compared with it."""
+    single = one_process[f"context{order}"]
     assert single["per_part"]
     names = [n for n, _ in _ContextOnSomeBatches().named_parameters()]
-    _assert_per_part_as_one_process(run_workers(_context_on_one_rank_worker, 2, tmp_path / "w2", timeout=90),
-                                    single, names)
+    results = _of(two_ranks, "context")
+    assert len(results) == 2
+    _assert_per_part_as_one_process(results, single, names)
 
 
 def _rollback_worker(rank: int, world: int, out_dir: str):
@@ -968,13 +967,61 @@ def _rollback_worker(rank: int, world: int, out_dir: str):
     return {"identical": identical, "shapes": shapes}
 
 
-def test_a_rollback_to_self_attention_is_agreed_on_again_when_one_rank_reads_cross_attention(tmp_path):
+def test_a_rollback_to_self_attention_is_agreed_on_again_when_one_rank_reads_cross_attention(two_ranks):
     """A checkpoint saved as self-attention, loaded after the ranks went per part, takes the
     attention back to one input on every rank; a call that one rank then reads as
     cross-attention is agreed on anew (the other rank follows), so the ranks' statistics keep
     one layout and stay identical."""
-    from dist_utils import run_workers
-
-    for r in run_workers(_rollback_worker, 2, tmp_path, timeout=90):
+    results = _of(two_ranks, "rollback")
+    assert len(results) == 2
+    for r in results:
         assert all(r["identical"]), r
         assert r["shapes"] == [(1, E, E), (3, 1, E, E), (1, E, E), (3, 1, E, E)], r
+
+
+# ----------------------------------------------------------------------------- the shared spawns
+# Spawning gloo ranks (each imports torch) costs more than the scenarios above, so every
+# scenario run at one process (the references) shares one spawn, and every scenario run on 2
+# ranks another: each scenario seeds and builds its own model and optimizer as it did alone
+# (none of them refuses, hangs or depends on a fresh process), one after the other.
+_SCENARIOS = {
+    "dist": _dist_worker,
+    "masked_value": _masked_value_worker,
+    "fsdp_mixed_precision": _fsdp_mixed_precision_worker,
+    "fsdp_cross": _fsdp_cross_worker,
+    "context(0, 1)": functools.partial(_context_on_one_rank_worker, order=(0, 1)),
+    "context(1, 0)": functools.partial(_context_on_one_rank_worker, order=(1, 0)),
+    "context": _context_on_one_rank_worker,  # on 2 ranks, where the order plays no part
+    "rollback": _rollback_worker,
+}
+ONE_PROCESS = ("dist", "masked_value", "fsdp_cross", "context(0, 1)", "context(1, 0)")
+TWO_RANKS = ("dist", "masked_value", "fsdp_mixed_precision", "fsdp_cross", "context", "rollback")
+SCENARIO_TIMEOUT = 90  # seconds per scenario: what each had in a spawn of its own
+
+
+def _scenarios_worker(rank: int, world: int, out_dir: str, names: tuple[str, ...]) -> dict:
+    """``{name: the scenario's result on this rank}`` for each of ``names``, in order."""
+    return {name: _SCENARIOS[name](rank, world, out_dir) for name in names}
+
+
+def _of(ranks: list[dict], name: str) -> list:
+    """One scenario's results, in rank order."""
+    return [r[name] for r in ranks]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict:
+    """Every one-process reference: ``{scenario: result}``."""
+    from dist_utils import run_workers
+
+    return run_workers(_scenarios_worker, 1, tmp_path_factory.mktemp("w1"), ONE_PROCESS,
+                       timeout=SCENARIO_TIMEOUT * len(ONE_PROCESS))[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """Every 2-rank scenario: per rank, ``{scenario: result}``."""
+    from dist_utils import run_workers
+
+    return run_workers(_scenarios_worker, 2, tmp_path_factory.mktemp("w2"), TWO_RANKS,
+                       timeout=SCENARIO_TIMEOUT * len(TWO_RANKS))
