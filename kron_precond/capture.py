@@ -39,6 +39,7 @@ from torch import nn
 from kron_precond.autocast import autocast_disabled
 from kron_precond.compiled import run_eagerly
 from kron_precond.distributed.sharded import is_dtensor
+from kron_precond.modules import user_stacklevel
 
 
 class ActivationCapture:
@@ -81,6 +82,7 @@ class ActivationCapture:
         # owner can say why no statistics came
         self.replica_forward = False
         self._warned_float16 = False
+        self._warned_repeated_pass = False
         by_module: dict[int, tuple[nn.Module, object, dict[int, object]]] = {}
         for layer in layers:
             by_module.setdefault(id(layer.module), (layer.module, layer.adapter, {}))[2][layer.slot] = layer
@@ -149,8 +151,9 @@ class ActivationCapture:
                 # the gradient nodes of the parameters this call used, taken now: the graph holds
                 # them (FSDP2 frees the gathered copy the call used, which a later lookup would miss)
                 nodes = _gradient_nodes(module)
+                passes = [0]  # the passes that read this call's output gradient
                 pair = _PairedGradient(lambda grad: self._reached(adapter, units, grad, kept, staged, calls,
-                                                                  reads_grads, pass_of_call, nodes))
+                                                                  reads_grads, pass_of_call, nodes, passes))
                 on_output_grad(waited, pair.own)  # before a later hook changes the output in place
                 # (weakly: an entry a KeyboardInterrupt between the two hooks leaves keeps no graph;
                 # the version tells whether a hook in between changed the output in place)
@@ -186,7 +189,8 @@ class ActivationCapture:
         return ForwardHook(hook), ForwardHook(wait)
 
     def _reached(self, adapter, units: dict, grad: torch.Tensor, context, staged: dict, calls: dict,
-                 reads_grads: bool, pass_of_call: int = -1, nodes: list | None = None) -> None:
+                 reads_grads: bool, pass_of_call: int = -1, nodes: list | None = None,
+                 passes: list[int] | None = None) -> None:
         """A backward reached a call's output: its activation terms are added (once, however
         many backwards pass through the call), then its output gradient is read. A pass that
         writes no gradient of the module's parameters (``torch.autograd.grad`` or
@@ -204,11 +208,28 @@ class ActivationCapture:
                     calls[slot] = layer.method.add_activation_terms(terms)
             staged.clear()
         if reads_grads:
+            if passes is not None:
+                passes[0] += 1
+                if passes[0] == 2 and not self._warned_repeated_pass:
+                    self._warn_repeated_pass(units)
             _backward.pass_of_call = pass_of_call if pass_of_call >= 0 else graph_task()
             try:
                 self._observe_output_grads(adapter, units, grad, context, calls)
             finally:
                 _backward.pass_of_call = -1
+
+    def _warn_repeated_pass(self, units: dict) -> None:
+        """Once: a second backward pass reached a call's output (``backward(retain_graph=True)``
+        once per loss over one forward). Each pass's output gradient is read on its own, so the
+        statistics get ``δ₁δ₁ᵀ + δ₂δ₂ᵀ``, not the summed losses' ``(δ₁ + δ₂)(δ₁ + δ₂)ᵀ``."""
+        self._warned_repeated_pass = True
+        name = next(iter(units.values())).name
+        warnings.warn(f"kron_precond: a backward reached the output of layer {name!r} (and maybe others) a "
+                      f"second time since its forward (backward(retain_graph=True) once per loss over one "
+                      f"forward): each pass's output gradient enters the statistics on its own (d1 d1^T + d2 d2^T, "
+                      f"where one backward of the summed losses gives (d1 + d2)(d1 + d2)^T), so the curvature and the "
+                      f"step differ from the summed loss's. Sum the losses and call backward once",
+                      UserWarning, stacklevel=user_stacklevel())
 
     def _observe_output_grads(self, adapter, units: dict, grad: torch.Tensor, context, calls: dict) -> None:
         with torch.no_grad(), autocast_disabled(grad.device.type):  # backward inside an autocast region

@@ -174,6 +174,7 @@ class _CaptureLayer:
     adapter: Any
     slot: int
     method: UnitObserver
+    name: str  # the unit's, for the capture's messages
 
 
 def _listed_units(modules: list) -> tuple[list[Selected], list[Selected]]:
@@ -811,7 +812,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         # a packed in_proj's rows come in three slots once its parts read inputs of their own
         # (the query's, the key's, the value's), each its part's unit
         layers = [_CaptureLayer(unit.module, unit.adapter, slot,
-                                UnitObserver(self._statistics, _weight(unit), index, unit.name))
+                                UnitObserver(self._statistics, _weight(unit), index, unit.name), unit.name)
                   for unit in units
                   for slot, index in (((0, 0), (1, 1), (2, 2)) if isinstance(unit.adapter, PackedInputAdapter)
                                       else ((unit.slot, unit.index or 0),))]
