@@ -2,7 +2,7 @@
 
 Each pass's output gradient is read on its own, so a layer's output-gradient statistics get
 ``δ₁δ₁ᵀ + δ₂δ₂ᵀ`` where one backward of the summed losses gives ``(δ₁ + δ₂)(δ₁ + δ₂)ᵀ``: the
-factor, and so the step, differs from the summed loss's (measured: K-FAC's parameters 0.13
+factor, and so the step, differs from the summed loss's (measured: K-FAC's parameter sum 0.13
 apart after three steps, ``WhitenedMuon(output_side=True)``'s 0.01). Said, not silent. A
 method that reads no output gradients (input-side whitening) counts a call's rows once however
 many passes reach it: no warning; nor for a pass that writes no weight gradient (a gradient
