@@ -71,6 +71,12 @@ _KL_CLIP_DEFAULT = object()  # the method's default: 1e-3 for K-FAC; off for PSG
 _LR_FALLBACK = 0.1  # kl_clip's lr when none is given anywhere (with a warning)
 
 
+def _computed(tensor: Any) -> bool:
+    """Whether a module attribute that held a parameter now holds a tensor computed from others
+    (not a leaf ``nn.Parameter``; FSDP2's gathered and sharded copies are parameters)."""
+    return isinstance(tensor, torch.Tensor) and not isinstance(tensor, nn.Parameter)
+
+
 class Layer:
     """A registered module: its parameters and its method state (read-only view).
 
@@ -704,9 +710,11 @@ class KronPreconditioner:
         ``meta``). Compares metadata only: no host sync. ``at_step``: called by :meth:`step`
         (outside any forward), where a model sharded since the first step is refused."""
         if layer.parametrization.since(n for n, _ in layer.params):
-            raise self._parametrized_since()
+            raise self._computed_since()
         name, param = layer.params[0]
         current = getattr(layer.module, name, param)
+        if current is not param and _computed(current):
+            raise self._computed_since()
         if is_dtensor(param) and not is_dtensor(current):
             # FSDP2's gathered copy, swapped in around the forward in its mixed-precision dtype:
             # the layer keeps the sharded parameters, and the state their dtype (following the
@@ -728,29 +736,38 @@ class KronPreconditioner:
             self._place_state(layer, current.device, current.dtype if is_dtensor(current) else layer.placement[1])
             return
         if current is not param and not at_step:
-            # in a forward: new Parameter objects (to_empty() from meta), or FSDP2's gathered copy of a
-            # model that fully_shard wrapped at a module above the preconditioner's (which
-            # _fsdp_managed cannot see), there only for the forward, in its mixed-precision dtype.
-            # The state follows the device now (the statistics are about to be gathered there) and
-            # the step takes the parameters at rest, with their dtype
-            self._place_state(layer, current.device, layer.placement[1])
+            # in a forward: new Parameter objects (to_empty() from meta; a conversion that overwrites
+            # the parameters), or FSDP2's gathered copy of a model that fully_shard wrapped at a
+            # module above the preconditioner's (which _fsdp_managed cannot see), there only for the
+            # forward in its mixed-precision dtype, narrower than the parameters at rest. The state
+            # follows the device now (the statistics are about to be gathered there) and a dtype at
+            # least as wide as its own; the step takes the parameters at rest, with their dtype
+            kept = layer.placement[1]
+            wider = torch.promote_types(current.dtype, kept) == current.dtype
+            self._place_state(layer, current.device, current.dtype if wider else kept)
             return
         if current is not param:  # to_empty() from meta makes new Parameter objects
             layer.params = [(n, getattr(layer.module, n, p)) for n, p in layer.params]
             param = current
         self._place_state(layer, param.device, param.dtype)
 
-    def _parametrized_since(self) -> RuntimeError:
-        """The error for layers given a ``torch.nn.utils.parametrize`` parametrization since they
-        were registered (all of them named)."""
-        found = [(layer.name, layer.parametrization.since(n for n, _ in layer.params)) for layer in self._layers]
-        names = ", ".join(f"{name!r} ({', '.join(tensors)})" for name, tensors in found if tensors)
+    def _computed_since(self) -> RuntimeError:
+        """The error for layers whose tensors are computed from other parameters since they were
+        registered (a ``torch.nn.utils.parametrize`` parametrization, ``torch.nn.utils.prune``,
+        the legacy ``weight_norm``): all of them named."""
+        found = []
+        for layer in self._layers:
+            tensors = layer.parametrization.since(n for n, _ in layer.params)
+            tensors += [n for n, p in layer.params if n not in tensors and _computed(getattr(layer.module, n, p))]
+            if tensors:
+                found.append(f"{layer.name!r} ({', '.join(tensors)})")
         return RuntimeError(
-            f"KronPreconditioner: layers {names} were reparametrized (torch.nn.utils.parametrize) after the "
-            f"preconditioner was built: each such tensor is now computed from parametrizations.<name>.original, "
-            f"whose gradient is not the tensor's, and the parameter the preconditioner holds gets none. Refused "
-            f"before the step changes anything. Parametrize before building the preconditioner (such a layer is then "
-            f"not preconditioned: its gradients pass through), or remove the parametrization")
+            f"KronPreconditioner: layers {', '.join(found)} are computed from other parameters since the "
+            f"preconditioner was built (torch.nn.utils.parametrize, torch.nn.utils.prune, nn.utils.weight_norm): "
+            f"the gradient that reaches those parameters is not the computed tensor's, and the parameter the "
+            f"preconditioner holds gets none. Refused before the step changes anything. Apply them before "
+            f"building the preconditioner (such a layer is then not preconditioned: its gradients pass through), "
+            f"or remove them")
 
     def _place_state(self, layer: Layer, device: torch.device, dtype: torch.dtype) -> None:
         """Move ``layer``'s state to ``device`` / ``dtype`` unless it is there (metadata only)."""

@@ -10,10 +10,13 @@ changed": the gradients and parameters before the refused step.
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.nn.utils.prune  # noqa: F401 - torch.nn.utils.prune
 from torch.nn.utils import parametrize
 
 from kron_precond import KronPreconditioner, WhitenedMuon
@@ -64,8 +67,33 @@ def test_preconditioner_refuses_a_layer_parametrized_since_it_was_built(method, 
         optimizer.step()
         optimizer.zero_grad()
     parametrize.register_parametrization(model[2], "weight", Double())
-    with pytest.raises(RuntimeError, match=r"'2' \(weight\).*parametriz"):
+    with pytest.raises(RuntimeError, match=r"'2' \(weight\) are computed from other parameters.*parametrize"):
         _backward(model, seed=1)  # the forward's hooks may refuse already
+        snapshot = _snapshot(model)
+        precond.step()
+    if "snapshot" in locals():
+        _assert_unchanged(model, snapshot)
+
+
+@pytest.mark.parametrize("reparametrise", ["prune", "weight_norm"])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_preconditioner_refuses_a_layer_pruned_or_weight_normed_since_it_was_built(method, reparametrise):
+    """``torch.nn.utils.prune`` and the legacy ``weight_norm`` also turn the weight into a tensor
+    computed from parameters of their own (``weight_orig``, ``weight_g`` / ``weight_v``): the same
+    refusal, before anything changes."""
+    model = _model()
+    precond = KronPreconditioner(model, method=method, **METHODS[method])
+    _backward(model)
+    precond.step()
+    model.zero_grad()
+    if reparametrise == "prune":
+        torch.nn.utils.prune.l1_unstructured(model[2], "weight", amount=0.5)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch's deprecation of the legacy form
+            nn.utils.weight_norm(model[2])
+    with pytest.raises(RuntimeError, match=r"'2' \(weight\) are computed from other parameters"):
+        _backward(model, seed=1)
         snapshot = _snapshot(model)
         precond.step()
     if "snapshot" in locals():

@@ -74,6 +74,38 @@ def test_built_on_meta_then_materialised_on_cpu(method):
     assert tensors and all(t.device.type == "cpu" for t in tensors)
 
 
+@pytest.mark.parametrize("move", ["overwriting_conversion", "to_empty_then_double"])
+@pytest.mark.parametrize("method", [*METHODS, "ikfac"])
+def test_new_parameters_of_a_wider_dtype_gather_the_first_statistics_in_it(method, move):
+    """New Parameter objects of a wider dtype since construction (a conversion that overwrites
+    the parameters; ``to_empty`` from meta, then ``.double()``): the first forward's statistics
+    are gathered in the new dtype, bitwise as built after the move (a forward's hook follows a
+    dtype at least as wide as the state's; FSDP2's narrower gathered copies it does not)."""
+    settings = {**SETTINGS.get(method, {}), **({"damping": 1e-2, "lr": 0.1} if method == "ikfac" else {})}
+    reference = _model().double()
+    if move == "overwriting_conversion":
+        model = _model()
+        precond = KronPreconditioner(model, method=method, **settings)
+        torch.__future__.set_overwrite_module_params_on_conversion(True)
+        try:
+            model.double()
+        finally:
+            torch.__future__.set_overwrite_module_params_on_conversion(False)
+        assert model[0].weight.dtype == torch.float64
+    else:
+        model = _model(device="meta")
+        precond = KronPreconditioner(model, method=method, **settings)
+        model.to_empty(device="cpu")
+        model.double()
+        model.load_state_dict(reference.state_dict())
+    precond_ref = KronPreconditioner(reference, method=method, **settings)
+    _train(model, precond, dtype=torch.float64)
+    _train(reference, precond_ref, dtype=torch.float64)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert p.dtype == torch.float64
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
 def _tensors(value):
     if isinstance(value, torch.Tensor):
         yield value
