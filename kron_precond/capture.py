@@ -196,7 +196,8 @@ class ActivationCapture:
         writes no gradient of the module's parameters (``torch.autograd.grad`` or
         ``backward(inputs=...)`` with respect to the input: a gradient penalty) is skipped: its
         output gradient is not the loss's, and the call's rows wait for a pass that writes them."""
-        if nodes and not _writes_gradient(nodes):
+        writes = _writes_gradient(nodes) if nodes else None
+        if writes is False:
             return
         if staged:
             self._before_write()
@@ -208,7 +209,7 @@ class ActivationCapture:
                     calls[slot] = layer.method.add_activation_terms(terms)
             staged.clear()
         if reads_grads:
-            if passes is not None:
+            if passes is not None and writes:  # a pass known to write the weights' .grad: a backward
                 passes[0] += 1
                 if passes[0] == 2 and not self._warned_repeated_pass:
                     self._warn_repeated_pass(units)
@@ -287,13 +288,15 @@ def _gradient_nodes(module: nn.Module) -> list:
         return []
 
 
-def _writes_gradient(nodes: list) -> bool:
+def _writes_gradient(nodes: list) -> bool | None:
     """Whether the running backward pass runs any of ``nodes`` (writes a gradient of the
-    module's parameters: one a call leaves unused, as a gain taken only sometimes, never does)."""
+    module's parameters: one a call leaves unused, as a gain taken only sometimes, never does);
+    ``None`` where the engine cannot tell (``torch.autograd.grad`` with respect to the weights,
+    which computes their gradients without writing ``.grad``; no engine to ask): read as one."""
     try:
         return any(torch._C._will_engine_execute_node(node) for node in nodes)
-    except (RuntimeError, AttributeError):  # autograd.grad with respect to the weights (or no engine to ask)
-        return True
+    except (RuntimeError, AttributeError):
+        return None
 
 
 # The backward pass (autograd graph task) the output gradients being read belong to, per

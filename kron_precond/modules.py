@@ -439,14 +439,19 @@ def is_skipped(name: str, module: nn.Module, patterns: list[re.Pattern]) -> bool
     return any(p.search(name) or any(p.search(c) for c in names) for p in patterns)
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# Frames a warning is not attributed to: this package's, and torch's (a hook runs under
+# torch's autograd engine or module call)
+_OWN_FRAMES = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+               os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
 
 
 def user_stacklevel() -> int:
     """For ``warnings.warn`` in the function that calls this: the ``stacklevel`` of the first
-    frame outside this package, the user's call, however deep inside it the warning is made."""
+    frame outside this package and torch, the user's call (``loss.backward()`` for a hook in a
+    backward), however deep inside them the warning is made. A backward run on a device's
+    thread has no such frame: its outermost one then."""
     frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_OWN_FRAMES):
         frame, level = frame.f_back, level + 1
     return level
 

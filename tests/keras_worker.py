@@ -246,6 +246,8 @@ ACCEPTED_ARGUMENTS = {
                           learning_rate=np.float32(0.01), clipnorm=np.float32(1.5)),
     "numpy_float64": dict(b1=np.float64(0.8), weight_decay=np.float64(0.2), seed=np.uint64(2**64 - 1)),
     "bounds": dict(precond_init_scale=1.8e19, seed=-(2**63)),
+    # NumPy bools where a flag is expected: kept as Python bools
+    "numpy_bools": dict(use_ema=np.True_, merge_dims=np.False_, momentum_into_precond_update=np.True_),
 }
 
 

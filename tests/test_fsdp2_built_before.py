@@ -251,6 +251,14 @@ def refusals(rank: int, world: int) -> dict:
                                    bool(torch.equal(grads, torch.cat([p.grad.to_local().reshape(-1)
                                                                       for p in model.parameters()]))))
 
+    # rank 0's model materialised, the others' still on meta: refused on every rank, naming meta
+    if rank == 0:
+        model = make_model()
+    else:
+        with torch.device("meta"):
+            model = make_model()
+    out["meta-on-some-ranks"] = _error(lambda: KronPreconditioner(model, lr=LR))
+
     # WhitenedMuon built on the plain model
     for remapped in (False, True):
         model = make_model()
@@ -436,6 +444,12 @@ def test_whitened_muon_built_before_fully_shard_is_refused(spawned, case):
         assert steps == 0 and unchanged
     if case == "whitened-muon":
         assert "'0.weight'" in spawned[0]["refusals"][case][0]
+
+
+def test_a_model_on_meta_on_some_ranks_only_is_refused_on_every_rank(spawned):
+    for rank in range(WORLD):
+        error = spawned[rank]["refusals"]["meta-on-some-ranks"]
+        assert error is not None and error.startswith("ValueError") and "meta on ranks [1]" in error, error
 
 
 def test_ddp_wrapped_after_building_matches_built_on_ddp(spawned, reference):

@@ -220,6 +220,9 @@ def test_numpy_scalars_are_accepted_as_by_the_torch_kron(backend):
     assert numpy["learning_rate"] == pytest.approx(float(np.float32(0.01)))
     assert accepted["numpy_float64"] == {"b1": 0.8, "weight_decay": 0.2, "seed": 2**64 - 1}
     assert accepted["bounds"] == {"precond_init_scale": 1.8e19, "seed": -(2**63)}
+    bools = accepted["numpy_bools"]
+    assert bools == {"use_ema": True, "merge_dims": False, "momentum_into_precond_update": True}, bools
+    assert all(type(v) is bool for v in bools.values()), bools
     assert accepted["keras_variable"]["learning_rate"] == pytest.approx(float(np.float32(0.01)))
 
 

@@ -6,7 +6,8 @@ factor, and so the step, differs from the summed loss's (measured: K-FAC's param
 apart after three steps, ``WhitenedMuon(output_side=True)``'s 0.01). Said, not silent. A
 method that reads no output gradients (input-side whitening) counts a call's rows once however
 many passes reach it: no warning; nor for a pass that writes no weight gradient (a gradient
-penalty's ``torch.autograd.grad`` with respect to the inputs), nor for one backward per forward.
+penalty's ``torch.autograd.grad`` with respect to the inputs, or one with respect to the weights,
+which computes their gradients without writing ``.grad``), nor for one backward per forward.
 """
 from __future__ import annotations
 
@@ -41,36 +42,56 @@ def _train(kind, backward, steps=2):
     x = torch.randn(16, 6, generator=torch.Generator().manual_seed(1), requires_grad=True)
     for _ in range(steps):
         out = model(x)
-        backward(out, x)
+        backward(out, x, model)
         if precond is not None:
             precond.step()
         optimizer.step()
         optimizer.zero_grad()
 
 
-def _two_losses(out, x):
+def _two_losses(out, x, model):
     out.square().mean().backward(retain_graph=True)
     out.abs().mean().backward()
 
 
-def _summed(out, x):
+def _summed(out, x, model):
     (out.square().mean() + out.abs().mean()).backward()
 
 
-def _with_penalty(out, x):
+def _gradient_norm_logged(out, x, model):
+    """The weights' gradients through ``torch.autograd.grad`` first (a gradient-norm log, SAM's
+    first half): that pass writes no ``.grad``; then the backward."""
+    loss = out.square().mean()
+    torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+    loss.backward()
+
+
+def _with_penalty(out, x, model):
     (grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
     (out.square().mean() + grad.square().sum()).backward()
+
+
+def _weight_gradient_penalty(out, x, model):
+    """A penalty on the weights' gradient norm: their gradients with ``create_graph``, then one
+    backward of the loss and the penalty."""
+    loss = out.square().mean()
+    grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+    (loss + sum(g.square().sum() for g in grads)).backward()
 
 
 @pytest.mark.parametrize("kind", ["kfac", "ekfac", "whitened_muon"])
 def test_two_backward_passes_through_one_forward_warn_once(kind):
     with pytest.warns(UserWarning, match=MATCH) as caught:
         _train(kind, _two_losses)
-    assert sum("a second time" in str(w.message) for w in caught) == 1
+    said = [w for w in caught if "a second time" in str(w.message)]
+    assert len(said) == 1
+    assert said[0].filename == __file__  # the user's backward() line, not torch's engine
 
 
 @pytest.mark.parametrize("kind, backward", [("kfac", _summed), ("whitened_muon", _summed),
-                                            ("kfac", _with_penalty), ("whitened_muon_input_side", _two_losses)])
+                                            ("kfac", _with_penalty), ("whitened_muon_input_side", _two_losses),
+                                            ("kfac", _gradient_norm_logged), ("whitened_muon", _gradient_norm_logged),
+                                            ("kfac", _weight_gradient_penalty)])
 def test_one_backward_per_forward_or_no_output_gradients_read_is_silent(kind, backward):
     with warnings.catch_warnings():
         warnings.simplefilter("error")

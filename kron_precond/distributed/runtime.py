@@ -74,6 +74,7 @@ class Runtime:
             return
         fingerprint = int(hashlib.sha256(description.encode()).hexdigest()[:13], 16)
         device = next(iter(model.parameters())).device
+        on_meta = any(p.device.type == "meta" for p in model.parameters())
         if device.type == "meta":  # a model to materialise later (to_empty): no values to compare yet;
             device = _collective_device(self.process_group)  # the settings still are
         with torch.no_grad():
@@ -93,7 +94,8 @@ class Runtime:
         groups, world_groups = _process_group_counts()
         local = torch.stack([torch.tensor(float(fingerprint), dtype=torch.float64, device=device), checksum, nonce,
                              torch.tensor(float(groups), dtype=torch.float64, device=device),
-                             torch.tensor(float(world_groups), dtype=torch.float64, device=device)])
+                             torch.tensor(float(world_groups), dtype=torch.float64, device=device),
+                             torch.tensor(float(on_meta), dtype=torch.float64, device=device)])
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(gathered, local, group=self.process_group)
         values = torch.stack(gathered).tolist()
@@ -104,6 +106,11 @@ class Runtime:
                              "skip_layers, method, its options (e.g. factor_update_steps, inv_update_steps, "
                              "compute_method, seed, damping), kl_clip, lr, grad_worker_fraction, symmetry_aware, "
                              "allreduce_bucket_cap_mb, colocate_factors and assignment_strategy")
+        meta_ranks = [rank for rank, v in enumerate(values) if v[5]]
+        if meta_ranks and len(meta_ranks) < len(values):
+            raise ValueError(f"the model has parameters on meta on ranks {meta_ranks} (of the process group) and not "
+                             f"on the others: build the preconditioner at the same point on every rank (before "
+                             f"to_empty, or after it)")
         checksums = [v[1] for v in values]
         if any(c != checksums[0] for c in checksums):
             raise ValueError(f"model parameters differ across ranks (checksums {checksums}); "

@@ -114,6 +114,15 @@ def _check_float_dtype(name: str, dtype: Any, *, allow_none: bool = False) -> st
     return std
 
 
+def _check_bool(name: str, flag: Any) -> bool:
+    """``flag`` as a Python bool: a bool or a NumPy bool (``bool("no")`` would be True)."""
+    import numpy as np  # a Keras dependency
+
+    if not isinstance(flag, (bool, np.bool_)):
+        raise ValueError(f"Invalid {name}: {flag!r}; expected a bool")
+    return bool(flag)
+
+
 def _check_probability(p: Any):
     if p is None:
         return PrecondUpdateProbSchedule()
@@ -288,17 +297,15 @@ class Kron(keras.optimizers.Optimizer):
         if not (isinstance(seed_number, int) and _SEED_RANGE[0] <= seed_number <= _SEED_RANGE[1]):
             raise ValueError(f"Invalid seed: {seed!r}; expected an int in [-2**63, 2**64 - 1] "
                              "(torch.manual_seed's range)")
-        for bool_name, flag in (("momentum_into_precond_update", momentum_into_precond_update),
-                                ("merge_dims", merge_dims)):
-            if not isinstance(flag, bool):  # bool("no") would be True
-                raise ValueError(f"Invalid {bool_name}: {flag!r}; expected a bool")
+        momentum_into_precond_update, merge_dims, use_ema = (
+            _check_bool(flag_name, flag) for flag_name, flag in (
+                ("momentum_into_precond_update", momentum_into_precond_update), ("merge_dims", merge_dims),
+                ("use_ema", use_ema)))
         probability = _check_probability(preconditioner_update_probability)
         # Keras's own arguments, which its base class passes through unchecked: a loss scale of 0
-        # skipped every step and a negative one ascended; 2.5 accumulation steps or use_ema="no"
-        # were taken as they came
+        # skipped every step and a negative one ascended; 2.5 accumulation steps were taken as
+        # they came (use_ema is checked with the other flags above)
         loss_scale_factor = _check_positive("loss_scale_factor", loss_scale_factor, allow_none=True)
-        if not isinstance(use_ema, bool):
-            raise ValueError(f"Invalid use_ema: {use_ema!r}; expected a bool")
         ema_number = _number(ema_momentum)
         if ema_number is None or not 0.0 <= ema_number <= 1.0:
             raise ValueError(f"Invalid ema_momentum: {ema_momentum!r}; expected a float in [0, 1]")
