@@ -32,15 +32,18 @@ def upgrade(state: Mapping[str, Any]) -> dict[str, Any]:
     ``ValueError`` if it is not a preconditioner checkpoint or comes from a newer version."""
     if not isinstance(state, Mapping):
         raise ValueError(f"state_dict must be a mapping, got {type(state).__name__}")
-    version = state.get("version", 1)
     if "format" in state and state["format"] != FORMAT:
         raise ValueError(f"state_dict has format {state['format']!r}, expected {FORMAT!r}")
+    if "format" in state and "version" not in state:  # version 1 files never had "format"
+        raise ValueError("state_dict has a 'format' but no 'version': a damaged checkpoint (its counters "
+                         "would be read as an unversioned file's)")
+    version = state.get("version", 1)
     if not isinstance(version, int) or version < 1:
         raise ValueError(f"state_dict has an invalid version {version!r}")
     if version > VERSION:
         raise ValueError(f"state_dict was written by a newer kron_precond (format version {version}); "
                          f"this one reads versions up to {VERSION}")
-    required = ("method", "steps", "layers")
+    required = ("method", "steps", "layers") + (("statistics_steps", "refreshes", "schedule") if version >= 2 else ())
     missing = [key for key in required if key not in state]
     if missing:
         raise ValueError(f"state_dict is missing {missing}: not a KronPreconditioner state_dict")

@@ -1012,7 +1012,9 @@ class KronPreconditioner:
         its owner alone; with ``grad_worker_fraction < 1`` its refreshed state on its gradient
         workers alone), and the ranks agree on the outcome before anything changes: a state
         rejected on any rank raises ``ValueError`` on every rank (naming the ranks that
-        rejected it, and on those ranks why), and no rank loads it.
+        rejected it, and on those ranks why), and no rank loads it. On a model that is not
+        sharded (DDP) it is not a collective: each rank checks and loads its copy on its own
+        (one rank may load alone), so give every rank the same checkpoint.
         """
         self._bind_before_first_step()  # a model sharded since construction loads as a sharded one
         # Sharded: each rank checks (and loads) only the state it holds -- a layer's factors on

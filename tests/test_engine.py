@@ -196,6 +196,27 @@ def test_checkpoint_from_a_newer_version_is_refused_and_changes_nothing():
         precond.load_state_dict(state)
 
 
+@pytest.mark.parametrize("dropped", ["version", "statistics_steps", "refreshes", "schedule"])
+def test_a_versioned_checkpoint_missing_an_entry_is_refused_and_changes_nothing(dropped):
+    """A dict with ``"format"`` but no ``"version"`` is damaged (unversioned files never had a
+    ``"format"``): it was read as one, its counters set to 0. A version-2 file missing one of
+    its counters or its schedule is refused alike, before anything changes."""
+    model = deep_mlp(1)
+    precond = KronPreconditioner(model, factor_update_steps=1, inv_update_steps=2)
+    for _ in range(3):
+        model(torch.randn(8, model[0].in_features, dtype=model[0].weight.dtype)).square().mean().backward()
+        precond.step()
+        model.zero_grad()
+    state = precond.state_dict()
+    before = precond.state_dict()
+    del state[dropped]
+    with pytest.raises(ValueError, match=repr(dropped) if dropped != "version" else "no 'version'"):
+        precond.load_state_dict(state)
+    after = precond.state_dict()
+    assert {k: v for k, v in after.items() if k != "layers"} == {k: v for k, v in before.items() if k != "layers"}
+    assert after["statistics_steps"] == 3
+
+
 # ---------------------------------------------------------------------- a method from outside
 class _RMSLayer(LayerMethod):
     """Divides each gradient by the root of its running mean square, refreshed every 2 steps."""
