@@ -127,6 +127,20 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, ar
     os._exit(code)
 
 
+def run_scenarios(rank: int, world_size: int, out_dir: str, scenarios: dict[str, Callable]) -> dict:
+    """A worker running several scenarios in one spawn (spawning ranks, each importing torch,
+    costs more than most scenarios): ``{name: scenario(rank, world_size, out_dir)}``, in order.
+    Each scenario seeds and builds its own model, as it would alone; one expected to raise
+    catches its error itself (and comes last), so that it cannot take the others down.
+    ``scenarios`` is pickled to the ranks: module-level functions or ``functools.partial``."""
+    return {name: scenario(rank, world_size, out_dir) for name, scenario in scenarios.items()}
+
+
+def results_of(ranks: list[dict], name: str) -> list:
+    """One scenario's results from :func:`run_scenarios`' per-rank dicts, in rank order."""
+    return [r[name] for r in ranks]
+
+
 def run_workers(fn: Callable, world_size: int, out_dir: str | os.PathLike, *args: Any,
                 timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
     """Run ``fn(rank, world_size, out_dir, *args)`` on ``world_size`` gloo ranks.

@@ -21,6 +21,7 @@ behaved differently from one process, on 2 gloo ranks (hard timeouts: ``dist_uti
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -29,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dist_utils import average_gradients_as_ddp, ranks_identical, run_workers
+from dist_utils import average_gradients_as_ddp, ranks_identical, results_of, run_scenarios, run_workers
 from kron_precond import DistributedStrategy, KronPreconditioner
 
 F64 = torch.float64
@@ -115,8 +116,9 @@ def _unseen_worker(rank: int, world: int, out_dir: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def unseen_runs(tmp_path_factory):
-    return run_workers(_unseen_worker, WORLD, tmp_path_factory.mktemp("unseen"), timeout=120)
+def unseen_runs(two_ranks):
+    """Every method on every path, per rank: the first scenario of the shared 2-rank spawn."""
+    return results_of(two_ranks, "unseen")
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -222,8 +224,11 @@ def _rejected_load_worker(rank: int, world: int, out_dir: str, method: str, key:
 # tensor every gradient worker (every rank) holds, would be rejected on every rank
 @pytest.mark.parametrize("method,key,strategy", [("kfac", "a_factor", "MEM_OPT"), ("ekfac", "scaling", "MEM_OPT"),
                                                  ("kfac", "a_factor", "COMM_OPT")])
-def test_a_checkpoint_rejected_on_one_rank_raises_on_every_rank(tmp_path, method, key, strategy):
-    results = run_workers(_rejected_load_worker, WORLD, tmp_path, method, key, strategy, timeout=60)
+def test_a_checkpoint_rejected_on_one_rank_raises_on_every_rank(two_ranks, method, key, strategy):
+    """Each case is a scenario of the shared 2-rank spawn (a rank left waiting in a collective:
+    its timeout)."""
+    results = results_of(two_ranks, f"rejected/{method}/{key}/{strategy}")
+    assert len(results) == WORLD
     owner = results[0]["owners"]["0"]
     loaded = [rank for rank, result in enumerate(results) if result["one"] is None]
     assert not loaded, f"rank(s) {loaded} loaded a checkpoint rejected on rank {owner}"
@@ -241,3 +246,27 @@ def test_a_checkpoint_rejected_on_one_rank_raises_on_every_rank(tmp_path, method
         assert result["good_loaded"]
         assert torch.allclose(result["resumed"], result["uninterrupted"], rtol=1e-10, atol=1e-12)
         assert torch.equal(result["resumed"], results[0]["resumed"])
+
+
+# ----------------------------------------------------------------------------- the shared 2-rank spawn
+# Spawning gloo ranks (each imports torch) costs more than these scenarios: the layer-not-called
+# runs and the three rejected checkpoints share one spawn, one after the other, each seeding and
+# building its own model, mesh and preconditioner as it did alone. The rejected loads come last
+# (each catches its ValueError on every rank; their worker also silences warnings for the rest of
+# the process).
+REJECTED = (("kfac", "a_factor", "MEM_OPT"), ("ekfac", "scaling", "MEM_OPT"), ("kfac", "a_factor", "COMM_OPT"))
+TWO_RANKS = {
+    "unseen": _unseen_worker,
+    **{f"rejected/{method}/{key}/{strategy}": functools.partial(_rejected_load_worker, method=method, key=key,
+                                                                 strategy=strategy)
+       for method, key, strategy in REJECTED},
+}
+TWO_RANKS_TIMEOUT = 120 + 60 * len(REJECTED)  # what the spawns it replaces had
+
+
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """Every 2-rank scenario: per rank, ``{scenario: result}``."""
+    return run_workers(run_scenarios, WORLD, tmp_path_factory.mktemp("w2"), TWO_RANKS, timeout=TWO_RANKS_TIMEOUT)

@@ -6,12 +6,14 @@ Reference: the same model and batch without any loss scaling.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dist_utils import results_of, run_scenarios
 from kron_precond import KronPreconditioner
 
 SCALE = 2.0**16
@@ -273,15 +275,42 @@ def _skipped_step_worker(rank: int, world: int, out_dir: str, wrapped: bool):
 
 
 @pytest.mark.parametrize("wrapped", [False, True])
-def test_a_step_skipped_on_every_rank_gives_the_one_process_result(tmp_path, wrapped):
+def test_a_step_skipped_on_every_rank_gives_the_one_process_result(wrapped, one_process, two_ranks):
     """An overflow on one rank reaches every rank through DDP's average: every rank skips the
     step (none enters a collective the others skip), the ranks stay identical, and the run ends
-    where one process on the full batch ends."""
-    from dist_utils import run_workers
-
-    single = run_workers(_skipped_step_worker, 1, tmp_path / "w1", wrapped, timeout=60)[0]
+    where one process on the full batch ends. (Both ``wrapped`` values: scenarios of the shared
+    one-process and 2-rank spawns below.)"""
+    single = one_process[f"wrapped={wrapped}"]
     assert single["steps"] == 5
-    for r in run_workers(_skipped_step_worker, 2, tmp_path / "w2", wrapped, timeout=90):
+    results = results_of(two_ranks, f"wrapped={wrapped}")
+    assert len(results) == 2
+    for r in results:
         assert all(r["identical"]) and r["steps"] == 5
         for got, want in zip(r["params"], single["params"]):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- the shared spawns
+# Spawning gloo ranks (each imports torch) costs more than these scenarios: both ``wrapped``
+# values run at one process (the references) in one spawn, and on 2 ranks in another, one after
+# the other, each seeding and building its own model, scaler and optimizer as it did alone.
+SCENARIOS = {f"wrapped={wrapped}": functools.partial(_skipped_step_worker, wrapped=wrapped)
+             for wrapped in (False, True)}
+
+
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict:
+    """Every one-process reference: ``{scenario: result}``."""
+    from dist_utils import run_workers
+
+    return run_workers(run_scenarios, 1, tmp_path_factory.mktemp("w1"), SCENARIOS, timeout=60 * len(SCENARIOS))[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """Every 2-rank scenario: per rank, ``{scenario: result}``."""
+    from dist_utils import run_workers
+
+    return run_workers(run_scenarios, 2, tmp_path_factory.mktemp("w2"), SCENARIOS, timeout=90 * len(SCENARIOS))

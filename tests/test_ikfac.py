@@ -8,13 +8,14 @@ options, and two gloo ranks on half batches against one process on the whole bat
 """
 from __future__ import annotations
 
+import functools
 import io
 
 import pytest
 import torch
 import torch.nn as nn
 
-from dist_utils import run_workers
+from dist_utils import results_of, run_scenarios, run_workers
 from kron_precond import KronPreconditioner
 from kron_precond import capture as capture_module
 
@@ -295,8 +296,11 @@ def _distributed_worker(rank, world_size, out_dir):
     return grads
 
 
-def test_two_ranks_equal_one_process_on_the_full_batch(tmp_path):
-    results = run_workers(_distributed_worker, 2, tmp_path)
+def test_two_ranks_equal_one_process_on_the_full_batch(two_ranks):
+    """Two ranks on half batches (a scenario of the shared 2-rank spawn at the end of the file)
+    give every step one process's preconditioned gradients on the whole batch."""
+    results = results_of(two_ranks, "distributed")
+    assert len(results) == 2
     net = make_net()
     precond = KronPreconditioner(net, method="ikfac", factor_update_steps=2, inv_update_steps=4,
                                  damping=0.2, inv_dtype=F64, moment_decay=0.9)
@@ -362,21 +366,45 @@ def _health_worker(rank, world_size, out_dir, strategy):
 
 
 @pytest.mark.parametrize("strategy,world", [("MEM_OPT", 2), ("HYBRID_OPT", 3)])
-def test_blow_up_warning_is_the_holders_verdict(tmp_path, strategy, world):
+def test_blow_up_warning_is_the_holders_verdict(tmp_path, strategy, world, request):
     """MEM_OPT / HYBRID_OPT: a rank that does not hold ``late`` received its raw gradient while
     the holder had no inverse, took it for an update, and at the next refresh reported the first
     preconditioned update as a blow-up (8.5e3x at world 2, 1.0e4x at world 3) that one process
     and the holder do not report. The holders' verdict counts, on every rank: ``late`` on no
     rank; the real blow-up of ``a`` on every rank, as one process reports it (a fix that left it
-    to ``a``'s holders kept it from rank 0's output when rank 0 does not hold ``a``)."""
+    to ``a``'s holders kept it from rank 0's output when rank 0 does not hold ``a``). (2 ranks:
+    the shared spawn at the end of the file; 3 ranks: a spawn of its own.)"""
     alone = _health_worker(0, 1, tmp_path, "COMM_OPT")[1]
     assert [step for step, _ in alone] == [16] and "a (" in alone[0][1] and "late" not in alone[0][1], alone
-    results = run_workers(_health_worker, world, tmp_path, strategy, timeout=240)
+    if world == 2:
+        results = results_of(request.getfixturevalue("two_ranks"), f"health/{strategy}")
+    else:
+        results = run_workers(_health_worker, world, tmp_path, strategy, timeout=240)
+    assert len(results) == world
     assert not all(holds["a"] for holds, _ in results)  # some rank judges a layer it does not hold
     for rank, (holds, said) in enumerate(results):
         assert not any("late" in message for _, message in said), (rank, holds, said)
         assert [step for step, _ in said] == [16] and "a (" in said[0][1], (rank, holds, said)
         assert said == results[0][1], (rank, said, results[0][1])  # the same verdict, word for word
+
+
+# ----------------------------------------------------------------------------- the shared 2-rank spawn
+# Spawning gloo ranks (each imports torch) costs more than these scenarios: the 2-rank ones share
+# one spawn, one after the other, each seeding and building its own model and preconditioner as it
+# did alone (health warnings are caught per step, on a preconditioner of its own).
+TWO_RANKS = {
+    "distributed": _distributed_worker,
+    "health/MEM_OPT": functools.partial(_health_worker, strategy="MEM_OPT"),
+}
+TWO_RANKS_TIMEOUT = 120 + 240  # what the spawns it replaces had
+
+
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """Every 2-rank scenario: per rank, ``{scenario: result}``."""
+    return run_workers(run_scenarios, 2, tmp_path_factory.mktemp("w2"), TWO_RANKS, timeout=TWO_RANKS_TIMEOUT)
 
 
 @pytest.mark.parametrize("method", ["ikfac", "ikfac_moment", "second_moment"])

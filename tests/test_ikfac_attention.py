@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dist_utils import results_of, run_scenarios
 from kron_precond import KronPreconditioner
 from test_whitened_muon_attention import HEADS, E, LinearTwin, Packed, batches
 
@@ -105,7 +106,7 @@ def test_ranks_equal_one_process_on_the_full_batch(tmp_path, world, request):
     from dist_utils import run_workers
 
     if world == 2:
-        results = _of(request.getfixturevalue("two_ranks"), "distributed")
+        results = results_of(request.getfixturevalue("two_ranks"), "distributed")
     else:
         results = run_workers(_distributed_worker, world, tmp_path, timeout=90)
     assert len(results) == world
@@ -154,7 +155,7 @@ def test_fsdp2_ranks_equal_one_process_on_the_full_batch(two_ranks):
     2 ranks equals one process's on the full batch, whether or not FSDP2 reshards it after
     the forward, on every rank and every step."""
     single = _fsdp_trajectory(0, 1, True)
-    results = _of(two_ranks, "fsdp")
+    results = results_of(two_ranks, "fsdp")
     assert single["layers"] == ["attn"] and len(results) == 2
     for by_reshard in results:
         for r in by_reshard.values():
@@ -209,7 +210,7 @@ def test_a_call_read_as_cross_attention_on_one_rank_raises_on_every_rank(case, t
     there would go out of step). Every rank must refuse at the step, not only the rank that saw
     it: the others would otherwise wait in the statistics' all-reduce (a hang: the shared
     spawn's timeout)."""
-    results = _of(two_ranks, f"refused/{case}")
+    results = results_of(two_ranks, f"refused/{case}")
     assert len(results) == 2
     for r in results:
         raised = r["raised"]
@@ -231,14 +232,6 @@ TWO_RANKS = {
 TWO_RANKS_TIMEOUT = 3 * 90 + 2 * 60  # what the spawns it replaces had
 
 
-def _two_ranks_worker(rank: int, world: int, out_dir: str) -> dict:
-    """``{scenario: its result on this rank}`` for every scenario of ``TWO_RANKS``, in order."""
-    return {name: scenario(rank, world, out_dir) for name, scenario in TWO_RANKS.items()}
-
-
-def _of(ranks: list[dict], name: str) -> list:
-    """One scenario's results, in rank order."""
-    return [r[name] for r in ranks]
 
 
 @pytest.fixture(scope="module")
@@ -246,4 +239,4 @@ def two_ranks(tmp_path_factory) -> list[dict]:
     """Every 2-rank scenario: per rank, ``{scenario: result}``."""
     from dist_utils import run_workers
 
-    return run_workers(_two_ranks_worker, 2, tmp_path_factory.mktemp("w2"), timeout=TWO_RANKS_TIMEOUT)
+    return run_workers(run_scenarios, 2, tmp_path_factory.mktemp("w2"), TWO_RANKS, timeout=TWO_RANKS_TIMEOUT)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dist_utils import run_workers
+from dist_utils import results_of, run_scenarios, run_workers
 from kron_precond import DistributedStrategy, KronPreconditioner
 
 F64 = torch.float64
@@ -88,7 +88,7 @@ def _rank0_saves_worker(rank, world, out_dir, method, strategy):
 @pytest.mark.parametrize("method", ["kfac", "psgd"])
 def test_state_dict_on_rank_zero_only_does_not_hang(method, two_ranks):
     # both methods' runs: scenarios of the shared 2-rank spawn (a hang: its timeout)
-    results = _of(two_ranks, f"rank0_saves/{method}")
+    results = results_of(two_ranks, f"rank0_saves/{method}")
     assert len(results) == 2
     kind, value = results[0]["outcome"]
     assert results[0]["seconds"] < 10.0
@@ -148,7 +148,7 @@ def _disagree_worker(rank, world, out_dir):
 def test_settings_that_change_the_collective_schedule_must_agree(two_ranks):
     # a scenario of the shared 2-rank spawn, after the state_dict ones (each refusal is caught
     # on every rank, and the group is checked to work after it)
-    results = _of(two_ranks, "disagree")
+    results = results_of(two_ranks, "disagree")
     assert len(results) == 2
     for name in DISAGREEMENTS:
         for rank, result in enumerate(results):
@@ -170,19 +170,11 @@ TWO_RANKS = {
 }
 
 
-def _two_ranks_worker(rank, world, out_dir):
-    """``{scenario: its result on this rank}`` for every scenario of ``TWO_RANKS``, in order."""
-    return {name: scenario(rank, world, out_dir) for name, scenario in TWO_RANKS.items()}
-
-
-def _of(ranks, name):
-    """One scenario's results, in rank order."""
-    return [r[name] for r in ranks]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return run_workers(_two_ranks_worker, 2, tmp_path_factory.mktemp("w2"), timeout=len(TWO_RANKS) * TIMEOUT)
+    return run_workers(run_scenarios, 2, tmp_path_factory.mktemp("w2"), TWO_RANKS, timeout=len(TWO_RANKS) * TIMEOUT)
 
 
 # ----------------------------------------------------------------------------- sub-groups

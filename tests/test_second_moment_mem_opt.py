@@ -4,14 +4,19 @@ Its moments were placed as if free (compute cost 0.0: every layer on rank 0) and
 kept every layer's moment, so MEM_OPT saved nothing. Now each rank owns its share of the
 layers and holds the moments of those only; the result is still exactly one process's on
 the full batch, and the same on every rank after every step.
+
+Both 4-rank runs (training under MEM_OPT, a one-process checkpoint loaded) share one spawn.
 """
 from __future__ import annotations
 
+import functools
+
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dist_utils import run_workers
+from dist_utils import results_of, run_workers
 from kron_precond import DistributedStrategy, KronPreconditioner
 
 F64 = torch.float64
@@ -73,13 +78,15 @@ def _check(results, reference, world):
     return results
 
 
-def test_second_moment_mem_opt_spreads_layers_and_holds_only_its_moments(tmp_path):
+def test_second_moment_mem_opt_spreads_layers_and_holds_only_its_moments(four_ranks):
+    """4 ranks under MEM_OPT (a scenario of the shared 4-rank spawn at the end of the file)."""
     model = make_model()
     one = KronPreconditioner(model, method="second_moment")
     full_bytes = sum(one.memory_usage().values())
     reference = run(model, one)
-    results = _check(run_workers(_worker, 4, tmp_path, DistributedStrategy.MEM_OPT, timeout=TIMEOUT),
-                     reference, 4)
+    results = results_of(four_ranks, "mem_opt")
+    assert len(results) == 4
+    results = _check(results, reference, 4)
     for rank, result in enumerate(results):
         assert 0 < sum(result["memory"].values()) <= full_bytes / 4, (rank, result["memory"])
     # the gathered state is every layer's, the same on every rank, and one process's
@@ -108,14 +115,43 @@ def _load_worker(rank, world, out_dir, state):
     return {"held": held, "holds": holds, "back": back}
 
 
-def test_second_moment_checkpoint_moves_between_world_sizes(tmp_path):
+def _one_process_checkpoint() -> dict:
+    """One process's state after ``run``: what the 4 ranks load."""
     model = make_model()
     one = KronPreconditioner(model, method="second_moment")
     run(model, one)
-    state = one.state_dict()
-    results = run_workers(_load_worker, 4, tmp_path, state, timeout=TIMEOUT)
+    return one.state_dict()
+
+
+def test_second_moment_checkpoint_moves_between_world_sizes(four_ranks):
+    """A one-process checkpoint loaded on 4 ranks (a scenario of the shared 4-rank spawn, which
+    loads what ``_one_process_checkpoint`` returns there; rebuilt here, the same)."""
+    state = _one_process_checkpoint()
+    results = results_of(four_ranks, "load")
+    assert len(results) == 4
     for rank, result in enumerate(results):
         for name, holds in result["holds"].items():
             assert (result["held"][name] > 0) == holds, (rank, name)
         for name, layer_state in state["layers"].items():
             assert torch.equal(result["back"]["layers"][name]["moment"], layer_state["moment"]), (rank, name)
+
+
+# ----------------------------------------------------------------------------- the shared spawn
+# Spawning gloo ranks (each imports torch) costs more than these scenarios: both 4-rank runs
+# share one spawn, one after the other, each building its own model and preconditioner as it
+# did alone.
+def _four_ranks_worker(rank: int, world: int, out_dir: str, state: dict) -> dict:
+    """``{scenario: its result on this rank}``; ``state`` is the checkpoint ``load`` loads."""
+    scenarios = {
+        "mem_opt": functools.partial(_worker, strategy=DistributedStrategy.MEM_OPT),
+        "load": functools.partial(_load_worker, state=state),
+    }
+    return {name: scenario(rank, world, out_dir) for name, scenario in scenarios.items()}
+
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> list[dict]:
+    """Both 4-rank scenarios: per rank, ``{scenario: result}``."""
+    return run_workers(_four_ranks_worker, 4, tmp_path_factory.mktemp("w4"), _one_process_checkpoint(),
+                       timeout=2 * TIMEOUT)  # what the two spawns it replaces had

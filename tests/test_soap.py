@@ -19,6 +19,7 @@ an op count that does not grow with depth, and two gloo ranks against one proces
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import re
 import warnings
@@ -29,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dist_utils import run_workers
+from dist_utils import results_of, run_scenarios, run_workers
 from kron_precond import KronPreconditioner
 
 F64 = torch.float64
@@ -330,8 +331,11 @@ def _distributed_worker(rank, world_size, out_dir):
     return grads
 
 
-def test_two_ranks_equal_one_process_on_the_full_batch(tmp_path):
-    results = run_workers(_distributed_worker, 2, tmp_path)
+def test_two_ranks_equal_one_process_on_the_full_batch(two_ranks):
+    """Two ranks on half batches (a scenario of the shared 2-rank spawn at the end of the file)
+    give every step one process's preconditioned gradients on the whole batch."""
+    results = results_of(two_ranks, "distributed")
+    assert len(results) == 2
     net = _net()
     precond = KronPreconditioner(net, **SOAP_OPTIONS)
     for step in range(6):
@@ -556,14 +560,35 @@ def _nonfinite_worker(rank, world_size, out_dir, fraction):
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
-def test_two_ranks_leave_a_layer_with_a_nonfinite_gradient_as_one_process_without_one(tmp_path, fraction):
+def test_two_ranks_leave_a_layer_with_a_nonfinite_gradient_as_one_process_without_one(two_ranks, fraction):
     """Over two ranks (every rank a gradient worker of every layer, or one per layer and the
     owner broadcasting), a NaN gradient followed by a refresh leaves the layer as one process
-    where it had no gradient on that step; the ranks agree bitwise."""
-    results = run_workers(_nonfinite_worker, 2, tmp_path, fraction)
+    where it had no gradient on that step; the ranks agree bitwise. (Both fractions: scenarios
+    of the shared 2-rank spawn.)"""
+    results = results_of(two_ranks, f"nonfinite/{fraction}")
+    assert len(results) == 2
     net = _net()
     expected = _nonfinite_run(net, KronPreconditioner(net, **SOAP_OPTIONS), "none")
     for got, other in zip(results[0], results[1]):
         assert torch.equal(got, other)
     for got, want in zip(results[0], expected):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- the shared 2-rank spawn
+# Spawning gloo ranks (each imports torch) costs more than these scenarios: every 2-rank one
+# shares one spawn, one after the other, each seeding and building its own model and
+# preconditioner as it did alone.
+TWO_RANKS = {
+    "distributed": _distributed_worker,
+    **{f"nonfinite/{fraction}": functools.partial(_nonfinite_worker, fraction=fraction) for fraction in (1.0, 0.5)},
+}
+TWO_RANKS_TIMEOUT = 3 * 120  # what the spawns it replaces had (dist_utils.DEFAULT_TIMEOUT each)
+
+
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """Every 2-rank scenario: per rank, ``{scenario: result}``."""
+    return run_workers(run_scenarios, 2, tmp_path_factory.mktemp("w2"), TWO_RANKS, timeout=TWO_RANKS_TIMEOUT)

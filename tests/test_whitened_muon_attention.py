@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dist_utils import results_of
 from kron_precond import WhitenedMuon
 
 E, HEADS, T = 8, 2, 5
@@ -615,7 +616,8 @@ def test_any_world_size_gives_the_one_process_result_for_attention(tmp_path, one
     assert sum((p - q).abs().max() for p, q in zip(single["params"], start.parameters())) > 1e-2
     names = [n for n, _ in start.named_parameters()]
     for world in (2, 4):
-        ranks = _of(two_ranks, "dist") if world == 2 else run_workers(_dist_worker, 4, tmp_path / "w4", timeout=90)
+        ranks = (results_of(two_ranks, "dist") if world == 2
+                 else run_workers(_dist_worker, 4, tmp_path / "w4", timeout=90))
         assert len(ranks) == world
         for r in ranks:
             assert all(r["identical"])
@@ -679,7 +681,7 @@ def test_whether_an_attention_is_cross_attention_is_decided_alike_on_every_rank(
     single = one_process["masked_value"]
     assert single["per_part"]  # one process sees the padding: per part
     names = [n for n, _ in _MaskedValue().named_parameters()]
-    _assert_per_part_as_one_process(_of(two_ranks, "masked_value"), single, names)
+    _assert_per_part_as_one_process(results_of(two_ranks, "masked_value"), single, names)
 
 
 def test_self_attention_whose_arguments_a_pre_hook_rebuilt_is_still_self_attention():
@@ -756,7 +758,7 @@ def _fsdp_mixed_precision_worker(rank: int, world: int, out_dir: str):
 def test_fsdp2_mixed_precision_self_attention_is_whitened_as_self_attention(two_ranks):
     """FSDP2's MixedPrecisionPolicy casts the query, key and value one by one: three equal
     tensors, which are still self-attention (not refused as cross-attention)."""
-    results = _of(two_ranks, "fsdp_mixed_precision")
+    results = results_of(two_ranks, "fsdp_mixed_precision")
     assert len(results) == 2
     assert all(r["whitened"] for r in results)
     assert torch.equal(results[0]["in_proj"], results[1]["in_proj"])
@@ -789,7 +791,7 @@ def test_fsdp2_cross_attention_is_whitened_per_part_as_one_process(one_process, 
     the parameter the optimizer steps: the per-part switch still reaches the optimizer's
     weight, and two sharded ranks end where one process on the full batch ends."""
     single = one_process["fsdp_cross"]
-    results = _of(two_ranks, "fsdp_cross")
+    results = results_of(two_ranks, "fsdp_cross")
     assert single["whitener"] == (3, 1, E, E) and len(results) == 2
     for r in results:
         assert r["whitener"] == (3, 1, E, E)
@@ -935,7 +937,7 @@ def test_an_attention_called_as_cross_attention_on_one_rank_only_is_whitened_per
     single = one_process[f"context{order}"]
     assert single["per_part"]
     names = [n for n, _ in _ContextOnSomeBatches().named_parameters()]
-    results = _of(two_ranks, "context")
+    results = results_of(two_ranks, "context")
     assert len(results) == 2
     _assert_per_part_as_one_process(results, single, names)
 
@@ -972,7 +974,7 @@ def test_a_rollback_to_self_attention_is_agreed_on_again_when_one_rank_reads_cro
     attention back to one input on every rank; a call that one rank then reads as
     cross-attention is agreed on anew (the other rank follows), so the ranks' statistics keep
     one layout and stay identical."""
-    results = _of(two_ranks, "rollback")
+    results = results_of(two_ranks, "rollback")
     assert len(results) == 2
     for r in results:
         assert all(r["identical"]), r
@@ -1003,10 +1005,6 @@ def _scenarios_worker(rank: int, world: int, out_dir: str, names: tuple[str, ...
     """``{name: the scenario's result on this rank}`` for each of ``names``, in order."""
     return {name: _SCENARIOS[name](rank, world, out_dir) for name in names}
 
-
-def _of(ranks: list[dict], name: str) -> list:
-    """One scenario's results, in rank order."""
-    return [r[name] for r in ranks]
 
 
 @pytest.fixture(scope="module")

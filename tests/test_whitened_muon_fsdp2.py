@@ -9,7 +9,8 @@ on every rank. The weights' rows do not divide evenly: at 4 ranks the 7-row weig
 4 ranks resumes on 2 and continues the one-process trajectory.
 
 Spawning costs seconds on the 2-core test machine, so each world size is one spawned group
-that runs every scenario in turn.
+that runs every scenario in turn (at 2 ranks also the fused experts' and the abandoned
+iteration's scenarios, after the resumed checkpoint).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import warnings
 import pytest
 import torch
 
-from dist_utils import ranks_identical, run_workers
+from dist_utils import ranks_identical, results_of, run_workers
 from kron_precond import WhitenedMuon
 from test_whitened_muon import LR, WD, batches, loss_of, make_net
 
@@ -172,8 +173,21 @@ def spawned(tmp_path_factory):
     root = tmp_path_factory.mktemp("wmuon_fsdp2")
     checkpoint = str(root / "ckpt")
     out = {4: run_workers(world_worker, 4, root / "w4", list(SCENARIOS), checkpoint, timeout=SPAWN_TIMEOUT)}
-    out[2] = run_workers(world_worker, 2, root / "w2", ONE_DIM, checkpoint, timeout=SPAWN_TIMEOUT)
+    # what the 2-rank spawns it replaces had: this one's, the experts' (twice 240 s), the abandoned iteration's
+    out[2] = run_workers(_two_ranks_worker, 2, root / "w2", checkpoint, timeout=SPAWN_TIMEOUT + 2 * 240 + 120)
     return out
+
+
+def _two_ranks_worker(rank, world, out_dir, checkpoint):
+    """Every 2-rank scenario, one after the other, each building its own model and optimizer as
+    it did alone: ``world_worker``'s (the one-dimensional meshes, the resumed checkpoint), then the
+    fused experts' (``"experts"``, ``"experts_block"``) and the abandoned iteration's
+    (``"abandoned"``), defined further down."""
+    results = world_worker(rank, world, out_dir, ONE_DIM, checkpoint)
+    later = {"experts": _expert_worker, "experts_block": _expert_block_worker, "abandoned": _abandoning_worker}
+    assert not results.keys() & later.keys()
+    return {**results, **{name: scenario(rank, world, out_dir) for name, scenario in later.items()}}
+
 
 
 @pytest.fixture(scope="module")
@@ -279,14 +293,14 @@ def _expert_worker(rank, world, out_dir):
     return _expert_run(True, rank, world)
 
 
-def test_sharded_fused_experts_leave_an_idle_or_non_finite_expert_alone_as_one_process(tmp_path):
+def test_sharded_fused_experts_leave_an_idle_or_non_finite_expert_alone_as_one_process(spawned):
     """FSDP2 splits a fused experts weight between experts: each rank judges its own experts
     (an expert with no token keeps its weight and momentum, one with a non-finite gradient
     too, the others step), and the non-finite count is the weight's on every rank: the
-    one-process result, step by step."""
+    one-process result, step by step. (2 ranks: a scenario of the shared 2-rank spawn.)"""
     single = _expert_run(False)
-    ranks = run_workers(_expert_worker, 2, tmp_path, timeout=240)
-    assert ranks[0]["sharded"]
+    ranks = results_of(spawned[2], "experts")
+    assert len(ranks) == 2 and ranks[0]["sharded"]
     for step, expected in enumerate(single["trajectory"]):
         for run in ranks:
             for got, want in zip(run["trajectory"][step], expected):
@@ -338,12 +352,15 @@ def _expert_block_worker(rank, world, out_dir):
     return _expert_block_run(rank, world)
 
 
-def test_an_experts_module_fsdp2_wraps_on_its_own_is_whitened_on_both_sides_as_one_process(tmp_path):
+def test_an_experts_module_fsdp2_wraps_on_its_own_is_whitened_on_both_sides_as_one_process(spawned):
     """Wrapped on its own and resharded after its forward, the experts module's weights are
     gathered again for the backward by FSDP2's hook on its output, which the output side's
-    rows (read through the down weight) wait for: the one-process result, step by step."""
+    rows (read through the down weight) wait for: the one-process result, step by step.
+    (2 ranks: a scenario of the shared 2-rank spawn.)"""
     single = _expert_block_run()
-    for run in run_workers(_expert_block_worker, 2, tmp_path, timeout=240):
+    runs = results_of(spawned[2], "experts_block")
+    assert len(runs) == 2
+    for run in runs:
         for step, expected in enumerate(single):
             for got, want in zip(run[step], expected):
                 torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
@@ -389,16 +406,18 @@ def _abandoning_worker(rank, world, out_dir):
         return {kind: _abandoning_run(kind, _sharded("1d", world), rank, world) for kind in ("wmuon", "kfac")}
 
 
-def test_an_abandoned_iteration_is_dropped_with_zero_grad_to_zeros(tmp_path):
+def test_an_abandoned_iteration_is_dropped_with_zero_grad_to_zeros(spawned):
     """FSDP2 accumulates a backward's gradient into the local shard of the gradient DTensor in
     place, leaving the DTensor's own version unchanged: with ``zero_grad(set_to_none=False)``
     (the gradient DTensor kept) the backward of an abandoned iteration went unseen, and its
     statistics entered the next step (2e-1 off one process). Both WhitenedMuon and
-    PreconditionedOptimizer must drop them, as one process does."""
+    PreconditionedOptimizer must drop them, as one process does. (2 ranks: a scenario of the
+    shared 2-rank spawn.)"""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         want = {kind: _abandoning_run(kind, make_net(dims=DIMS)) for kind in ("wmuon", "kfac")}
-    ranks = run_workers(_abandoning_worker, 2, tmp_path, timeout=120)
+    ranks = results_of(spawned[2], "abandoned")
+    assert len(ranks) == 2
     start = weights(make_net(dims=DIMS))
     for kind, expected in want.items():
         assert (expected[-1] - start).abs().max() > 1e-3  # the steps did something
