@@ -266,10 +266,10 @@ class EKFACLayer(KFACLayer):
     def batch_key(self) -> Hashable | None:
         if not self.ready or self._scaling is None:
             return None  # passes gradients through: nothing to batch
-        # not the damping: it may change on every statistics step, and the layers of a
-        # batch share it anyway (one value per step for all layers)
+        # the damping too, as K-FAC's: each layer holds the value of its own last refresh, and a
+        # layer left alone on a refresh step (partly frozen) keeps an older one than its neighbours
         return (type(self), self.weight_shape, self.weight_transposed, self.has_bias, self.inv_dtype,
-                self.scaling_dtype)
+                self.scaling_dtype, self._damping_used)
 
     @classmethod
     def apply_batch(cls, layers: Sequence["EKFACLayer"], grads: Sequence[list[torch.Tensor]],
