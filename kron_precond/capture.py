@@ -437,8 +437,9 @@ class AbandonedIterations:
 
     def __init__(self, params: Callable[[], Sequence[torch.Tensor]]) -> None:
         self._params = params
-        self._stepped = True
-        self._at_zero: list | None = None  # the gradients as the last zero_grad() left them
+        # construction counts as a zero_grad(): a first iteration a GradScaler skips (its first
+        # scales overflow most often) is told at the first zero_grad as any other
+        self.zeroed()
 
     def _marks(self) -> list:
         return [None if p.grad is None else _grad_mark(p.grad) for p in self._params()]

@@ -10,7 +10,6 @@ on the wrapper changes the base optimizer's learning rate.
 """
 from __future__ import annotations
 
-import copy
 import inspect
 import operator
 import warnings
@@ -66,8 +65,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                             "times per step (a line search); the gradients preconditioned once before it cannot "
                             "follow those calls. Use an optimizer that steps from the gradients it is given")
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        # a frozen one need not be stepped (the layer passes through while it is frozen)
         missing = [f"{layer.name}.{name}" for layer in preconditioner.layers.values()
-                   for name, p in layer.params if id(p) not in stepped]
+                   for name, p in layer.params if id(p) not in stepped and p.requires_grad]
         if missing:
             raise ValueError(f"preconditioner registers parameters that optimizer does not step: {missing}; "
                              "build both on the same model (or skip_layers= those modules)")
@@ -79,6 +79,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self._iterations = AbandonedIterations(  # see zero_grad
             lambda: [p for layer in preconditioner.layers.values() for _, p in layer.params])
         self._checked_rebinding = False  # see _check_rebinding
+        self._lr_groups: tuple[tuple, list[int]] | None = None  # see _kl_clip_lr
+        self._warned_lrs = False
         # What torch.optim.Optimizer.__init__ sets up, minus parameter groups of our own.
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
@@ -135,10 +137,34 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if not self._checked_rebinding:
             self._check_rebinding()
-        self.preconditioner.step(lr=self.param_groups[0]["lr"])
+        self.preconditioner.step(lr=self._kl_clip_lr())
         self.optimizer.step()
         self._iterations.stepped()
         return loss
+
+    def _kl_clip_lr(self) -> float | torch.Tensor:
+        """The lr ``kl_clip`` reads: that of the groups stepping the preconditioned layers (group 0
+        may hold only other parameters: an embedding or a head at an lr of its own). Layers
+        spread over groups of different lrs take the largest (the strongest clip), said once:
+        the clip is one bound on the step of all layers. Which groups hold them is found again
+        only when the groups change (a load, ``add_param_group``): no per-parameter walk a step."""
+        groups = self.param_groups
+        key = (id(groups), len(groups), *(id(g) for g in groups))
+        if self._lr_groups is None or self._lr_groups[0] != key:
+            registered = {id(p) for layer in self.preconditioner.layers.values() for _, p in layer.params}
+            held = [i for i, g in enumerate(groups) if any(id(p) in registered for p in g["params"])]
+            self._lr_groups = (key, held or [0])
+        lrs = [groups[i]["lr"] for i in self._lr_groups[1]]
+        if len(lrs) == 1:
+            return lrs[0]
+        if any(isinstance(lr, torch.Tensor) for lr in lrs):  # the largest, on its device: no host read
+            return torch.stack([torch.as_tensor(lr, dtype=torch.float64) for lr in lrs]).max()
+        if len(set(lrs)) > 1 and not self._warned_lrs:
+            self._warned_lrs = True
+            warnings.warn(f"PreconditionedOptimizer: kl_clip takes one lr, and the preconditioned layers are stepped "
+                          f"at lrs {sorted(set(lrs))} (param groups {self._lr_groups[1]}): it uses the largest, "
+                          f"which clips the most", UserWarning, stacklevel=3)
+        return max(lrs)
 
     def _check_rebinding(self) -> None:
         """At the first step: a model sharded since construction (``fully_shard`` after this was
@@ -243,16 +269,18 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                              f"reads an integer up to {_FORMAT_VERSION}")
         base = {k: v for k, v in state_dict.items()
                 if k not in ("preconditioner", "format", "format_version")}
-        # The base optimizer first, from a snapshot to roll back to (it may fail after changing
-        # itself); the preconditioner last: its load checks everything before it changes
-        # anything, so it never needs rolling back (a reload would drop the statistics gathered
-        # since the last step).
-        base_before = copy.deepcopy(self.optimizer.state_dict())
+        # The base optimizer first; the preconditioner last: its load checks everything before it
+        # changes anything, so it never needs rolling back (a reload would drop the statistics
+        # gathered since the last step).
+        # torch.optim's load puts new state and group objects in place and leaves the old ones
+        # as they were: a rollback puts those back (the same objects, as torch's own failed
+        # load keeps them; no copy of the whole state)
+        before = (self.optimizer.state, self.optimizer.param_groups)
         try:
             self.optimizer.load_state_dict(base)
             self.preconditioner.load_state_dict(state_dict["preconditioner"])
         except Exception:
-            self.optimizer.load_state_dict(base_before)
+            self.optimizer.state, self.optimizer.param_groups = before
             raise
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)

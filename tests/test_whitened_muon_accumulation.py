@@ -167,3 +167,27 @@ def test_an_abandoned_iteration_of_non_finite_gradients_adds_no_count():
 
     for got, want in zip(run(True), run(False), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+def test_a_skipped_first_iteration_is_dropped_at_the_first_zero_grad():
+    """The loop ``backward(); scaler.step(opt); zero_grad()`` with its very first iteration
+    skipped (a GradScaler overflow: ``scaler.step`` calls nothing): construction counts as a
+    zero_grad, so that iteration's statistics are dropped as any later one's (they were kept).
+    Reference: the run without that iteration."""
+    results = []
+    for skipped in (True, False):
+        torch.manual_seed(0)
+        model = mlp()
+        opt = WhitenedMuon(model, lr=0.02, output_side=True, statistics_every=1)
+        data = batches()
+        if skipped:
+            x, y = data[-1]
+            (model(x) - 1e3 * y).square().mean().backward()
+            opt.zero_grad()
+        for x, y in data[:3]:
+            (model(x) - y).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
