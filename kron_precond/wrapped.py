@@ -157,8 +157,11 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         lrs = [groups[i]["lr"] for i in self._lr_groups[1]]
         if len(lrs) == 1:
             return lrs[0]
-        if any(isinstance(lr, torch.Tensor) for lr in lrs):  # the largest, on its device: no host read
-            return torch.stack([torch.as_tensor(lr, dtype=torch.float64) for lr in lrs]).max()
+        tensors = [lr for lr in lrs if isinstance(lr, torch.Tensor)]
+        if tensors:  # the largest, on the tensors' device: no host read
+            device = tensors[0].device
+            return torch.stack([torch.as_tensor(lr, dtype=torch.float64, device=device).reshape(())
+                                for lr in lrs]).max()
         if len(set(lrs)) > 1 and not self._warned_lrs:
             self._warned_lrs = True
             warnings.warn(f"PreconditionedOptimizer: kl_clip takes one lr, and the preconditioned layers are stepped "

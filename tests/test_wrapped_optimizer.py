@@ -525,3 +525,18 @@ def test_a_parameter_frozen_after_the_preconditioner_was_built_need_not_be_stepp
         train(model, opt, 2)
     with pytest.raises(ValueError, match=r"does not step: \['0\.weight'\]"):
         PreconditionedOptimizer(torch.optim.AdamW(model[2].parameters()), precond)
+
+
+def test_kl_clip_over_groups_with_a_tensor_lr_takes_the_largest_without_a_host_read():
+    model = make_model()
+    precond = KronPreconditioner(model, method="kfac", kl_clip=1e-3, damping=1e-2, inv_dtype=DT)
+    base = torch.optim.SGD([{"params": list(model[0].parameters()), "lr": torch.tensor(0.01, dtype=DT)},
+                            {"params": list(model[2].parameters()), "lr": 0.03}])
+    opt = PreconditionedOptimizer(base, precond)
+    seen = []
+    original = precond.step
+    precond.step = lambda **kw: (seen.append(kw.get("lr")), original(**kw))[1]
+    x, y = batch(0)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    assert isinstance(seen[0], torch.Tensor) and float(seen[0]) == pytest.approx(0.03)
