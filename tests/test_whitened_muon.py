@@ -920,11 +920,12 @@ def test_a_compiled_model_gets_the_eager_steps():
     assert (compiled[0].weight - start[0].weight).abs().max() > 1e-3
 
 
-def test_autocast_inputs_enter_the_factor_in_float32_and_a_scaler_skipped_step_keeps_its_rows():
+def test_autocast_inputs_enter_the_factor_in_float32_and_a_scaler_skipped_step_drops_its_rows():
     """Under bfloat16 autocast a layer after a bf16 matmul gets bf16 inputs: its factor must be
     their (centred) row covariance computed in float32 (a bf16 product would be off by ~1e-2), and the
     weights stay float32. A step that GradScaler skips (an Inf gradient) does not step the
-    optimizer: its rows stay pending and the next refresh averages them with the next batch's."""
+    optimizer, and the ``zero_grad`` after it drops its rows (an abandoned iteration, the very
+    first one included): the first refresh averages the next batch's alone."""
     torch.manual_seed(0)
     net = Net(dims=(16, 32, 8))  # float32
     opt = WhitenedMuon([net.a, net.b], lr=LR, statistics_every=1, factor_decay=0.5)
@@ -952,9 +953,9 @@ def test_autocast_inputs_enter_the_factor_in_float32_and_a_scaler_skipped_step_k
             assert all(torch.equal(w, p) for w, p in zip(weights, (net.a.weight, net.b.weight)))
             assert "input_factor" not in opt.state[net.b.weight]
     assert all(x.dtype == torch.bfloat16 for x in seen)  # the input the hook saw: tanh of a bf16 matmul
-    rows = torch.cat([x.reshape(-1, 32) for x in seen]).double()
-    rows = rows - rows.mean(dim=0)  # centred (no bias), about both batches' mean
-    expected = rows.T @ rows / rows.shape[0]  # both batches' rows, one average (the first refresh)
+    rows = seen[1].reshape(-1, 32).double()  # the skipped step's rows were dropped
+    rows = rows - rows.mean(dim=0)  # centred (no bias)
+    expected = rows.T @ rows / rows.shape[0]
     factor = opt.state[net.b.weight]["input_factor"][0]
     assert factor.dtype == torch.float32 and net.b.weight.dtype == torch.float32
     torch.testing.assert_close(factor.double(), expected, rtol=1e-5, atol=1e-6)
