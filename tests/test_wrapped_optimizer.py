@@ -476,20 +476,32 @@ def test_kl_clip_takes_the_lr_of_the_groups_holding_the_preconditioned_layers():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_kl_clip_over_groups_of_different_lrs_takes_the_largest_and_says_so():
+def _lr_given_to_kl_clip(first_lr, second_lr) -> list:
+    """One wrapper step with the two Linear layers in groups of ``first_lr`` and ``second_lr``:
+    the lrs the preconditioner's step was given."""
     model = make_model()
     precond = KronPreconditioner(model, method="kfac", kl_clip=1e-3, damping=1e-2, inv_dtype=DT)
-    base = torch.optim.SGD([{"params": list(model[0].parameters()), "lr": 0.01},
-                            {"params": list(model[2].parameters()), "lr": 0.03}])
+    base = torch.optim.SGD([{"params": list(model[0].parameters()), "lr": first_lr},
+                            {"params": list(model[2].parameters()), "lr": second_lr}])
     opt = PreconditionedOptimizer(base, precond)
     seen = []
     original = precond.step
     precond.step = lambda **kw: (seen.append(kw.get("lr")), original(**kw))[1]
     x, y = batch(0)
     F.mse_loss(model(x), y).backward()
+    opt.step()
+    return seen
+
+
+def test_kl_clip_over_groups_of_different_lrs_takes_the_largest_and_says_so():
     with pytest.warns(UserWarning, match=r"kl_clip.*one lr.*0\.01.*0\.03"):
-        opt.step()
+        seen = _lr_given_to_kl_clip(0.01, 0.03)
     assert seen == [0.03]
+
+
+def test_kl_clip_over_groups_with_a_tensor_lr_takes_the_largest_without_a_host_read():
+    seen = _lr_given_to_kl_clip(torch.tensor(0.01, dtype=DT), 0.03)
+    assert isinstance(seen[0], torch.Tensor) and float(seen[0]) == pytest.approx(0.03)
 
 
 @pytest.mark.parametrize("broken", ["preconditioner", "base"])
@@ -525,18 +537,3 @@ def test_a_parameter_frozen_after_the_preconditioner_was_built_need_not_be_stepp
         train(model, opt, 2)
     with pytest.raises(ValueError, match=r"does not step: \['0\.weight'\]"):
         PreconditionedOptimizer(torch.optim.AdamW(model[2].parameters()), precond)
-
-
-def test_kl_clip_over_groups_with_a_tensor_lr_takes_the_largest_without_a_host_read():
-    model = make_model()
-    precond = KronPreconditioner(model, method="kfac", kl_clip=1e-3, damping=1e-2, inv_dtype=DT)
-    base = torch.optim.SGD([{"params": list(model[0].parameters()), "lr": torch.tensor(0.01, dtype=DT)},
-                            {"params": list(model[2].parameters()), "lr": 0.03}])
-    opt = PreconditionedOptimizer(base, precond)
-    seen = []
-    original = precond.step
-    precond.step = lambda **kw: (seen.append(kw.get("lr")), original(**kw))[1]
-    x, y = batch(0)
-    F.mse_loss(model(x), y).backward()
-    opt.step()
-    assert isinstance(seen[0], torch.Tensor) and float(seen[0]) == pytest.approx(0.03)
