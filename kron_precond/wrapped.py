@@ -42,8 +42,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             parameters ``optimizer`` steps. Its ``accumulation_steps`` must equal the
             number of backward passes (micro-batches) per ``step()``.
 
-    K-FAC's ``kl_clip`` reads the learning rate of ``param_groups[0]`` at every step
-    (so it follows schedulers), unless the preconditioner was given its own ``lr``.
+    K-FAC's ``kl_clip`` reads, at every step (so it follows schedulers), the learning rate of
+    the param groups that step the preconditioned layers (the largest, if they differ), unless
+    the preconditioner was given its own ``lr``.
 
     ``state_dict()`` holds the base optimizer's state in torch's usual layout
     (``"state"``, ``"param_groups"``) plus the preconditioner's under
