@@ -1,7 +1,7 @@
 """kron_precond: Kronecker-factored preconditioning (K-FAC, PSGD Kron) for any PyTorch optimizer.
 
     precond = KronPreconditioner(model, method="kfac")
-    loss.backward(); precond.step(); optimizer.step()
+    loss.backward(); precond.step(lr=optimizer.param_groups[0]["lr"]); optimizer.step()
 
 or, for loops that only call ``optimizer.step()`` (HF Trainer, Lightning, Accelerate)::
 

@@ -130,7 +130,9 @@ class KronPreconditioner:
     Use it between ``loss.backward()`` and ``optimizer.step()``::
 
         precond = KronPreconditioner(model, method="kfac", skip_layers=["Embedding"])
-        loss.backward(); precond.step(); optimizer.step()
+        loss.backward(); precond.step(lr=optimizer.param_groups[0]["lr"]); optimizer.step()
+
+    (``lr``: the optimizer's current one, which K-FAC's ``kl_clip`` reads.)
 
     Args (keyword-only after ``model``):
         model: the module to scan (a DDP- or ``torch.compile``-wrapped model or its module).
@@ -285,9 +287,9 @@ class KronPreconditioner:
         self._health = Health(self._layers, captures=self._spec.captures,
                               combine=functools.partial(_max_over_ranks, group=self.process_group)
                               if judged_elsewhere else None)
-        # a schedule that cannot give step 0's values is refused before any hook is on the model
-        self._schedule.collects(0)
-        self._schedule.refreshes(0)
+        # a schedule that cannot give step 0's values is refused before any hook is on the model,
+        # as is a per-step setting (a callable's value too) that step 0 reads and refuses
+        self._plan(statistics=self._schedule.collects(0), constructing=True)
         if self._spec.captures:
             refuse_fullgraph(given, [layer.module for layer in self._layers], "KronPreconditioner")
         self._capture = (ActivationCapture(self._layers, accumulation_steps=self._accumulation_steps,
@@ -585,12 +587,15 @@ class KronPreconditioner:
         for layer in self._layers:
             layer.method.discard_statistics()
 
-    def _plan(self, step_lr=None) -> StepContext:
-        """This step's decisions and hyperparameters, all checked before anything changes."""
+    def _plan(self, step_lr=None, statistics: bool | None = None, constructing: bool = False) -> StepContext:
+        """This step's decisions and hyperparameters, all checked before anything changes.
+        ``constructing``: the constructor's check of step 0, which decides ``statistics`` and
+        leaves out ``lr`` (a callable lr often reads an optimizer built after this object)."""
         step = self._steps
-        if self._collects_failed:  # after the last step the schedule could not give this one's
-            self._schedule.collects(step)
-        statistics = self._collecting
+        if statistics is None:
+            if self._collects_failed:  # after the last step the schedule could not give this one's
+                self._schedule.collects(step)
+            statistics = self._collecting
         refresh = self._schedule.refreshes(step)
         hparams: dict[str, Any] = dict(self._schedule.hparams(step))
         for name, option in self._spec.options.items():
@@ -602,7 +607,8 @@ class KronPreconditioner:
         kl_clip = resolve(self._kl_clip, step)
         if kl_clip is not None:
             hparams["kl_clip"] = validation.check_positive("kl_clip", kl_clip)
-            hparams["lr"] = self._kl_clip_lr(step, step_lr)
+            if not constructing:
+                hparams["lr"] = self._kl_clip_lr(step, step_lr)
         return StepContext(step=step, statistics=statistics, refresh=refresh, refresh_index=self._refreshes,
                            statistics_count=self._statistics_steps + int(statistics), hparams=hparams)
 
