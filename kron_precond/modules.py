@@ -87,14 +87,11 @@ class KFACAdapter:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
 
-    @property
-    def has_bias(self) -> bool:
-        return getattr(self.module, "bias", None) is not None
-
     def units(self, name: str, params: list[tuple[str, nn.Parameter]]) -> list[Selected]:
-        # weight first, then bias: the order of the gradient matrix [W | b]
+        # weight first, then bias: the order of the gradient matrix [W | b]. A bias that is no
+        # parameter of the module (a buffer: a fixed shift) is no column of it.
         params = [(n, p) for n, p in params if n == "weight"] + [(n, p) for n, p in params if n == "bias"]
-        return [Selected(name, self.module, params, self, has_bias=self.has_bias,
+        return [Selected(name, self.module, params, self, has_bias=any(n == "bias" for n, _ in params),
                          weight_transposed=self.weight_transposed)]
 
     def forward_rows(self, inputs: tuple, kwargs: dict, output: Any):
@@ -376,6 +373,29 @@ def kfac_adapter(module: nn.Module) -> tuple[Any | None, str]:
                   "GPT-2 style Conv1D, fused MoE experts; see register_adapter)")
 
 
+def check_layout(units: Sequence[Selected], label: str, owner: str) -> None:
+    """``ValueError`` naming the module when an adapter's unit cannot be a gradient matrix
+    ``[W | b]``: a bias takes one column, so it has one entry per output row of the weight as
+    the unit lays it out (``[out, in…]``, or ``[in, out]`` transposed); a unit holds its weight
+    and at most that bias. A per-head ``[H, oh, in]`` weight with an ``[H, oh]`` bias, read as
+    ``[H, oh·in]``, would otherwise fail at the first step with a shape error naming nothing."""
+    for unit in units:
+        shapes = unit.shapes
+        if not shapes or len(shapes) != 1 + int(unit.has_bias):
+            raise ValueError(f"{owner}: module {label!r}: its adapter's unit holds {len(shapes)} parameter(s) "
+                             f"({[n for n, _ in unit.params]}) with has_bias={unit.has_bias}: a unit is its "
+                             f"weight and, if has_bias, its bias")
+        if unit.has_bias:
+            weight, bias = shapes
+            rows = weight[-1] if unit.weight_transposed else weight[0]
+            if bias.numel() != rows:
+                raise ValueError(f"{owner}: module {label!r}: its bias {tuple(bias)} has {bias.numel()} entries, and "
+                                 f"its adapter lays the weight {tuple(weight)} out with {rows} output rows "
+                                 f"([{rows}, -1]{', transposed' if unit.weight_transposed else ''}): the bias "
+                                 f"must have one entry per output row. Register an adapter whose units "
+                                 f"give the weight as [out, in…] (or skip_layers= the module)")
+
+
 def unknown_parameters(adapter: Any, own: Sequence[tuple[str, torch.Tensor]]) -> str:
     """Why a Linear-like adapter cannot describe a module with parameters ``own`` (``""`` if
     it can): it knows a ``weight`` and a ``bias``. Any other parameter of the module's own (the
@@ -507,7 +527,7 @@ def _candidates(model: nn.Module, is_skipped, log, passed_over: frozenset[str] =
 
 
 def find_kfac_modules(model: nn.Module, is_skipped, log, *, weight_only: bool = False,
-                      taken_elsewhere: Iterable[str] = ()) -> list[Selected]:
+                      taken_elsewhere: Iterable[str] = (), owner: str = "KronPreconditioner") -> list[Selected]:
     """The units of modules an adapter describes (Linear/ConvNd-like, fused experts, ...)
     whose parameters all train and belong to no other module (a tied weight's gradient
     mixes two layers' statistics), in ``model.named_modules()`` order; modules with a child
@@ -545,6 +565,7 @@ def find_kfac_modules(model: nn.Module, is_skipped, log, *, weight_only: bool = 
         except UnsupportedModule as err:
             log(f"skipping {label}: {err}")
             continue
+        check_layout(units, label, owner)
         if weight_only and not all(u.params[0][1].requires_grad for u in units):
             log(f"skipping {label}: its weight does not require grad")
             continue

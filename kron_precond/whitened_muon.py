@@ -70,6 +70,7 @@ from kron_precond.modules import (
     ParametrizationWatch,
     Selected,
     UnsupportedModule,
+    check_layout,
     compile_skip_patterns,
     find_kfac_modules,
     is_skipped,
@@ -212,9 +213,11 @@ def _listed_units(modules: list) -> tuple[list[Selected], list[Selected]]:
         if unknown:
             raise ValueError(f"WhitenedMuon: {label} cannot be whitened: {unknown}")
         try:
-            units.extend(adapter.units(f"modules[{i}]", own))
+            found = adapter.units(f"modules[{i}]", own)
         except UnsupportedModule as err:
             raise ValueError(f"WhitenedMuon: {label} cannot be whitened: {err}") from err
+        check_layout(found, label, "WhitenedMuon")
+        units.extend(found)
     return units, plain
 
 
@@ -874,8 +877,9 @@ class WhitenedMuon(torch.optim.Optimizer):
             # model_attention_units takes nn.MultiheadAttention and its out_proj (and logs what it skips)
             attention_names = [n for name, m in params.named_modules() if isinstance(m, nn.MultiheadAttention)
                                for n in (name, f"{name}.out_proj" if name else "out_proj")]
+            # weight_only: a frozen bias is AdamW's business, not the whitening's
             units = find_kfac_modules(params, skipped, logger.info, taken_elsewhere=attention_names,
-                                      weight_only=True)  # a frozen bias: AdamW's business, not the whitening's
+                                      weight_only=True, owner="WhitenedMuon")
             attention, plain = model_attention_units(params, skipped, owners_of(params), logger.info)
             if attention:  # in the model's module order, as the adapters' units
                 order = {id(m): i for i, m in enumerate(params.modules())}

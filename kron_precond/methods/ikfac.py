@@ -20,7 +20,8 @@ Start of a run. The first refresh has one batch to invert; with the long default
 would set ``(A + λI)⁻¹`` ~1e4 too large for a whole interval. So the schedule warms up
 (:class:`~kron_precond.schedules.IntervalSchedule` ``warmup``: statistics and a refresh on
 steps 1, 2, 4, ... below the interval too), and the k-th statistics step folds with weight
-``max(1 − decay, 1/k)`` (K-FAC's ``ε = min(1 − 1/k, decay)``, Martens & Grosse 2015, §5):
+``max(1 − decay, 1/k)`` (the ``ε = min(1 − 1/k, decay)`` of Martens & Grosse 2015, §5; this
+library's ``kfac`` takes its first statistics whole, then the plain exponential average):
 A is the plain mean of the first statistics until the exponential average takes over, so
 each warm-up refresh dilutes the first batch to 1/k instead of keeping ``decay^(k−1)`` of it
 (``k`` counts the run's statistics steps, one count for all layers: a layer first called
