@@ -42,7 +42,7 @@ from . import validation
 from .autocast import autocast_disabled
 from .checkpoint import called_by_torchs_state_dict_api, run_load_pre_hooks
 from .compiled import step_eagerly
-from .distributed.sharded import is_dtensor
+from .distributed.sharded import is_dtensor, refuse_fsdp1
 from .health import new_nonfinite_steps
 from .methods import state_checks as checks
 from .methods.psgd import PSGDFactors, check_memory_save_mode, check_update_rule
@@ -290,6 +290,10 @@ class Kron(torch.optim.Optimizer):
         complex_ = [tuple(t.shape) for t in tensors if t.is_complex()]
         if complex_:  # its step would train the real part alone
             raise TypeError(f"Kron does not support complex parameters; got complex parameters of shapes {complex_}")
+        refuse_fsdp1(((p[0] if isinstance(p, tuple) else f"params[{i}] of shape {tuple(t.shape)}", t)
+                      for i, (p, t) in enumerate(zip(params, tensors))), "Kron",
+                     "Use KronPreconditioner(model, method=\"psgd\") in front of a torch optimizer, on a model "
+                     "sharded with torch.distributed.fsdp.fully_shard (FSDP2)")
         sharded = [p[0] if isinstance(p, tuple) else f"params[{i}] of shape {tuple(t.shape)}"
                    for i, (p, t) in enumerate(zip(params, tensors)) if is_dtensor(t)]
         if sharded:  # a rank holds a shard: the factors of the whole tensor cannot be fitted to it

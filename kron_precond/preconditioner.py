@@ -42,7 +42,7 @@ from kron_precond.capture import (
 from kron_precond.compiled import run_eagerly
 from kron_precond.distributed.assignment import WorkAssignment, assign_work
 from kron_precond.distributed.runtime import Runtime
-from kron_precond.distributed.sharded import ShardedLayout, is_dtensor
+from kron_precond.distributed.sharded import ShardedLayout, is_dtensor, refuse_fsdp1
 from kron_precond.enums import AssignmentStrategy, DistributedStrategy, strategy_by_name
 from kron_precond.health import Health
 from kron_precond.methods import registry
@@ -237,6 +237,7 @@ class KronPreconditioner:
                              "preconditioned gradient is computed where all of its state lives")
 
         # ---- registration
+        refuse_fsdp1(model.named_parameters(), "KronPreconditioner")
         patterns = compile_skip_patterns(skip_layers)
         warn_unmatched_skips(model, patterns, "KronPreconditioner")
         # a lazy module's shapes are unknown until its first forward (skip_layers may leave it out)
@@ -453,6 +454,12 @@ class KronPreconditioner:
             # the scaler will skip the optimizer's step: this step never happens here either (its
             # statistics dropped, nothing counted), so the schedule and the first refresh see the
             # next iteration's data, as in a run without it
+            self.discard_statistics()
+            return
+        if not any(p.grad is not None for layer in self._layers for _, p in layer.params):
+            # no gradient at all: a trainer's skipped iteration (Lightning's training_step returning
+            # None steps without a backward), no step -- its forwards' statistics dropped, nothing
+            # counted, as the scaler's skip above. Host reads only, the same on every rank.
             self.discard_statistics()
             return
         self._check_accumulation()

@@ -63,7 +63,7 @@ from kron_precond.capture import AbandonedIterations, ActivationCapture, grad_sc
 from kron_precond.checkpoint import run_load_pre_hooks
 from kron_precond.compiled import step_eagerly
 from kron_precond.distributed.collectives import failed_ranks
-from kron_precond.distributed.sharded import ShardedLayout, is_dtensor
+from kron_precond.distributed.sharded import ShardedLayout, is_dtensor, refuse_fsdp1
 from kron_precond.health import new_nonfinite_steps
 from kron_precond.methods import state_checks as checks
 from kron_precond.modules import (
@@ -868,6 +868,7 @@ class WhitenedMuon(torch.optim.Optimizer):
     def _select(params, skip_layers) -> tuple[list[Selected], list[Selected], list[nn.Parameter]]:
         """(the units to whiten, the units stepped unwhitened, the parameters AdamW takes)."""
         if isinstance(params, nn.Module):
+            refuse_fsdp1(params.named_parameters(), "WhitenedMuon")
             _refuse_lazy(params.named_modules())
             patterns = compile_skip_patterns(skip_layers)
             warn_unmatched_skips(params, patterns, "WhitenedMuon")
@@ -907,6 +908,8 @@ class WhitenedMuon(torch.optim.Optimizer):
                             f"each layer's inputs through hooks on its module: pass the model, "
                             f"WhitenedMuon(model, ...) (with the Hugging Face Trainer: optimizers=(WhitenedMuon("
                             f"model, ...), scheduler)), or a list of its modules")
+        refuse_fsdp1(((f"modules[{i}].{n}", p) for i, m in enumerate(modules) if isinstance(m, nn.Module)
+                      for n, p in m.named_parameters()), "WhitenedMuon")
         _refuse_lazy((f"modules[{i}]", m) for i, m in enumerate(modules) if isinstance(m, nn.Module))
         units, plain = _listed_units(modules)
         _refuse_complex((f"modules[{i}].{n}", p) for i, m in enumerate(modules) if isinstance(m, nn.Module)
@@ -1079,6 +1082,12 @@ class WhitenedMuon(torch.optim.Optimizer):
             if sparse:
                 raise TypeError(f"WhitenedMuon does not support sparse gradients: param group {index}, entries "
                                 f"{sparse} ({', '.join(self._names.get(id(group['params'][i]), '?') for i in sparse)})")
+        if not any(p.grad is not None for group in self.param_groups for p in group["params"]):
+            # no gradient at all: a trainer's skipped iteration (Lightning's training_step returning
+            # None steps without a backward), no step -- its forwards' rows dropped, nothing counted
+            self._statistics.pending.clear()
+            self._statistics.forget_inputs()
+            return
         if self._statistics_step():
             self._agree_on_cross_attention()
         # a forward in eval() mode since the last step (the hooks flag it on statistics steps only)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence, TypeGuard
+from typing import Iterable, Sequence, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,21 @@ except ImportError:  # pragma: no cover - torch without distributed tensors
 
 def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
     return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def refuse_fsdp1(named_parameters: Iterable[tuple[str, torch.Tensor]], owner: str,
+                 instead: str = "Shard the model with torch.distributed.fsdp.fully_shard (FSDP2), which it takes"
+                 ) -> None:
+    """``TypeError`` naming parameters that ``FullyShardedDataParallel`` (FSDP1) flattened: its
+    flat parameter, or the views of it it puts in place of the modules' own (``use_orig_params``),
+    which on several ranks are 1-D shards. A layer's weight is then not its matrix: its factors
+    would be fitted to a shard. ``instead``: what the caller takes in its place."""
+    names = [name for name, p in named_parameters
+             if getattr(p, "_fsdp_flattened", False) or getattr(p, "_is_flat_param", False)]
+    if names:
+        listed = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        raise TypeError(f"{owner} does not support FullyShardedDataParallel (FSDP1), which flattens and shards "
+                        f"parameters (got {listed}): a layer's weight is then not its matrix. {instead}")
 
 
 def _mesh_key(mesh) -> tuple:
