@@ -565,12 +565,12 @@ def find_kfac_modules(model: nn.Module, is_skipped, log, *, weight_only: bool = 
         except UnsupportedModule as err:
             log(f"skipping {label}: {err}")
             continue
-        check_layout(units, label, owner)
         if weight_only and not all(u.params[0][1].requires_grad for u in units):
             log(f"skipping {label}: its weight does not require grad")
             continue
         if not usable_parameters(owners, name, label, own, log, frozen_ok=weight_only, module=module):
             continue
+        check_layout(units, label, owner)  # of a module taken: a frozen or tied one is skipped as before
         found.extend(units)
     return found
 

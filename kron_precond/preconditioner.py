@@ -288,9 +288,11 @@ class KronPreconditioner:
         self._health = Health(self._layers, captures=self._spec.captures,
                               combine=functools.partial(_max_over_ranks, group=self.process_group)
                               if judged_elsewhere else None)
-        # a schedule that cannot give step 0's values is refused before any hook is on the model,
-        # as is a per-step setting (a callable's value too) that step 0 reads and refuses
-        self._plan(statistics=self._schedule.collects(0), constructing=True)
+        # a schedule that cannot give step 0's values is refused before any hook is on the model
+        # (a callable setting is called by the step that reads it: it may read objects built
+        # after this one, or cover only the steps a resumed run takes)
+        self._schedule.collects(0)
+        self._schedule.refreshes(0)
         if self._spec.captures:
             refuse_fullgraph(given, [layer.module for layer in self._layers], "KronPreconditioner")
         self._capture = (ActivationCapture(self._layers, accumulation_steps=self._accumulation_steps,
@@ -456,10 +458,11 @@ class KronPreconditioner:
             # next iteration's data, as in a run without it
             self.discard_statistics()
             return
-        if not any(p.grad is not None for layer in self._layers for _, p in layer.params):
-            # no gradient at all: a trainer's skipped iteration (Lightning's training_step returning
-            # None steps without a backward), no step -- its forwards' statistics dropped, nothing
-            # counted, as the scaler's skip above. Host reads only, the same on every rank.
+        if not any(p.grad is not None for p in self._model.parameters()):
+            # no gradient in the whole model: a trainer's skipped iteration (Lightning's training_step
+            # returning None steps without a backward), no step -- its forwards' statistics dropped,
+            # nothing counted, as the scaler's skip above. A step where only unregistered parameters
+            # have gradients (a head-only phase) counts. Host reads only, the same on every rank.
             self.discard_statistics()
             return
         self._check_accumulation()
@@ -594,15 +597,12 @@ class KronPreconditioner:
         for layer in self._layers:
             layer.method.discard_statistics()
 
-    def _plan(self, step_lr=None, statistics: bool | None = None, constructing: bool = False) -> StepContext:
-        """This step's decisions and hyperparameters, all checked before anything changes.
-        ``constructing``: the constructor's check of step 0, which decides ``statistics`` and
-        leaves out ``lr`` (a callable lr often reads an optimizer built after this object)."""
+    def _plan(self, step_lr=None) -> StepContext:
+        """This step's decisions and hyperparameters, all checked before anything changes."""
         step = self._steps
-        if statistics is None:
-            if self._collects_failed:  # after the last step the schedule could not give this one's
-                self._schedule.collects(step)
-            statistics = self._collecting
+        if self._collects_failed:  # after the last step the schedule could not give this one's
+            self._schedule.collects(step)
+        statistics = self._collecting
         refresh = self._schedule.refreshes(step)
         hparams: dict[str, Any] = dict(self._schedule.hparams(step))
         for name, option in self._spec.options.items():
@@ -614,8 +614,7 @@ class KronPreconditioner:
         kl_clip = resolve(self._kl_clip, step)
         if kl_clip is not None:
             hparams["kl_clip"] = validation.check_positive("kl_clip", kl_clip)
-            if not constructing:
-                hparams["lr"] = self._kl_clip_lr(step, step_lr)
+            hparams["lr"] = self._kl_clip_lr(step, step_lr)
         return StepContext(step=step, statistics=statistics, refresh=refresh, refresh_index=self._refreshes,
                            statistics_count=self._statistics_steps + int(statistics), hparams=hparams)
 

@@ -75,3 +75,17 @@ def test_a_step_without_gradients_is_not_counted_by_whitened_muon(every):
     reference, _ = train(make, skip=False)
     for mine, theirs in zip(skipped.parameters(), reference.parameters()):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
+def test_a_step_where_only_unregistered_parameters_have_gradients_counts():
+    """A head-only phase (the preconditioned layers frozen, a skipped head training) is a step
+    of the optimizer: the preconditioner counts it, so its schedule stays in phase."""
+    net = model()
+    precond = KronPreconditioner(net, method="kfac", inv_update_steps=3, kl_clip=None, skip_layers=["^2$"])
+    opt = PreconditionedOptimizer(torch.optim.SGD(net.parameters(), lr=1e-2), precond)
+    for i, (x, y) in enumerate(batches()):
+        net[0].requires_grad_(not 2 <= i <= 4)
+        opt.zero_grad()
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+    assert precond.steps == len(batches())

@@ -462,35 +462,18 @@ def test_step_that_raises_leaves_no_state_half_updated(bad):
         assert precond.steps == 2
 
 
-@pytest.mark.parametrize("method, bad, named", [
-    ("kfac", dict(damping=lambda s: -1.0), "damping"),
-    ("kfac", dict(factor_decay=lambda s: 2.0), "factor_decay"),
-    ("kfac", dict(kl_clip=lambda s: float("nan")), "kl_clip"),
-    ("psgd", dict(precond_lr=lambda s: -0.1), "precond_lr"),
-], ids=["damping", "factor_decay", "kl_clip", "psgd-precond_lr"])
-def test_schedule_refused_for_step_0_at_construction(method, bad, named):
-    """A callable whose first value the setting refuses is refused by the constructor, naming
-    the setting, as a constant would be; nothing is left on the model."""
-    model = make_mlp()
-    options = {"kl_clip": None, **bad} if method == "kfac" else bad
-    with pytest.raises(ValueError, match=named):
-        KronPreconditioner(model, method=method, **options)
-    x, y = batch(0)
-    F.mse_loss(model(x), y).backward()  # no hook left behind: a plain backward
-    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
-
-
-def test_callable_lr_is_first_called_by_the_first_step():
-    """kl_clip's callable lr often reads an optimizer built after the preconditioner: the
-    constructor does not call it."""
+@pytest.mark.parametrize("name", ["lr", "damping"])
+def test_a_callable_setting_is_first_called_by_the_step_that_reads_it(name):
+    """A callable setting may read an object built after the preconditioner (an optimizer, a
+    scheduler): the constructor does not call it; the step that reads it checks its value."""
     model = make_mlp()
     holder = {}
-    precond = KronPreconditioner(model, kl_clip=1e-3, lr=lambda s: holder["optimizer"].param_groups[0]["lr"])
+    precond = KronPreconditioner(model, kl_clip=1e-3, **{name: lambda s: holder["optimizer"].param_groups[0]["lr"]})
     holder["optimizer"] = torch.optim.SGD(model.parameters(), lr=0.1)
     holder["optimizer"].param_groups[0]["lr"] = -1.0  # refused when read
     x, y = batch(0)
     F.mse_loss(model(x), y).backward()
-    with pytest.raises(ValueError, match="lr"):
+    with pytest.raises(ValueError, match=name):
         precond.step()
 
 
