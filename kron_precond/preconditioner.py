@@ -55,6 +55,7 @@ from kron_precond.modules import (
     is_skipped,
     recording_frozen,
     refuse_lazy,
+    user_stacklevel,
     warn_unmatched_skips,
 )
 from kron_precond.schedules import StepContext, resolve
@@ -279,6 +280,7 @@ class KronPreconditioner:
         self._refreshes = 0  # identical on every rank
         self._pending_statistics: tuple[Any, StepContext, frozenset[str]] | None = None
         self._warned_lr_fallback = False
+        self._warned_pending_save = False  # see _pack
         self._warned_frozen_in_part: set[str] = set()
         self._apply_cache: dict = {}
         # ranks that do not hold a layer whose holders may hand its gradient on record nothing for
@@ -991,6 +993,12 @@ class KronPreconditioner:
                 "and save its result on one.")
 
     def _pack(self, layers: dict[str, Any]) -> dict[str, Any]:
+        if not self._warned_pending_save and any(layer.method.has_pending_statistics() for layer in self._layers):
+            self._warned_pending_save = True
+            warnings.warn("KronPreconditioner: a checkpoint was taken inside an unfinished accumulation window: "
+                          "the statistics its forwards and backwards gathered since the last step() are not in "
+                          "it, so a run resumed from it goes on without those micro-batches. Save between step() "
+                          "(or zero_grad()) and the next forward", UserWarning, stacklevel=user_stacklevel())
         return checkpoint.pack(method=self.method, steps=self._steps, statistics_steps=self._statistics_steps,
                                refreshes=self._refreshes, schedule=self._schedule.state_dict(), layers=layers)
 

@@ -77,6 +77,7 @@ from kron_precond.modules import (
     kfac_adapter,
     owners_of,
     unknown_parameters,
+    user_stacklevel,
     warn_unmatched_skips,
 )
 from kron_precond.modules import refuse_lazy as _refuse_lazy
@@ -837,6 +838,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         self._eval_warned = False
         self._replica_warned = False
         self._iterations = AbandonedIterations(self._whitened_params)  # see zero_grad
+        self._warned_pending_save = False  # see state_dict
         self._steps = 0  # step() calls: the statistics schedule and the non-finite report's interval
         self._casts: dict[tuple[int, ...], tuple] = {}  # stacked whiteners in ns_dtype, per stack
 
@@ -1526,6 +1528,12 @@ class WhitenedMuon(torch.optim.Optimizer):
         own: torch.distributed.checkpoint's templates refuse a checkpoint without one of their
         keys, and torchtitan's flat state keeps only the keys the live optimizer has. The
         ``register_state_dict_post_hook`` hooks see the state dict as saved."""
+        if self._statistics.pending and not self._warned_pending_save:
+            self._warned_pending_save = True
+            warnings.warn("WhitenedMuon: a checkpoint was taken inside an unfinished accumulation window: the input "
+                          "rows its forwards gathered since the last step() are not in it, so a run resumed from "
+                          "it goes on without those micro-batches. Save between step() (or zero_grad()) and the "
+                          "next forward", UserWarning, stacklevel=user_stacklevel())
         post_hooks = self._optimizer_state_dict_post_hooks
         self._optimizer_state_dict_post_hooks = OrderedDict()  # run below, on the state dict as saved
         try:

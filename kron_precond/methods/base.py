@@ -131,6 +131,11 @@ class LayerMethod(abc.ABC):
         """Drop the statistics gathered since the last fold (an iteration whose step will not
         happen). Default: a method that gathers none between steps has nothing to drop."""
 
+    def has_pending_statistics(self) -> bool:
+        """Whether statistics gathered since the last fold wait for the next step (host read, no
+        sync). Default: a method that gathers none between steps has none."""
+        return False
+
     def release_statistics_state(self) -> None:  # noqa: B027 (optional hook, a no-op by default)
         """Drop the running statistics state (K-FAC: the factors) on a rank that does not own
         this layer, when the engine reduces statistics to owners only (sharded models).

@@ -197,6 +197,9 @@ class EKFACLayer(KFACLayer):
         self._s_sum = None
         self._s_rows.zero_()
 
+    def has_pending_statistics(self) -> bool:
+        return super().has_pending_statistics() or self._s_sum is not None
+
     # ------------------------------------------------------------------ refresh
     def statistics_tensors(self, part: str) -> list[torch.Tensor]:
         """The eigenbasis ``Q`` of ``part``: every rank projects its rows on it."""

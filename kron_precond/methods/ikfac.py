@@ -163,6 +163,9 @@ class InputKFACLayer(MomentOnHolders, GradientMatrix, LayerMethod):
         self._a_sum = None
         self._rows.zero_()
 
+    def has_pending_statistics(self) -> bool:
+        return self._a_sum is not None
+
     def statistics_health(self) -> torch.Tensor:
         """The engine's ``[had A, had G, missed A, missed G]``: one factor, reported twice."""
         seen, missed = self._seen.to(torch.int64).reshape(1), self._missed.reshape(1)

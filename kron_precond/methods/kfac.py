@@ -259,6 +259,9 @@ class KFACLayer(GradientMatrix, LayerMethod):
         self._a_sum = self._g_sum = None
         self._rows.zero_()
 
+    def has_pending_statistics(self) -> bool:
+        return self._a_sum is not None or self._g_sum is not None  # allocated by the first rows, freed by the fold
+
     def statistics_health(self) -> torch.Tensor:
         """``[ever had A, ever had G, factor steps since A had rows, same for G]`` (int64,
         on the device)."""
