@@ -40,7 +40,7 @@ import torch
 
 from . import validation
 from .autocast import autocast_disabled
-from .checkpoint import called_by_torchs_state_dict_api, run_load_pre_hooks
+from .checkpoint import run_load_pre_hooks
 from .compiled import step_eagerly
 from .distributed.sharded import is_dtensor, refuse_fsdp1
 from .health import new_nonfinite_steps
@@ -608,27 +608,29 @@ class Kron(torch.optim.Optimizer):
 
     # -- checkpoints -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """torch.optim's state dict plus ``'kron'``: the update-schedule counter. Hooks as in
+        """torch.optim's state dict plus ``'kron'``: the update-schedule counters. Hooks as in
         ``torch.optim``: the ``register_state_dict_post_hook`` hooks see the whole dict
-        (``'kron'`` included), and what one returns is what is returned."""
+        (``'kron'`` included), and what one returns is what is returned.
+
+        The counters also ride in every parameter's entry (``'kron_schedule'``: step,
+        accumulator, Q updates): torch.distributed.checkpoint's state-dict API
+        (``get_optimizer_state_dict``, Accelerate's FSDP checkpoints) keeps only ``'state'`` and
+        ``'param_groups'``, and a load reads them there when ``'kron'`` is absent."""
         post_hooks = self._optimizer_state_dict_post_hooks
         self._optimizer_state_dict_post_hooks = type(post_hooks)()  # torch's would run before 'kron' is in
         try:
             sd = super().state_dict()
         finally:
             self._optimizer_state_dict_post_hooks = post_hooks
-        sd["kron"] = {"decider": self._decider.state_dict(), "q_updates": self._q_updates}
+        counters = self._decider.state_dict()
+        sd["kron"] = {"decider": counters, "q_updates": self._q_updates}
+        schedule = torch.tensor([counters["step"], counters["acc"], self._q_updates], dtype=torch.float64)
+        # new dicts: torch's state_dict hands out the live per-parameter ones
+        sd["state"] = {key: {**entry, SCHEDULE_KEY: schedule.clone()} for key, entry in sd["state"].items()}
         for post_hook in post_hooks.values():
             result = post_hook(self, sd)
             if result is not None:
                 sd = result
-        if called_by_torchs_state_dict_api():
-            warnings.warn("Kron.state_dict() was called by torch.distributed.checkpoint's state-dict API "
-                          "(get_state_dict / get_optimizer_state_dict; Accelerate's FSDP checkpoints), which keeps "
-                          "only 'state' and 'param_groups': the update schedule's counters ('kron') are not in what "
-                          "it returns, so a run resumed from it starts the preconditioner-update probability "
-                          "schedule over (the factors and momentum are kept). torch.save(optimizer.state_dict()) "
-                          "keeps them", UserWarning, stacklevel=2)
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -667,6 +669,8 @@ class Kron(torch.optim.Optimizer):
                     new_states[p] = self._load_param_state(saved_state[key], p, settings, f"state[{key!r}]")
                     saved_settings[p] = settings
         decider = None
+        if extra is None:  # a checkpoint through torch.distributed.checkpoint: the counters in the entries
+            extra = _schedule_from_entries(saved_state)
         if extra is not None:
             try:
                 # the schedule's counters, by the rule KronPreconditioner's checkpoints follow too:
@@ -735,3 +739,28 @@ class Kron(torch.optim.Optimizer):
         if lipschitz:
             loaded["lipschitz"] = [t.to(dev, group["precond_dtype"], copy=True) for t in lipschitz]
         return loaded
+
+
+SCHEDULE_KEY = "kron_schedule"  # the schedule's counters in each parameter's entry (see Kron.state_dict)
+
+
+def _schedule_from_entries(saved_state: Any) -> dict[str, Any] | None:
+    """The ``'kron'`` entry rebuilt from the counters a parameter's entry carries, or ``None``
+    where none does (a checkpoint from before they did, or of an optimizer that never stepped).
+    ``ValueError`` for counters that are not three finite numbers."""
+    if not isinstance(saved_state, dict):
+        return None
+    for entry in saved_state.values():
+        if isinstance(entry, dict) and SCHEDULE_KEY in entry:
+            counters = entry[SCHEDULE_KEY]
+            if (not isinstance(counters, torch.Tensor) or counters.shape != (3,) or not counters.is_floating_point()
+                    or not torch.isfinite(counters).all()):
+                raise ValueError(f"Kron.load_state_dict: bad '{SCHEDULE_KEY}' entry (three finite numbers: step, "
+                                 f"accumulator, Q updates): {counters!r}")
+            step, acc, q_updates = counters.tolist()
+            integral = [value for value in (step, q_updates) if value != int(value)]
+            if integral:
+                raise ValueError(f"Kron.load_state_dict: bad '{SCHEDULE_KEY}' entry: counts must be whole, got "
+                                 f"{integral}")
+            return {"decider": {"step": int(step), "acc": acc}, "q_updates": int(q_updates)}
+    return None

@@ -729,26 +729,69 @@ def test_load_state_dict_pre_hooks_run_before_the_checks():
     assert checked.param_groups[0]["b1"] == 0.9
 
 
-def test_torchs_distributed_state_dict_api_warns_that_it_leaves_the_schedule_out():
-    """get_optimizer_state_dict keeps only "state" and "param_groups": the update schedule's
-    counters would be missing from the checkpoint without a word."""
-    import warnings
-
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
+def _dcp_model_and_batches():
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
-    opt = Kron(model.parameters(), lr=1e-3)
-    for _ in range(2):
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    gen = torch.Generator().manual_seed(1)
+    return model, [(torch.randn(8, 5, generator=gen, dtype=torch.float64),
+                    torch.randn(8, 3, generator=gen, dtype=torch.float64)) for _ in range(10)]
+
+
+def _dcp_train(model, opt, batches):
+    for x, y in batches:
         opt.zero_grad()
-        model(torch.randn(8, 4)).square().mean().backward()
+        torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
-    with pytest.warns(UserWarning, match="counters"):
-        saved = get_optimizer_state_dict(model, opt)
-    assert "kron" not in saved
+
+
+def test_a_run_resumed_through_torchs_distributed_checkpoint_api_goes_on_as_the_uninterrupted_one(tmp_path):
+    """get_optimizer_state_dict keeps only "state" and "param_groups", and its load runs one
+    step with zero gradients to create the state: the update schedule's counters ride in each
+    parameter's entry, so the resumed run is bitwise the uninterrupted one (probe vectors and
+    update decisions follow the counters)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    settings = dict(lr=1e-2, precond_dtype=torch.float64, preconditioner_update_probability=0.5)
+    reference, batches = _dcp_model_and_batches()
+    _dcp_train(reference, Kron(reference.parameters(), **settings), batches)
+    model, _ = _dcp_model_and_batches()
+    opt = Kron(model.parameters(), **settings)
+    _dcp_train(model, opt, batches[:5])
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert "kron" in opt.state_dict()  # called directly: nothing to say
+        warnings.simplefilter("ignore")  # DCP's own notices (no process group)
+        dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(tmp_path))
+        resumed, _ = _dcp_model_and_batches()
+        resumed.load_state_dict(model.state_dict())
+        fresh = Kron(resumed.parameters(), **settings)
+        template = {"optim": get_optimizer_state_dict(resumed, fresh)}
+        dcp.load(template, checkpoint_id=str(tmp_path))
+        set_optimizer_state_dict(resumed, fresh, template["optim"])
+    assert fresh.state_dict()["kron"] == opt.state_dict()["kron"]
+    _dcp_train(resumed, fresh, batches[5:])
+    for mine, theirs in zip(resumed.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([1.5, 0.2, 0.0], dtype=torch.float64),
+                                 torch.tensor([1.0, float("nan"), 0.0], dtype=torch.float64),
+                                 torch.tensor([1.0, 0.2], dtype=torch.float64)], ids=["fraction", "nan", "short"])
+def test_bad_schedule_counters_in_the_entries_are_refused_and_change_nothing(bad):
+    model, batches = _dcp_model_and_batches()
+    opt = Kron(model.parameters(), lr=1e-2, preconditioner_update_probability=0.5)
+    _dcp_train(model, opt, batches[:3])
+    saved = opt.state_dict()
+    del saved["kron"]  # as torch.distributed.checkpoint's API hands it over
+    saved["state"][0]["kron_schedule"] = bad
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match="kron"):
+        opt.load_state_dict(saved)
+    after = opt.state_dict()
+    assert after["kron"] == before["kron"]
+    for key, entry in before["state"].items():
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(after["state"][key][name], value)
 
 
 def test_an_optimizer_pickled_without_the_state_bindings_steps_as_the_original():
