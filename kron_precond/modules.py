@@ -452,11 +452,19 @@ def compile_skip_patterns(skip_layers, argument: str = "skip_layers") -> list[re
     return compiled
 
 
+# Name segments torch's wrappers insert (checkpoint_wrapper, torch.compile): a pattern is also
+# searched in the name without them, as a model's own names and checkpoints spell it
+_WRAPPER_SEGMENT = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod)(?=\.|$)")
+
+
 def is_skipped(name: str, module: nn.Module, patterns: list[re.Pattern]) -> bool:
-    """Whether a pattern matches the module's name or its class's name -- the class it was
-    written as too, where FSDP2 renamed it (``FSDPConv1D``: ``^Conv1D$`` skips it)."""
+    """Whether a pattern matches the module's name (with or without the segments torch's
+    checkpoint and compile wrappers insert) or its class's name -- the class it was written as
+    too, where FSDP2 renamed it (``FSDPConv1D``: ``^Conv1D$`` skips it)."""
     names = {type(module).__name__, module_class(module).__name__}
-    return any(p.search(name) or any(p.search(c) for c in names) for p in patterns)
+    plain = _WRAPPER_SEGMENT.sub("", name).lstrip(".")
+    paths = {name, plain}
+    return any(any(p.search(n) for n in paths) or any(p.search(c) for c in names) for p in patterns)
 
 
 # Frames a warning is not attributed to: this package's, and torch's (a hook runs under

@@ -20,6 +20,7 @@ import torch
 
 from kron_precond.capture import AbandonedIterations
 from kron_precond.checkpoint import called_by_torchs_state_dict_api
+from kron_precond.modules import user_stacklevel
 from kron_precond.preconditioner import KronPreconditioner
 
 _FORMAT = "kron_precond.PreconditionedOptimizer"
@@ -80,8 +81,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self._iterations = AbandonedIterations(  # see zero_grad
             lambda: [p for layer in preconditioner.layers.values() for _, p in layer.params])
         self._checked_rebinding = False  # see _check_rebinding
-        self._lr_groups: tuple[tuple, list[int]] | None = None  # see _kl_clip_lr
-        self._warned_lrs = False
+        self._lr_of_layers = KlClipLr(preconditioner)
         # What torch.optim.Optimizer.__init__ sets up, minus parameter groups of our own.
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
@@ -144,31 +144,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _kl_clip_lr(self) -> float | torch.Tensor:
-        """The lr ``kl_clip`` reads: that of the groups stepping the preconditioned layers (group 0
-        may hold only other parameters: an embedding or a head at an lr of its own). Layers
-        spread over groups of different lrs take the largest (the strongest clip), said once:
-        the clip is one bound on the step of all layers. Which groups hold them is found again
-        only when the groups change (a load, ``add_param_group``): no per-parameter walk a step."""
-        groups = self.param_groups
-        key = (id(groups), len(groups), *(id(g) for g in groups))
-        if self._lr_groups is None or self._lr_groups[0] != key:
-            registered = {id(p) for layer in self.preconditioner.layers.values() for _, p in layer.params}
-            held = [i for i, g in enumerate(groups) if any(id(p) in registered for p in g["params"])]
-            self._lr_groups = (key, held or [0])
-        lrs = [groups[i]["lr"] for i in self._lr_groups[1]]
-        if len(lrs) == 1:
-            return lrs[0]
-        tensors = [lr for lr in lrs if isinstance(lr, torch.Tensor)]
-        if tensors:  # the largest, on the tensors' device: no host read
-            device = tensors[0].device
-            return torch.stack([torch.as_tensor(lr, dtype=torch.float64, device=device).reshape(())
-                                for lr in lrs]).max()
-        if len(set(lrs)) > 1 and not self._warned_lrs:
-            self._warned_lrs = True
-            warnings.warn(f"PreconditionedOptimizer: kl_clip takes one lr, and the preconditioned layers are stepped "
-                          f"at lrs {sorted(set(lrs))} (param groups {self._lr_groups[1]}): it uses the largest, "
-                          f"which clips the most", UserWarning, stacklevel=3)
-        return max(lrs)
+        """The lr ``kl_clip`` reads (:class:`KlClipLr`)."""
+        return self._lr_of_layers(self.param_groups)
 
     def _check_rebinding(self) -> None:
         """At the first step: a model sharded since construction (``fully_shard`` after this was
@@ -302,3 +279,38 @@ def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     except (TypeError, ValueError):  # no signature to read: take it as torch.optim's
         return False
     return closure is not None and closure.default is inspect.Parameter.empty
+
+
+class KlClipLr:
+    """The lr ``kl_clip`` reads from an optimizer's param groups: that of the groups stepping
+    the preconditioner's layers (group 0 may hold only other parameters: an embedding, a
+    head or the biases at an lr of their own). Layers spread over groups of different lrs
+    take the largest (the strongest clip), said once: the clip is one bound on the step of all
+    layers. Which groups hold them is found again only when the groups change (a load,
+    ``add_param_group``): no per-parameter walk a step, and no host read of a tensor lr."""
+
+    def __init__(self, preconditioner: KronPreconditioner) -> None:
+        self._preconditioner = preconditioner
+        self._held: tuple[tuple, list[int]] | None = None
+        self._warned = False
+
+    def __call__(self, groups: list[dict[str, Any]]) -> float | torch.Tensor:
+        key = (len(groups), *(id(g) for g in groups))
+        if self._held is None or self._held[0] != key:
+            registered = {id(p) for layer in self._preconditioner.layers.values() for _, p in layer.params}
+            held = [i for i, g in enumerate(groups) if any(id(p) in registered for p in g["params"])]
+            self._held = (key, held or [0])
+        lrs = [groups[i]["lr"] for i in self._held[1]]
+        if len(lrs) == 1:
+            return lrs[0]
+        tensors = [lr for lr in lrs if isinstance(lr, torch.Tensor)]
+        if tensors:  # the largest, on the tensors' device: no host read
+            device = tensors[0].device
+            return torch.stack([torch.as_tensor(lr, dtype=torch.float64, device=device).reshape(())
+                                for lr in lrs]).max()
+        if len(set(lrs)) > 1 and not self._warned:
+            self._warned = True
+            warnings.warn(f"kron_precond: kl_clip takes one lr, and the preconditioned layers are stepped at lrs "
+                          f"{sorted(set(lrs))} (param groups {self._held[1]}): it uses the largest, which clips "
+                          f"the most", UserWarning, stacklevel=user_stacklevel())
+        return max(lrs)

@@ -173,6 +173,13 @@ def test_override_registers_every_linear_layer(runs):
     assert two[0]["fsdp"]["accumulation_steps"] == WORLD and two[0]["fsdp"]["world_size"] == WORLD
 
 
+def test_two_ranks_build_without_an_accumulation_warning(runs):
+    """accumulation_steps counts every rank's micro-batches here; the container checks it, and
+    the preconditioner's own first-step check (one rank's forwards) stays silent."""
+    _, two = runs
+    assert not [m for m in two[0]["fsdp"]["warnings"] if "accumulation_steps" in m], two[0]["fsdp"]["warnings"]
+
+
 def test_two_ranks_match_one_process(runs):
     one, two = runs
     ref, fsdp = one["ref"], two[0]["fsdp"]
@@ -338,6 +345,60 @@ def test_container_step_is_precondition_then_adamw():
             step()
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q), float((p - q).abs().max())
+
+
+def test_kl_clip_reads_the_lr_of_the_groups_holding_the_preconditioned_layers():
+    """torchtitan's param groups may put other parameters first (biases, a router at an lr of
+    its own): kl_clip reads the lr of the group stepping the registered weights, as a
+    KronPreconditioner + AdamW loop given that lr does (the reference, bitwise)."""
+    from kron_precond import KronPreconditioner
+
+    settings = {**KFAC, "kl_clip": 1e-6}  # a clip that binds: the lr it reads shows
+    model, twin = _tiny_model(), _tiny_model()
+    container = _plain_container(model, **settings)
+    optimizer = container.optimizers[0]
+    group = optimizer.param_groups[0]
+    first = {**group, "params": [p for p in group["params"] if p.ndim == 1], "lr": 0.0}
+    group["params"] = [p for p in group["params"] if p.ndim > 1]
+    optimizer.param_groups.insert(0, first)  # the biases first, at lr 0
+    precond = KronPreconditioner(twin, **settings)
+    adamw = torch.optim.AdamW([{"params": [p for p in twin.parameters() if p.ndim == 1], "lr": 0.0},
+                               {"params": [p for p in twin.parameters() if p.ndim > 1]}],
+                              lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False, fused=False)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+        for net, step in ((model, container.step), (twin, lambda: (precond.step(lr=1e-2), adamw.step()))):
+            net.zero_grad()
+            ((net(x) - y) ** 2).mean().backward()
+            step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q), float((p - q).abs().max())
+
+
+def _mem_opt_worker(rank, world, out_dir):
+    """A container over a plain (unsharded) model whose layers' state lives on some ranks only
+    (MEM_OPT): its state_dict, which torchtitan's checkpointer asks every rank for, holds every
+    layer."""
+    torch.manual_seed(1)
+    model = _tiny_model()
+    container = _plain_container(model, **{**KFAC, "grad_worker_fraction": "mem_opt"})
+    g = torch.Generator().manual_seed(2 + rank)
+    model.zero_grad()
+    ((model(torch.randn(4, 6, generator=g)) - torch.randn(4, 3, generator=g)) ** 2).mean().backward()
+    for p in model.parameters():  # what DDP does: every rank steps the mean gradient
+        torch.distributed.all_reduce(p.grad)
+        p.grad /= world
+    container.step()
+    return sorted(container.state_dict()["kron_precond"]["layers"])
+
+
+def test_a_plain_model_at_mem_opt_saves_every_layer_on_every_rank(tmp_path):
+    from kron_precond.integrations.torchtitan import STATE_KEY
+
+    assert STATE_KEY == "kron_precond"
+    results = run_workers(_mem_opt_worker, WORLD, tmp_path, timeout=TIMEOUT)
+    assert results[0] == results[1] == ["0.0", "1"], results
 
 
 def test_container_state_round_trips_under_canonical_names():

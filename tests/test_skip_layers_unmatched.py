@@ -48,3 +48,27 @@ def test_patterns_that_match_a_module_build_silently(builder, skip):
             BUILDERS[builder](_model(), skip)
         except ValueError as err:  # every Linear skipped: nothing left to precondition
             assert skip == ["Linear"], err
+
+
+@pytest.mark.parametrize("builder", [lambda m, s: KronPreconditioner(m, method="kfac", skip_layers=s),
+                                     lambda m, s: WhitenedMuon(m, lr=1e-2, skip_layers=s)],
+                         ids=["KronPreconditioner", "WhitenedMuon"])
+def test_a_pattern_matches_the_name_without_checkpoint_and_compile_wrappers(builder):
+    """torch's checkpoint_wrapper (torchtitan's activation checkpointing) and torch.compile put
+    ``_checkpoint_wrapped_module`` / ``_orig_mod`` into module names: an anchored pattern written
+    for the model's own names still matches, as checkpoints spell them without those."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = nn.Sequential()
+    model.add_module("layers", nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)]))
+    model.layers[0] = checkpoint_wrapper(model.layers[0])
+    model.add_module("head", nn.Linear(4, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the pattern matches: no "matches no module" warning
+        built = builder(model, [r"^layers\.0\.0$"])
+    if isinstance(built, KronPreconditioner):
+        assert sorted(built.layers) == ["head", "layers.1.0"]
+    else:
+        whitened = {id(p) for g in built.param_groups if g["algorithm"] == "whitened_muon" for p in g["params"]}
+        assert id(model.layers[0]._checkpoint_wrapped_module[0].weight) not in whitened
+        assert id(model.layers[1][0].weight) in whitened

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import torch
 
@@ -78,11 +79,14 @@ def _phase(rank: int, phase: dict, flags: list[str]) -> dict:
 
         trainer.metrics_processor.log = record
         try:
-            trainer.train()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                trainer.train()
         except ValueError as err:
             if phase.get("expect_error"):
                 return {"error": str(err)}
             raise
+        said = [str(w.message) for w in caught if "kron_precond" in str(w.filename) or "Kron" in str(w.message)]
         container = trainer.optimizers
         if not hasattr(container, "preconditioner"):  # WhitenedMuonOptimizersContainer
             optimizer = container.optimizers[0]
@@ -100,7 +104,7 @@ def _phase(rank: int, phase: dict, flags: list[str]) -> dict:
         result = {"losses": losses, "container": type(container).__name__, "method": precond.method,
                   "layers": [canonical_fqn(name) for name in precond.layers], "steps": precond.steps,
                   "accumulation_steps": precond.accumulation_steps, "world_size": precond.world_size,
-                  "seconds": time.perf_counter() - started}
+                  "seconds": time.perf_counter() - started, "warnings": said}
         if rank == 0:
             result.update(params=final, state=state)
         return result

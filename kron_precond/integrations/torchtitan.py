@@ -25,8 +25,9 @@ Two ways in for the preconditioner:
         --override.imports 'kron_precond.integrations.torchtitan.kron_optimizers={"method": "kfac",
             "skip_layers": ["lm_head"], "grad_worker_fraction": "mem_opt", "damping": 0.003}'
 
-  (one shell token; the JSON object holds :class:`KronOptimizersContainer.Config`'s fields,
-  and every other key is a :class:`~kron_precond.KronPreconditioner` option);
+  (one shell token; the JSON object holds ``method``, ``skip_layers`` and
+  ``accumulation_steps``, and every other key is a :class:`~kron_precond.KronPreconditioner`
+  option; the stock config keeps its ``param_groups`` and ``implementation``);
 * in a config function of one's own: ``config.optimizer = KronOptimizersContainer.Config(
   param_groups=..., method="kfac", options={"damping": 3e-3})``.
 
@@ -54,6 +55,7 @@ from kron_precond.enums import strategy_by_name
 from kron_precond.methods import registry
 from kron_precond.preconditioner import KronPreconditioner
 from kron_precond.whitened_muon import WhitenedMuon
+from kron_precond.wrapped import KlClipLr
 
 STATE_KEY = "kron_precond"
 
@@ -119,6 +121,11 @@ class KronOptimizersContainer(OptimizersContainer):
                              f"method={config.method!r} (it only rescales captured statistics)")
         self.preconditioner = KronPreconditioner(model_parts[0], method=config.method,
                                                  skip_layers=_patterns(config.skip_layers), **options)
+        # accumulation_steps counts every rank's micro-batches here (torchtitan's loss is over the
+        # global batch): this container checks it at the first step (_check_accumulation), the
+        # preconditioner's own check, which counts one rank's forwards, would misread it
+        self.preconditioner._forwards_checked = True
+        self._lr_of_layers = KlClipLr(self.preconditioner)
         # Micro-batches of the first step, counted to check accumulation_steps once; the hook
         # is removed at the first step, so later steps pay nothing.
         self._micro_batches = 0
@@ -148,12 +155,17 @@ class KronOptimizersContainer(OptimizersContainer):
             raise ValueError("KronOptimizersContainer does not support closures")
         if self._counter is not None:
             self._check_accumulation()
-        self.preconditioner.step(lr=self.optimizers[0].param_groups[0]["lr"])
+        # kl_clip's lr: that of the groups stepping the preconditioned layers (KlClipLr)
+        self.preconditioner.step(lr=self._lr_of_layers([g for o in self.optimizers for g in o.param_groups]))
         super().step()
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        precond = self.preconditioner.state_dict()
+        owner = self.preconditioner
+        # DCP asks every rank: where no rank holds every layer of an unsharded model (MEM_OPT,
+        # HYBRID_OPT), assemble the state (a collective every rank joins); else each rank's own
+        gathers = owner._runtime.sharding is None and owner.grad_workers < owner.world_size
+        precond = owner.gather_state_dict() if gathers else owner.state_dict()
         # Layer names as torchtitan's checkpoints spell module names (without activation-
         # checkpoint and compile wrappers), so a resumed run may wrap differently.
         precond["layers"] = {canonical_fqn(name): value for name, value in precond["layers"].items()}
