@@ -32,7 +32,7 @@ benchmarks/regimes.py. ``--longer-lrs chosen`` runs only the 1x choice at the lo
 (to save device time): a baseline held at its 1x lr is at best as good there as a
 re-tuned one, which can only flatter ours: say so wherever such a figure is quoted.
 
-"Ours" is ``wmuon`` of the examples at the examples' defaults (``--lr-wmuon``, momentum
+"Ours" is ``wmuon`` of the examples at the examples' defaults (lr fixed at ``DEFAULT_LRS["wmuon"]``, momentum
 0.9, ``PrecondConfig``'s wmuon settings), untuned: what a user gets. ``--sweep-ours`` also
 tunes it on the baselines' grid at 1x (a "wmuon (tuned)" row; charged the default run's
 step time, since lr and momentum do not change a step's cost). NorMuon is also measured as
@@ -44,10 +44,10 @@ skipped on a rerun, so a killed run resumes; ``--report-only`` rebuilds the tabl
     OMP_NUM_THREADS=1 python benchmarks/budget_speedup.py --threads 1 --seeds 0,1,2 --sweep-ours \\
         --max-extend 3 --out benchmarks/results/budget_speedup     # ~21 CPU-minutes on one thread
     python benchmarks/budget_speedup.py --report-only --sweep-ours --out benchmarks/results/budget_speedup
-    python benchmarks/budget_speedup.py --device cuda --amp --amp-dtype bfloat16 --d-model 768 --n-layers 12 \\
-        --n-heads 12 --seq-len 256 --batch-size 256 --steps 200 --eval-seqs 256 --corpus-mb 12 --seeds 0 \\
-        --lrs 0.002828,0.004,0.005657 --momenta 0.9 --baselines muon --max-extend 0 --longer-lrs chosen \\
-        --out runs/gpu                                                  # docs/results.md, "On a GPU"
+    python benchmarks/budget_speedup.py --wmuon-output-side none --device cuda --amp --amp-dtype bfloat16 \\
+        --d-model 768 --n-layers 12 --n-heads 12 --seq-len 256 --batch-size 256 --steps 200 --eval-seqs 256 \\
+        --corpus-mb 12 --seeds 0 --lrs 0.002828,0.004,0.005657 --momenta 0.9 --baselines muon \\
+        --max-extend 0 --longer-lrs chosen --out runs/gpu               # docs/results.md, "On a GPU"
 """
 from __future__ import annotations
 
@@ -402,7 +402,11 @@ def seed_measures(out: Path, seed: int, budgets: Sequence[float], base_steps: in
     # Step times from the 1x interleaved process only; the tuned wmuon (swept in a process of
     # its own) is charged the default wmuon's: lr and momentum do not change a step's cost.
     step_seconds = {m: mean_step([r for r in main if _point(r)[0] == m]) for m in methods}
-    default = next(r for r in by_budget[1.0] if r["name"] == f"{OURS} lr={DEFAULT_LRS[OURS]:g}")
+    # the default wmuon from that same process (its loss and step time beside the baselines'); a
+    # grid extension (a process of its own) may hold another run of it, which is not used here
+    default_name = f"{OURS} lr={DEFAULT_LRS[OURS]:g}"
+    default = next((r for r in main if r["name"] == default_name), None) or next(
+        r for r in by_budget[1.0] if r["name"] == default_name)
     step_seconds["wmuon (defaults)"] = mean_step([default])
     rows = {"wmuon (defaults)": {"loss": _loss(default), "run": default["name"]}}
     unmeasured = set()
@@ -430,7 +434,8 @@ def seed_measures(out: Path, seed: int, budgets: Sequence[float], base_steps: in
 def _main_runs(out: Path, seed: int) -> list[dict]:
     """The runs of the 1x interleaved process (not the grid extensions): step times."""
     part = "grid" if record_path(out, seed, 1.0, "grid").exists() else "chosen"
-    return json.loads(record_path(out, seed, 1.0, part).read_text())["runs"]
+    record = json.loads(record_path(out, seed, 1.0, part).read_text())
+    return [{**run, "wmuon": record.get("wmuon")} for run in record["runs"]]
 
 
 def _fmt(stats: dict, digits: int = 2) -> str:

@@ -122,6 +122,23 @@ def test_step_time_leaves_out_each_runs_first_step():
     assert bs.mean_step([one]) == pytest.approx(1.0)
 
 
+def test_default_run_is_the_interleaved_ones(tmp_path):
+    # An extension process may rerun the default wmuon next to its baselines (ext1 sorts before
+    # grid): the row takes the interleaved 1x run's, whose step time sits beside the baselines'.
+    out = tmp_path / "records"
+    _write(out, 0, 1.0, "ext1", [_run("muon{mom=0.9} lr=0.005", 0.005, 1.95, 2.0),
+                                 _run("wmuon lr=0.016", 0.016, 1.70, 2.2)])
+    _write(out, 0, 1.0, "grid", [_run("muon{mom=0.9} lr=0.01", 0.01, 1.90, 1.0),
+                                 _run("wmuon lr=0.016", 0.016, 1.80, 1.1)])
+    _write(out, 0, 1.25, "grid", [_run("muon{mom=0.9} lr=0.01", 0.01, 1.80, 1.0)])
+    _write(out, 0, 1.5, "grid", [_run("muon{mom=0.9} lr=0.01", 0.01, 1.70, 1.0)])
+    measures = bs.seed_measures(out, 0, [1.0, 1.25, 1.5], 100, sweep_ours=False, baselines=("muon",))
+    assert measures["rows"]["wmuon (defaults)"]["loss"] == pytest.approx(1.80)
+    assert measures["step_seconds"]["wmuon (defaults)"] == pytest.approx(1.1)
+    assert measures["rows"]["wmuon (defaults)"]["vs"]["muon"]["steps"] == pytest.approx(1.25)
+    assert measures["rows"]["wmuon (defaults)"]["vs"]["muon"]["step_ratio"] == pytest.approx(1.1)
+
+
 def test_report_on_hand_made_records(tmp_path):
     out = tmp_path / "records"
     # 1x: Muon's best point is momentum 0.8 (1.90); an extension run that is worse must not
