@@ -104,10 +104,14 @@ def install(args: argparse.Namespace, rank: int, pretrain_steps: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
-    p.add_argument("--lora-rank", type=int, default=8)
-    p.add_argument("--pretrain-steps", type=int, default=350)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False,
+                                usage="%(prog)s [--lora-rank R] [--pretrain-steps N] [budget_speedup.py options]")
+    p.add_argument("--lora-rank", type=int, default=8, help="the adapters' rank (default: 8)")
+    p.add_argument("--pretrain-steps", type=int, default=350,
+                   help="steps of the base model's pretraining on the standard library's sources (default: 350)")
     own, rest = p.parse_known_args(argv)
+    if {"-h", "--help"} & set(rest):  # this script's own options, then budget_speedup.py's
+        print(p.format_help())
     args = budget_speedup.parse_args(["--arch", "llama", *rest])
     if args.threads:
         torch.set_num_threads(args.threads)
