@@ -750,6 +750,7 @@ def _schedule_from_entries(saved_state: Any) -> dict[str, Any] | None:
     ``ValueError`` for counters that are not three finite numbers."""
     if not isinstance(saved_state, dict):
         return None
+    found: list[list[float]] = []
     for entry in saved_state.values():
         if isinstance(entry, dict) and SCHEDULE_KEY in entry:
             counters = entry[SCHEDULE_KEY]
@@ -757,10 +758,14 @@ def _schedule_from_entries(saved_state: Any) -> dict[str, Any] | None:
                     or not torch.isfinite(counters).all()):
                 raise ValueError(f"Kron.load_state_dict: bad '{SCHEDULE_KEY}' entry (three finite numbers: step, "
                                  f"accumulator, Q updates): {counters!r}")
-            step, acc, q_updates = counters.tolist()
-            integral = [value for value in (step, q_updates) if value != int(value)]
-            if integral:
-                raise ValueError(f"Kron.load_state_dict: bad '{SCHEDULE_KEY}' entry: counts must be whole, got "
-                                 f"{integral}")
-            return {"decider": {"step": int(step), "acc": acc}, "q_updates": int(q_updates)}
-    return None
+            found.append(counters.tolist())
+    if not found:
+        return None
+    if any(values != found[0] for values in found):  # one optimizer's counters, saved in every entry
+        raise ValueError(f"Kron.load_state_dict: the '{SCHEDULE_KEY}' entries disagree "
+                         f"({sorted({tuple(v) for v in found})}): not one optimizer's checkpoint")
+    step, acc, q_updates = found[0]
+    integral = [value for value in (step, q_updates) if value != int(value)]
+    if integral:
+        raise ValueError(f"Kron.load_state_dict: bad '{SCHEDULE_KEY}' entry: counts must be whole, got {integral}")
+    return {"decider": {"step": int(step), "acc": acc}, "q_updates": int(q_updates)}

@@ -998,7 +998,8 @@ class KronPreconditioner:
             warnings.warn("KronPreconditioner: a checkpoint was taken inside an unfinished accumulation window: "
                           "the statistics its forwards and backwards gathered since the last step() are not in "
                           "it, so a run resumed from it goes on without those micro-batches. Save between step() "
-                          "(or zero_grad()) and the next forward", UserWarning, stacklevel=user_stacklevel())
+                          "(or zero_grad()) and the next forward (after a step a GradScaler skipped, zero_grad() "
+                          "drops them anyway: then ignore this)", UserWarning, stacklevel=user_stacklevel())
         return checkpoint.pack(method=self.method, steps=self._steps, statistics_steps=self._statistics_steps,
                                refreshes=self._refreshes, schedule=self._schedule.state_dict(), layers=layers)
 

@@ -1533,7 +1533,8 @@ class WhitenedMuon(torch.optim.Optimizer):
             warnings.warn("WhitenedMuon: a checkpoint was taken inside an unfinished accumulation window: the input "
                           "rows its forwards gathered since the last step() are not in it, so a run resumed from "
                           "it goes on without those micro-batches. Save between step() (or zero_grad()) and the "
-                          "next forward", UserWarning, stacklevel=user_stacklevel())
+                          "next forward (after a step a GradScaler skipped, zero_grad() drops them anyway: then ignore "
+                          "this)", UserWarning, stacklevel=user_stacklevel())
         post_hooks = self._optimizer_state_dict_post_hooks
         self._optimizer_state_dict_post_hooks = OrderedDict()  # run below, on the state dict as saved
         try:

@@ -775,14 +775,18 @@ def test_a_run_resumed_through_torchs_distributed_checkpoint_api_goes_on_as_the_
 
 @pytest.mark.parametrize("bad", [torch.tensor([1.5, 0.2, 0.0], dtype=torch.float64),
                                  torch.tensor([1.0, float("nan"), 0.0], dtype=torch.float64),
-                                 torch.tensor([1.0, 0.2], dtype=torch.float64)], ids=["fraction", "nan", "short"])
+                                 torch.tensor([1.0, 0.2], dtype=torch.float64), "disagree"],
+                         ids=["fraction", "nan", "short", "disagree"])
 def test_bad_schedule_counters_in_the_entries_are_refused_and_change_nothing(bad):
     model, batches = _dcp_model_and_batches()
     opt = Kron(model.parameters(), lr=1e-2, preconditioner_update_probability=0.5)
     _dcp_train(model, opt, batches[:3])
     saved = opt.state_dict()
     del saved["kron"]  # as torch.distributed.checkpoint's API hands it over
-    saved["state"][0]["kron_schedule"] = bad
+    if isinstance(bad, str):  # one entry's counters unlike the others'
+        saved["state"][0]["kron_schedule"] = saved["state"][0]["kron_schedule"] + 1
+    else:
+        saved["state"][0]["kron_schedule"] = bad
     before = copy.deepcopy(opt.state_dict())
     with pytest.raises(ValueError, match="kron"):
         opt.load_state_dict(saved)
