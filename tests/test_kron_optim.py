@@ -784,7 +784,8 @@ def test_bad_schedule_counters_in_the_entries_are_refused_and_change_nothing(bad
     saved = opt.state_dict()
     del saved["kron"]  # as torch.distributed.checkpoint's API hands it over
     if isinstance(bad, str):  # one entry's counters unlike the others'
-        saved["state"][0]["kron_schedule"] = saved["state"][0]["kron_schedule"] + 1
+        saved["state"][0]["kron_schedule"] = saved["state"][0]["kron_schedule"] + torch.tensor(
+            [1.0, 0.0, 0.0], dtype=torch.float64)  # a valid step on its own
     else:
         saved["state"][0]["kron_schedule"] = bad
     before = copy.deepcopy(opt.state_dict())
