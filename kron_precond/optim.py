@@ -21,8 +21,10 @@ are counted per parameter and a warning names the parameter. A group setting hel
 tensors exactly as they were too (Python numbers raise ``ValueError`` instead); those steps
 are counted per setting and warned about. All of this is chosen with ``torch.where``-style
 masks on the device, no host sync. The counters are read once every
-``nonfinite_warn_interval`` steps -- the only host sync in :meth:`Kron.step` besides the
-one-time scale estimate of ``precond_init_scale=None``.
+``nonfinite_warn_interval`` steps, and the weights' norms on the first step and every
+``health.WEIGHT_CHECK_EVERY`` (100) steps (a divergence check, :class:`~kron_precond.health.WeightGrowth`)
+-- the only host syncs in :meth:`Kron.step` besides the one-time scale estimate of
+``precond_init_scale=None``.
 
 The factors are kept in ``precond_dtype``; their math runs in it too, except that float16
 factors are computed in float32 (:func:`compute_dtype`): float16's range ends at 65 504,
@@ -43,7 +45,7 @@ from .autocast import autocast_disabled
 from .checkpoint import run_load_pre_hooks
 from .compiled import step_eagerly
 from .distributed.sharded import is_dtensor, refuse_fsdp1
-from .health import new_nonfinite_steps
+from .health import WEIGHT_CHECK_EVERY, WeightGrowth, new_nonfinite_steps
 from .methods import state_checks as checks
 from .methods.psgd import PSGDFactors, check_memory_save_mode, check_update_rule
 from .methods.psgd_tensor import RMS_CLIP, PSGDTensor
@@ -259,6 +261,7 @@ class Kron(torch.optim.Optimizer):
         self._decider = UpdateDecider(preconditioner_update_probability)
         self._q_updates = 0
         self._reported: dict[int, int] = {}
+        self._weight_growth = WeightGrowth("Kron")  # see step
         self._tensors: dict[torch.Tensor, PSGDTensor] = {}
         # per parameter, the state entries its PSGDTensor was built on (see _tensor_of)
         self._bound: dict[torch.Tensor, tuple[Any, ...]] = {}
@@ -452,6 +455,9 @@ class Kron(torch.optim.Optimizer):
         # an unusable one leaves the group's parameters as they are (a mask, as a NaN gradient)
         valid = [self._tensor_settings_valid(index, group, keys) if keys else None
                  for index, (group, keys) in enumerate(zip(self.param_groups, tensor_keys))]
+        if self._decider.step % WEIGHT_CHECK_EVERY == 0:  # before the step: the first check reads the initial weights
+            self._weight_growth.check([(f"parameter {i} (shape {tuple(p.shape)})", p)
+                                       for i, p in enumerate(p for g in self.param_groups for p in g["params"])])
         probability = self._decider.current_probability()
         do_update = self._decider()
         if do_update:

@@ -44,7 +44,7 @@ from kron_precond.distributed.assignment import WorkAssignment, assign_work
 from kron_precond.distributed.runtime import Runtime
 from kron_precond.distributed.sharded import ShardedLayout, is_dtensor, refuse_fsdp1
 from kron_precond.enums import AssignmentStrategy, DistributedStrategy, strategy_by_name
-from kron_precond.health import Health
+from kron_precond.health import WEIGHT_CHECK_EVERY, Health, WeightGrowth
 from kron_precond.methods import registry
 from kron_precond.methods.base import LayerMethod, MethodSpec
 from kron_precond.modules import (
@@ -281,6 +281,7 @@ class KronPreconditioner:
         self._pending_statistics: tuple[Any, StepContext, frozenset[str]] | None = None
         self._warned_lr_fallback = False
         self._warned_pending_save = False  # see _pack
+        self._weight_growth = WeightGrowth("kron_precond")
         self._warned_frozen_in_part: set[str] = set()
         self._apply_cache: dict = {}
         # ranks that do not hold a layer whose holders may hand its gradient on record nothing for
@@ -501,6 +502,8 @@ class KronPreconditioner:
             every = self._spec.health_check_every
             if (ctx.refresh if every is None else ctx.step % every == 0):
                 self._health.report_state(self._statistics_steps > 0)
+            if ctx.step % WEIGHT_CHECK_EVERY == 0:  # weights grown by orders of magnitude: diverging
+                self._weight_growth.check([(layer.name, layer.params[0][1]) for layer in self._layers])
             self._schedule.advance(ctx.step)
             self._steps += 1
             self._update_collecting(after_step=True)

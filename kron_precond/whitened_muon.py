@@ -64,7 +64,7 @@ from kron_precond.checkpoint import run_load_pre_hooks
 from kron_precond.compiled import step_eagerly
 from kron_precond.distributed.collectives import failed_ranks
 from kron_precond.distributed.sharded import ShardedLayout, is_dtensor, refuse_fsdp1
-from kron_precond.health import new_nonfinite_steps
+from kron_precond.health import WEIGHT_CHECK_EVERY, WeightGrowth, new_nonfinite_steps
 from kron_precond.methods import state_checks as checks
 from kron_precond.modules import (
     ParametrizationWatch,
@@ -666,9 +666,11 @@ class WhitenedMuon(torch.optim.Optimizer):
     gradient, and no step from its stale momentum; the experts' biases are AdamW's, and step as
     ``torch.optim.AdamW`` steps them); the non-finite steps (per weight) are counted on the
     device and reported by a warning when the counters are read: on the first step and then
-    once every ``nonfinite_warn_interval`` (100) steps, the only host synchronisation of
-    ``step()`` (with ``root="cholesky"``, the default; under several ranks, also one small host
-    read per statistics step while a packed attention is not yet known to be cross-attention).
+    once every ``nonfinite_warn_interval`` (100) steps. Those reads and the whitened weights'
+    norms on the same steps (a divergence check: :class:`~kron_precond.health.WeightGrowth`)
+    are the only host synchronisation of ``step()`` (with ``root="cholesky"``, the default;
+    under several ranks, also one small host read per statistics step while a packed attention
+    is not yet known to be cross-attention).
     """
 
     nonfinite_warn_interval = 100
@@ -839,6 +841,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         self._replica_warned = False
         self._iterations = AbandonedIterations(self._whitened_params)  # see zero_grad
         self._warned_pending_save = False  # see state_dict
+        self._weight_growth = WeightGrowth("WhitenedMuon")
         self._steps = 0  # step() calls: the statistics schedule and the non-finite report's interval
         self._casts: dict[tuple[int, ...], tuple] = {}  # stacked whiteners in ns_dtype, per stack
 
@@ -1090,6 +1093,9 @@ class WhitenedMuon(torch.optim.Optimizer):
             self._statistics.pending.clear()
             self._statistics.forget_inputs()
             return
+        if self._steps % WEIGHT_CHECK_EVERY == 0:  # before the step: the first check reads the initial weights
+            self._weight_growth.check([(self._names.get(id(p), f"parameter {i}"), p)
+                                       for i, p in enumerate(self._whitened_params())])
         if self._statistics_step():
             self._agree_on_cross_attention()
         # a forward in eval() mode since the last step (the hooks flag it on statistics steps only)
