@@ -96,7 +96,7 @@ class WeightGrowth:
     """Reports weights (2-D and more, not sharded) whose norm grew ``WEIGHT_GROWTH_WARNING``
     times over their reference, once per weight. The reference is taken at a weight's first
     check (the first step: its initial norm), floored by the norm of torch's default
-    initialisation for its shape, ``sqrt(numel / (3 · fan_in))``, so a weight started at zero
+    initialisation for its shape (:func:`default_init_norm`), so a weight started at zero
     or far below it (LoRA's B, a scaled-down initialisation) is measured from that scale.
     ``check`` costs one host read; its callers run it every ``WEIGHT_CHECK_EVERY`` steps."""
 
@@ -109,7 +109,8 @@ class WeightGrowth:
         seen: set[int] = set()
         weights = []
         for name, w in named_weights:
-            if w.dim() < 2 or not w.numel() or w.is_meta or id(w) in seen or id(w) in self._warned:
+            if (w.dim() < 2 or not w.numel() or w.is_meta or not w.is_floating_point() or id(w) in seen
+                    or id(w) in self._warned):
                 continue
             if is_dtensor(w):  # a rank holds a shard: its norm is not the weight's
                 continue
@@ -118,15 +119,15 @@ class WeightGrowth:
         if not weights:
             return
         device = weights[0][1].device
+        # float32 (float64 is not available on every device); an overflow is inf, which is skipped
         norms = torch.stack([torch.linalg.vector_norm(w.detach(), dtype=torch.promote_types(w.dtype, torch.float32))
-                             .to(device, torch.float64) for _, w in weights]).tolist()  # one host sync
+                             .to(device, torch.float32) for _, w in weights]).tolist()  # one host sync
         grown = []
         for (name, w), norm in zip(weights, norms):
             reference = self._reference.get(id(w))
             if reference is None:
                 if math.isfinite(norm):
-                    fan_in = w.numel() // w.shape[0]
-                    self._reference[id(w)] = max(norm, math.sqrt(w.numel() / (3 * fan_in)))
+                    self._reference[id(w)] = max(norm, default_init_norm(w.shape))
                 continue
             if math.isfinite(norm) and norm > WEIGHT_GROWTH_WARNING * reference:
                 self._warned.add(id(w))
@@ -136,6 +137,17 @@ class WeightGrowth:
                           f"{WEIGHT_GROWTH_WARNING:.0f}x its start (or torch's default initialisation's, the "
                           f"larger): training is diverging. Lower the lr (or, for K-FAC-type methods, raise "
                           f"the damping)", RuntimeWarning, stacklevel=user_stacklevel())
+
+
+def default_init_norm(shape: Sequence[int]) -> float:
+    """The norm torch's default initialisation (``kaiming_uniform_(a=√5)``: entries of variance
+    ``1 / (3 · fan_in)``) gives a weight of ``shape``, read as rows of its last dimension: a
+    Linear's ``[out, in]``, a fused experts weight's ``[E, out, in]`` (each expert a Linear), a
+    learned position table's ``[1, T, d]``. For a convolution ``[out, in, k…]`` it is larger
+    than torch's (which takes ``in · k…`` as the fan-in): a floor that errs high, which only
+    makes the check less sensitive."""
+    numel = math.prod(shape)
+    return math.sqrt(numel / (3 * shape[-1]))
 
 
 def new_nonfinite_steps(optimizer: torch.optim.Optimizer, reported: dict[int, int]) -> list[tuple]:

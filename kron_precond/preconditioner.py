@@ -503,7 +503,8 @@ class KronPreconditioner:
             if (ctx.refresh if every is None else ctx.step % every == 0):
                 self._health.report_state(self._statistics_steps > 0)
             if ctx.step % WEIGHT_CHECK_EVERY == 0:  # weights grown by orders of magnitude: diverging
-                self._weight_growth.check([(layer.name, layer.params[0][1]) for layer in self._layers])
+                self._weight_growth.check([(f"{layer.name}.{name}", p) for layer in self._layers
+                                           for name, p in layer.params])
             self._schedule.advance(ctx.step)
             self._steps += 1
             self._update_collecting(after_step=True)

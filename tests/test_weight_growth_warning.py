@@ -86,3 +86,24 @@ def test_a_healthy_run_is_not_reported(name, case):
     losses, said = train(name, **case)
     assert losses[-1] < losses[0]
     assert not said, said
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (4, 16, 32), (1, 64, 32)], ids=["linear", "experts", "positions"])
+def test_a_weight_started_at_zero_is_measured_from_torchs_default_scale(shape):
+    """A zero-initialised weight (LoRA's B, a fused experts weight, a learned position table)
+    that trains to the scale torch's default initialisation gives a Linear of its rows is no
+    divergence; 100x beyond that scale is. The reference scale is written out here: entries of
+    variance 1 / (3 · in), in = the last dimension (kaiming_uniform_(a=√5))."""
+    from kron_precond.health import WEIGHT_GROWTH_WARNING, WeightGrowth
+
+    weight = torch.zeros(shape)
+    growth = WeightGrowth("test")
+    growth.check([("w", weight)])  # the first check: its reference
+    scale = (1 / (3 * shape[-1])) ** 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        weight.normal_(0, 30 * scale)  # trained to 30x the default entries: healthy, if large
+        growth.check([("w", weight)])
+    weight.mul_(1.2 * WEIGHT_GROWTH_WARNING / 30)
+    with pytest.warns(RuntimeWarning, match="grew to"):
+        growth.check([("w", weight)])
