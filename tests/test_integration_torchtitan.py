@@ -322,6 +322,19 @@ def test_override_keeps_the_stock_groups_and_routes_settings():
                                        options={"accumulation_steps": 2}).build(model_parts=[_tiny_model()])
 
 
+def _assert_same_training(model, step, twin, twin_step) -> None:
+    """Three steps of each on the same batches; then the parameters are bitwise equal."""
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+        for net, take_step in ((model, step), (twin, twin_step)):
+            net.zero_grad()
+            ((net(x) - y) ** 2).mean().backward()
+            take_step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q), float((p - q).abs().max())
+
+
 def test_container_step_is_precondition_then_adamw():
     """Reference: KronPreconditioner + torch.optim.AdamW driven by hand on a copy of the model,
     with the implementation the container's config names ("for-loop": torch's single-tensor
@@ -336,15 +349,7 @@ def test_container_step_is_precondition_then_adamw():
     precond = KronPreconditioner(twin, **KFAC)
     adamw = torch.optim.AdamW(twin.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                               foreach=False, fused=False)
-    g = torch.Generator().manual_seed(2)
-    for _ in range(3):
-        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
-        for net, step in ((model, container.step), (twin, lambda: (precond.step(lr=1e-2), adamw.step()))):
-            net.zero_grad()
-            ((net(x) - y) ** 2).mean().backward()
-            step()
-    for p, q in zip(model.parameters(), twin.parameters()):
-        assert torch.equal(p, q), float((p - q).abs().max())
+    _assert_same_training(model, container.step, twin, lambda: (precond.step(lr=1e-2), adamw.step()))
 
 
 def test_kl_clip_reads_the_lr_of_the_groups_holding_the_preconditioned_layers():
@@ -365,15 +370,7 @@ def test_kl_clip_reads_the_lr_of_the_groups_holding_the_preconditioned_layers():
     adamw = torch.optim.AdamW([{"params": [p for p in twin.parameters() if p.ndim == 1], "lr": 0.0},
                                {"params": [p for p in twin.parameters() if p.ndim > 1]}],
                               lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False, fused=False)
-    g = torch.Generator().manual_seed(2)
-    for _ in range(3):
-        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
-        for net, step in ((model, container.step), (twin, lambda: (precond.step(lr=1e-2), adamw.step()))):
-            net.zero_grad()
-            ((net(x) - y) ** 2).mean().backward()
-            step()
-    for p, q in zip(model.parameters(), twin.parameters()):
-        assert torch.equal(p, q), float((p - q).abs().max())
+    _assert_same_training(model, container.step, twin, lambda: (precond.step(lr=1e-2), adamw.step()))
 
 
 def _mem_opt_worker(rank, world, out_dir):
