@@ -1066,8 +1066,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         the next step's whiteners do not see them. A second ``zero_grad`` with no backward in
         between drops nothing."""
         if self._iterations.abandoned():
-            self._statistics.pending.clear()
-            self._statistics.forget_inputs()
+            self._statistics.discard()
         super().zero_grad(set_to_none=set_to_none)
         self._iterations.zeroed()
 
@@ -1090,8 +1089,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         if not any(p.grad is not None for group in self.param_groups for p in group["params"]):
             # no gradient at all: a trainer's skipped iteration (Lightning's training_step returning
             # None steps without a backward), no step -- its forwards' rows dropped, nothing counted
-            self._statistics.pending.clear()
-            self._statistics.forget_inputs()
+            self._statistics.discard()
             return
         if self._steps % WEIGHT_CHECK_EVERY == 0:  # before the step: the first check reads the initial weights
             self._weight_growth.check([(self._names.get(id(p), f"parameter {i}"), p)
@@ -1663,8 +1661,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         # on every step). .get: an empty entry would make the state look initialised
         self._steps = max((int(self.state.get(p, {}).get("step", 0)) for p in self._whitened_params()), default=0)
         # statistics gathered since the last step belong to a batch the load discards (a rollback)
-        self._statistics.pending.clear()
-        self._statistics.forget_inputs()
+        self._statistics.discard()
         self._capture.collecting = self._statistics_step()
         # the loaded counters were reported by the run that saved them: report what comes after
         self._reported.clear()

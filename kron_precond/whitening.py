@@ -324,6 +324,12 @@ class WhiteningStatistics:
         self.forget_products()
         self.observed_this_step = False
 
+    def discard(self) -> None:
+        """Drop what the iteration since the last step gathered (one whose step will not come:
+        abandoned, skipped, rolled back): every pending sum, and the inputs' products."""
+        self.pending.clear()
+        self.forget_inputs()
+
     def drop_pending(self, params: set[int]) -> None:
         """Drop the pending sums of the weights whose ``id`` is in ``params``."""
         for key in [key for key in self.pending if key[0] in params]:
