@@ -375,6 +375,11 @@ class PSGDFactors:
             optimizer computes float16 factors in float32, whose range float16's 65 504 lacks.
         merge_dims: view tensors of rank > 2 as the most square 2-D matrix
             (:func:`most_square_split`), transparently in :meth:`update` / :meth:`precondition`.
+        squeeze_dims: give dims of size 1 after the first two no factor (before ``merge_dims``),
+            so that a pointwise convolution ``[out, in, 1, 1]`` is preconditioned as its
+            ``nn.Linear`` twin ``[out, in]``. A size-1 factor is a scalar that only rescales
+            ``P``, and its fit takes its own step on that scale each update; the first two dims
+            keep theirs, as a Linear's ``[1, in]`` weight does.
         update_rule: ``'eq'`` (default): upper-triangular factors, ``dQ = E Q`` with
             triangular solves (the module docstring's formula); ``'procrustes'``: dense factors kept near SPD,
             Li's matmul-only ``dQ = Q^0.5 E Q^1.5`` rule (see the section comment above
@@ -389,11 +394,14 @@ class PSGDFactors:
                  min_ndim_triangular: int = 2, memory_save_mode: str | None = None,
                  init_scale: float | None = 1.0, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, merge_dims: bool = False,
-                 update_rule: str = "eq", compute_dtype: torch.dtype | None = None):
+                 update_rule: str = "eq", compute_dtype: torch.dtype | None = None,
+                 squeeze_dims: bool = False):
         check_update_rule(update_rule)
         self.update_rule = update_rule
         self.shape = tuple(int(n) for n in shape)
         work = self.shape or (1,)
+        if squeeze_dims:  # a conv's kernel dims of size 1: the first two dims always keep a factor
+            work = tuple(n for i, n in enumerate(work) if i < 2 or n != 1)
         if merge_dims and len(work) > 2:
             work = most_square_split(work)
         self.work_shape: tuple[int, ...] = tuple(work)

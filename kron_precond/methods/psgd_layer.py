@@ -541,7 +541,8 @@ class PSGDSpec(MethodSpec):
             seed=s["seed"], layer_index=index, max_size_triangular=s["max_size_triangular"],
             min_ndim_triangular=s["min_ndim_triangular"], memory_save_mode=s["memory_save_mode"],
             init_scale=s["precond_init_scale"], dtype=s["precond_dtype"], merge_dims=s["merge_dims"],
-            update_rule=s["precond_update"])
+            update_rule=s["precond_update"],
+            squeeze_dims=True)  # a pointwise convolution is preconditioned as its nn.Linear twin
 
     def make_schedule(self) -> ProbabilitySchedule:
         return ProbabilitySchedule(self.settings["preconditioner_update_probability"])
