@@ -157,7 +157,7 @@ def main(argv=None) -> None:
             lm_loss(model, inputs, targets).backward()
             blocks.mark()
             if precond is not None:
-                precond.step()
+                precond.step(lr=optimizer.param_groups[0]["lr"])  # kl_clip's lr, as train_step passes it
             blocks.mark()
             optimizer.step()
             blocks.mark()

@@ -450,12 +450,15 @@ def build_optimizer(
 def build_preconditioner(
     kind: str,
     model: nn.Module,
-    lr: float,
+    lr: float | None,
     config: PrecondConfig,
     grad_scaler: torch.amp.GradScaler | None = None,
 ) -> KronPreconditioner:
-    """``model``: the bare module (``unwrap`` a DDP model first). ``grad_scaler``: the AMP
-    scaler, whose scale K-FAC divides out of the output gradients its hooks capture."""
+    """``model``: the bare module (``unwrap`` a DDP model first). ``lr``: the learning rate
+    K-FAC's and EK-FAC's ``kl_clip`` reads, for a loop without a schedule; None for a loop that
+    passes the optimizer's current lr to ``step(lr=...)`` (:func:`train_step`), so that the clip
+    follows the schedule. ``grad_scaler``: the AMP scaler, whose scale K-FAC divides out of the
+    output gradients its hooks capture."""
     if grad_scaler is not None and not grad_scaler.is_enabled():
         grad_scaler = None
     if kind == "kfac":
@@ -472,7 +475,7 @@ def build_preconditioner(
             **({} if config.kfac_max_size is None else {"max_factor_size": config.kfac_max_size}),
             grafting=config.kfac_grafting,
             kl_clip=config.kl_clip,
-            lr=lr,  # only read by kl_clip
+            lr=lr,  # only read by kl_clip; None: the lr given to step()
             accumulation_steps=config.accumulation_steps,
             grad_scaler=grad_scaler,
         )
@@ -543,7 +546,8 @@ def build_method(
         optimizer = build_optimizer(spec.base, bare.parameters(), lr, weight_decay, config)
     precond = None
     if spec.precond:
-        precond = build_preconditioner(spec.precond, bare, lr, config, grad_scaler)
+        # lr None: kl_clip reads the scheduled lr train_step passes to step(), not the peak
+        precond = build_preconditioner(spec.precond, bare, None, config, grad_scaler)
     if config.precond_momentum:
         precond = _momentum_first(spec, optimizer, precond, config)
     return optimizer, precond
@@ -563,7 +567,7 @@ class MomentumFirst:
         self.buffers: dict[int, torch.Tensor] = {}
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, *, lr: float | torch.Tensor | None = None) -> None:
         for p in self.params:
             if p.grad is None:
                 continue
@@ -572,7 +576,7 @@ class MomentumFirst:
                 buf = self.buffers[id(p)] = torch.zeros_like(p.grad)
             buf.lerp_(p.grad, 1 - self.momentum)
             p.grad.lerp_(buf, self.momentum)
-        self.precond.step()
+        self.precond.step(lr=lr)
 
     def memory_usage(self) -> dict[str, int]:
         usage = dict(self.precond.memory_usage())
@@ -654,7 +658,9 @@ def train_step(
     # The preconditioner must see true gradients: unscale before it rewrites them.
     amp.scaler.unscale_(optimizer)
     if precond is not None:
-        precond.step()
+        # the optimizer's current lr, for kl_clip (param_groups[0] steps the preconditioned
+        # layers: the base optimizer's, or Muon's in an OptimizerChain)
+        precond.step(lr=optimizer.param_groups[0]["lr"])
     amp.scaler.step(optimizer)  # skipped by the scaler when unscale_ found inf/NaN
     amp.scaler.update()
     return total

@@ -348,7 +348,7 @@ def test_precond_momentum_feeds_the_nesterov_momentum_to_the_preconditioner():
         def __init__(self):
             self.seen = []
 
-        def step(self):
+        def step(self, lr=None):
             self.seen.append([p.grad.clone() for p in params])
 
     params = [p for g in chain.optimizers[0].param_groups for p in g["params"]]
@@ -374,6 +374,48 @@ def test_precond_momentum_feeds_the_nesterov_momentum_to_the_preconditioner():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="precond_momentum"):
         common.build_method("muon", model, 8e-3, 0.0, config)
+
+
+@pytest.mark.parametrize("method", ["kfac_muon", "ekfac"])
+def test_the_examples_kl_clip_reads_the_scheduled_lr_not_the_peak(method):
+    """The main job's loop (``train_step``) under a warm-up schedule: K-FAC's and EK-FAC's
+    ``kl_clip`` reads the optimizer's current lr, as the docs tell a user to pass it. The
+    reference is the same preconditioner given the schedule as a callable ``lr`` at
+    construction, stepped by hand; a clip fed the peak lr clips warm-up steps too hard."""
+    import copy
+
+    import torch
+
+    common = load("examples/kron_examples_common.py")
+    char_lm = load("examples/char_lm.py")
+    peak, factors = 1.6e-2, [0.05, 0.3, 0.7, 1.0]
+    config = common.PrecondConfig(skip_layers=char_lm.SKIP_LAYERS, kl_clip=1e-7,
+                                  factor_update_steps=1, inv_update_steps=2)
+    torch.manual_seed(0)
+    model = char_lm.CharTransformer(char_lm.ModelConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8))
+    twin = copy.deepcopy(model)
+    optimizer, precond = common.build_method(method, model, peak, 0.0, config)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: factors[min(step, len(factors) - 1)])
+    amp = common.AmpState.create(False, torch.device("cpu"))
+    base = method.removesuffix("_muon")
+    hand_optimizer, _ = common.build_method("muon" if method.endswith("_muon") else "adamw", twin, peak, 0.0, config)
+    hand_schedule = torch.optim.lr_scheduler.LambdaLR(hand_optimizer,
+                                                      lambda step: factors[min(step, len(factors) - 1)])
+    hand = common.build_preconditioner(base, twin, lambda step: peak * factors[min(step, len(factors) - 1)], config)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(len(factors)):
+        tokens = torch.randint(0, 256, (4, 9), generator=generator)
+        common.train_step(model, optimizer, precond, [(tokens[:, :-1], tokens[:, 1:])], char_lm.lm_loss, amp)
+        schedule.step()
+        hand_optimizer.zero_grad(set_to_none=True)
+        char_lm.lm_loss(twin, tokens[:, :-1], tokens[:, 1:]).backward()
+        hand.step()
+        hand_optimizer.step()
+        hand_schedule.step()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    precond.remove()
+    hand.remove()
 
 
 def test_whitened_muon_methods_take_muons_split_and_their_sweep_settings():
