@@ -657,10 +657,12 @@ def train_step(
         total += loss.item()
     # The preconditioner must see true gradients: unscale before it rewrites them.
     amp.scaler.unscale_(optimizer)
-    if precond is not None:
+    if isinstance(precond, (KronPreconditioner, MomentumFirst)):
         # the optimizer's current lr, for kl_clip (param_groups[0] steps the preconditioned
         # layers: the base optimizer's, or Muon's in an OptimizerChain)
         precond.step(lr=optimizer.param_groups[0]["lr"])
+    elif precond is not None:  # another library's (kfac-pytorch's step() takes no lr)
+        precond.step()
     amp.scaler.step(optimizer)  # skipped by the scaler when unscale_ found inf/NaN
     amp.scaler.update()
     return total

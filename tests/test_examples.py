@@ -418,6 +418,28 @@ def test_the_examples_kl_clip_reads_the_scheduled_lr_not_the_peak(method):
     hand.remove()
 
 
+def test_the_examples_loop_steps_a_foreign_preconditioner_without_an_lr():
+    """``train_step`` also steps preconditioners of other libraries (benchmarks/curvature_pays.py's
+    kfac-pytorch contender), whose ``step()`` takes no lr: they are called as they are."""
+    import torch
+
+    common = load("examples/kron_examples_common.py")
+
+    class NoArgumentStep:  # kfac-pytorch's KFACPreconditioner.step(self)
+        calls = 0
+
+        def step(self):
+            NoArgumentStep.calls += 1
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp = common.AmpState.create(False, torch.device("cpu"))
+    batch = (torch.randn(4, 3), torch.randn(4, 2))
+    common.train_step(model, optimizer, NoArgumentStep(), [batch],
+                      lambda net, x, y: torch.nn.functional.mse_loss(net(x), y), amp)
+    assert NoArgumentStep.calls == 1
+
+
 def test_whitened_muon_methods_take_muons_split_and_their_sweep_settings():
     """``wmuon`` / ``wmuon_pre``: one WhitenedMuon (or its pre-only control) built from the model
     whitens exactly Muon's hidden weights and steps the rest with AdamW; ``we=``, ``wdamp=``,

@@ -93,21 +93,75 @@ def test_only_size_one_dims_after_the_first_two_lose_their_factor():
     assert PSGDFactors((3, 4, 1, 1), squeeze_dims=True, merge_dims=True).work_shape == (3, 4)
 
 
-def test_a_state_with_a_factor_per_size_one_dim_is_refused_and_changes_nothing():
-    """A state saved with a scalar factor for each size-1 kernel dim (the layout before size-1
-    dims were given none) does not fit and is refused at load, the preconditioner unchanged."""
+def _conv_preconditioner(probability: float, update: str = "eq") -> tuple[nn.Module, KronPreconditioner]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 3, 1, bias=False)).to(F64)
+    return model, KronPreconditioner(model, method="psgd", preconditioner_update_probability=probability,
+                                     precond_dtype=F64, precond_update=update)
+
+
+def _old_layout_state(update: str) -> tuple[dict, torch.Tensor, torch.Tensor, float]:
+    """A trained state in the layout files hold (a factor per dim: the two kernel dims' scalar
+    factors set to 1.5 and 0.8, as a run that fitted them left them), with its ``Q_out``,
+    ``Q_in`` and the scalars' product."""
+    model, precond = _conv_preconditioner(1.0, update)
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        model.zero_grad()
+        model(torch.randn(6, 4, 1, 1, generator=generator, dtype=F64)).square().sum().backward()
+        precond.step()
+    state = precond.state_dict()
+    entry = next(iter(state["layers"].values()))["factors"]["weight"]
+    assert [tuple(q.shape) for q in entry["q"]] == [(3, 3), (4, 4), (1,), (1,)]
+    entry["q"][2] = torch.tensor([1.5], dtype=F64)
+    entry["q"][3] = torch.tensor([0.8], dtype=F64)
+    precond.remove()
+    return state, entry["q"][0].clone(), entry["q"][1].clone(), 1.5 * 0.8
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("update", ["eq", "procrustes"])
+@pytest.mark.parametrize("route", ["load_state_dict", "dcp"])
+def test_a_state_with_a_scalar_factor_per_size_one_dim_loads_as_the_preconditioner_it_holds(
+        tmp_path, route, update):
+    """Files keep one factor per dim (kron_torch's layout, and the one written before the kernel
+    dims lost theirs). Loaded through ``load_state_dict`` or a DCP template, such a state
+    preconditions with the ``P`` it holds: reference ``(s₂s₃)² Q_outᵀQ_out G Q_inᵀQ_in`` in
+    float64, then the RMS clip at 1.1, the factors not updated on that step."""
+    state, q_out, q_in, scalars = _old_layout_state(update)
+    model, precond = _conv_preconditioner(0.0, update)
+    if route == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"precond": state}, checkpoint_id=tmp_path / "old", no_dist=True)
+        template = precond.state_dict()  # written in the file layout: the same entries
+        dcp.load({"precond": template}, checkpoint_id=tmp_path / "old", no_dist=True)
+        state = template
+    precond.load_state_dict(state)
+    model(torch.randn(6, 4, 1, 1, dtype=F64)).square().sum().backward()
+    g = model[0].weight.grad.reshape(3, 4).clone()
+    precond.step()
+    want = scalars ** 2 * (q_out.T @ q_out) @ g @ (q_in.T @ q_in)
+    want = want * min(1.0, 1.1 / float(want.norm() / want.numel() ** 0.5))
+    # the clip's RMS is read in float32
+    torch.testing.assert_close(model[0].weight.grad.reshape(3, 4), want, rtol=1e-7, atol=1e-12)
+    # saved again: the file layout, a scalar factor of 1 per kernel dim (the fold is exact)
+    entry = next(iter(precond.state_dict()["layers"].values()))["factors"]["weight"]
+    assert [tuple(q.shape) for q in entry["q"]] == [(3, 3), (4, 4), (1,), (1,)]
+    assert entry["q"][2].item() == entry["q"][3].item() == 1.0
+    precond.remove()
+
+
+def test_a_state_whose_factors_do_not_fit_is_refused_and_changes_nothing():
     from state_compare import assert_same
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(4, 3, 1))
-    precond = KronPreconditioner(model, method="psgd", preconditioner_update_probability=1.0)
-    model(torch.randn(2, 4, 1, 1)).square().sum().backward()
+    model, precond = _conv_preconditioner(1.0)
+    model(torch.randn(2, 4, 1, 1, dtype=F64)).square().sum().backward()
     precond.step()
     before = precond.state_dict()
-    old = precond.state_dict()
-    layer = next(iter(old["layers"].values()))
-    layer["factors"]["weight"]["q"] += [torch.ones(1), torch.ones(1)]
-    with pytest.raises(ValueError, match=r"expected 2 tensors of shapes \[\(3, 3\), \(4, 4\)\], got 4"):
-        precond.load_state_dict(old)
+    bad = precond.state_dict()
+    next(iter(bad["layers"].values()))["factors"]["weight"]["q"].pop()  # three entries for four dims
+    with pytest.raises(ValueError, match=r"expected 4 tensors of shapes \[\(3, 3\), \(4, 4\), \(1,\), \(1,\)\], got 3"):
+        precond.load_state_dict(bad)
     assert_same(precond.state_dict(), before)
     precond.remove()

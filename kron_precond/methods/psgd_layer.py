@@ -20,9 +20,15 @@ the transposed gradient (the diagonal side under ``memory_save_mode`` included),
 transposed back. Its state is saved in the stored layout, as versions before did (the factors in
 the stored dims' order, the fitted average ``[in, out]``), so a checkpoint's format does not
 depend on the version (``torch.save`` and ``torch.distributed.checkpoint`` alike).
+
+A weight's dims of size 1 after the first two (a pointwise convolution's kernel) get no factor,
+so it is preconditioned as its ``nn.Linear`` twin. Files still hold one factor per dim, a scalar
+``1`` at such a dim; a load folds a saved scalar into the first factor (exact), so states written
+with a fitted scalar there (kron_torch's layout) load as the preconditioner they hold.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Hashable, Mapping, Sequence
 
 import torch
@@ -292,8 +298,9 @@ class PSGDLayer(LayerMethod):
         return self._swap_layout({
             # the factors, their initialised flag and, for the Procrustes-style fit, its running
             # Lipschitz estimates (without them a resumed run takes other steps)
-            "factors": {part: {key: [t.clone() for t in value] if isinstance(value, list) else value
-                               for key, value in self.factor(part).state_dict().items()}
+            "factors": {part: self._with_skipped_dims(part, {
+                key: [t.clone() for t in value] if isinstance(value, list) else value
+                for key, value in self.factor(part).state_dict().items()})
                         for part in self.parts},
             "momentum": None if self._averages is None else
             {k: v.held_momentum().clone() for k, v in self._averages.items()},
@@ -302,6 +309,50 @@ class PSGDLayer(LayerMethod):
             # decides whether Q_iᵀQ_i is formed: saved so that a resumed run is bitwise the same
             "uses_per_update": {part: self.tensor(part).uses_per_update for part in self.parts},
         }, copy=True)
+
+    def _skipped_dims(self, part: str) -> list[int]:
+        """Positions of the size-1 dims that get no factor (``squeeze_dims``) in a file's
+        per-dimension lists, which keep one entry per dim: kron_torch's layout, and that of the
+        states written before those dims lost their factor. There a file holds a ``ones(1)``
+        factor, which a load folds into the first factor (exact: it only scales ``P``), so that
+        such a state loads, through ``torch.load`` and through a DCP template alike. Merged dims
+        (``merge_dims``) have the same 2-D layout with or without the size-1 dims."""
+        shape = self.shapes[part]
+        if self._settings.get("merge_dims") and len(shape) > 2:
+            return []
+        return [i for i, n in enumerate(shape) if i >= 2 and n == 1]
+
+    def _with_skipped_dims(self, part: str, entry: dict[str, Any]) -> dict[str, Any]:
+        """A factor entry in the file layout: a ``ones(1)`` factor (and a zero Lipschitz
+        estimate) at each skipped dim."""
+        skipped = self._skipped_dims(part)
+        if not skipped:
+            return entry
+        entry = dict(entry)
+        for key, fill in (("q", torch.ones), ("lipschitz", lambda *_, **kw: torch.zeros((), **kw))):
+            if isinstance(entry.get(key), list) and entry[key]:
+                values = list(entry[key])
+                like = values[0]
+                for i in skipped:
+                    values.insert(i, fill(1, dtype=like.dtype, device=like.device))
+                entry[key] = values
+        return entry
+
+    def _without_skipped_dims(self, part: str, entry: Mapping[str, Any]) -> dict[str, Any]:
+        """A checked factor entry in this layer's layout: the skipped dims' scalar factors
+        multiplied into the first factor, their Lipschitz estimates dropped."""
+        skipped = self._skipped_dims(part)
+        entry = dict(entry)
+        if not skipped:
+            return entry
+        qs = list(entry["q"])
+        scale = math.prod(float(qs[i].reshape(())) for i in skipped)
+        kept = [q for i, q in enumerate(qs) if i not in skipped]
+        kept[0] = kept[0] * scale
+        entry["q"] = kept
+        if isinstance(entry.get("lipschitz"), (list, tuple)) and entry["lipschitz"]:
+            entry["lipschitz"] = [v for i, v in enumerate(entry["lipschitz"]) if i not in skipped]
+        return entry
 
     def _swap_layout(self, state: Any, copy: bool = False) -> Any:
         """``state`` with the entries of the parts stored ``[in, out]`` swapped between the stored
@@ -345,12 +396,16 @@ class PSGDLayer(LayerMethod):
         for part in self.parts:
             probe = PSGDFactors(self.shapes[part], device="meta", **self._settings)
             expected = [tuple(q.shape) for q in probe.tensors()]
+            skipped = self._skipped_dims(part)
+            for i in skipped:  # the file layout: a scalar factor per skipped dim
+                expected.insert(i, (1,))
             saved = factors[part]
             self._check_structure(part, saved, expected)
             checks.tensor_list(checks.entry(saved, "q", f"{where}.{part}"), expected, f"{where}.{part}: q")
             checks.boolean(checks.entry(saved, "initialized", f"{where}.{part}"), f"{where}.{part}: initialized")
             if "lipschitz" in saved and probe.lipschitz:  # Procrustes-style fit (older files lack it)
-                checks.tensor_list(saved["lipschitz"], [()] * len(probe.lipschitz), f"{where}.{part}: lipschitz")
+                checks.tensor_list(saved["lipschitz"], [()] * (len(probe.lipschitz) + len(skipped)),
+                                   f"{where}.{part}: lipschitz")
             if not probe.lipschitz:  # the eq rule: triangular solves read the upper triangle alone
                 if saved.get("lipschitz"):
                     raise ValueError(f"{where}.{part}: saved with precond_update='procrustes' (dense factors); "
@@ -409,7 +464,7 @@ class PSGDLayer(LayerMethod):
         self._check_state(state)
         uses = self._checked_uses(state)
         for part in self.parts:
-            self.factor(part).load_state_dict(state["factors"][part])
+            self.factor(part).load_state_dict(self._without_skipped_dims(part, state["factors"][part]))
             self.tensor(part).uses_per_update = uses[part]
             self.tensor(part).invalidate()
         if self._averages is not None and state.get("momentum") is not None:
