@@ -269,13 +269,48 @@ def wmuon_settings(precond: PrecondConfig) -> dict:
     return {f: v for f, v in asdict(precond).items() if f.startswith("wmuon_")}
 
 
+def stored_wmuon(settings: dict | None) -> dict:
+    """A record's WhitenedMuon settings with the fields it lacks at their values when it was
+    written: a record without settings predates the "auto" output side (it ran without one),
+    a field added later (output damping, Newton-Schulz dtype, fused q/k/v) its default."""
+    if settings is None:
+        return {**wmuon_settings(PrecondConfig()), "wmuon_both_sides": False}
+    return {**wmuon_settings(PrecondConfig()), **settings}
+
+
 def same_step_cost(a: dict | None, b: dict | None) -> bool:
     """Whether two records' WhitenedMuon settings give a step of the same cost (a record
-    without them is taken to hold the examples' defaults)."""
-    # records without settings predate the "auto" output side: they ran without one
-    base = {**wmuon_settings(PrecondConfig()), "wmuon_both_sides": False}
-    a, b = {**base, **(a or {})}, {**base, **(b or {})}
-    return all(a[f] == b[f] for f in base if f not in COST_NEUTRAL)
+    without them is taken to hold the examples' defaults, without the output side)."""
+    a, b = stored_wmuon(a), stored_wmuon(b)
+    return all(a[f] == b[f] for f in a if f not in COST_NEUTRAL)
+
+
+# the train fields train_part sets per record, whatever the flags say
+PER_RECORD_TRAIN = ("steps", "seed", "warmup_steps", "eval_every", "stop_after")
+
+
+def _as_stored(value):
+    """``value`` as a record holds it (tuples as lists, non-finite floats as None)."""
+    return json.loads(json.dumps(_json_safe(value)))
+
+
+def record_mismatches(record: dict, model, train, precond: PrecondConfig) -> list[str]:
+    """The settings in which a stored ``record`` differs from ``model``, ``train`` (but for
+    ``PER_RECORD_TRAIN``) and ``precond``'s WhitenedMuon settings, as ``"model d_model: stored
+    64, asked 48"``. A field the record lacks (written before it was kept) is taken at its value
+    then: the dataclasses' defaults, and ``stored_wmuon``'s rule for WhitenedMuon."""
+    asked = {"model": asdict(model), "train": asdict(train), "wmuon": wmuon_settings(precond)}
+    stored = {"model": {**asdict(type(model)()), **record.get("model", {})},
+              "train": {**asdict(type(train)()), **record.get("train", {})},
+              "wmuon": stored_wmuon(record.get("wmuon"))}
+    differing = []
+    for part, fields in _as_stored(asked).items():
+        for field, value in fields.items():
+            if part == "train" and field in PER_RECORD_TRAIN:
+                continue
+            if _as_stored(stored[part].get(field)) != value:
+                differing.append(f"{part} {field}: stored {stored[part].get(field)!r}, asked {value!r}")
+    return differing
 
 
 def budget_steps(args, budget: float) -> int:
@@ -287,15 +322,29 @@ def train_part(args, seed: int, budget: float, part: str,
     """Train ``points`` (method, momentum, lr), then the ``extra`` contenders, interleaved at
     ``budget`` and save them."""
     path = record_path(args.out, seed, budget, part)
+    model, base_train, precond = configs_from_args(args)
     if path.exists():
-        stored = json.loads(path.read_text())["runs"]
+        record = json.loads(path.read_text())
+        differing = record_mismatches(record, model, base_train, precond)
+        if "steps" in record and record["steps"] != budget_steps(args, budget):
+            differing.append(f"steps: stored {record['steps']}, asked {budget_steps(args, budget)}")
+        refused = [d for d in differing if not d.startswith("wmuon ")]
+        if refused:  # another command's record (another model, batch or length)
+            raise ValueError(f"{path} was written with other settings than asked for: {'; '.join(refused)}; "
+                             f"use another --out or move the record away")
+        if differing:
+            # WhitenedMuon's settings: the committed records were written under earlier defaults
+            # (an output side, centring, fused q/k/v) that their commands do not spell out, and a
+            # benchmark's variants set their own; said, not refused, so those tables still rebuild
+            print(f"note: {path.name} was trained with other WhitenedMuon settings than this command's "
+                  f"({'; '.join(differing)}); its runs are used as they were trained", file=sys.stderr, flush=True)
+        stored = record["runs"]
         missing = [p for p in points if not any(_point(r)[0] == p[0] and _same_momentum(_point(r)[1], p[1])
                                                  and _close(_point(r)[2], p[2]) for r in stored)]
         if missing:  # another command's record (another tuned point): not the runs asked for
             raise ValueError(f"{path} holds other runs than the points asked for {missing} (method, momentum, "
                              f"lr); move it away to train them")
         return stored
-    model, base_train, precond = configs_from_args(args)
     steps = budget_steps(args, budget)
     train = replace(base_train, steps=steps, seed=seed, warmup_steps=max(1, round(WARMUP_FRACTION * steps)),
                     eval_every=max(1, steps // EVALS_PER_RUN), stop_after=0)
@@ -524,6 +573,26 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+# add_training_args' flags (shared with examples/char_lm.py) that this benchmark sets itself or
+# never reads: given another value than their default, a usage error says why
+_PER_BUDGET = "set per budget by this benchmark"
+_UNUSED = "read only by methods this benchmark never runs (it runs Muon, NorMuon, AdamW and WhitenedMuon)"
+IGNORED_FLAGS = {
+    "--stop-after": ("stop_after", "every run spans its budget's full schedule"),
+    "--eval-every": ("eval_every", f"{_PER_BUDGET}: {EVALS_PER_RUN} evaluations per run"),
+    "--warmup-steps": ("warmup_steps", f"{_PER_BUDGET}: {WARMUP_FRACTION:.0%} of its steps"),
+    "--seed": ("seed", "the runs' seeds are --seeds"),
+    **{flag: (flag[2:].replace("-", "_"), f"K-FAC: {_UNUSED}")
+       for flag in ("--damping", "--factor-update-steps", "--inv-update-steps", "--kfac-compute-method",
+                    "--kfac-statistics-rows", "--kl-clip")},
+    **{flag: (flag[2:].replace("-", "_"), f"PSGD: {_UNUSED}")
+       for flag in ("--psgd-update-prob", "--psgd-precond-update-prob", "--psgd-init-scale", "--psgd-update")},
+    **{flag: (flag[2:].replace("-", "_"), f"input-side K-FAC: {_UNUSED}")
+       for flag in ("--ikfac-every", "--ikfac-damping", "--ikfac-decay", "--ikfac-rows")},
+    "--moment-decay": ("moment_decay", f"the second moment (muon2, ikfac_muon2): {_UNUSED}"),
+}
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -551,9 +620,35 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # steps of 4096 tokens), i.e. Muon's regime, small enough for one shared CPU thread.
     p.set_defaults(d_model=64, batch_size=32, steps=350, eval_seqs=256, corpus_mb=4.0)
     args = p.parse_args(argv)
+    defaults = p.parse_args([])  # each flag's default as parsed (a PSGD schedule compares by its repr)
+    ignored = [f"{flag} {getattr(args, dest)!r} ({why})" for flag, (dest, why) in IGNORED_FLAGS.items()
+               if getattr(args, dest) != getattr(defaults, dest)
+               and repr(getattr(args, dest)) != repr(getattr(defaults, dest))]
+    if ignored:
+        p.error(f"flags without effect in this benchmark: {'; '.join(ignored)}")
+    for flag, values in (("--seeds", args.seeds), ("--budgets", args.budgets), ("--lrs", args.lrs),
+                         ("--momenta", args.momenta)):
+        if not values:
+            p.error(f"{flag} must name at least one value, got none")
+    if len(set(args.seeds)) < len(args.seeds):
+        p.error(f"--seeds must be distinct, got {args.seeds}")
+    if any(lr <= 0 for lr in args.lrs):
+        p.error(f"--lrs must be > 0, got {args.lrs}")
+    if any(not 0 <= m < 1 for m in args.momenta):
+        p.error(f"--momenta must lie in [0, 1), got {args.momenta}")
+    if any(b <= 0 for b in args.budgets) or len(set(args.budgets)) < len(args.budgets):
+        p.error(f"--budgets must be distinct and > 0, got {args.budgets}")
     if 1.0 not in args.budgets or len(args.budgets) < 2:
         p.error("--budgets must hold 1 and at least one more")
     args.budgets = sorted(args.budgets)
+    if args.steps <= 0:
+        p.error(f"--steps must be > 0, got {args.steps}")
+    steps = [budget_steps(args, b) for b in args.budgets]
+    if steps[0] < 1 or len(set(steps)) < len(steps):
+        p.error(f"--budgets {args.budgets} give {steps} steps at --steps {args.steps}: each budget needs "
+                f"steps of its own (at least one)")
+    if args.max_extend < 0:
+        p.error(f"--max-extend must be >= 0, got {args.max_extend}")
     unknown = [b for b in args.baselines if b not in BASELINES]
     if unknown or not args.baselines:
         p.error(f"--baselines must name some of {BASELINES}, got {args.baselines}")

@@ -433,16 +433,22 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def results_table(results: Sequence[RunResult], reference: RunResult, target: float,
                   muon: RunResult | None = None) -> str:
-    """One row per run against ``reference`` (AdamW) and the held-out ``target`` loss; with
-    ``muon``, also the wall-clock to the target relative to that Muon run."""
+    """One row per run against ``reference`` (AdamW; the columns name another reference's
+    run) and the held-out ``target`` loss; with ``muon``, also the wall-clock to the target
+    relative to that Muon run. A ratio to a time of 0 (a target reached at step 0) is "-"."""
     def seconds_to_target(run: RunResult | None) -> float:
         reach = run.first_reaching(target) if run is not None else None
         return reach[1] if reach else float("nan")
 
+    def ratio(value: float, base: float) -> str:  # "-" where the base is 0 (reached at step 0) or unknown
+        return f"{value / base:.2f}" if base > 0 and math.isfinite(base) else "-"
+
     ref_seconds, muon_seconds = seconds_to_target(reference), seconds_to_target(muon)
-    headers = ["run", "lr", "final loss", "steps to target", "s to target", "x AdamW time",
+    # the columns name the reference run's family: AdamW's in the main job, the first run without it
+    label = "AdamW" if reference.name.split()[0] == "adamw" else reference.name
+    headers = ["run", "lr", "final loss", "steps to target", "s to target", f"x {label} time",
                *(["x Muon time"] if muon is not None else []),
-               "ms/step", "x AdamW step", "optimizer state", "precond state"]
+               "ms/step", f"x {label} step", "optimizer state", "precond state"]
     rows = []
     for r in results:
         reach = r.first_reaching(target)
@@ -452,10 +458,10 @@ def results_table(results: Sequence[RunResult], reference: RunResult, target: fl
             f"{r.final_loss:.4f}",
             f"{reach[0]:.1f}" if reach else "not reached",
             f"{reach[1]:.1f}" if reach else "-",
-            f"{reach[1] / ref_seconds:.2f}" if reach else "-",
-            *([f"{reach[1] / muon_seconds:.2f}" if reach else "-"] if muon is not None else []),
+            ratio(reach[1], ref_seconds) if reach else "-",
+            *([ratio(reach[1], muon_seconds) if reach else "-"] if muon is not None else []),
             f"{1000 * r.mean_step_seconds:.1f}",
-            f"{r.mean_step_seconds / reference.mean_step_seconds:.2f}",
+            ratio(r.mean_step_seconds, reference.mean_step_seconds),
             f"{r.state_bytes['optimizer']:,} B",
             f"{r.state_bytes['preconditioner']:,} B",
         ])
@@ -552,16 +558,29 @@ def _psgd_init_scale(value: str) -> float | None:
     return None if value == "auto" else float(value)
 
 
+def _count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum``."""
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {number}")
+        return number
+    return parse
+
+
 def add_training_args(p: argparse.ArgumentParser) -> None:
     """Model, data, schedule and preconditioner flags (shared with benchmarks/convergence.py)."""
-    p.add_argument("--steps", type=int, default=TrainConfig.steps, help="optimizer steps per method")
-    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size,
+    p.add_argument("--steps", type=_count(1), default=TrainConfig.steps, help="optimizer steps per method")
+    p.add_argument("--batch-size", type=_count(1), default=TrainConfig.batch_size,
                    help="sequences per optimizer step, summed over ranks and micro-batches")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--seq-len", type=int, default=ModelConfig.seq_len, help="tokens (bytes) per sequence")
-    p.add_argument("--d-model", type=int, default=ModelConfig.d_model, help="transformer width")
-    p.add_argument("--n-layers", type=int, default=ModelConfig.n_layers, help="transformer blocks")
-    p.add_argument("--n-heads", type=int, default=ModelConfig.n_heads, help="attention heads")
+    p.add_argument("--grad-accum", type=_count(1), default=1, help="micro-batches per optimizer step")
+    p.add_argument("--seq-len", type=_count(2), default=ModelConfig.seq_len, help="tokens (bytes) per sequence")
+    p.add_argument("--d-model", type=_count(1), default=ModelConfig.d_model, help="transformer width")
+    p.add_argument("--n-layers", type=_count(1), default=ModelConfig.n_layers, help="transformer blocks")
+    p.add_argument("--n-heads", type=_count(1), default=ModelConfig.n_heads, help="attention heads")
     p.add_argument("--tie-embeddings", action="store_true", help="share token embedding and lm_head weights")
     p.add_argument("--arch", choices=ARCHS, default=ModelConfig.arch,
                    help="gpt: the byte-level GPT (LayerNorm, learned positions, GELU); llama: a Llama-style "
@@ -573,7 +592,7 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                         "half the source, its second half the target (cross-attention); "
                         "qwen2: the llama model as Qwen2 builds it (biased query, key and value projections)")
     p.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay, help="decoupled weight decay")
-    p.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps, help="linear LR warm-up steps")
+    p.add_argument("--warmup-steps", type=_count(0), default=TrainConfig.warmup_steps, help="linear LR warm-up steps")
     p.add_argument("--damping", type=float, default=PrecondConfig.damping, help="K-FAC damping")
     p.add_argument("--factor-update-steps", type=int, default=PrecondConfig.factor_update_steps,
                    help="K-FAC: steps between factor updates")
@@ -637,19 +656,22 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wmuon-fused-qkv", choices=("auto", "whole"), default="auto",
                    help="WhitenedMuon: fused_qkv None (a fused query/key/value projection of a known layout, "
                         "GPT-2's c_attn, stepped as three matrices) or 'whole' (False: orthogonalised as one matrix)")
-    p.add_argument("--stop-after", type=int, default=0,
+    p.add_argument("--stop-after", type=_count(0), default=0,
                    help="stop after this many steps while the LR schedule still spans --steps "
                         "(time-to-a-fixed---target checks; 'final loss' is then the loss there)")
-    p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every, help="steps between held-out evaluations")
-    p.add_argument("--eval-seqs", type=int, default=TrainConfig.eval_seqs, help="held-out sequences per evaluation")
-    p.add_argument("--corpus-mb", type=float, default=TrainConfig.corpus_mb, help="MiB of stdlib source to use")
+    p.add_argument("--eval-every", type=_count(1), default=TrainConfig.eval_every,
+                   help="steps between held-out evaluations")
+    p.add_argument("--eval-seqs", type=_count(1), default=TrainConfig.eval_seqs,
+                   help="held-out sequences per evaluation")
+    p.add_argument("--corpus-mb", type=float, default=TrainConfig.corpus_mb,
+                   help="MiB of stdlib source to use")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the data order")
     p.add_argument("--amp", action="store_true",
                    help="autocast (float16 + GradScaler on CUDA, bfloat16 on CPU; --amp-dtype picks)")
     p.add_argument("--amp-dtype", choices=("auto", "float16", "bfloat16"), default="auto",
                    help="autocast dtype with --amp (float16 runs a GradScaler)")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads per process (0: torch's default)")
+    p.add_argument("--threads", type=_count(0), default=0, help="torch CPU threads per process (0: torch's default)")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -713,12 +735,12 @@ def report(results: Sequence[RunResult], model: ModelConfig, train: TrainConfig,
     target = reference.final_loss
     print(f"\nheld-out target = final loss of {reference.name}: {target:.4f} nats/byte")
     muon = next((r for r in results if r.name == "muon"), None)
-    print(results_table(results, reference, target, muon))
     out.mkdir(parents=True, exist_ok=True)
-    plot_curves(results, target, out / "char_lm.png", title)
-    with open(out / "results.json", "w") as f:
+    with open(out / "results.json", "w") as f:  # first: the runs are kept whatever the table meets
         json.dump({"model": asdict(model), "train": asdict(train), "world_size": ctx.world_size,
                    "runs": [asdict(r) for r in results]}, f)
+    print(results_table(results, reference, target, muon))
+    plot_curves(results, target, out / "char_lm.png", title)
     print(f"saved {out / 'char_lm.png'} and {out / 'results.json'}")
 
 
@@ -730,12 +752,28 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SystemExit(f"unknown --methods {unknown}; choose from {list(METHODS)}")
+    repeated = sorted({m for m in methods if methods.count(m) > 1})
+    if repeated:
+        raise SystemExit(f"--methods lists {repeated} more than once")
+    if not args.corpus_mb > 0:
+        raise SystemExit(f"--corpus-mb must be positive, got {args.corpus_mb}")
+    if args.stop_after > args.steps:
+        raise SystemExit(f"--stop-after {args.stop_after} is past --steps {args.steps}")
+    if args.device != "auto":
+        try:
+            torch.device(args.device)
+        except RuntimeError:
+            raise SystemExit(f"--device {args.device!r} is not a torch device (auto, cpu, cuda, cuda:1, ...)") from None
     ctx = init_distributed(args.device)
     model_config, train, precond = configs_from_args(args)
     lrs = {m: getattr(args, f"lr_{m}") for m in methods}
     contenders = [method_contender(m, lrs[m], train.weight_decay, precond) for m in methods]
-    if ctx.is_main:
+    try:  # the settings' own refusals (the batch split, the model's shape) as command-line errors
+        _check_batch_split(train, ctx)
         n_params = sum(p.numel() for p in build_model(model_config).parameters())
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    if ctx.is_main:
         tokens = train.batch_size * model_config.seq_len
         print(f"{n_params:,} parameters, {tokens} tokens/step, {train.steps} steps, "
               f"world size {ctx.world_size}, device {ctx.device}, {torch.get_num_threads()} threads")

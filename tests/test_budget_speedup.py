@@ -376,7 +376,122 @@ def test_a_stored_record_without_the_points_asked_for_is_refused(tmp_path):
     """``train_part`` reuses a stored record only if it holds every point asked for: a record of
     other points (a rerun at another tuned lr) would otherwise be taken as the asked one."""
     args = bs.parse_args(["--out", str(tmp_path)])
-    _write(tmp_path, 3, 1.0, "chosen", [_run("muon{mom=0.9} lr=0.0226", 0.0226, 1.0, 1.0)])
+    _write(tmp_path, 3, 1.0, "chosen", [_run("muon{mom=0.9} lr=0.0226", 0.0226, 1.0, 1.0)],
+           **_settings(["--out", str(tmp_path)]))
     assert bs.train_part(args, 3, 1.0, "chosen", [("muon", 0.9, 0.0226)])[0]["lr"] == 0.0226
     with pytest.raises(ValueError, match=r"s3_b1_chosen\.json.*0\.032"):
         bs.train_part(args, 3, 1.0, "chosen", [("muon", 0.9, 0.032)])
+
+
+def _settings(argv: list[str]) -> dict:
+    """The ``model``, ``train`` and ``wmuon`` a record of the command ``argv`` holds (as train_part
+    writes them: its per-record fields set for budget 1x, seed 0)."""
+    args = bs.parse_args(argv)
+    model, train, precond = bs.configs_from_args(args)
+    train = bs.replace(train, steps=7, seed=5, warmup_steps=3, eval_every=2, stop_after=0)
+    return json.loads(json.dumps({"model": bs.asdict(model), "train": bs.asdict(train),
+                                  "wmuon": bs.wmuon_settings(precond), "steps": bs.budget_steps(args, 1.0)}))
+
+
+RUN = [_run("muon{mom=0.9} lr=0.016", 0.016, 1.0, 1.0)]
+
+
+@pytest.mark.parametrize("flags, fields", [
+    (["--d-model", "48"], ["model d_model: stored 64, asked 48"]),
+    (["--arch", "llama", "--n-heads", "2"], ["model n_heads: stored 4, asked 2",
+                                             "model arch: stored 'gpt', asked 'llama'"]),
+    (["--batch-size", "16", "--corpus-mb", "2"], ["train batch_size: stored 32, asked 16",
+                                                  "train corpus_mb: stored 4.0, asked 2.0"]),
+    (["--steps", "40"], ["steps: stored 350, asked 40"]),
+])
+def test_a_stored_record_of_another_model_batch_or_length_is_refused(tmp_path, flags, fields):
+    """A rerun into the same --out with another model, batch or number of steps must not take
+    the stored record (of the same points) as its own: it names the record and each field."""
+    out = ["--out", str(tmp_path)]
+    _write(tmp_path, 0, 1.0, "grid", RUN, **_settings(out))
+    with pytest.raises(ValueError) as error:
+        bs.train_part(bs.parse_args([*out, *flags]), 0, 1.0, "grid", [("muon", 0.9, 0.016)])
+    message = str(error.value)
+    assert "s0_b1_grid.json" in message and "another --out" in message
+    for field in fields:
+        assert field in message, message
+    # the fields train_part sets per record (seed, warm-up, evaluations) are not compared
+    assert bs.train_part(bs.parse_args(out), 0, 1.0, "grid", [("muon", 0.9, 0.016)]) == RUN
+
+
+@pytest.mark.parametrize("flags, fields", [
+    (["--wmuon-damping", "10"], ["wmuon wmuon_damping: stored 0.1, asked 10.0"]),
+    (["--wmuon-output-side", "none"], ["wmuon wmuon_both_sides: stored 'auto', asked False"]),
+])
+def test_a_stored_record_of_other_whitened_muon_settings_is_used_and_said(tmp_path, capsys, flags, fields):
+    """WhitenedMuon's settings: the committed records were written under earlier defaults their
+    commands do not spell out, so a record of other settings is used as trained, and a note on
+    stderr names the record and each field."""
+    out = ["--out", str(tmp_path)]
+    _write(tmp_path, 0, 1.0, "grid", RUN, **_settings(out))
+    assert bs.train_part(bs.parse_args([*out, *flags]), 0, 1.0, "grid", [("muon", 0.9, 0.016)]) == RUN
+    note = capsys.readouterr().err
+    assert "s0_b1_grid.json" in note and "used as they were trained" in note
+    for field in fields:
+        assert field in note, note
+    assert bs.train_part(bs.parse_args(out), 0, 1.0, "grid", [("muon", 0.9, 0.016)]) == RUN
+    assert capsys.readouterr().err == ""
+
+
+def test_a_record_of_an_older_version_is_read_with_the_settings_of_its_time(tmp_path, capsys):
+    """Records written before a field was kept: a model without ``arch`` (the GPT), a train
+    without ``amp_dtype`` ("auto"), WhitenedMuon settings without the later fields (their
+    defaults) or none at all (before the "auto" output side: none, as same_step_cost reads them)."""
+    settings = _settings(["--wmuon-output-side", "none"])
+    del settings["model"]["arch"], settings["train"]["amp_dtype"]
+    for field in ("wmuon_output_damping", "wmuon_ns_dtype", "wmuon_fused_qkv"):
+        del settings["wmuon"][field]
+    _write(tmp_path / "kept", 0, 1.0, "grid", RUN, **settings)
+    del settings["wmuon"]
+    _write(tmp_path / "none", 0, 1.0, "grid", RUN, **settings)
+    for folder in ("kept", "none"):
+        out = ["--out", str(tmp_path / folder)]
+        args = bs.parse_args([*out, "--wmuon-output-side", "none"])
+        assert bs.train_part(args, 0, 1.0, "grid", [("muon", 0.9, 0.016)]) == RUN
+        assert capsys.readouterr().err == ""
+        bs.train_part(bs.parse_args(out), 0, 1.0, "grid", [("muon", 0.9, 0.016)])
+        assert "wmuon_both_sides: stored False, asked 'auto'" in capsys.readouterr().err
+
+
+IGNORED = [("--stop-after", "5"), ("--eval-every", "3"), ("--warmup-steps", "2"), ("--seed", "1"),
+           ("--damping", "0.01"), ("--factor-update-steps", "3"), ("--inv-update-steps", "3"),
+           ("--kfac-compute-method", "inverse"), ("--kfac-statistics-rows", "64"), ("--kl-clip", "0.01"),
+           ("--psgd-update-prob", "0.5"), ("--psgd-precond-update-prob", "0.5"), ("--psgd-init-scale", "1.0"),
+           ("--psgd-update", "procrustes"), ("--ikfac-every", "3"), ("--ikfac-damping", "0.3"),
+           ("--ikfac-decay", "0.5"), ("--ikfac-rows", "64"), ("--moment-decay", "0.5")]
+
+
+@pytest.mark.parametrize("flag, value", IGNORED)
+def test_a_flag_without_effect_here_is_refused(capsys, flag, value):
+    """The shared training flags that budget_speedup.py sets per budget (--warmup-steps, ...),
+    replaces (--seed: --seeds) or never reads (K-FAC, PSGD, input-side K-FAC, second moment)."""
+    with pytest.raises(SystemExit):
+        bs.parse_args([flag, value])
+    assert flag in capsys.readouterr().err
+
+
+def test_flags_at_their_defaults_and_the_used_ones_are_accepted():
+    args = bs.parse_args(["--seed", "0", "--stop-after", "0", "--wmuon-damping", "0.3", "--muon-momentum", "0.8",
+                          "--d-model", "32", "--amp", "--threads", "1", "--grad-accum", "2"])
+    assert args.wmuon_damping == 0.3 and args.d_model == 32
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--seeds", "", "--seeds"), ("--seeds", "0,0", "--seeds"), ("--lrs", "", "--lrs"), ("--lrs", "0.01,-0.02", "--lrs"),
+    ("--momenta", "", "--momenta"), ("--momenta", "1.5", "1.5"), ("--momenta", "0.9,1", "--momenta"),
+    ("--momenta", "-0.1", "--momenta"), ("--steps", "0", "--steps"), ("--budgets", "1,1", "--budgets"),
+    ("--budgets", "1,-1.25", "--budgets"), ("--budgets", "1,1.01", "--budgets"), ("--max-extend", "-1", "--max-extend"),
+])
+def test_invalid_values_are_refused_by_the_parser(capsys, flag, value, says):
+    """Empty lists, a momentum outside [0, 1), budgets repeated, not positive, or of one step
+    count (--budgets 1,1.01 at 8 steps), no steps, a negative extension: a usage error naming
+    the flag, not a traceback after training or a silent run."""
+    with pytest.raises(SystemExit):
+        bs.parse_args([flag, value, "--steps", "8"] if flag != "--steps" else [flag, value])
+    err = capsys.readouterr().err
+    assert says in err and "error" in err, err

@@ -42,6 +42,38 @@ def test_main_job_runs_and_reports_every_method(tmp_path):
     assert "final loss" in out
 
 
+@pytest.mark.parametrize("flags", [
+    ["--steps", "0"], ["--eval-every", "0"], ["--eval-seqs", "0"], ["--n-heads", "0"], ["--grad-accum", "0"],
+    ["--seq-len", "0"], ["--threads", "-1"], ["--warmup-steps", "-5"], ["--corpus-mb", "0"],
+    ["--methods", "muon,muon"], ["--stop-after", "9"], ["--device", "foo"], ["--grad-accum", "3"],
+    ["--d-model", "31"],
+], ids=lambda flags: " ".join(flags))
+def test_main_job_refuses_a_bad_flag_before_training(flags, tmp_path, capsys):
+    """A value the job cannot run is a command-line error (SystemExit, no traceback from deep
+    inside), before any training: nothing is written."""
+    char_lm = load("examples/char_lm.py")
+    with pytest.raises(SystemExit) as refusal:
+        char_lm.main([*TINY_LM, "--methods", "muon", *flags, "--out", str(tmp_path / "out")])
+    assert refusal.value.code != 0
+    assert not (tmp_path / "out").exists()
+
+
+def test_main_job_table_names_its_reference_and_survives_a_target_reached_at_step_zero(tmp_path, capsys):
+    """Without AdamW the ratio columns name the run they divide by; a reference whose loss never
+    falls (lr 0: its target is reached at step 0, in 0 s) leaves its ratios "-", and the runs
+    are saved."""
+    char_lm = load("examples/char_lm.py")
+    char_lm.main([*TINY_LM, "--methods", "muon,wmuon", "--out", str(tmp_path / "a")])
+    header = capsys.readouterr().out.split("held-out target")[1].splitlines()[1]
+    assert "x muon time" in header and "x muon step" in header and "AdamW" not in header
+    char_lm.main([*TINY_LM, "--methods", "adamw,muon", "--lr-adamw", "0", "--out", str(tmp_path / "b")])
+    assert (tmp_path / "b" / "results.json").exists()
+    rows = capsys.readouterr().out.split("held-out target")[1].splitlines()
+    assert "x AdamW time" in rows[1]
+    for name in ("adamw", "muon"):  # columns: run, lr, final loss, steps, s, x AdamW time, ...
+        assert next(r for r in rows if r.startswith(name + " ")).split()[5] == "-"
+
+
 def test_main_job_under_torchrun_with_accumulation(tmp_path):
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
           "examples/char_lm.py", *TINY_LM, "--methods", "kfac,psgd_adamw,wmuon", "--grad-accum", "2",
