@@ -142,6 +142,15 @@ class RoutedExpertsAdapter(abc.ABC):
         if routing is None:
             return None
         experts, m = self.num_experts, len(self.inputs)
+        for weight in self.inputs:  # a layout read with the wrong side as the input: said, by name
+            stored = self._param(weight.name).shape
+            width = stored[-2] if weight.transposed else stored[-1]
+            if routing.rows.shape[-1] != width:
+                raise ValueError(
+                    f"kron_precond: {type(self.module).__name__}.{weight.name} {tuple(stored)} is given routed rows "
+                    f"of width {routing.rows.shape[-1]} but, read as [E, out, in]"
+                    f"{' (transposed=True: [E, in, out])' if weight.transposed else ''}, takes inputs of width "
+                    f"{width}; check the adapter's ExpertWeight(..., transposed=...) for this layout")
         rows: list[tuple[int, torch.Tensor]] = []
         first: list[list[torch.Tensor] | None] = []
         for e, x in enumerate(routing.rows.split(routing.counts)):

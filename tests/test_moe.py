@@ -351,6 +351,29 @@ def test_registered_adapter_for_another_experts_module(monkeypatch):
     assert torch.equal(model.w1.grad[1], torch.zeros(d, hidden, dtype=F64))
 
 
+class UntransposedAdapter(GroupedExpertsAdapter):
+    """GroupedExperts' adapter without ``transposed=True``: its [E, in, out] weights read as
+    [E, out, in]."""
+
+    def __init__(self, module):
+        RoutedExpertsAdapter.__init__(self, module, num_experts=module.w1.shape[0],
+                                      inputs=[ExpertWeight("w1"), ExpertWeight("w3")], output=ExpertWeight("w2"))
+
+
+def test_an_adapter_whose_weights_do_not_take_the_routed_rows_names_the_module_and_weight(monkeypatch):
+    """A user adapter that reads a weight with the wrong side as its input (``transposed``
+    left out) fails on the first call with the module, the weight and both widths named, not
+    with a bare matmul error."""
+    monkeypatch.setattr(adapter_registry, "_ADAPTERS", list(adapter_registry._ADAPTERS))
+    register_adapter(GroupedExperts, UntransposedAdapter)
+    model = GroupedExperts(2, 4, 5)
+    precond = KronPreconditioner(model, method="kfac")
+    counts = torch.tensor([3, 2])
+    with pytest.raises(ValueError, match=r"GroupedExperts\.w1 .*rows of width 4.*takes inputs of width 5.*transposed"):
+        model(torch.randn(5, 4, dtype=F64), counts).pow(2).mean().backward()
+    precond.remove()
+
+
 def test_register_adapter_checks_its_arguments():
     with pytest.raises(TypeError, match="matches"):
         register_adapter(3, GroupedExpertsAdapter)
