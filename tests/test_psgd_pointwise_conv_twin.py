@@ -165,3 +165,24 @@ def test_a_state_whose_factors_do_not_fit_is_refused_and_changes_nothing():
         precond.load_state_dict(bad)
     assert_same(precond.state_dict(), before)
     precond.remove()
+
+
+def test_scalar_factors_whose_product_overflows_the_factor_dtype_are_refused_and_change_nothing():
+    """Each saved factor fits float16 (300), their product folded into the first factor (2.7e7)
+    does not: refused at load, the preconditioner unchanged."""
+    from state_compare import assert_same
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 3, 1, bias=False))
+    precond = KronPreconditioner(model, method="psgd", preconditioner_update_probability=1.0,
+                                 precond_dtype=torch.float16)
+    before = precond.state_dict()
+    state = precond.state_dict()
+    entry = next(iter(state["layers"].values()))["factors"]["weight"]
+    entry["q"] = [300 * torch.eye(3, dtype=torch.float16), 300 * torch.eye(4, dtype=torch.float16),
+                  torch.full((1,), 300.0, dtype=torch.float16), torch.full((1,), 300.0, dtype=torch.float16)]
+    entry["initialized"] = True
+    with pytest.raises(ValueError, match="overflow torch.float16"):
+        precond.load_state_dict(state)
+    assert_same(precond.state_dict(), before)
+    precond.remove()

@@ -23,8 +23,9 @@ depend on the version (``torch.save`` and ``torch.distributed.checkpoint`` alike
 
 A weight's dims of size 1 after the first two (a pointwise convolution's kernel) get no factor,
 so it is preconditioned as its ``nn.Linear`` twin. Files still hold one factor per dim, a scalar
-``1`` at such a dim; a load folds a saved scalar into the first factor (exact), so states written
-with a fitted scalar there (kron_torch's layout) load as the preconditioner they hold.
+``1`` at such a dim; a load folds a saved scalar into the first factor (exact for this layout's
+ones, one rounding of the factors' dtype otherwise), so states written with a fitted scalar there
+(kron_torch's layout) load as the preconditioner they hold.
 """
 from __future__ import annotations
 
@@ -314,8 +315,10 @@ class PSGDLayer(LayerMethod):
         """Positions of the size-1 dims that get no factor (``squeeze_dims``) in a file's
         per-dimension lists, which keep one entry per dim: kron_torch's layout, and that of the
         states written before those dims lost their factor. There a file holds a ``ones(1)``
-        factor, which a load folds into the first factor (exact: it only scales ``P``), so that
-        such a state loads, through ``torch.load`` and through a DCP template alike. Merged dims
+        factor, which a load folds into the first factor (it only scales ``P``), so that
+        such a state loads, through ``torch.load`` and through a DCP template alike (a file written
+        here holds scalars of 1: bitwise; a fitted scalar: up to one rounding of the factors' dtype,
+        and a product that overflows it is refused). Merged dims
         (``merge_dims``) have the same 2-D layout with or without the size-1 dims."""
         shape = self.shapes[part]
         if self._settings.get("merge_dims") and len(shape) > 2:
@@ -338,6 +341,14 @@ class PSGDLayer(LayerMethod):
                 entry[key] = values
         return entry
 
+    def _folded_first(self, part: str, qs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The first factor with the skipped dims' scalars multiplied in: computed in float64,
+        rounded once to the factors' dtype."""
+        skipped = self._skipped_dims(part)
+        scale = math.prod(float(qs[i].reshape(())) for i in skipped)
+        first = next(q for i, q in enumerate(qs) if i not in skipped)
+        return (first.to(torch.float64) * scale).to(self.factor_dtype)
+
     def _without_skipped_dims(self, part: str, entry: Mapping[str, Any]) -> dict[str, Any]:
         """A checked factor entry in this layer's layout: the skipped dims' scalar factors
         multiplied into the first factor, their Lipschitz estimates dropped."""
@@ -346,10 +357,7 @@ class PSGDLayer(LayerMethod):
         if not skipped:
             return entry
         qs = list(entry["q"])
-        scale = math.prod(float(qs[i].reshape(())) for i in skipped)
-        kept = [q for i, q in enumerate(qs) if i not in skipped]
-        kept[0] = kept[0] * scale
-        entry["q"] = kept
+        entry["q"] = [self._folded_first(part, qs)] + [q for i, q in enumerate(qs) if i not in skipped][1:]
         if isinstance(entry.get("lipschitz"), (list, tuple)) and entry["lipschitz"]:
             entry["lipschitz"] = [v for i, v in enumerate(entry["lipschitz"]) if i not in skipped]
         return entry
@@ -403,6 +411,9 @@ class PSGDLayer(LayerMethod):
             self._check_structure(part, saved, expected)
             checks.tensor_list(checks.entry(saved, "q", f"{where}.{part}"), expected, f"{where}.{part}: q")
             checks.boolean(checks.entry(saved, "initialized", f"{where}.{part}"), f"{where}.{part}: initialized")
+            if skipped and not bool(torch.isfinite(self._folded_first(part, saved["q"])).all()):
+                raise ValueError(f"{where}.{part}: its size-1 dims' scalar factors, multiplied into the first "
+                                 f"factor, overflow {self.factor_dtype}")
             if "lipschitz" in saved and probe.lipschitz:  # Procrustes-style fit (older files lack it)
                 checks.tensor_list(saved["lipschitz"], [()] * (len(probe.lipschitz) + len(skipped)),
                                    f"{where}.{part}: lipschitz")
