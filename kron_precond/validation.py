@@ -102,13 +102,22 @@ GroupRule = tuple[str, str, Callable[[Any], bool]]  # (setting, what it must be,
 
 
 def check_group_numbers(owner: str, index: int, group: Mapping[str, Any], rules: Sequence[GroupRule]) -> None:
-    """``ValueError`` for a number a scheduler or a user set on a param group that the step
-    cannot use, before anything moves. Python numbers (or pairs of them) only: a tensor
-    setting is not read, so the check adds no host synchronisation."""
+    """``ValueError`` for a value a scheduler or a user set on a param group that the step
+    cannot use, before anything moves: a number out of range, or something that is not a
+    number at all (a string, a bool, a single number where a pair is read). Python numbers (or
+    pairs of them) are checked; a tensor setting is not read, so the check adds no host
+    synchronisation, and ``None`` (unset) or a callable (a schedule) is left to the step."""
     for key, rule, ok in rules:
         value = group.get(key)
+        if value is None or callable(value) or isinstance(value, torch.Tensor):
+            continue
         values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            continue  # absent, or a tensor
-        if not all(math.isfinite(v) for v in values) or not ok(value):
+        if any(isinstance(v, torch.Tensor) for v in values):
+            continue
+        numeric = all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values)
+        try:
+            usable = numeric and all(math.isfinite(v) for v in values) and bool(ok(value))
+        except TypeError:  # a single number where the rule reads a pair
+            usable = False
+        if not usable:
             raise ValueError(f"{owner}: param group {index} has {key}={value!r}; {key} must be {rule}")

@@ -682,7 +682,12 @@ def test_an_lr_given_as_a_numpy_or_tensor_scalar_is_a_float_in_every_group():
                                                    ("whitened_muon", "lr", -1.0),
                                                    ("whitened_muon", "weight_decay", -0.1),
                                                    ("adamw", "lr", -1.0),
-                                                   ("adamw", "betas", (0.9, 1.5))])
+                                                   ("adamw", "betas", (0.9, 1.5)),
+                                                   # not numbers: a string, a bool, one number for a pair
+                                                   ("whitened_muon", "momentum", "0.9"),
+                                                   ("whitened_muon", "lr", "0.01"),
+                                                   ("adamw", "eps", True),
+                                                   ("adamw", "betas", 0.9)])
 def test_a_bad_value_set_on_a_group_raises_at_the_next_step_before_anything_moves(algorithm, key, value):
     model = mlp()
     opt = WhitenedMuon(model, lr=1e-2)
@@ -690,9 +695,12 @@ def test_a_bad_value_set_on_a_group_raises_at_the_next_step_before_anything_move
     group = next(g for g in opt.param_groups if g["algorithm"] == algorithm)
     group[key] = value
     before = [p.detach().clone() for p in model.parameters()]
+    state = [t.clone() for entry in opt.state.values() for t in entry.values() if isinstance(t, torch.Tensor)]
     with pytest.raises(ValueError, match=key):
         train(model, opt, 1)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    after = [t for entry in opt.state.values() for t in entry.values() if isinstance(t, torch.Tensor)]
+    assert len(after) == len(state) and all(torch.equal(a, b) for a, b in zip(state, after))
 
 
 def test_a_lazy_module_is_refused_at_construction_naming_it():
