@@ -466,7 +466,9 @@ def test_complex_parameters_are_refused():
 
 
 @pytest.mark.parametrize("key,value", [("lr", float("nan")), ("lr", -1.0), ("b1", 1.0),
-                                       ("weight_decay", -1.0), ("precond_lr", -1.0)])
+                                       ("weight_decay", -1.0), ("precond_lr", -1.0),
+                                       # not numbers: a string, a bool, a list
+                                       ("lr", "0.01"), ("b1", True), ("weight_decay", [0.1])])
 def test_a_bad_value_set_on_a_group_raises_at_the_next_step_before_anything_moves(key, value):
     model = mlp()
     opt = Kron(model.parameters(), lr=1e-2)
@@ -1144,15 +1146,6 @@ def test_a_tensor_setting_that_is_not_one_floating_number_raises(value):
     train_steps(model, opt, 0, 1)
     opt.param_groups[0]["lr"] = value
     assert_refused_before_anything_moves(model, opt, lambda: train_steps(model, opt, 1, 1), "lr")
-
-
-@pytest.mark.parametrize("key,value", [("lr", "0.01"), ("b1", True), ("weight_decay", [0.1])])
-def test_a_setting_that_is_not_a_number_raises_at_the_next_step_before_anything_moves(key, value):
-    model = mlp()
-    opt = Kron(model.parameters(), lr=1e-2)
-    train_steps(model, opt, 0, 1)
-    opt.param_groups[0][key] = value
-    assert_refused_before_anything_moves(model, opt, lambda: train_steps(model, opt, 1, 1), key)
 
 
 @pytest.mark.parametrize("key,value", [("clipnorm", -1.0), ("clipnorm", 0.0), ("clipnorm", float("nan")),
