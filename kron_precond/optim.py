@@ -445,7 +445,7 @@ class Kron(torch.optim.Optimizer):
     def _step(self) -> None:
         tensor_keys = []
         for index, group in enumerate(self.param_groups):  # before anything moves
-            validation.check_group_numbers("Kron", index, group, STEP_RULES)
+            validation.check_group_numbers("Kron", index, group, STEP_RULES, optional=("clipnorm", "clipvalue"))
             _check_one_clip(index, group, self.global_clipnorm)
             tensor_keys.append(_tensor_settings(index, group))
             if any(p.grad is not None and p.grad.is_sparse for p in group["params"]):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 
@@ -101,23 +101,38 @@ def check_bool(name: str, value: Any) -> bool:
 GroupRule = tuple[str, str, Callable[[Any], bool]]  # (setting, what it must be, the test)
 
 
-def check_group_numbers(owner: str, index: int, group: Mapping[str, Any], rules: Sequence[GroupRule]) -> None:
+def _plain(value: Any) -> Any:
+    """A numpy scalar or 0-dim array as its Python number, a 1-dim array as a list (betas);
+    anything else as it is."""
+    if isinstance(value, torch.Tensor) or not hasattr(value, "ndim") or not hasattr(value, "tolist"):
+        return value
+    return value.tolist() if value.ndim <= 1 else value
+
+
+def check_group_numbers(owner: str, index: int, group: Mapping[str, Any], rules: Sequence[GroupRule],
+                        optional: Collection[str] = ()) -> None:
     """``ValueError`` for a value a scheduler or a user set on a param group that the step
     cannot use, before anything moves: a number out of range, or something that is not a
-    number at all (a string, a bool, a single number where a pair is read). Python numbers (or
-    pairs of them) are checked; a tensor setting is not read, so the check adds no host
-    synchronisation, and ``None`` (unset) or a callable (a schedule) is left to the step."""
+    number (a string, a bool, ``None`` or a callable where the step reads a number, one number
+    where it reads a pair). Python and numpy numbers (or pairs of them) are checked; a tensor
+    setting is not read, so the check adds no host synchronisation. ``optional``: the keys
+    that may be ``None`` (unset)."""
     for key, rule, ok in rules:
-        value = group.get(key)
-        if value is None or callable(value) or isinstance(value, torch.Tensor):
+        if key not in group or (group[key] is None and key in optional):
             continue
-        values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+        value = _plain(group[key])
+        if isinstance(value, torch.Tensor):
+            continue
+        pair = isinstance(value, (tuple, list))
+        values = [_plain(v) for v in value] if pair else [value]
         if any(isinstance(v, torch.Tensor) for v in values):
             continue
-        numeric = all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values)
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            raise ValueError(f"{owner}: param group {index} has {key}={group[key]!r}, not a number; "
+                             f"{key} must be {rule}")
         try:
-            usable = numeric and all(math.isfinite(v) for v in values) and bool(ok(value))
+            usable = all(math.isfinite(v) for v in values) and bool(ok(values if pair else values[0]))
         except TypeError:  # a single number where the rule reads a pair
             usable = False
         if not usable:
-            raise ValueError(f"{owner}: param group {index} has {key}={value!r}; {key} must be {rule}")
+            raise ValueError(f"{owner}: param group {index} has {key}={group[key]!r}; {key} must be {rule}")

@@ -411,7 +411,8 @@ def _check_names(index: int, saved: Any, ours: Any) -> None:
 def _check_group(index: int, group: dict[str, Any]) -> None:
     """``ValueError`` for a setting on a param group that the step cannot use."""
     algorithm = group["algorithm"]
-    validation.check_group_numbers(f"WhitenedMuon ({algorithm!r})", index, group, GROUP_RULES[algorithm])
+    validation.check_group_numbers(f"WhitenedMuon ({algorithm!r})", index, group, GROUP_RULES[algorithm],
+                                   optional=("weight_decay",) if algorithm == WHITENED else ())
     if algorithm == WHITENED:
         lr_ratio(group.get("adjust_lr_fn", "match_rms_adamw"), (1, 1))
 

@@ -3,7 +3,9 @@ checkpoints, robustness, and small end-to-end training runs."""
 import copy
 import io
 import warnings
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -468,7 +470,8 @@ def test_complex_parameters_are_refused():
 @pytest.mark.parametrize("key,value", [("lr", float("nan")), ("lr", -1.0), ("b1", 1.0),
                                        ("weight_decay", -1.0), ("precond_lr", -1.0),
                                        # not numbers: a string, a bool, a list
-                                       ("lr", "0.01"), ("b1", True), ("weight_decay", [0.1])])
+                                       ("lr", "0.01"), ("b1", True), ("weight_decay", [0.1]),
+                                       ("lr", None), ("precond_lr", lambda step: 0.1), ("lr", Fraction(1, 100))])
 def test_a_bad_value_set_on_a_group_raises_at_the_next_step_before_anything_moves(key, value):
     model = mlp()
     opt = Kron(model.parameters(), lr=1e-2)
@@ -1146,6 +1149,19 @@ def test_a_tensor_setting_that_is_not_one_floating_number_raises(value):
     train_steps(model, opt, 0, 1)
     opt.param_groups[0]["lr"] = value
     assert_refused_before_anything_moves(model, opt, lambda: train_steps(model, opt, 1, 1), "lr")
+
+
+def test_numpy_values_set_on_a_group_step_as_their_python_numbers():
+    results = []
+    for wrap in (np.array, float):
+        torch.manual_seed(0)
+        model = mlp()
+        opt = Kron(model.parameters(), lr=1e-2)
+        opt.param_groups[0].update(lr=wrap(0.02), b1=wrap(0.8), weight_decay=wrap(0.1), clipnorm=None)
+        train_steps(model, opt, 0, 3)
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("key,value", [("clipnorm", -1.0), ("clipnorm", 0.0), ("clipnorm", float("nan")),

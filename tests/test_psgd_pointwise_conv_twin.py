@@ -167,9 +167,11 @@ def test_a_state_whose_factors_do_not_fit_is_refused_and_changes_nothing():
     precond.remove()
 
 
-def test_scalar_factors_whose_product_overflows_the_factor_dtype_are_refused_and_change_nothing():
-    """Each saved factor fits float16 (300), their product folded into the first factor (2.7e7)
-    does not: refused at load, the preconditioner unchanged."""
+@pytest.mark.parametrize("scalar", [300.0, 1e-4])
+def test_scalar_factors_whose_product_overflows_the_factor_dtype_are_refused_and_change_nothing(scalar):
+    """Each saved factor fits float16 (300, or 1e-4), their product folded into the first factor
+    (2.7e7, or 1e-12, below float16's smallest subnormal 6e-8) does not: refused at load, the
+    preconditioner unchanged (a zero factor would stop the layer for good)."""
     from state_compare import assert_same
 
     torch.manual_seed(0)
@@ -179,10 +181,10 @@ def test_scalar_factors_whose_product_overflows_the_factor_dtype_are_refused_and
     before = precond.state_dict()
     state = precond.state_dict()
     entry = next(iter(state["layers"].values()))["factors"]["weight"]
-    entry["q"] = [300 * torch.eye(3, dtype=torch.float16), 300 * torch.eye(4, dtype=torch.float16),
-                  torch.full((1,), 300.0, dtype=torch.float16), torch.full((1,), 300.0, dtype=torch.float16)]
+    entry["q"] = [scalar * torch.eye(3, dtype=torch.float16), 300 * torch.eye(4, dtype=torch.float16),
+                  torch.full((1,), scalar, dtype=torch.float16), torch.full((1,), scalar, dtype=torch.float16)]
     entry["initialized"] = True
-    with pytest.raises(ValueError, match="overflow torch.float16"):
+    with pytest.raises(ValueError, match="overflow or underflow torch.float16"):
         precond.load_state_dict(state)
     assert_same(precond.state_dict(), before)
     precond.remove()

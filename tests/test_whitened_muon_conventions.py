@@ -7,6 +7,7 @@ import gc
 import pickle
 import warnings
 import weakref
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -687,7 +688,12 @@ def test_an_lr_given_as_a_numpy_or_tensor_scalar_is_a_float_in_every_group():
                                                    ("whitened_muon", "momentum", "0.9"),
                                                    ("whitened_muon", "lr", "0.01"),
                                                    ("adamw", "eps", True),
-                                                   ("adamw", "betas", 0.9)])
+                                                   ("adamw", "betas", 0.9),
+                                                   # None, a callable or a Fraction where a number is read
+                                                   ("whitened_muon", "lr", None),
+                                                   ("whitened_muon", "lr", lambda step: 0.01),
+                                                   ("adamw", "lr", None),
+                                                   ("adamw", "betas", (Fraction(9, 10), 0.999))])
 def test_a_bad_value_set_on_a_group_raises_at_the_next_step_before_anything_moves(algorithm, key, value):
     model = mlp()
     opt = WhitenedMuon(model, lr=1e-2)
@@ -701,6 +707,25 @@ def test_a_bad_value_set_on_a_group_raises_at_the_next_step_before_anything_move
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     after = [t for entry in opt.state.values() for t in entry.values() if isinstance(t, torch.Tensor)]
     assert len(after) == len(state) and all(torch.equal(a, b) for a, b in zip(state, after))
+
+
+def test_numpy_values_and_an_unset_weight_decay_set_on_the_groups_step_as_their_python_numbers():
+    """numpy scalars, 0-dim arrays and an array of betas, and a whitened group's weight decay
+    of None (no decay), step as the Python numbers they hold."""
+    results = []
+    for numpy in (True, False):
+        torch.manual_seed(0)
+        model = mlp()
+        opt = WhitenedMuon(model, lr=1e-2, weight_decay=0.0)
+        whitened, adamw = opt.param_groups
+        wrap = np.array if numpy else (lambda v: v)
+        whitened.update(lr=wrap(0.02), momentum=np.float32(0.85) if numpy else float(np.float32(0.85)),
+                        weight_decay=None if numpy else 0.0)
+        adamw.update(lr=wrap(0.003), betas=np.array([0.8, 0.99]) if numpy else (0.8, 0.99))
+        train(model, opt, 3)
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_a_lazy_module_is_refused_at_construction_naming_it():

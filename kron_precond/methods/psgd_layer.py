@@ -318,7 +318,7 @@ class PSGDLayer(LayerMethod):
         factor, which a load folds into the first factor (it only scales ``P``), so that
         such a state loads, through ``torch.load`` and through a DCP template alike (a file written
         here holds scalars of 1: bitwise; a fitted scalar: up to one rounding of the factors' dtype,
-        and a product that overflows it is refused). Merged dims
+        and a product that overflows or underflows it is refused). Merged dims
         (``merge_dims``) have the same 2-D layout with or without the size-1 dims."""
         shape = self.shapes[part]
         if self._settings.get("merge_dims") and len(shape) > 2:
@@ -342,12 +342,13 @@ class PSGDLayer(LayerMethod):
         return entry
 
     def _folded_first(self, part: str, qs: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The first factor with the skipped dims' scalars multiplied in: computed in float64,
-        rounded once to the factors' dtype."""
+        """The first factor with the skipped dims' scalars multiplied in: computed in float64 on
+        the CPU (a load, not a step; some devices lack float64), rounded once to the factors'
+        dtype, on the CPU (the load copies it to the factor's device)."""
         skipped = self._skipped_dims(part)
         scale = math.prod(float(qs[i].reshape(())) for i in skipped)
         first = next(q for i, q in enumerate(qs) if i not in skipped)
-        return (first.to(torch.float64) * scale).to(self.factor_dtype)
+        return (first.detach().to("cpu", torch.float64) * scale).to(self.factor_dtype)
 
     def _without_skipped_dims(self, part: str, entry: Mapping[str, Any]) -> dict[str, Any]:
         """A checked factor entry in this layer's layout: the skipped dims' scalar factors
@@ -411,9 +412,12 @@ class PSGDLayer(LayerMethod):
             self._check_structure(part, saved, expected)
             checks.tensor_list(checks.entry(saved, "q", f"{where}.{part}"), expected, f"{where}.{part}: q")
             checks.boolean(checks.entry(saved, "initialized", f"{where}.{part}"), f"{where}.{part}: initialized")
-            if skipped and not bool(torch.isfinite(self._folded_first(part, saved["q"])).all()):
-                raise ValueError(f"{where}.{part}: its size-1 dims' scalar factors, multiplied into the first "
-                                 f"factor, overflow {self.factor_dtype}")
+            if skipped:
+                folded = self._folded_first(part, saved["q"])
+                first = next(q for i, q in enumerate(saved["q"]) if i not in skipped).detach().cpu()
+                if not bool(torch.isfinite(folded).all()) or bool(((folded == 0) & (first != 0)).any()):
+                    raise ValueError(f"{where}.{part}: its size-1 dims' scalar factors, multiplied into the first "
+                                     f"factor, overflow or underflow {self.factor_dtype}")
             if "lipschitz" in saved and probe.lipschitz:  # Procrustes-style fit (older files lack it)
                 checks.tensor_list(saved["lipschitz"], [()] * (len(probe.lipschitz) + len(skipped)),
                                    f"{where}.{part}: lipschitz")
