@@ -373,6 +373,13 @@ class ForwardHook:
 
     def __init__(self, hook: Callable[..., None]) -> None:
         self._hook = hook
+        if not ForwardHook.__dict__.get("_calls_eagerly"):
+            # Dynamo compiles none of it: one code object serves every registered module, and
+            # compiling what is left around the eager statistics recompiled it per module, input
+            # dtype and width until the recompile limit. Wrapped on first use, not at import
+            # (compiled.py: torch._dynamo loaded after TensorFlow aborts the process).
+            ForwardHook.__call__ = run_eagerly(FULLGRAPH_REASON)(ForwardHook.__dict__["__call__"])  # type: ignore
+            ForwardHook._calls_eagerly = True  # type: ignore[attr-defined]
 
     def __call__(self, module: nn.Module, inputs, *rest) -> None:
         # (kwargs, output) as registered; (output,) alone when torch calls a hook removed by an
