@@ -57,19 +57,36 @@ def upgrade(state: Mapping[str, Any]) -> dict[str, Any]:
     return dict(state)
 
 
+_STATE_DICT_API = "torch.distributed.checkpoint.state_dict"
+
+
+def _called_from(module: str, frame: types.FrameType | None, depth: int) -> bool:
+    """Whether one of ``depth`` frames from ``frame`` outwards runs code of ``module``."""
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__") == module:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def called_by_torchs_state_dict_api() -> bool:
     """Whether the caller of the ``state_dict()`` that calls this is torch.distributed.checkpoint's
     state-dict API (``get_state_dict`` / ``get_optimizer_state_dict``), which keeps only
     ``"state"`` and ``"param_groups"`` of an optimizer's state dict: an optimizer with more to
     save warns then, rather than losing it silently."""
-    frame: types.FrameType | None = sys._getframe(2)  # the caller of state_dict()
-    for _ in range(4):
-        if frame is None:
-            return False
-        if frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
-            return True
-        frame = frame.f_back
-    return False
+    return _called_from(_STATE_DICT_API, sys._getframe(2), 4)  # from the caller of state_dict()
+
+
+def stepped_by_torchs_state_dict_api() -> bool:
+    """Whether the optimizer ``step()`` running this was called by torch.distributed.checkpoint's
+    state-dict API: on an optimizer without state, ``get_optimizer_state_dict`` and
+    ``set_optimizer_state_dict`` run one step at lr 0 with zero gradients to create the state
+    entries (``_init_optim_state``). That call is no training step; an optimizer counting its
+    steps undoes its counts after it. Read from the frames between (torch.optim's step hooks,
+    a compile-disable wrapper): no tensor is read."""
+    return _called_from(_STATE_DICT_API, sys._getframe(1), 12)
 
 
 def run_load_pre_hooks(optimizer, state_dict: Mapping[str, Any]) -> dict[str, Any]:

@@ -42,7 +42,7 @@ import torch
 
 from . import validation
 from .autocast import autocast_disabled
-from .checkpoint import run_load_pre_hooks
+from .checkpoint import run_load_pre_hooks, stepped_by_torchs_state_dict_api
 from .compiled import step_eagerly
 from .distributed.sharded import is_dtensor, refuse_fsdp1
 from .health import WEIGHT_CHECK_EVERY, WeightGrowth, new_nonfinite_steps
@@ -439,7 +439,13 @@ class Kron(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with autocast_disabled():  # called inside an autocast region: the preconditioner's matmuls stay full precision
-            self._step()
+            if not self.state and stepped_by_torchs_state_dict_api():
+                # torch's call that only creates the state entries: its schedule draw is not a step
+                decider, q_updates = copy.deepcopy(self._decider), self._q_updates
+                self._step()
+                self._decider, self._q_updates = decider, q_updates
+            else:
+                self._step()
         return loss
 
     def _step(self) -> None:

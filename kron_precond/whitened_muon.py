@@ -60,7 +60,7 @@ from kron_precond.attention import (
 )
 from kron_precond.autocast import autocast_disabled
 from kron_precond.capture import AbandonedIterations, ActivationCapture, grad_scaler_scale, refuse_fullgraph, weakly
-from kron_precond.checkpoint import run_load_pre_hooks
+from kron_precond.checkpoint import run_load_pre_hooks, stepped_by_torchs_state_dict_api
 from kron_precond.compiled import step_eagerly
 from kron_precond.distributed.collectives import failed_ranks
 from kron_precond.distributed.sharded import ShardedLayout, is_dtensor, refuse_fsdp1
@@ -1057,8 +1057,22 @@ class WhitenedMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with autocast_disabled():  # a step called inside an autocast region: still in ns_dtype / float32
+            creating = not self.state and stepped_by_torchs_state_dict_api()
             self._step()
+            if creating:
+                self._uncount_state_creation()
         return loss
+
+    def _uncount_state_creation(self) -> None:
+        """After torch's call that only creates the state entries (a step at lr 0 with zero
+        gradients, :func:`~kron_precond.checkpoint.stepped_by_torchs_state_dict_api`): the
+        entries stay, at step 0, and nothing is counted, so the first training step is the
+        first step (the statistics schedule and AdamW's bias correction in phase)."""
+        self._steps = 0
+        for state in self.state.values():
+            if "step" in state:
+                state["step"] = 0
+        self._capture.collecting = self._statistics_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch.optim's ``zero_grad``. If a backward wrote gradients since the last one and no

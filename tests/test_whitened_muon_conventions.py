@@ -871,3 +871,35 @@ def test_an_optimizer_removed_during_a_forward_hook_of_the_same_call_raises_noth
     model[0].register_forward_hook(lambda m, args, out: dropped.remove(), prepend=True)
     train(model, kept, 2)
     assert kept.state[model[0].weight]["input_seen"].item() == 1
+
+
+@pytest.mark.parametrize("kind", ["whitened_muon", "whitened_muon_output_side", "kron"])
+def test_torchs_state_dict_api_before_the_first_step_changes_nothing(kind):
+    """torch.distributed.checkpoint's ``get_optimizer_state_dict`` on an optimizer that has not
+    stepped runs one step at lr 0 with zero gradients to create its state (a trainer building
+    a checkpoint template, or saving at step 0). That call is not a step: the run goes on bitwise
+    as the run without it (schedule, step counts, AdamW's bias correction)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from kron_precond import Kron
+
+    def build(model):
+        if kind == "kron":
+            return Kron(model.parameters(), lr=1e-2, preconditioner_update_probability=0.5)
+        return WhitenedMuon(model, lr=1e-2, statistics_every=2, output_side=kind.endswith("output_side"))
+
+    runs = []
+    for ask_first in (False, True):
+        model = mlp()
+        opt = build(model)
+        if ask_first:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # DCP's own notices (no process group)
+                get_optimizer_state_dict(model, opt)
+        train(model, opt, 5)
+        runs.append(([p.detach().clone() for p in model.parameters()], opt.state_dict()))
+    (reference, reference_state), (asked, asked_state) = runs
+    for a, b in zip(asked, reference):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    steps = [[entry.get("step") for entry in state["state"].values()] for state in (asked_state, reference_state)]
+    assert steps[0] == steps[1]
