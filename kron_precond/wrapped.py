@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from kron_precond.capture import AbandonedIterations
-from kron_precond.checkpoint import called_by_torchs_state_dict_api
+from kron_precond.checkpoint import called_by_torchs_state_dict_api, stepped_by_torchs_state_dict_api
 from kron_precond.modules import user_stacklevel
 from kron_precond.preconditioner import KronPreconditioner
 
@@ -136,6 +136,16 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self.optimizer.state and stepped_by_torchs_state_dict_api():
+            # torch's call that only creates the state entries (lr 0, zero gradients): the base
+            # optimizer makes them, its step counts set back to 0; the preconditioner does not step
+            self.optimizer.step()
+            for state in self.optimizer.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"].zero_()
+                elif "step" in state:
+                    state["step"] = 0
+            return loss
         if not self._checked_rebinding:
             self._check_rebinding()
         self.preconditioner.step(lr=self._kl_clip_lr())

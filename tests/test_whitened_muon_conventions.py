@@ -873,12 +873,13 @@ def test_an_optimizer_removed_during_a_forward_hook_of_the_same_call_raises_noth
     assert kept.state[model[0].weight]["input_seen"].item() == 1
 
 
-@pytest.mark.parametrize("kind", ["whitened_muon", "whitened_muon_output_side", "kron"])
+@pytest.mark.parametrize("kind", ["whitened_muon", "whitened_muon_output_side", "kron", "preconditioned_adamw"])
 def test_torchs_state_dict_api_before_the_first_step_changes_nothing(kind):
     """torch.distributed.checkpoint's ``get_optimizer_state_dict`` on an optimizer that has not
     stepped runs one step at lr 0 with zero gradients to create its state (a trainer building
     a checkpoint template, or saving at step 0). That call is not a step: the run goes on bitwise
-    as the run without it (schedule, step counts, AdamW's bias correction)."""
+    as the run without it (schedule, step counts, AdamW's bias correction); under
+    ``PreconditionedOptimizer`` the preconditioner does not step on it either."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from kron_precond import Kron
@@ -886,6 +887,11 @@ def test_torchs_state_dict_api_before_the_first_step_changes_nothing(kind):
     def build(model):
         if kind == "kron":
             return Kron(model.parameters(), lr=1e-2, preconditioner_update_probability=0.5)
+        if kind == "preconditioned_adamw":  # its AdamW's bias correction, and K-FAC's schedule
+            from kron_precond import KronPreconditioner, PreconditionedOptimizer
+            return PreconditionedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                           KronPreconditioner(model, method="kfac", factor_update_steps=2,
+                                                              inv_update_steps=2))
         return WhitenedMuon(model, lr=1e-2, statistics_every=2, output_side=kind.endswith("output_side"))
 
     runs = []
