@@ -81,6 +81,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self._iterations = AbandonedIterations(  # see zero_grad
             lambda: [p for layer in preconditioner.layers.values() for _, p in layer.params])
         self._checked_rebinding = False  # see _check_rebinding
+        # the base optimizer's state torch's state-dict API had it create (see step); None: none
+        self._placeholder_state: Any = None
         self._lr_of_layers = KlClipLr(preconditioner)
         # What torch.optim.Optimizer.__init__ sets up, minus parameter groups of our own.
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
@@ -138,14 +140,17 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if not self.optimizer.state and stepped_by_torchs_state_dict_api():
             # torch's call that only creates the state entries (lr 0, zero gradients): the base
-            # optimizer makes them, its step counts set back to 0; the preconditioner does not step
+            # optimizer makes them, for the template; the preconditioner does not step
             self.optimizer.step()
-            for state in self.optimizer.state.values():
-                if isinstance(state.get("step"), torch.Tensor):
-                    state["step"].zero_()
-                elif "step" in state:
-                    state["step"] = 0
+            self._placeholder_state = self.optimizer.state
             return loss
+        if self._placeholder_state is not None:
+            # entries no load replaced (a load puts a new state dict in place) are placeholders:
+            # dropped, so the base optimizer's first step is a fresh one (its moments, buffers,
+            # counts, whatever the zero-gradient step left in them)
+            if self.optimizer.state is self._placeholder_state:
+                self.optimizer.state.clear()
+            self._placeholder_state = None
         if not self._checked_rebinding:
             self._check_rebinding()
         self.preconditioner.step(lr=self._kl_clip_lr())

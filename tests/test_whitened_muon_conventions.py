@@ -873,7 +873,8 @@ def test_an_optimizer_removed_during_a_forward_hook_of_the_same_call_raises_noth
     assert kept.state[model[0].weight]["input_seen"].item() == 1
 
 
-@pytest.mark.parametrize("kind", ["whitened_muon", "whitened_muon_output_side", "kron", "preconditioned_adamw"])
+@pytest.mark.parametrize("kind", ["whitened_muon", "whitened_muon_output_side", "kron", "preconditioned_adamw",
+                                  "preconditioned_sgd_dampening", "preconditioned_nadam"])
 def test_torchs_state_dict_api_before_the_first_step_changes_nothing(kind):
     """torch.distributed.checkpoint's ``get_optimizer_state_dict`` on an optimizer that has not
     stepped runs one step at lr 0 with zero gradients to create its state (a trainer building
@@ -887,11 +888,14 @@ def test_torchs_state_dict_api_before_the_first_step_changes_nothing(kind):
     def build(model):
         if kind == "kron":
             return Kron(model.parameters(), lr=1e-2, preconditioner_update_probability=0.5)
-        if kind == "preconditioned_adamw":  # its AdamW's bias correction, and K-FAC's schedule
+        if kind.startswith("preconditioned"):  # the base's first step (moments, buffers), K-FAC's schedule
             from kron_precond import KronPreconditioner, PreconditionedOptimizer
-            return PreconditionedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                           KronPreconditioner(model, method="kfac", factor_update_steps=2,
-                                                              inv_update_steps=2))
+            base = {"preconditioned_adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                    "preconditioned_sgd_dampening": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9,
+                                                                               dampening=0.5),
+                    "preconditioned_nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-2)}[kind](model.parameters())
+            return PreconditionedOptimizer(base, KronPreconditioner(model, method="kfac", factor_update_steps=2,
+                                                                    inv_update_steps=2))
         return WhitenedMuon(model, lr=1e-2, statistics_every=2, output_side=kind.endswith("output_side"))
 
     runs = []
@@ -909,3 +913,36 @@ def test_torchs_state_dict_api_before_the_first_step_changes_nothing(kind):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     steps = [[entry.get("step") for entry in state["state"].values()] for state in (asked_state, reference_state)]
     assert steps[0] == steps[1]
+
+
+def test_a_load_after_torchs_state_creating_call_keeps_the_loaded_state():
+    """After torch's state-creating call on a ``PreconditionedOptimizer``, its base optimizer's
+    entries are placeholders, dropped at the next step -- unless a load replaced them: a run
+    resumed so (the template taken first, the base and the preconditioner loaded directly)
+    goes on bitwise as the uninterrupted one."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from kron_precond import KronPreconditioner, PreconditionedOptimizer
+
+    def build(model):
+        return PreconditionedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, dampening=0.5),
+                                       KronPreconditioner(model, method="kfac", factor_update_steps=2,
+                                                          inv_update_steps=2))
+
+    model = mlp()
+    opt = build(model)
+    train(model, opt, 3)
+    base, precond = copy.deepcopy(opt.optimizer.state_dict()), copy.deepcopy(opt.preconditioner.state_dict())
+    weights = copy.deepcopy(model.state_dict())
+    train(model, opt, 3, seed=2)
+    resumed = mlp()
+    resumed.load_state_dict(weights)
+    fresh = build(resumed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's own notices, and the wrapper's about its preconditioner
+        get_optimizer_state_dict(resumed, fresh)
+    fresh.optimizer.load_state_dict(base)
+    fresh.preconditioner.load_state_dict(precond)
+    train(resumed, fresh, 3, seed=2)
+    for a, b in zip(resumed.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
