@@ -106,7 +106,14 @@ def _plain(value: Any) -> Any:
     anything else as it is."""
     if isinstance(value, torch.Tensor) or not hasattr(value, "ndim") or not hasattr(value, "tolist"):
         return value
-    return value.tolist() if value.ndim <= 1 else value
+    if value.ndim > 1:
+        return value
+    plain = value.tolist()
+    if value.ndim == 1:
+        return [_plain(v) for v in plain]
+    # a long double (wider than a Python float) stays a numpy scalar through tolist(): rounded
+    # to the float the step computes in anyway
+    return float(plain) if not isinstance(plain, (int, float, complex)) and hasattr(plain, "__float__") else plain
 
 
 def check_group_numbers(owner: str, index: int, group: Mapping[str, Any], rules: Sequence[GroupRule],
