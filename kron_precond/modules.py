@@ -190,7 +190,28 @@ def _is_transposed_linear(module: nn.Module) -> bool:
 
 
 class ConvAdapter(KFACAdapter):
-    """Conv1d/2d/3d: each output position of each sample is a row of unfolded patches."""
+    """Conv1d/2d/3d: each output position of each sample is a row of unfolded patches.
+
+    A module registered with it holds ``nn.Conv*d``'s settings: ``kernel_size``, ``stride``,
+    ``dilation`` (tuples, one entry per spatial dim), ``padding`` (a tuple, ``"same"`` or
+    ``"valid"``), ``padding_mode`` and ``groups`` (1: a grouped convolution is skipped), and for
+    a ``padding_mode`` other than ``"zeros"`` ``_reversed_padding_repeated_twice``, as torch's
+    convolutions do; its ``weight`` is ``[out, in, *kernel_size]``."""
+
+    SETTINGS = ("kernel_size", "stride", "dilation", "padding", "padding_mode")
+
+    def __init__(self, module: nn.Module) -> None:
+        missing = [a for a in self.SETTINGS if not hasattr(module, a)]
+        padded = "_reversed_padding_repeated_twice"  # what torch pads by in modes other than zeros
+        if getattr(module, "padding_mode", "zeros") != "zeros" and not hasattr(module, padded):
+            missing.append(padded)
+        if missing:
+            raise TypeError(f"ConvAdapter: {type(module).__name__} has no {', '.join(missing)}: a module read as a "
+                            f"convolution holds nn.Conv2d's settings (or register an adapter of its own)")
+        groups = getattr(module, "groups", 1)
+        if groups != 1:
+            raise UnsupportedModule(f"grouped convolution (groups={groups}) is not supported by K-FAC")
+        super().__init__(module)
 
     def activation_rows(self, x: torch.Tensor) -> torch.Tensor:
         conv: nn.modules.conv._ConvNd = self.module  # type: ignore[assignment]
@@ -295,6 +316,12 @@ def _calls_own(module: nn.Module, replacement: Any, own: Any) -> bool:
     return getattr(inner, "__func__", inner) is own and getattr(inner, "__self__", module) is module
 
 
+class RowsUnknown(UnsupportedModule):
+    """A Linear-like module the built-in adapter cannot read: its forward is its own, or it
+    holds parameters beyond ``weight`` and ``bias``. Named in a warning at construction (it is
+    most likely meant to be preconditioned), not only logged."""
+
+
 def _refuse_overridden(module: nn.Module, base: type, methods: tuple[str, ...]) -> None:
     """:class:`UnsupportedModule` for a module whose rows may not be the input of ``base``'s
     forward (:func:`overridden_forward`). A module with parameters beyond weight and bias is
@@ -302,7 +329,7 @@ def _refuse_overridden(module: nn.Module, base: type, methods: tuple[str, ...]) 
     reason = overridden_forward(module, base, methods)
     if reason is None:
         return
-    raise UnsupportedModule(_beyond_weight_and_bias(list(module.named_parameters(recurse=False))) or reason)
+    raise RowsUnknown(_beyond_weight_and_bias(list(module.named_parameters(recurse=False))) or reason)
 
 
 def _linear_adapter(module: nn.Module) -> KFACAdapter:
@@ -316,7 +343,7 @@ def _transposed_linear_adapter(module: nn.Module) -> TransposedLinearAdapter:
 
 
 def _conv_adapter(module: nn.Module) -> ConvAdapter:
-    if module.groups != 1:
+    if module.groups != 1:  # the reason before any other (ConvAdapter checks it too)
         raise UnsupportedModule(f"grouped convolution (groups={module.groups}) is not supported by K-FAC")
     base = next(c for c in (nn.Conv1d, nn.Conv2d, nn.Conv3d) if isinstance(module, c))
     _refuse_overridden(module, base, ("forward", "_conv_forward"))
@@ -332,45 +359,114 @@ _ADAPTERS: list[tuple[Callable[[nn.Module], bool], Callable[[nn.Module], Any]]] 
 ]
 
 
+class AdapterHandle:
+    """What :func:`register_adapter` returns: ``remove()`` takes the registration back (for
+    preconditioners built afterwards), as a torch hook's handle does; a second call does nothing."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry: tuple) -> None:
+        self.entry = entry
+
+    def remove(self) -> None:
+        for i, entry in enumerate(_ADAPTERS):
+            if entry is self.entry:
+                del _ADAPTERS[i]
+                return
+
+
 def register_adapter(matches: type | Callable[[nn.Module], bool], factory: Callable[..., Any], *,
-                     builtin: bool = False) -> None:
+                     builtin: bool = False) -> AdapterHandle:
     """Teach the library a module kind: the capturing methods (K-FAC, EK-FAC, input-side K-FAC)
     and ``WhitenedMuon`` read its rows through the adapter.
 
     Args:
         matches: a module class (``isinstance``) or a predicate ``matches(module) -> bool``.
         factory: ``factory(module) -> adapter``, an object following this module's adapter
-            protocol (for routed experts, a subclass of
-            :class:`kron_precond.experts.RoutedExpertsAdapter`); it may raise
-            :class:`UnsupportedModule` with the reason the module is skipped.
+            protocol (:class:`KFACAdapter` for a Linear-like module, :class:`TransposedLinearAdapter`
+            for one storing its weight ``[in, out]``, :class:`ConvAdapter` for a convolution; for
+            routed experts, a subclass of :class:`kron_precond.experts.RoutedExpertsAdapter`); it
+            may raise :class:`UnsupportedModule` with the reason the module is skipped.
         builtin: append after the library's adapters instead of before them (used by the
             library itself); user registrations take precedence, the latest first.
 
-    Registrations apply to preconditioners built afterwards.
+    Returns:
+        a handle whose ``remove()`` takes the registration back.
+
+    Registrations apply to preconditioners built afterwards. A class registered after one of
+    its subclasses takes that subclass's modules too (the latest registration is consulted
+    first): a ``UserWarning`` says so; register the subclass again to give it back its own.
     """
-    if isinstance(matches, type):
-        cls = matches
-        matches = lambda module: isinstance(module, cls)  # noqa: E731
+    if isinstance(matches, nn.Module):  # callable, but a module instance is no predicate
+        raise TypeError(f"matches must be a module class or a predicate, got the module instance "
+                        f"{type(matches).__name__}(...): pass its class, {type(matches).__name__}")
+    cls = matches if isinstance(matches, type) else None
+    if cls is not None:
+        matches = _IsInstance(cls)
     if not callable(matches):
         raise TypeError(f"matches must be a module class or a predicate, got {matches!r}")
     if not callable(factory):
         raise TypeError(f"factory must be callable (module -> adapter), got {factory!r}")
+    entry = (matches, factory)
     if builtin:
-        _ADAPTERS.append((matches, factory))
+        _ADAPTERS.append(entry)
     else:
-        _ADAPTERS.insert(0, (matches, factory))
+        if cls is not None:
+            earlier = sorted({m.cls.__name__ for m, _ in _ADAPTERS
+                              if isinstance(m, _IsInstance) and m.cls is not cls and issubclass(m.cls, cls)})
+            if earlier:
+                warnings.warn(f"register_adapter: {cls.__name__}'s adapter now takes the {', '.join(earlier)} "
+                              f"modules too, registered earlier with an adapter of their own (the latest "
+                              f"registration is consulted first): register {', '.join(earlier)} again after "
+                              f"{cls.__name__} to keep theirs", UserWarning, stacklevel=2)
+        _ADAPTERS.insert(0, entry)
+    return AdapterHandle(entry)
+
+
+class _IsInstance:
+    """A registration by class: ``isinstance(module, cls)``, the class kept for the warning above."""
+
+    __slots__ = ("cls",)
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+
+    def __call__(self, module: nn.Module) -> bool:
+        return isinstance(module, self.cls)
 
 
 def kfac_adapter(module: nn.Module) -> tuple[Any | None, str]:
     """Adapter for ``module`` under K-FAC, or ``(None, reason)`` when it is not supported."""
+    adapter, reason, _ = adapter_lookup(module)
+    return adapter, reason
+
+
+def adapter_lookup(module: nn.Module) -> tuple[Any | None, str, bool]:
+    """:func:`kfac_adapter`, and whether a module it has no adapter for looks Linear-like (a
+    trainable weight of two or more dims, not an embedding's): no registration matches it, or
+    the built-in one cannot read its rows (:class:`RowsUnknown`). Such a module is most
+    likely meant to be preconditioned; the searches name it in a warning."""
     for matches, factory in _ADAPTERS:
         if matches(module):
             try:
-                return factory(module), ""
+                return factory(module), "", False
             except UnsupportedModule as err:
-                return None, str(err)
+                return None, str(err), isinstance(err, RowsUnknown) and _linear_like(module)
     return None, (f"{type(module).__name__} is not a K-FAC layer kind (Linear, Conv1d/2d/3d, "
-                  "GPT-2 style Conv1D, fused MoE experts; see register_adapter)")
+                  "GPT-2 style Conv1D, fused MoE experts; see register_adapter)"), _linear_like(module)
+
+
+def _linear_like(module: nn.Module) -> bool:
+    weight = module._parameters.get("weight")
+    return (weight is not None and weight.dim() >= 2 and weight.requires_grad
+            and not isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and not _known_router(module))
+
+
+def _known_router(module: nn.Module) -> bool:
+    """transformers' MoE routers (``MixtralTopKRouter``: ``F.linear`` of the hidden states, then
+    a top-k): their weight is left to the optimizer by design, as most MoE recipes leave it."""
+    cls = module_class(module)
+    return cls.__module__.startswith("transformers.") and cls.__name__.endswith("Router")
 
 
 def check_layout(units: Sequence[Selected], label: str, owner: str) -> None:
@@ -553,10 +649,17 @@ def find_kfac_modules(model: nn.Module, is_skipped, log, *, weight_only: bool = 
     functional = {f"{name}.out_proj" if name else "out_proj" for name, module in model.named_modules()
                   if isinstance(module, nn.MultiheadAttention)}
     found = []
+    unread: list[str] = []  # Linear-like modules no adapter reads: named in a warning
     for name, module, own, label in _candidates(model, is_skipped, log, elsewhere):
-        adapter, reason = kfac_adapter(module)
+        try:
+            adapter, reason, linear_like = adapter_lookup(module)
+        except (TypeError, ValueError) as err:  # a registration's predicate or factory failed: name the module
+            kind = TypeError if isinstance(err, TypeError) else ValueError
+            raise kind(f"{owner}: module {label!r} ({type(module).__name__}): {err}") from err
         if adapter is None:
             log(f"skipping {label}: {reason}")
+            if linear_like:
+                unread.append(f"{label!r} ({reason})")
             continue
         if any(True for child in module.children() for _ in child.parameters()):
             log(f"skipping {label}: not a leaf module (a child module holds parameters)")
@@ -564,6 +667,8 @@ def find_kfac_modules(model: nn.Module, is_skipped, log, *, weight_only: bool = 
         unknown = unknown_parameters(adapter, own)
         if unknown:
             log(f"skipping {label}: {unknown}")
+            if _linear_like(module):
+                unread.append(f"{label!r} ({type(module).__name__}: {unknown})")
             continue
         if name in functional:
             log(f"skipping {label}: nn.MultiheadAttention applies it functionally (no forward hook)")
@@ -580,6 +685,14 @@ def find_kfac_modules(model: nn.Module, is_skipped, log, *, weight_only: bool = 
             continue
         check_layout(units, label, owner)  # of a module taken: a frozen or tied one is skipped as before
         found.extend(units)
+    if unread:
+        fate = ("AdamW steps its weight, unwhitened" if owner == "WhitenedMuon"
+                else "its gradient reaches the optimizer unpreconditioned")
+        shown = "; ".join(unread[:4]) + (f"; and {len(unread) - 4} more" if len(unread) > 4 else "")
+        warnings.warn(f"{owner}: no adapter reads the rows of {len(unread)} Linear-like module"
+                      f"{'s' if len(unread) > 1 else ''}, so {fate}: {shown}. Teach the module kind with "
+                      f"register_adapter, or pass it in skip_layers to leave it out without this warning",
+                      UserWarning, stacklevel=user_stacklevel())
     return found
 
 
