@@ -57,15 +57,18 @@ def upgrade(state: Mapping[str, Any]) -> dict[str, Any]:
     return dict(state)
 
 
-_STATE_DICT_API = "torch.distributed.checkpoint.state_dict"
+# The state-dict helpers that create an optimizer's state with a step at lr 0 on zero gradients
+# and keep only its "state" and "param_groups": torch.distributed.checkpoint's, and torchtitan's
+# own (``init_optim_state`` / ``get_flat_optim_state_dict``, what its checkpointer calls).
+_STATE_DICT_API = ("torch.distributed.checkpoint.state_dict", "torchtitan.components.optimizer.utils")
 
 
-def _called_from(module: str, frame: types.FrameType | None, depth: int) -> bool:
-    """Whether one of ``depth`` frames from ``frame`` outwards runs code of ``module``."""
+def _called_from(modules: tuple[str, ...], frame: types.FrameType | None, depth: int) -> bool:
+    """Whether one of ``depth`` frames from ``frame`` outwards runs code of one of ``modules``."""
     for _ in range(depth):
         if frame is None:
             return False
-        if frame.f_globals.get("__name__") == module:
+        if frame.f_globals.get("__name__") in modules:
             return True
         frame = frame.f_back
     return False
@@ -73,7 +76,8 @@ def _called_from(module: str, frame: types.FrameType | None, depth: int) -> bool
 
 def called_by_torchs_state_dict_api() -> bool:
     """Whether the caller of the ``state_dict()`` that calls this is torch.distributed.checkpoint's
-    state-dict API (``get_state_dict`` / ``get_optimizer_state_dict``), which keeps only
+    state-dict API (``get_state_dict`` / ``get_optimizer_state_dict``) or torchtitan's flat
+    optimizer state dict, which keep only
     ``"state"`` and ``"param_groups"`` of an optimizer's state dict: an optimizer with more to
     save warns then, rather than losing it silently."""
     return _called_from(_STATE_DICT_API, sys._getframe(2), 4)  # from the caller of state_dict()
@@ -83,7 +87,8 @@ def stepped_by_torchs_state_dict_api() -> bool:
     """Whether the optimizer ``step()`` running this was called by torch.distributed.checkpoint's
     state-dict API: on an optimizer without state, ``get_optimizer_state_dict`` and
     ``set_optimizer_state_dict`` run one step at lr 0 with zero gradients to create the state
-    entries (``_init_optim_state``). That call is no training step; an optimizer counting its
+    entries (``_init_optim_state``; torchtitan's checkpointer does the same with its own
+    ``init_optim_state``). That call is no training step; an optimizer counting its
     steps undoes its counts after it. Read from the frames between (torch.optim's step hooks,
     a compile-disable wrapper): no tensor is read."""
     return _called_from(_STATE_DICT_API, sys._getframe(1), 12)

@@ -873,17 +873,27 @@ def test_an_optimizer_removed_during_a_forward_hook_of_the_same_call_raises_noth
     assert kept.state[model[0].weight]["input_seen"].item() == 1
 
 
+def _torchtitans_state_creation(model, opt):
+    utils = pytest.importorskip("torchtitan.components.optimizer.utils",
+                                reason="torchtitan is an optional extra ([torchtitan])")
+    utils.init_optim_state(opt)
+
+
+@pytest.mark.parametrize("caller", ["dcp", "torchtitan"])
 @pytest.mark.parametrize("kind", ["whitened_muon", "whitened_muon_output_side", "kron", "preconditioned_adamw",
                                   "preconditioned_sgd_dampening", "preconditioned_nadam"])
-def test_torchs_state_dict_api_before_the_first_step_changes_nothing(kind):
+def test_torchs_state_dict_api_before_the_first_step_changes_nothing(kind, caller):
     """torch.distributed.checkpoint's ``get_optimizer_state_dict`` on an optimizer that has not
     stepped runs one step at lr 0 with zero gradients to create its state (a trainer building
-    a checkpoint template, or saving at step 0). That call is not a step: the run goes on bitwise
+    a checkpoint template, or saving at step 0); torchtitan's checkpointer does the same with a
+    helper of its own (``init_optim_state``). That call is not a step: the run goes on bitwise
     as the run without it (schedule, step counts, AdamW's bias correction); under
     ``PreconditionedOptimizer`` the preconditioner does not step on it either."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from kron_precond import Kron
+
+    create = get_optimizer_state_dict if caller == "dcp" else _torchtitans_state_creation
 
     def build(model):
         if kind == "kron":
@@ -905,7 +915,7 @@ def test_torchs_state_dict_api_before_the_first_step_changes_nothing(kind):
         if ask_first:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # DCP's own notices (no process group)
-                get_optimizer_state_dict(model, opt)
+                create(model, opt)
         train(model, opt, 5)
         runs.append(([p.detach().clone() for p in model.parameters()], opt.state_dict()))
     (reference, reference_state), (asked, asked_state) = runs

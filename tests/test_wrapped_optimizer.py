@@ -246,6 +246,20 @@ def test_torchs_distributed_state_dict_api_warns_that_it_leaves_the_precondition
         opt.state_dict()  # called directly: the preconditioner is in it, nothing to say
 
 
+def test_torchtitans_flat_state_dict_warns_that_it_leaves_the_preconditioner_out():
+    """torchtitan's checkpointer flattens an optimizer's "state" and "param_groups" alone, as
+    torch's state-dict API does."""
+    utils = pytest.importorskip("torchtitan.components.optimizer.utils",
+                                reason="torchtitan is an optional extra ([torchtitan])")
+    model = make_model(0)
+    opt = PreconditionedOptimizer(torch.optim.AdamW(model.named_parameters(), lr=0.05),
+                                  KronPreconditioner(model, method="kfac", **KW["kfac"]))
+    train(model, opt, 2)
+    with pytest.warns(UserWarning, match="preconditioner.*not in"):
+        saved = utils.get_flat_optim_state_dict(opt)
+    assert not any("preconditioner" in key for key in saved)
+
+
 @pytest.mark.parametrize("method", ["kfac", "psgd"])
 def test_dcp_resumes_the_base_optimizer_and_the_preconditioner_as_two_entries(tmp_path, method):
     """The documented DCP path: the base optimizer through torch's state-dict API, the
