@@ -334,7 +334,7 @@ class Kron(torch.optim.Optimizer):
 
     @property
     def steps(self) -> int:
-        """Number of completed :meth:`step` calls."""
+        """Number of completed :meth:`step` calls (a call with no gradient at all is none)."""
         return self._decider.step
 
     @property
@@ -459,6 +459,8 @@ class Kron(torch.optim.Optimizer):
             self._check_structure(index, group)
         # settings held as tensors cannot be read without a host sync: checked on their device,
         # an unusable one leaves the group's parameters as they are (a mask, as a NaN gradient)
+        if all(p.grad is None for group in self.param_groups for p in group["params"]):
+            return  # no gradient at all (a trainer's skipped batch): no step, as for torch.optim's
         valid = [self._tensor_settings_valid(index, group, keys) if keys else None
                  for index, (group, keys) in enumerate(zip(self.param_groups, tensor_keys))]
         if self._decider.step % WEIGHT_CHECK_EVERY == 0:  # before the step: the first check reads the initial weights

@@ -1296,3 +1296,25 @@ def test_a_bad_tensor_setting_on_the_first_step_leaves_the_deferred_scale_unesti
         runs.append([*model.parameters(), *(q for p in model.parameters() for q in opt.state[p]["Q"])])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("probability", [0.5, None])
+def test_a_step_with_no_gradient_at_all_is_no_step(probability):
+    """A trainer that skips a batch (Lightning's training_step returning None) still calls
+    ``step()``, with every ``.grad`` None: as for torch.optim's optimizers, that is no step. The
+    run goes on bitwise as a hand loop that skipped the batch (schedule, probes, step count)."""
+    kw = {} if probability is None else {"preconditioner_update_probability": probability}
+    runs = []
+    for empty_step in (False, True):
+        model = mlp()
+        opt = Kron(model.parameters(), lr=1e-2, **kw)
+        train_steps(model, opt, 0, 2)
+        if empty_step:
+            opt.zero_grad(set_to_none=True)
+            opt.step()
+        train_steps(model, opt, 2, 4)
+        runs.append((model, opt))
+    (reference, ref_opt), (model, opt) = runs
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert opt.steps == ref_opt.steps == 6
