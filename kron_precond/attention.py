@@ -228,8 +228,8 @@ def input_side_attention_units(model: nn.Module, is_skipped: Callable[[str, nn.M
     factor per unit), separate projections (``kdim`` / ``vdim``: three weights and one bias), a
     frozen or tied ``in_proj``. A module taken here that is later called with another key or
     value is refused with ``RuntimeError``, naming it: its factor would read the wrong rows (in
-    one process at that call; across ranks at the next refresh step, on every rank, by the
-    optimizer, which sets ``on_cross_attention`` then).
+    one process at the first such call the hook reads, on a statistics step; across ranks at the
+    next refresh step, on every rank, by the optimizer, which sets ``on_cross_attention`` then).
     The ``out_proj``, whose input no hook sees, is the module search's (which logs it)."""
     owners = owners_of(model)
     cross = _known_cross_attention(model)

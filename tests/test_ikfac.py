@@ -507,3 +507,51 @@ def test_failed_cholesky_keeps_the_previous_inverse(monkeypatch):
         precond.step()
     assert torch.equal(precond.layers["a"].method.refreshed_tensors()[0], before)
     torch.testing.assert_close(grad_matrix(net.a), raw @ before)
+
+
+@pytest.mark.parametrize("corrupt", ["seen_nan", "seen_two", "valid_half", "valid_nan"])
+def test_a_flag_that_is_not_0_or_1_is_refused_and_the_load_changes_nothing(corrupt):
+    """``seen`` and the refresh's validity flag are copied in as flags: a NaN or a 0.5 would
+    read as True (a layer taken as observed, an inverse taken as valid)."""
+    net = make_net()
+    precond = KronPreconditioner(net, method="ikfac", factor_update_steps=1, inv_update_steps=1, moment_decay=0.9)
+    for step in range(2):
+        net.zero_grad()
+        loss_of(net, *batch(step)).backward()
+        precond.step()
+    saved = precond.state_dict()
+    layer = saved["layers"]["a"]
+    if corrupt.startswith("seen"):
+        layer["seen"] = torch.tensor(float("nan") if corrupt == "seen_nan" else 2.0)
+    else:
+        layer["refreshed"][1] = torch.tensor([0.5 if corrupt == "valid_half" else float("nan")], dtype=F64)
+    before = precond.state_dict()
+    with pytest.raises(ValueError, match="seen|refreshed"):
+        precond.load_state_dict(saved)
+    after = precond.state_dict()
+    torch.testing.assert_close(after["layers"], before["layers"], rtol=0, atol=0, equal_nan=True)
+
+
+def test_the_moment_follows_a_model_converted_to_another_dtype():
+    """Built on a float32 model then converted with ``.double()``, the preconditioner steps as
+    one built on the float64 model: every statistic, the moment included, is float64."""
+    runs = []
+    for convert in (True, False):
+        torch.manual_seed(0)
+        net = Net()
+        if not convert:
+            net = net.double()
+        precond = KronPreconditioner(net, method="ikfac", factor_update_steps=1, inv_update_steps=2,
+                                     moment_decay=0.9)
+        if convert:
+            net.double()
+        grads = []
+        for step in range(6):
+            net.zero_grad()
+            loss_of(net, *batch(step)).backward()
+            precond.step()
+            grads.append([p.grad.clone() for p in net.parameters()])
+        runs.append(grads)
+    for converted, built in zip(*runs):
+        for a, b in zip(converted, built):
+            torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)

@@ -277,7 +277,7 @@ class InputKFACLayer(MomentOnHolders, GradientMatrix, LayerMethod):
         self.nonfinite = moved(self.nonfinite, device)
         if self._refreshed is not None:
             self._refreshed = [moved(t, device) for t in self._refreshed]
-        self.moment = moved(self.moment, device)
+        self.moment = moved(self.moment, device, self.statistics_dtype)  # as made: the statistics' dtype
         self.updates = moved(self.updates, device)
         self.factor_dtype, self._device = factor_dtype, device
 
@@ -303,10 +303,12 @@ class InputKFACLayer(MomentOnHolders, GradientMatrix, LayerMethod):
             seen = checks.entry(state, "seen", where)
             if not isinstance(seen, torch.Tensor) or seen.numel() != 1:
                 raise ValueError(f"{where}: seen must be a one-element tensor, got {seen!r}")
+            checks.flags(seen.reshape(()), (), f"{where}: seen")  # a NaN or a 2 would read as True
         if not (self.holds_state or "refreshed" in state):
             return
-        checks.tensor_list(checks.entry(state, "refreshed", where), [(self.a_dim, self.a_dim), (1,)],
-                           f"{where}: refreshed")
+        refreshed = checks.entry(state, "refreshed", where)
+        checks.tensor_list(refreshed, [(self.a_dim, self.a_dim), (1,)], f"{where}: refreshed")
+        checks.flags(refreshed[1], (1,), f"{where}: refreshed[1]")  # the inverse's validity
         checks.boolean(checks.entry(state, "ready", where), f"{where}: ready")
         if self.moment is not None:
             # a mean of squares: a negative one makes the step's square root NaN
