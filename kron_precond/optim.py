@@ -36,7 +36,7 @@ import copy
 import math
 import warnings
 from collections import defaultdict
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -260,6 +260,9 @@ class Kron(torch.optim.Optimizer):
                              f"got {seed!r}")
         self._decider = UpdateDecider(preconditioner_update_probability)
         self._q_updates = 0
+        # the schedule's counters (step, accumulator, Q updates), in every parameter's live entry
+        # (see _mark_schedule); on the CPU: kept current by host writes, no device work
+        self._schedule = torch.zeros(3, dtype=torch.float64)
         self._reported: dict[int, int] = {}
         self._weight_growth = WeightGrowth("Kron")  # see step
         self._tensors: dict[torch.Tensor, PSGDTensor] = {}
@@ -367,6 +370,7 @@ class Kron(torch.optim.Optimizer):
             state["lipschitz"] = tensor.factors.lipschitz
         state["nonfinite_steps"] = torch.zeros((), dtype=torch.int32, device=p.device)
         state["uses_per_update"] = 1.0  # decides whether Q_iᵀQ_i is formed (saved: bitwise resume)
+        state[SCHEDULE_KEY] = self._schedule
         self._bound[p] = self._state_entries(state)
         self._made_with[p] = _structure(group, p)
         return state
@@ -446,7 +450,16 @@ class Kron(torch.optim.Optimizer):
                 self._decider, self._q_updates = decider, q_updates
             else:
                 self._step()
+            self._mark_schedule()
         return loss
+
+    def _mark_schedule(self) -> None:
+        """Write the schedule's counters into the tensor each parameter's live entry holds under
+        ``SCHEDULE_KEY``. A flattened checkpoint (torch.distributed.checkpoint's
+        ``flatten_optimizer_state_dict``, torchtitan's) rebuilds a saved entry from the keys of
+        the live one, so the key must be there for the counters to come back."""
+        counters = self._decider.state_dict()
+        self._schedule.copy_(torch.tensor([counters["step"], counters["acc"], self._q_updates], dtype=torch.float64))
 
     def _step(self) -> None:
         tensor_keys = []
@@ -640,7 +653,11 @@ class Kron(torch.optim.Optimizer):
         sd["kron"] = {"decider": counters, "q_updates": self._q_updates}
         schedule = torch.tensor([counters["step"], counters["acc"], self._q_updates], dtype=torch.float64)
         # new dicts: torch's state_dict hands out the live per-parameter ones
-        sd["state"] = {key: {**entry, SCHEDULE_KEY: schedule.clone()} for key, entry in sd["state"].items()}
+        # the factors by position ({"0": Q_0, ...}): torch.distributed.checkpoint's flattened
+        # optimizer state dict takes tensors, numbers and dicts only
+        sd["state"] = {key: {**entry, SCHEDULE_KEY: schedule.clone(),
+                             **{k: _by_position(entry[k]) for k in ("Q", "lipschitz") if k in entry}}
+                       for key, entry in sd["state"].items()}
         for post_hook in post_hooks.values():
             result = post_hook(self, sd)
             if result is not None:
@@ -703,7 +720,7 @@ class Kron(torch.optim.Optimizer):
                 new_group["param_names"] = group["param_names"]
             groups.append(new_group)
         state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
-        state.update(new_states)
+        state.update({p: {**entry, SCHEDULE_KEY: self._schedule} for p, entry in new_states.items()})
         self.__setstate__({"state": state, "param_groups": groups})
         self._tensors.clear()
         self._bound.clear()
@@ -714,6 +731,7 @@ class Kron(torch.optim.Optimizer):
         if decider is not None:
             self._decider.load_state_dict(decider, "kron.decider")
             self._q_updates = q_updates
+        self._mark_schedule()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -725,6 +743,7 @@ class Kron(torch.optim.Optimizer):
         for key in ("step", "momentum_buffer", "Q", "q_initialized", "nonfinite_steps"):
             checks.entry(saved, key, f"Kron.load_state_dict: {where}")
         where = f"Kron.load_state_dict: {where}"
+        saved = {**saved, **{k: _positional(saved[k], f"{where}: {k}") for k in ("Q", "lipschitz") if k in saved}}
         expected = [tuple(q.shape) for q in PSGDFactors(
             p.shape, max_size_triangular=group["max_size_triangular"],
             min_ndim_triangular=group["min_ndim_triangular"], memory_save_mode=group["memory_save_mode"],
@@ -756,6 +775,22 @@ class Kron(torch.optim.Optimizer):
 
 
 SCHEDULE_KEY = "kron_schedule"  # the schedule's counters in each parameter's entry (see Kron.state_dict)
+
+
+def _by_position(tensors: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A list of state tensors as a checkpoint holds it: ``{"0": t_0, "1": t_1, ...}``."""
+    return {str(i): t for i, t in enumerate(tensors)}
+
+
+def _positional(value: Any, where: str) -> Any:
+    """The list :func:`_by_position` saved (a list as it is: files written before); ``ValueError``
+    for a dict whose keys are not the positions ``"0"`` to ``"n-1"``."""
+    if not isinstance(value, dict):
+        return value
+    if set(value) != {str(i) for i in range(len(value))}:
+        raise ValueError(f"{where}: expected the tensors by position (keys '0' to '{len(value) - 1}'), "
+                         f"got keys {sorted(map(str, value))}")
+    return [value[str(i)] for i in range(len(value))]
 
 
 def _schedule_from_entries(saved_state: Any) -> dict[str, Any] | None:

@@ -749,15 +749,25 @@ def _dcp_train(model, opt, batches):
         opt.step()
 
 
-def test_a_run_resumed_through_torchs_distributed_checkpoint_api_goes_on_as_the_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
+@pytest.mark.parametrize("update", ["eq", "procrustes"])
+def test_a_run_resumed_through_torchs_distributed_checkpoint_api_goes_on_as_the_uninterrupted_one(
+        tmp_path, flatten, update):
     """get_optimizer_state_dict keeps only "state" and "param_groups", and its load runs one
     step with zero gradients to create the state: the update schedule's counters ride in each
     parameter's entry, so the resumed run is bitwise the uninterrupted one (probe vectors and
-    update decisions follow the counters)."""
+    update decisions follow the counters). With ``flatten_optimizer_state_dict`` every entry
+    must be a tensor, a number or a dict: the factors are saved as a dict by position."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
-    settings = dict(lr=1e-2, precond_dtype=torch.float64, preconditioner_update_probability=0.5)
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    settings = dict(lr=1e-2, precond_dtype=torch.float64, preconditioner_update_probability=0.5,
+                    precond_update=update)
     reference, batches = _dcp_model_and_batches()
     _dcp_train(reference, Kron(reference.parameters(), **settings), batches)
     model, _ = _dcp_model_and_batches()
@@ -765,13 +775,13 @@ def test_a_run_resumed_through_torchs_distributed_checkpoint_api_goes_on_as_the_
     _dcp_train(model, opt, batches[:5])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP's own notices (no process group)
-        dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(tmp_path))
+        dcp.save({"optim": get_optimizer_state_dict(model, opt, options=options)}, checkpoint_id=str(tmp_path))
         resumed, _ = _dcp_model_and_batches()
         resumed.load_state_dict(model.state_dict())
         fresh = Kron(resumed.parameters(), **settings)
-        template = {"optim": get_optimizer_state_dict(resumed, fresh)}
+        template = {"optim": get_optimizer_state_dict(resumed, fresh, options=options)}
         dcp.load(template, checkpoint_id=str(tmp_path))
-        set_optimizer_state_dict(resumed, fresh, template["optim"])
+        set_optimizer_state_dict(resumed, fresh, template["optim"], options=options)
     assert fresh.state_dict()["kron"] == opt.state_dict()["kron"]
     _dcp_train(resumed, fresh, batches[5:])
     for mine, theirs in zip(resumed.parameters(), reference.parameters()):
@@ -1069,7 +1079,9 @@ def _snapshot(model, opt):
               for k, v in opt.state[p].items()} for p in model.parameters()])
 
 
-def _assert_same_as(snapshot, model, opt, skip=("nonfinite_steps",)):
+def _assert_same_as(snapshot, model, opt, skip=("nonfinite_steps", "kron_schedule")):
+    # the schedule's counters (kron_schedule) are the optimizer's, not the parameter's: the step
+    # is counted (with the non-finite ones), as the schedule counts it
     weights, states = snapshot
     for p, w, state in zip(model.parameters(), weights, states):
         assert torch.equal(p, w)
@@ -1101,7 +1113,7 @@ def test_a_bad_tensor_setting_on_a_group_leaves_everything_as_it_was_and_is_coun
     opt.nonfinite_warn_interval = 1
     with pytest.warns(RuntimeWarning, match=f"param group 0: {key} "):
         train_steps(model, opt, 2, 1)
-    _assert_same_as(before, model, opt, skip=())
+    _assert_same_as(before, model, opt, skip=("kron_schedule",))  # the optimizer's counters: the call counts
     # counted per setting and warned about, not as a non-finite gradient
     assert [int(opt.state[p]["nonfinite_steps"]) for p in model.parameters()] == counts
     opt.param_groups[0][key] = opt.defaults[key] if opt.defaults[key] is not None else None
@@ -1318,3 +1330,71 @@ def test_a_step_with_no_gradient_at_all_is_no_step(probability):
     for a, b in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert opt.steps == ref_opt.steps == 6
+
+
+def test_a_state_dict_with_the_factors_as_lists_loads_as_the_one_with_them_by_position():
+    """Files written before the factors were saved as a dict by position hold them as lists:
+    they load, and the run goes on as from the new form."""
+    runs = []
+    for as_lists in (False, True):
+        model, batches = _dcp_model_and_batches()
+        opt = Kron(model.parameters(), lr=1e-2, preconditioner_update_probability=0.5, precond_update="procrustes")
+        _dcp_train(model, opt, batches[:4])
+        saved = copy.deepcopy(opt.state_dict())
+        assert all(isinstance(entry["Q"], dict) for entry in saved["state"].values())
+        if as_lists:
+            for entry in saved["state"].values():
+                for key in ("Q", "lipschitz"):
+                    entry[key] = [entry[key][str(i)] for i in range(len(entry[key]))]
+        resumed, _ = _dcp_model_and_batches()
+        resumed.load_state_dict(model.state_dict())
+        fresh = Kron(resumed.parameters(), lr=1e-2, preconditioner_update_probability=0.5,
+                     precond_update="procrustes")
+        fresh.load_state_dict(saved)
+        _dcp_train(resumed, fresh, batches[4:])
+        runs.append([p.detach().clone() for p in resumed.parameters()])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", [{"0": "x"}, {"1": None}, {"a": None}, {}], ids=["not-tensor", "gap", "name", "empty"])
+def test_factors_by_position_that_are_not_positions_0_to_n_are_refused(bad):
+    model, batches = _dcp_model_and_batches()
+    opt = Kron(model.parameters(), lr=1e-2)
+    _dcp_train(model, opt, batches[:2])
+    saved = copy.deepcopy(opt.state_dict())
+    first = next(iter(saved["state"].values()))
+    q0 = first["Q"]["0"]
+    first["Q"] = {k: (q0 if v is None else v) for k, v in bad.items()}
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match="Q"):
+        opt.load_state_dict(saved)
+    after = opt.state_dict()
+    for x, y in zip(after["state"].values(), before["state"].values()):
+        for q, r in zip(x["Q"].values(), y["Q"].values()):
+            assert torch.equal(q, r)
+
+
+def test_a_run_resumed_through_torchtitans_flat_state_dict_goes_on_as_the_uninterrupted_one():
+    """torchtitan's checkpointer flattens an optimizer's state by the keys of its live entries
+    and creates a fresh one's state with a step of its own before loading: the factors and the
+    schedule's counters come back, and the run is bitwise the uninterrupted one."""
+    utils = pytest.importorskip("torchtitan.components.optimizer.utils",
+                                reason="torchtitan is an optional extra ([torchtitan])")
+    settings = dict(lr=1e-2, precond_dtype=torch.float64, preconditioner_update_probability=0.5,
+                    precond_update="procrustes")
+    reference, batches = _dcp_model_and_batches()
+    _dcp_train(reference, Kron(reference.named_parameters(), **settings), batches)
+    model, _ = _dcp_model_and_batches()
+    opt = Kron(model.named_parameters(), **settings)
+    _dcp_train(model, opt, batches[:5])
+    flat = utils.get_flat_optim_state_dict(opt)
+    resumed, _ = _dcp_model_and_batches()
+    resumed.load_state_dict(model.state_dict())
+    fresh = Kron(resumed.named_parameters(), **settings)
+    utils.init_optim_state(fresh)
+    utils.load_flat_optim_state_dict(fresh, flat)
+    assert fresh.state_dict()["kron"] == opt.state_dict()["kron"]
+    _dcp_train(resumed, fresh, batches[5:])
+    for mine, theirs in zip(resumed.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
