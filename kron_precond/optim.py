@@ -391,6 +391,15 @@ class Kron(torch.optim.Optimizer):
         entries = self._state_entries(state)
         if tensor is None or bound is None or len(bound) != len(entries) or any(
                 a is not b for a, b in zip(bound, entries)):
+            # entries written in without Kron's load (ZeroRedundancyOptimizer's load_state_dict):
+            # the factors as a checkpoint holds them (by position), the 0-dim counters ZeRO puts
+            # on the CPU back on the parameter's device
+            for key in ("Q", "lipschitz"):
+                if isinstance(state.get(key), dict):
+                    state[key] = _positional(state[key], f"Kron: state of parameter {index}: {key}")
+            for key in ("step", "nonfinite_steps"):
+                if isinstance(state.get(key), torch.Tensor) and state[key].device != p.device:
+                    state[key] = state[key].to(p.device)
             tensor = self._make_tensor(p, index, group, 1.0)
             tensor.factors.load_state_dict({"q": state["Q"], "initialized": state["q_initialized"],
                                             "lipschitz": state.get("lipschitz", ())})
