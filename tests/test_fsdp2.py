@@ -45,6 +45,10 @@ SCENARIOS = {
     "kfac-eigen-partly-sharded": (dict(inv_dtype=F64), "1d-partial", True),
     "hsdp-kfac-eigen": (dict(inv_dtype=F64, inv_update_steps=2), "2x2", True),
     "hsdp-psgd-mem": (dict(method="psgd", precond_dtype=F64, grad_worker_fraction=MEM), "2x2", True),
+    "hsdp-ikfac-hybrid": (dict(method="ikfac", inv_dtype=F64, inv_update_steps=2, moment_decay=0.9,
+                               grad_worker_fraction=DistributedStrategy.HYBRID_OPT), "2x2", True),
+    "hsdp-shampoo-mem": (dict(method="shampoo", inv_dtype=F64, inv_update_steps=2, grad_worker_fraction=MEM),
+                         "2x2", True),
 }
 # Saved at world 4; resumed at world 2 on a 1-D mesh (the HSDP one changes topology too).
 GATHERED = "kfac-eigen-mem"  # its gather_state_dict() is compared with one process's state
