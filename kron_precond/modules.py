@@ -198,19 +198,31 @@ class ConvAdapter(KFACAdapter):
     a ``padding_mode`` other than ``"zeros"`` ``_reversed_padding_repeated_twice``, as torch's
     convolutions do; its ``weight`` is ``[out, in, *kernel_size]``."""
 
-    SETTINGS = ("kernel_size", "stride", "dilation", "padding", "padding_mode")
+    SETTINGS = ("kernel_size", "stride", "dilation", "padding", "padding_mode", "groups")
 
     def __init__(self, module: nn.Module) -> None:
+        name = type(module).__name__
         missing = [a for a in self.SETTINGS if not hasattr(module, a)]
         padded = "_reversed_padding_repeated_twice"  # what torch pads by in modes other than zeros
         if getattr(module, "padding_mode", "zeros") != "zeros" and not hasattr(module, padded):
             missing.append(padded)
         if missing:
-            raise TypeError(f"ConvAdapter: {type(module).__name__} has no {', '.join(missing)}: a module read as a "
+            raise TypeError(f"ConvAdapter: {name} has no {', '.join(missing)}: a module read as a "
                             f"convolution holds nn.Conv2d's settings (or register an adapter of its own)")
-        groups = getattr(module, "groups", 1)
-        if groups != 1:
-            raise UnsupportedModule(f"grouped convolution (groups={groups}) is not supported by K-FAC")
+        if getattr(module, "transposed", False):  # its rows are not its input's patches
+            raise TypeError(f"ConvAdapter: {name} is a transposed convolution (transposed=True), whose weight "
+                            f"does not multiply its input's patches: no adapter of the library reads it")
+        weight = getattr(module, "weight", None)
+        spatial = weight.dim() - 2 if isinstance(weight, torch.Tensor) else -1
+        for setting in ("kernel_size", "stride", "dilation", "padding"):
+            value = getattr(module, setting)
+            if setting == "padding" and value in ("same", "valid"):
+                continue
+            if not (isinstance(value, tuple) and len(value) == spatial and all(isinstance(v, int) for v in value)):
+                raise TypeError(f"ConvAdapter: {name}.{setting}={value!r}: expected a tuple of {spatial} ints, one "
+                                f"per spatial dim of its weight (as nn.Conv{max(spatial, 1)}d holds it)")
+        if module.groups != 1:
+            raise UnsupportedModule(f"grouped convolution (groups={module.groups}) is not supported by K-FAC")
         super().__init__(module)
 
     def activation_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -276,7 +288,10 @@ def _pad_like_conv(conv: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tens
 
 # Subclasses whose own forward multiplies its input as the base class's does (the rows are its
 # input): transformers' Falcon projections, ``input @ weight.T + bias``.
-_SAME_ROWS_FORWARD = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
+# torchtitan's row-parallel projection divides its bias by the tensor-parallel degree (1 without
+# tensor parallelism, which the library refuses).
+_SAME_ROWS_FORWARD = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear",
+                                "torchtitan.models.common.linear.ScaledBiasRowwiseLinear"})
 
 
 def overridden_forward(module: nn.Module, base: type, methods: tuple[str, ...]) -> str | None:
@@ -454,6 +469,14 @@ def adapter_lookup(module: nn.Module) -> tuple[Any | None, str, bool]:
                 return None, str(err), isinstance(err, RowsUnknown) and _linear_like(module)
     return None, (f"{type(module).__name__} is not a K-FAC layer kind (Linear, Conv1d/2d/3d, "
                   "GPT-2 style Conv1D, fused MoE experts; see register_adapter)"), _linear_like(module)
+
+
+def _would_take(owners: dict[int, list[str]], name: str, own: Sequence[tuple[str, torch.Tensor]],
+                weight_only: bool) -> bool:
+    """Whether a search would take the module, given an adapter: its parameters belong to it
+    alone, and they train (its weight, for ``weight_only``)."""
+    trains = all(p.requires_grad for n, p in own if n == "weight" or not weight_only)
+    return trains and not tied_elsewhere(owners, name, (p for _, p in own))
 
 
 def _linear_like(module: nn.Module) -> bool:
@@ -653,12 +676,13 @@ def find_kfac_modules(model: nn.Module, is_skipped, log, *, weight_only: bool = 
     for name, module, own, label in _candidates(model, is_skipped, log, elsewhere):
         try:
             adapter, reason, linear_like = adapter_lookup(module)
-        except (TypeError, ValueError) as err:  # a registration's predicate or factory failed: name the module
-            kind = TypeError if isinstance(err, TypeError) else ValueError
-            raise kind(f"{owner}: module {label!r} ({type(module).__name__}): {err}") from err
+        except Exception as err:  # a registration's predicate or factory failed: name the module
+            if hasattr(err, "add_note"):  # Python 3.11+: the exception as raised, with the module's name
+                err.add_note(f"{owner}: raised for module {label!r} ({type(module).__name__})")
+            raise
         if adapter is None:
             log(f"skipping {label}: {reason}")
-            if linear_like:
+            if linear_like and _would_take(owners, name, own, weight_only):
                 unread.append(f"{label!r} ({reason})")
             continue
         if any(True for child in module.children() for _ in child.parameters()):
@@ -667,7 +691,7 @@ def find_kfac_modules(model: nn.Module, is_skipped, log, *, weight_only: bool = 
         unknown = unknown_parameters(adapter, own)
         if unknown:
             log(f"skipping {label}: {unknown}")
-            if _linear_like(module):
+            if _linear_like(module) and _would_take(owners, name, own, weight_only):
                 unread.append(f"{label!r} ({type(module).__name__}: {unknown})")
             continue
         if name in functional:
@@ -690,8 +714,9 @@ def find_kfac_modules(model: nn.Module, is_skipped, log, *, weight_only: bool = 
                 else "its gradient reaches the optimizer unpreconditioned")
         shown = "; ".join(unread[:4]) + (f"; and {len(unread) - 4} more" if len(unread) > 4 else "")
         warnings.warn(f"{owner}: no adapter reads the rows of {len(unread)} Linear-like module"
-                      f"{'s' if len(unread) > 1 else ''}, so {fate}: {shown}. Teach the module kind with "
-                      f"register_adapter, or pass it in skip_layers to leave it out without this warning",
+                      f"{'s' if len(unread) > 1 else ''}, so {fate}: {shown}. Teach a module kind of your own "
+                      f"with register_adapter (torch's transposed convolutions and nn.Bilinear have none), or "
+                      f"pass the module in skip_layers to leave it out without this warning",
                       UserWarning, stacklevel=user_stacklevel())
     return found
 

@@ -111,9 +111,10 @@ def _plain(value: Any) -> Any:
     plain = value.tolist()
     if value.ndim == 1:
         return [_plain(v) for v in plain]
-    # a long double (wider than a Python float) stays a numpy scalar through tolist(): rounded
-    # to the float the step computes in anyway
-    return float(plain) if not isinstance(plain, (int, float, complex)) and hasattr(plain, "__float__") else plain
+    # a real long double (wider than a Python float) stays a numpy scalar through tolist():
+    # rounded to the float the step computes in anyway (a complex one stays refused)
+    real_float = getattr(getattr(plain, "dtype", None), "kind", None) == "f"
+    return float(plain) if real_float and not isinstance(plain, float) else plain
 
 
 def check_group_numbers(owner: str, index: int, group: Mapping[str, Any], rules: Sequence[GroupRule],

@@ -152,8 +152,111 @@ def test_conv_adapter_skips_a_grouped_user_conv_at_construction_naming_the_group
 
 def test_conv_adapter_refuses_a_module_without_a_convs_settings_at_construction():
     register_adapter(BareConv, ConvAdapter)
-    with pytest.raises(TypeError, match=r"'conv'.*kernel_size"):
+    with pytest.raises(TypeError, match=r"BareConv has no kernel_size") as caught:
         KronPreconditioner(ConvNet(BareConv()), method="kfac")
+    assert any("'conv'" in note for note in getattr(caught.value, "__notes__", ["'conv'"]))
+
+
+class IntSettingsConv(UserConv):
+    def __init__(self):
+        super().__init__()
+        self.kernel_size, self.stride, self.dilation, self.padding = 3, 1, 1, 1
+
+
+class NoGroupsConv(UserConv):
+    def __init__(self):
+        super().__init__()
+        del self.groups
+
+
+@pytest.mark.parametrize("make,message", [(IntSettingsConv, r"kernel_size=3: expected a tuple of 2 ints"),
+                                          (NoGroupsConv, r"has no groups"),
+                                          (lambda: nn.ConvTranspose2d(4, 4, 3, padding=1), r"transposed")])
+def test_conv_adapter_refuses_settings_it_cannot_read_at_construction(make, message):
+    """Settings of another form (ints where torch holds tuples), a missing ``groups``, or a
+    transposed convolution (whose weight does not multiply its input's patches: taken, it would
+    be whitened by the wrong rows without an error where its widths match) are refused when the
+    preconditioner is built, not at the first backward."""
+    module = make()
+    register_adapter(type(module), ConvAdapter)
+    with pytest.raises(TypeError, match=message):
+        KronPreconditioner(ConvNet(module), method="kfac")
+
+
+class ShapeError(ValueError):
+    pass
+
+
+def test_an_error_a_factory_raises_keeps_its_class_and_names_the_module():
+    def factory(module):
+        raise ShapeError("bad layout")
+
+    register_adapter(MyLinear, factory)
+    with pytest.raises(ShapeError, match="bad layout") as caught:
+        KronPreconditioner(Net(), method="kfac")
+    if hasattr(caught.value, "add_note"):  # Python 3.11+
+        assert any("'a'" in note and "MyLinear" in note for note in caught.value.__notes__)
+
+
+class TiedHead(MyLinear):
+    pass
+
+
+class TiedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.fc, self.head = nn.Linear(6, 6), TiedHead(6, 11)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.fc(self.emb(idx))))
+
+
+def test_no_warning_for_a_module_that_would_be_left_out_anyway():
+    """A weight tied to another module's, or (for the methods preconditioning ``[W | b]``) a
+    frozen bias, leaves the module out whatever adapter reads it: registering one would change
+    nothing, so the warning does not ask for it."""
+    assert unhandled_warnings(lambda: KronPreconditioner(TiedNet(), method="kfac")) == []
+    assert unhandled_warnings(lambda: WhitenedMuon(TiedNet(), lr=1e-2)) == []
+    frozen_bias = Net()
+    frozen_bias.a.bias.requires_grad_(False)
+    assert unhandled_warnings(lambda: KronPreconditioner(frozen_bias, method="kfac")) == []
+    # WhitenedMuon whitens the weight alone (AdamW takes the bias): that module it would take
+    assert len(unhandled_warnings(lambda: WhitenedMuon(frozen_bias, lr=1e-2))) == 1
+
+
+def test_a_transposed_convolution_is_named_in_the_warning():
+    model = nn.Sequential(nn.ConvTranspose2d(4, 4, 3), nn.Flatten(), nn.Linear(4 * 7 * 7, 2))
+    messages = unhandled_warnings(lambda: KronPreconditioner(model, method="kfac"))
+    assert len(messages) == 1 and "'0'" in messages[0] and "ConvTranspose2d" in messages[0]
+
+
+def test_torchtitans_row_parallel_linear_is_taken_as_its_nn_linear_twin():
+    """torchtitan's ``ScaledBiasRowwiseLinear`` overrides ``forward`` with ``F.linear(input, w,
+    b / tp_degree)``: its rows are its input (tensor parallelism is refused, so the degree is 1).
+    The reference is the same weights in an ``nn.Linear``."""
+    linear = pytest.importorskip("torchtitan.models.common.linear",
+                                 reason="torchtitan is an optional extra ([torchtitan])")
+    torch.manual_seed(0)
+    ours = nn.Sequential(linear.ScaledBiasRowwiseLinear(linear.ScaledBiasRowwiseLinear.Config(
+        in_features=6, out_features=5, bias=True)), nn.Tanh(), nn.Linear(5, 2)).double()
+    twin = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    twin.load_state_dict(ours.state_dict())
+    grads = []
+    for model in (ours, twin):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # taken: no warning either
+            precond = KronPreconditioner(model, method="kfac", lr=0.1, damping=1e-2)
+        assert sorted(precond.layers) == ["0", "2"]
+        torch.manual_seed(1)
+        for _ in range(2):
+            model.zero_grad()
+            model(torch.randn(8, 6, dtype=torch.float64)).square().mean().backward()
+            precond.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize("make,what", [(MyLinear, "MyLinear"), (ScaledLinear, "overrides forward")])

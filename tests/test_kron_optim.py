@@ -1154,6 +1154,14 @@ def test_tensor_settings_make_no_host_sync(monkeypatch):
     train_steps(model, opt, 1, 3)
 
 
+def test_a_complex_numpy_value_is_refused():
+    model = mlp()
+    opt = Kron(model.parameters(), lr=1e-2)
+    train_steps(model, opt, 0, 1)
+    opt.param_groups[0]["lr"] = np.clongdouble(0.02 + 1j)
+    assert_refused_before_anything_moves(model, opt, lambda: train_steps(model, opt, 1, 1), "lr")
+
+
 @pytest.mark.parametrize("value", [torch.tensor([1e-2, 1e-2]), torch.tensor(True), torch.tensor(1)])
 def test_a_tensor_setting_that_is_not_one_floating_number_raises(value):
     model = mlp()
