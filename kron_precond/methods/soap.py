@@ -8,6 +8,7 @@ one warm-started QR step. Here, for a Linear / ConvNd layer with gradient matrix
     statistics steps:  L ← β L + V Vᵀ     R ← β R + Vᵀ V     c ← β c + 1
     refresh steps:     Q_L, Q_R: eigenbases of L / c and R / c, from ``eigh`` the first time
                        and then by one step of subspace iteration, ``Q ← qr((L / c) Q)``
+                       on Q's columns sorted by ``diag(Qᵀ (L / c) Q)``, descending (SOAP's rule)
     every step:        V' = Q_Lᵀ V Q_R      m ← β₂ m + (1 − β₂) V'²
                        V ← Q_L (V' / (√(m / (1 − β₂ᵗ)) + ε)) Q_Rᵀ
 
@@ -194,8 +195,16 @@ class SOAPLayer(GradientMatrix, LayerMethod):
         mass = self._held_mass()
         average = stats[part] / mass.clamp_min(torch.finfo(self.factor_dtype).tiny)
         if self._warm[part]:
-            q, r = torch.linalg.qr(average @ basis)
-            values = r.diagonal().abs()
+            # SOAP's refresh: one QR step on the columns sorted by their estimated eigenvalues
+            # diag(Qᵀ L Q), descending, so that a column keeps its direction when eigenvalues
+            # change order (unsorted, the QR step turns each column toward the eigenvector of its
+            # rank, and the moment entries it carries to another). The result is put back in the
+            # old column order, where the moment (on the gradient workers) already is.
+            power = average @ basis
+            order = torch.argsort((basis * power).sum(0), descending=True, stable=True)
+            restore = torch.argsort(order)
+            q, r = torch.linalg.qr(power[:, order])
+            q, values = q[:, restore], r.diagonal().abs()[restore]
         else:
             result = _descending_eigh(average, f"{self.name}.{part}")
             if result is None:
