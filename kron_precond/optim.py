@@ -334,6 +334,11 @@ class Kron(torch.optim.Optimizer):
         self.__dict__.setdefault("_bound", {})
         self.__dict__.setdefault("_made_with", {})
         self.__dict__.setdefault("_bad_settings", {})
+        if "_schedule" not in self.__dict__:  # and before the counters rode in the live entries
+            self._schedule = torch.zeros(3, dtype=torch.float64)
+            for entry in self.state.values():
+                entry[SCHEDULE_KEY] = self._schedule
+            self._mark_schedule()
 
     @property
     def steps(self) -> int:
@@ -470,7 +475,30 @@ class Kron(torch.optim.Optimizer):
         counters = self._decider.state_dict()
         self._schedule.copy_(torch.tensor([counters["step"], counters["acc"], self._q_updates], dtype=torch.float64))
 
+    def _adopt_written_schedule(self) -> None:
+        """Counters in live entries that are not this optimizer's own tensor were written in
+        without :meth:`load_state_dict` (``ZeroRedundancyOptimizer``'s load copies a checkpoint's
+        entries into the state): they are the saved schedule, loaded here as a load reads them
+        (one host read, on the first step after such a write only)."""
+        written = {key: entry for key, entry in enumerate(self.state.values())
+                   if SCHEDULE_KEY in entry and entry[SCHEDULE_KEY] is not self._schedule}
+        if not written:
+            return
+        extra = _schedule_from_entries({key: {SCHEDULE_KEY: entry[SCHEDULE_KEY].cpu()}
+                                        for key, entry in written.items()})
+        if extra is not None:
+            try:
+                decider = UpdateDecider.checked_state(extra["decider"], "kron.decider")
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"Kron: bad '{SCHEDULE_KEY}' entries written into the state: {err}") from None
+            self._decider.load_state_dict(decider, "kron.decider")
+            self._q_updates = extra["q_updates"]
+        for entry in self.state.values():
+            entry[SCHEDULE_KEY] = self._schedule
+        self._mark_schedule()
+
     def _step(self) -> None:
+        self._adopt_written_schedule()
         tensor_keys = []
         for index, group in enumerate(self.param_groups):  # before anything moves
             validation.check_group_numbers("Kron", index, group, STEP_RULES, optional=("clipnorm", "clipvalue"))

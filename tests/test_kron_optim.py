@@ -831,12 +831,18 @@ def test_an_optimizer_pickled_without_the_state_bindings_steps_as_the_original()
     step(model, opt, 0)
     copy_model, copy_opt = pickle.loads(pickle.dumps((model, opt)))
     del copy_opt.__dict__["_bound"]  # as an older version pickled it
+    del copy_opt.__dict__["_schedule"]  # and before the schedule's counters rode in the live entries
+    for entry in copy_opt.state.values():
+        del entry["kron_schedule"]
     copy_opt.__setstate__(copy_opt.__dict__.copy())
     for seed in (1, 2):
         step(model, opt, seed)
         step(copy_model, copy_opt, seed)
     for a, b in zip(model.parameters(), copy_model.parameters()):
         assert torch.equal(a, b)
+    # its live entries hold the counters' key again: a flattened checkpoint keeps them
+    assert all(entry["kron_schedule"] is copy_opt._schedule for entry in copy_opt.state.values())
+    assert copy_opt._schedule.tolist() == opt._schedule.tolist() == [3.0, 0.0, 3.0]
 
 
 def conv_model(seed=0):

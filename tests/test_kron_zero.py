@@ -1,7 +1,8 @@
 """``ZeroRedundancyOptimizer(optimizer_class=Kron)``: each rank's ``Kron`` steps its partition,
 and ZeRO's ``load_state_dict`` writes the saved entries straight into each rank's state (no
 ``Kron.load_state_dict``): the step must take them as a checkpoint holds them (the factors by
-position) and with the 0-dim counters ZeRO moves to the CPU."""
+position) and with the 0-dim counters ZeRO moves to the CPU, the update schedule's counters
+read from the entries as a torch.distributed.checkpoint load reads them."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from dist_utils import run_workers
 from kron_precond import Kron
 
-SETTINGS = dict(lr=1e-2, precond_dtype=torch.float64, preconditioner_update_probability=1.0,
+SETTINGS = dict(lr=1e-2, precond_dtype=torch.float64, preconditioner_update_probability=0.5,
                 precond_update="procrustes")
 
 
@@ -52,12 +53,17 @@ def _zero_worker(rank, world, out_dir):
     resumed.load_state_dict(model.state_dict())
     fresh = ZeroRedundancyOptimizer(resumed.parameters(), optimizer_class=Kron, **SETTINGS)
     fresh.load_state_dict(torch.load(path, weights_only=False))
-    loaded = {i: [q.clone() for q in fresh.optim._tensor_of(p, j, fresh.optim.param_groups[0], fresh.optim.state[p])
-                  .factors.q]
-              for j, (i, p) in enumerate((i, p) for i, p in enumerate(resumed.parameters()) if p in fresh.optim.state)}
+    def factors(entry):  # as ZeRO wrote it: by position (a checkpoint's form)
+        q = entry["Q"]
+        return [q[str(k)].clone() for k in range(len(q))] if isinstance(q, dict) else [t.clone() for t in q]
+
+    loaded = {i: factors(fresh.optim.state[p]) for i, p in enumerate(resumed.parameters()) if p in fresh.optim.state}
     _train(resumed, fresh, range(3, 5))
+    _train(model, opt, range(3, 5))  # the uninterrupted run
     return {"saved": saved_local, "loaded": loaded,
-            "params": [p.detach().clone() for p in resumed.parameters()]}
+            "params": [p.detach().clone() for p in resumed.parameters()],
+            "uninterrupted": [p.detach().clone() for p in model.parameters()],
+            "counters": (fresh.optim.steps, opt.optim.steps)}
 
 
 @pytest.mark.parametrize("world", [2])
@@ -70,4 +76,10 @@ def test_a_zero_checkpoint_loads_its_factors_and_steps_on(tmp_path, world):
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
     for result in results[1:]:  # ZeRO broadcasts each partition's parameters: ranks identical
         for a, b in zip(result["params"], results[0]["params"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # the schedule's counters ride in the entries ZeRO writes in: the resumed run is the
+    # uninterrupted one (probe vectors and update decisions follow the counters)
+    for result in results:
+        assert result["counters"][0] == result["counters"][1] == 5
+        for a, b in zip(result["params"], result["uninterrupted"]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
