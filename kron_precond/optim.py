@@ -402,9 +402,10 @@ class Kron(torch.optim.Optimizer):
             for key in ("Q", "lipschitz"):
                 if isinstance(state.get(key), dict):
                     state[key] = _positional(state[key], f"Kron: state of parameter {index}: {key}")
-            for key in ("step", "nonfinite_steps"):
-                if isinstance(state.get(key), torch.Tensor) and state[key].device != p.device:
-                    state[key] = state[key].to(p.device)
+            for key, value in list(state.items()):  # a 0-dim parameter's momentum is 0-dim too
+                if (key != SCHEDULE_KEY and isinstance(value, torch.Tensor) and value.dim() == 0
+                        and value.device != p.device):
+                    state[key] = value.to(p.device)
             tensor = self._make_tensor(p, index, group, 1.0)
             tensor.factors.load_state_dict({"q": state["Q"], "initialized": state["q_initialized"],
                                             "lipschitz": state.get("lipschitz", ())})
@@ -476,24 +477,29 @@ class Kron(torch.optim.Optimizer):
         self._schedule.copy_(torch.tensor([counters["step"], counters["acc"], self._q_updates], dtype=torch.float64))
 
     def _adopt_written_schedule(self) -> None:
-        """Counters in live entries that are not this optimizer's own tensor were written in
-        without :meth:`load_state_dict` (``ZeroRedundancyOptimizer``'s load copies a checkpoint's
-        entries into the state): they are the saved schedule, loaded here as a load reads them
-        (one host read, on the first step after such a write only)."""
-        written = {key: entry for key, entry in enumerate(self.state.values())
-                   if SCHEDULE_KEY in entry and entry[SCHEDULE_KEY] is not self._schedule}
-        if not written:
+        """Entries in a checkpoint's form (the factors by position) were written into the state
+        without :meth:`load_state_dict`: ``ZeroRedundancyOptimizer``'s load copies a checkpoint's
+        entries in. Their counters are the saved schedule, loaded here as a load reads them (one
+        host read, on the first step after such a write only). A live entry put back by hand (a
+        copy of one, its factors a list) resets that parameter alone: the schedule stays this
+        optimizer's. Either way the entries then hold this optimizer's counters again."""
+        foreign = [entry for entry in self.state.values()
+                   if SCHEDULE_KEY in entry and entry[SCHEDULE_KEY] is not self._schedule]
+        if not foreign:
             return
-        extra = _schedule_from_entries({key: {SCHEDULE_KEY: entry[SCHEDULE_KEY].cpu()}
-                                        for key, entry in written.items()})
-        if extra is not None:
+        written = {key: {SCHEDULE_KEY: entry[SCHEDULE_KEY].cpu()} for key, entry in enumerate(foreign)
+                   if isinstance(entry.get("Q"), dict)}
+        if written:
             try:
-                decider = UpdateDecider.checked_state(extra["decider"], "kron.decider")
+                extra = _schedule_from_entries(written)
+                decider = None if extra is None else UpdateDecider.checked_state(extra["decider"], "kron.decider")
             except (TypeError, ValueError) as err:
-                raise ValueError(f"Kron: bad '{SCHEDULE_KEY}' entries written into the state: {err}") from None
-            self._decider.load_state_dict(decider, "kron.decider")
-            self._q_updates = extra["q_updates"]
-        for entry in self.state.values():
+                raise ValueError(f"Kron: the '{SCHEDULE_KEY}' entries written into the state (not through "
+                                 f"load_state_dict) are not one schedule's: {err}") from None
+            if extra is not None and decider is not None:
+                self._decider.load_state_dict(decider, "kron.decider")
+                self._q_updates = extra["q_updates"]
+        for entry in foreign:
             entry[SCHEDULE_KEY] = self._schedule
         self._mark_schedule()
 
@@ -826,7 +832,7 @@ def _positional(value: Any, where: str) -> Any:
         return value
     if set(value) != {str(i) for i in range(len(value))}:
         raise ValueError(f"{where}: expected the tensors by position (keys '0' to '{len(value) - 1}'), "
-                         f"got keys {sorted(map(str, value))}")
+                         f"got keys {sorted(map(repr, value))}")
     return [value[str(i)] for i in range(len(value))]
 
 

@@ -1412,3 +1412,30 @@ def test_a_run_resumed_through_torchtitans_flat_state_dict_goes_on_as_the_uninte
     _dcp_train(resumed, fresh, batches[5:])
     for mine, theirs in zip(resumed.parameters(), reference.parameters()):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("how", ["rewind", "from_another"])
+def test_a_live_entry_put_back_by_hand_keeps_the_optimizers_schedule(how):
+    """Writing one parameter's live entry back by hand (a copy saved earlier, or another
+    optimizer's) resets that parameter's state only: the update schedule is the optimizer's
+    and goes on. (Entries in a checkpoint's form, which ZeroRedundancyOptimizer's load writes
+    in, carry the saved schedule instead.)"""
+    model, batches = _dcp_model_and_batches()
+    opt = Kron(model.parameters(), lr=1e-2, preconditioner_update_probability=0.5)
+    weight = next(model.parameters())
+    if how == "rewind":
+        _dcp_train(model, opt, batches[:3])
+        saved = copy.deepcopy(opt.state[weight])
+        _dcp_train(model, opt, batches[3:9])
+    else:
+        other_model, _ = _dcp_model_and_batches()
+        other = Kron(other_model.parameters(), lr=1e-2, preconditioner_update_probability=0.5)
+        _dcp_train(other_model, other, batches[:9])
+        saved = copy.deepcopy(other.state[next(other_model.parameters())])
+        _dcp_train(model, opt, batches[:2])
+    before = opt.state_dict()["kron"]
+    opt.state[weight] = saved
+    _dcp_train(model, opt, batches[9:10])
+    after = opt.state_dict()["kron"]
+    assert after["decider"]["step"] == before["decider"]["step"] + 1
+    assert after["q_updates"] in (before["q_updates"], before["q_updates"] + 1)

@@ -637,7 +637,7 @@ def test_failed_kron_load_changes_nothing(how):
     if how == "missing-momentum":
         del bad["state"][last]["momentum_buffer"]
     elif how == "wrong-shape-q":
-        bad["state"][last]["Q"][0] = torch.zeros(9, 9)
+        bad["state"][last]["Q"]["0"] = torch.zeros(9, 9)  # saved by position
     else:
         bad["kron"] = {"decider": {}}
     with pytest.raises((ValueError, KeyError)):
