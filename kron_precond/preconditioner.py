@@ -280,6 +280,7 @@ class KronPreconditioner:
         self._refreshes = 0  # identical on every rank
         self._pending_statistics: tuple[Any, StepContext, frozenset[str]] | None = None
         self._warned_lr_fallback = False
+        self._warned_lr_override = False  # step(lr=...) unlike the constructor's lr, said once
         self._warned_pending_save = False  # see _pack
         self._weight_growth = WeightGrowth("kron_precond")
         self._warned_frozen_in_part: set[str] = set()
@@ -627,7 +628,14 @@ class KronPreconditioner:
     def _kl_clip_lr(self, step: int, step_lr):
         """kl_clip's lr: the constructor's, else the one given to step(), else 0.1 (warned once)."""
         if self._lr is not None:
-            return validation.check_non_negative("lr", resolve(self._lr, step))
+            lr = validation.check_non_negative("lr", resolve(self._lr, step))
+            if (step_lr is not None and not isinstance(step_lr, torch.Tensor) and step_lr != lr
+                    and not self._warned_lr_override):
+                self._warned_lr_override = True
+                warnings.warn(f"kron_precond: kl_clip reads the lr={lr!r} given at construction, not "
+                              f"step(lr={step_lr!r}): build the preconditioner with lr=None to follow the "
+                              f"optimizer's lr (its schedule)", UserWarning, stacklevel=4)
+            return lr
         if step_lr is not None:
             # An optimizer's lr, which warm-up schedules start at 0: then ν = 1 (no clip).
             if isinstance(step_lr, torch.Tensor):  # a tensor lr (capturable optimizers): no host sync

@@ -200,11 +200,27 @@ def test_standalone_kl_clip_without_lr_warns_once():
         train_standalone(model, precond, 1)
 
 
-def train_standalone(model, precond, step):
+def train_standalone(model, precond, step, lr=None):
     x, y = batch(step)
     model.zero_grad()
     F.mse_loss(model(x), y).backward()
-    precond.step()
+    precond.step() if lr is None else precond.step(lr=lr)
+
+
+def test_an_lr_given_to_step_that_the_constructors_overrides_is_said_once():
+    """The lr given at construction is the one kl_clip reads (the documented precedence): a
+    different lr given to step() (an optimizer's scheduled one) is not followed, which is said
+    once rather than left silent."""
+    model = make_model()
+    precond = KronPreconditioner(model, lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_standalone(model, precond, 0, lr=0.1)  # the same: nothing to say
+    with pytest.warns(UserWarning, match=r"lr=0\.1 given at construction.*step\(lr=0\.05\)"):
+        train_standalone(model, precond, 1, lr=0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_standalone(model, precond, 2, lr=0.02)  # once
 
 
 # ------------------------------------------------------------------ checkpoints
