@@ -477,28 +477,36 @@ class Kron(torch.optim.Optimizer):
         self._schedule.copy_(torch.tensor([counters["step"], counters["acc"], self._q_updates], dtype=torch.float64))
 
     def _adopt_written_schedule(self) -> None:
-        """Entries in a checkpoint's form (the factors by position) were written into the state
-        without :meth:`load_state_dict`: ``ZeroRedundancyOptimizer``'s load copies a checkpoint's
-        entries in. Their counters are the saved schedule, loaded here as a load reads them (one
-        host read, on the first step after such a write only). A live entry put back by hand (a
-        copy of one, its factors a list) resets that parameter alone: the schedule stays this
-        optimizer's. Either way the entries then hold this optimizer's counters again."""
-        foreign = [entry for entry in self.state.values()
-                   if SCHEDULE_KEY in entry and entry[SCHEDULE_KEY] is not self._schedule]
+        """Entries written into the state without :meth:`load_state_dict` hold other counters
+        than this optimizer's own tensor, or none. ``ZeroRedundancyOptimizer``'s load writes a
+        checkpoint's entries (the factors by position) in for every parameter of the partition:
+        when every entry is such a write, their counters are the saved schedule, loaded here as
+        a load reads them (the largest step where they differ: a partition that had no gradient
+        on a step did not count it), with one host read on the first step after the write only.
+        An entry put back by hand among others resets its parameter alone: the schedule stays
+        this optimizer's. Either way every entry then holds this optimizer's counters."""
+        entries = list(self.state.values())
+        foreign = [entry for entry in entries if entry.get(SCHEDULE_KEY) is not self._schedule]
         if not foreign:
             return
-        written = {key: {SCHEDULE_KEY: entry[SCHEDULE_KEY].cpu()} for key, entry in enumerate(foreign)
-                   if isinstance(entry.get("Q"), dict)}
-        if written:
+        counters = [entry.get(SCHEDULE_KEY) for entry in foreign]
+        if len(foreign) == len(entries) and all(
+                isinstance(entry.get("Q"), dict) and isinstance(c, torch.Tensor) and c.shape == (3,)
+                and c.is_floating_point() for entry, c in zip(foreign, counters)):
+            read = torch.stack([c.to(counters[0].device) for c in counters]).cpu()  # one host read
+            if not torch.isfinite(read).all():
+                raise ValueError(f"Kron: the '{SCHEDULE_KEY}' counters written into the state (not through "
+                                 f"load_state_dict) are not finite: {read.tolist()}")
+            step, acc, q_updates = read[int(read[:, 0].argmax())].tolist()
             try:
-                extra = _schedule_from_entries(written)
-                decider = None if extra is None else UpdateDecider.checked_state(extra["decider"], "kron.decider")
+                decider = UpdateDecider.checked_state({"step": int(step), "acc": acc}, "kron.decider")
+                if step != int(step) or q_updates != int(q_updates) or q_updates < 0:
+                    raise ValueError(f"counts must be whole and >= 0, got {step}, {q_updates}")
             except (TypeError, ValueError) as err:
-                raise ValueError(f"Kron: the '{SCHEDULE_KEY}' entries written into the state (not through "
-                                 f"load_state_dict) are not one schedule's: {err}") from None
-            if extra is not None and decider is not None:
-                self._decider.load_state_dict(decider, "kron.decider")
-                self._q_updates = extra["q_updates"]
+                raise ValueError(f"Kron: the '{SCHEDULE_KEY}' counters written into the state (not through "
+                                 f"load_state_dict) are not a schedule's: {err}") from None
+            self._decider.load_state_dict(decider, "kron.decider")
+            self._q_updates = int(q_updates)
         for entry in foreign:
             entry[SCHEDULE_KEY] = self._schedule
         self._mark_schedule()

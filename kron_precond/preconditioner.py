@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import types
 import warnings
 import weakref
@@ -629,12 +630,12 @@ class KronPreconditioner:
         """kl_clip's lr: the constructor's, else the one given to step(), else 0.1 (warned once)."""
         if self._lr is not None:
             lr = validation.check_non_negative("lr", resolve(self._lr, step))
-            if (step_lr is not None and not isinstance(step_lr, torch.Tensor) and step_lr != lr
-                    and not self._warned_lr_override):
+            if (step_lr is not None and not isinstance(step_lr, torch.Tensor) and not self._warned_lr_override
+                    and not math.isclose(float(step_lr), float(lr), rel_tol=1e-6, abs_tol=0.0)):
                 self._warned_lr_override = True
                 warnings.warn(f"kron_precond: kl_clip reads the lr={lr!r} given at construction, not "
                               f"step(lr={step_lr!r}): build the preconditioner with lr=None to follow the "
-                              f"optimizer's lr (its schedule)", UserWarning, stacklevel=4)
+                              f"optimizer's lr (its schedule)", UserWarning, stacklevel=user_stacklevel())
             return lr
         if step_lr is not None:
             # An optimizer's lr, which warm-up schedules start at 0: then ν = 1 (no clip).

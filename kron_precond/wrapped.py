@@ -158,7 +158,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self._iterations.stepped()
         return loss
 
-    def _kl_clip_lr(self) -> float | torch.Tensor:
+    def _kl_clip_lr(self) -> float | torch.Tensor | None:
         """The lr ``kl_clip`` reads (:class:`KlClipLr`)."""
         return self._lr_of_layers(self.param_groups)
 
@@ -309,7 +309,10 @@ class KlClipLr:
         self._held: tuple[tuple, list[int]] | None = None
         self._warned = False
 
-    def __call__(self, groups: list[dict[str, Any]]) -> float | torch.Tensor:
+    def __call__(self, groups: list[dict[str, Any]]) -> float | torch.Tensor | None:
+        precond = self._preconditioner
+        if precond._lr is not None or precond._kl_clip is None:
+            return None  # kl_clip reads the lr given at construction, or is off: nothing to pick
         key = (len(groups), *(id(g) for g in groups))
         if self._held is None or self._held[0] != key:
             registered = {id(p) for layer in self._preconditioner.layers.values() for _, p in layer.params}

@@ -1414,7 +1414,7 @@ def test_a_run_resumed_through_torchtitans_flat_state_dict_goes_on_as_the_uninte
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("how", ["rewind", "from_another"])
+@pytest.mark.parametrize("how", ["rewind", "from_another", "from_a_state_dict"])
 def test_a_live_entry_put_back_by_hand_keeps_the_optimizers_schedule(how):
     """Writing one parameter's live entry back by hand (a copy saved earlier, or another
     optimizer's) resets that parameter's state only: the update schedule is the optimizer's
@@ -1426,6 +1426,10 @@ def test_a_live_entry_put_back_by_hand_keeps_the_optimizers_schedule(how):
     if how == "rewind":
         _dcp_train(model, opt, batches[:3])
         saved = copy.deepcopy(opt.state[weight])
+        _dcp_train(model, opt, batches[3:9])
+    elif how == "from_a_state_dict":  # the checkpoint's form: the factors by position
+        _dcp_train(model, opt, batches[:3])
+        saved = copy.deepcopy(opt.state_dict())["state"][0]
         _dcp_train(model, opt, batches[3:9])
     else:
         other_model, _ = _dcp_model_and_batches()
@@ -1439,3 +1443,36 @@ def test_a_live_entry_put_back_by_hand_keeps_the_optimizers_schedule(how):
     after = opt.state_dict()["kron"]
     assert after["decider"]["step"] == before["decider"]["step"] + 1
     assert after["q_updates"] in (before["q_updates"], before["q_updates"] + 1)
+
+
+def test_every_entry_written_in_a_checkpoints_form_brings_the_largest_saved_schedule():
+    """As ZeroRedundancyOptimizer's load writes a partition's entries in: their counters are the
+    saved schedule. Entries of a partition whose parameters had no gradient on some steps
+    (not counted there) differ; the largest step is taken, not refused (a refusal on one rank
+    would leave the others waiting in ZeRO's broadcast)."""
+    model, batches = _dcp_model_and_batches()
+    opt = Kron(model.parameters(), lr=1e-2, preconditioner_update_probability=0.5)
+    _dcp_train(model, opt, batches[:4])
+    saved = copy.deepcopy(opt.state_dict())
+    entries = list(saved["state"].values())
+    entries[0]["kron_schedule"] = torch.tensor([2.0, 0.0, 1.0], dtype=torch.float64)  # behind the others
+    fresh_model, _ = _dcp_model_and_batches()
+    fresh = Kron(fresh_model.parameters(), lr=1e-2, preconditioner_update_probability=0.5)
+    for p, entry in zip(fresh_model.parameters(), entries):
+        fresh.state[p] = entry
+    _dcp_train(fresh_model, fresh, batches[4:5])
+    assert fresh.steps == opt.steps + 1 == 5
+    assert all(entry["kron_schedule"] is fresh._schedule for entry in fresh.state.values())
+
+
+def test_an_entry_written_in_without_the_counters_gets_the_key_back():
+    """A flattened checkpoint keeps the counters only under a key every live entry holds."""
+    model, batches = _dcp_model_and_batches()
+    opt = Kron(model.parameters(), lr=1e-2)
+    _dcp_train(model, opt, batches[:2])
+    weight = next(model.parameters())
+    entry = copy.deepcopy(opt.state[weight])
+    del entry["kron_schedule"]
+    opt.state[weight] = entry
+    _dcp_train(model, opt, batches[2:3])
+    assert opt.state[weight]["kron_schedule"] is opt._schedule and opt.steps == 3

@@ -567,3 +567,17 @@ def test_a_parameter_frozen_after_the_preconditioner_was_built_need_not_be_stepp
         train(model, opt, 2)
     with pytest.raises(ValueError, match=r"does not step: \['0\.weight'\]"):
         PreconditionedOptimizer(torch.optim.AdamW(model[2].parameters()), precond)
+
+
+@pytest.mark.parametrize("method,precond_lr", [("kfac", 0.1), ("psgd", None)])
+def test_groups_of_other_lrs_say_nothing_when_kl_clip_reads_no_group(method, precond_lr):
+    """kl_clip reads the lr given at construction (K-FAC with lr=) or is off (PSGD): the
+    groups' lrs are not picked from, so neither the largest-lr note nor the override warning
+    is said."""
+    model = make_model()
+    base = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.2},
+                            {"params": model[2].parameters(), "lr": 0.05}])
+    opt = PreconditionedOptimizer(base, KronPreconditioner(model, method=method, lr=precond_lr))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(model, opt, 2)
