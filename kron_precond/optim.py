@@ -494,19 +494,19 @@ class Kron(torch.optim.Optimizer):
                 isinstance(entry.get("Q"), dict) and isinstance(c, torch.Tensor) and c.shape == (3,)
                 and c.is_floating_point() for entry, c in zip(foreign, counters)):
             read = torch.stack([c.to(counters[0].device) for c in counters]).cpu()  # one host read
-            if not torch.isfinite(read).all():
-                raise ValueError(f"Kron: the '{SCHEDULE_KEY}' counters written into the state (not through "
-                                 f"load_state_dict) are not finite: {read.tolist()}")
-            step, acc, q_updates = read[int(read[:, 0].argmax())].tolist()
-            try:
-                decider = UpdateDecider.checked_state({"step": int(step), "acc": acc}, "kron.decider")
-                if step != int(step) or q_updates != int(q_updates) or q_updates < 0:
-                    raise ValueError(f"counts must be whole and >= 0, got {step}, {q_updates}")
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"Kron: the '{SCHEDULE_KEY}' counters written into the state (not through "
-                                 f"load_state_dict) are not a schedule's: {err}") from None
-            self._decider.load_state_dict(decider, "kron.decider")
-            self._q_updates = int(q_updates)
+            # not raised on: each rank reads its own partition's entries, and a raise on one rank
+            # would leave the others waiting in ZeRO's broadcast
+            usable = [row for row in read.tolist() if all(math.isfinite(v) for v in row)
+                      and row[0] == int(row[0]) and row[2] == int(row[2]) and row[0] >= 0 and row[2] >= 0
+                      and 0 <= row[1] < 1]
+            if usable:
+                step, acc, q_updates = max(usable, key=lambda row: row[0])
+                self._decider.load_state_dict({"step": int(step), "acc": acc}, "kron.decider")
+                self._q_updates = int(q_updates)
+            else:
+                warnings.warn(f"Kron: the '{SCHEDULE_KEY}' counters written into the state (not through "
+                              f"load_state_dict) are not a schedule's ({read.tolist()}): this optimizer's own "
+                              f"schedule goes on", RuntimeWarning, stacklevel=4)
         for entry in foreign:
             entry[SCHEDULE_KEY] = self._schedule
         self._mark_schedule()

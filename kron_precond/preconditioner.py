@@ -630,8 +630,12 @@ class KronPreconditioner:
         """kl_clip's lr: the constructor's, else the one given to step(), else 0.1 (warned once)."""
         if self._lr is not None:
             lr = validation.check_non_negative("lr", resolve(self._lr, step))
-            if (step_lr is not None and not isinstance(step_lr, torch.Tensor) and not self._warned_lr_override
-                    and not math.isclose(float(step_lr), float(lr), rel_tol=1e-6, abs_tol=0.0)):
+            try:  # a value step() would refuse with lr=None is not read here either: no comparison
+                differs = (step_lr is not None and not isinstance(step_lr, torch.Tensor)
+                           and not math.isclose(float(step_lr), float(lr), rel_tol=1e-6, abs_tol=0.0))
+            except (TypeError, ValueError):
+                differs = False
+            if differs and not self._warned_lr_override:
                 self._warned_lr_override = True
                 warnings.warn(f"kron_precond: kl_clip reads the lr={lr!r} given at construction, not "
                               f"step(lr={step_lr!r}): build the preconditioner with lr=None to follow the "

@@ -1476,3 +1476,28 @@ def test_an_entry_written_in_without_the_counters_gets_the_key_back():
     opt.state[weight] = entry
     _dcp_train(model, opt, batches[2:3])
     assert opt.state[weight]["kron_schedule"] is opt._schedule and opt.steps == 3
+
+
+def test_counters_written_in_that_are_not_a_schedules_are_said_and_not_raised_on():
+    """Each ZeRO rank reads only its own partition's entries: a raise on one rank would leave
+    the others waiting in ZeRO's broadcast. Entries whose counters are not finite are left
+    out; with none usable, this optimizer's own schedule goes on, said in a warning."""
+    model, batches = _dcp_model_and_batches()
+    opt = Kron(model.parameters(), lr=1e-2, preconditioner_update_probability=0.5)
+    _dcp_train(model, opt, batches[:4])
+    entries = list(copy.deepcopy(opt.state_dict())["state"].values())
+    for entry in entries:
+        entry["kron_schedule"] = torch.tensor([float("nan"), 0.0, 1.0], dtype=torch.float64)
+    fresh_model, _ = _dcp_model_and_batches()
+    fresh = Kron(fresh_model.parameters(), lr=1e-2, preconditioner_update_probability=0.5)
+    _dcp_train(fresh_model, fresh, batches[:2])
+    for p, entry in zip(fresh_model.parameters(), entries):
+        fresh.state[p] = entry
+    with pytest.warns(RuntimeWarning, match="not a schedule's"):
+        _dcp_train(fresh_model, fresh, batches[2:3])
+    assert fresh.steps == 3
+    entries[0]["kron_schedule"] = torch.tensor([3.0, 0.0, 2.0], dtype=torch.float64)  # one usable
+    for p, entry in zip(fresh_model.parameters(), entries):
+        fresh.state[p] = entry
+    _dcp_train(fresh_model, fresh, batches[3:4])
+    assert fresh.steps == 4

@@ -11,6 +11,7 @@ import copy
 import io
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -581,3 +582,13 @@ def test_groups_of_other_lrs_say_nothing_when_kl_clip_reads_no_group(method, pre
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         train(model, opt, 2)
+
+
+@pytest.mark.parametrize("step_lr", [np.array([0.05]), [0.05], "0.05"])
+def test_a_step_lr_that_is_not_read_is_not_compared_either(step_lr):
+    """With an lr given at construction, step()'s is not read: a value of another kind is not
+    converted to compare it (a one-element array raised TypeError)."""
+    model = make_model()
+    precond = KronPreconditioner(model, lr=0.1)
+    train_standalone(model, precond, 0, lr=step_lr)
+    assert precond.steps == 1
