@@ -337,7 +337,8 @@ class Kron(torch.optim.Optimizer):
         if "_schedule" not in self.__dict__:  # and before the counters rode in the live entries
             self._schedule = torch.zeros(3, dtype=torch.float64)
             for entry in self.state.values():
-                entry[SCHEDULE_KEY] = self._schedule
+                if entry:  # an empty one is a parameter without state yet
+                    entry[SCHEDULE_KEY] = self._schedule
             self._mark_schedule()
 
     @property
@@ -485,7 +486,9 @@ class Kron(torch.optim.Optimizer):
         on a step did not count it), with one host read on the first step after the write only.
         An entry put back by hand among others resets its parameter alone: the schedule stays
         this optimizer's. Either way every entry then holds this optimizer's counters."""
-        entries = list(self.state.values())
+        # an empty entry (torch.optim's state is a defaultdict: reading opt.state[p] makes one) is a
+        # parameter without state yet: left empty, its first step makes it
+        entries = [entry for entry in self.state.values() if entry]
         foreign = [entry for entry in entries if entry.get(SCHEDULE_KEY) is not self._schedule]
         if not foreign:
             return

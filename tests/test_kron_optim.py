@@ -1501,3 +1501,26 @@ def test_counters_written_in_that_are_not_a_schedules_are_said_and_not_raised_on
         fresh.state[p] = entry
     _dcp_train(fresh_model, fresh, batches[3:4])
     assert fresh.steps == 4
+
+
+def test_an_entry_read_before_its_parameters_first_step_stays_empty_until_then():
+    """torch.optim's state is a defaultdict: reading ``opt.state[p]`` for a parameter without
+    state makes an empty entry, which its first step must still fill."""
+    model, batches = _dcp_model_and_batches()
+    opt = Kron(model.parameters(), lr=1e-2)
+    weight = next(model.parameters())
+    assert len(opt.state[weight]) == 0  # made by the read
+    _dcp_train(model, opt, batches[:2])
+    assert "Q" in opt.state[weight] and opt.steps == 2
+    fresh_model, _ = _dcp_model_and_batches()
+    fresh = Kron(fresh_model.parameters(), lr=1e-2)
+    _dcp_train(fresh_model, fresh, batches[:1])
+    entries = {p: copy.deepcopy(fresh.state_dict())["state"][i] for i, p in enumerate(fresh_model.parameters())}
+    late = list(fresh_model.parameters())[-1]
+    fresh.state.clear()
+    for p, entry in entries.items():
+        if p is not late:
+            fresh.state[p] = entry  # a partition's entries written in, one parameter without any
+    assert len(fresh.state[late]) == 0
+    _dcp_train(fresh_model, fresh, batches[1:2])
+    assert "Q" in fresh.state[late] and fresh.steps == 2
