@@ -703,9 +703,9 @@ class Kron(torch.optim.Optimizer):
             sd = super().state_dict()
         finally:
             self._optimizer_state_dict_post_hooks = post_hooks
-        counters = self._decider.state_dict()
-        sd["kron"] = {"decider": counters, "q_updates": self._q_updates}
-        schedule = torch.tensor([counters["step"], counters["acc"], self._q_updates], dtype=torch.float64)
+        sd["kron"] = {"decider": self._decider.state_dict(), "q_updates": self._q_updates}
+        self._mark_schedule()  # (current after every step and load; a decider changed by hand too)
+        schedule = self._schedule
         # new dicts: torch's state_dict hands out the live per-parameter ones
         # the factors by position ({"0": Q_0, ...}): torch.distributed.checkpoint's flattened
         # optimizer state dict takes tensors, numbers and dicts only

@@ -630,12 +630,14 @@ class KronPreconditioner:
         """kl_clip's lr: the constructor's, else the one given to step(), else 0.1 (warned once)."""
         if self._lr is not None:
             lr = validation.check_non_negative("lr", resolve(self._lr, step))
-            try:  # a value step() would refuse with lr=None is not read here either: no comparison
-                differs = (step_lr is not None and not isinstance(step_lr, torch.Tensor)
-                           and not math.isclose(float(step_lr), float(lr), rel_tol=1e-6, abs_tol=0.0))
-            except (TypeError, ValueError):
-                differs = False
-            if differs and not self._warned_lr_override:
+            differs = False  # compared until said once; never a tensor (a host read)
+            if not self._warned_lr_override and step_lr is not None and not any(
+                    isinstance(v, torch.Tensor) for v in (step_lr, lr)):
+                try:  # a value step() would refuse with lr=None is not read here either: no comparison
+                    differs = not math.isclose(float(step_lr), float(lr), rel_tol=1e-6, abs_tol=0.0)
+                except (TypeError, ValueError):
+                    pass
+            if differs:
                 self._warned_lr_override = True
                 warnings.warn(f"kron_precond: kl_clip reads the lr={lr!r} given at construction, not "
                               f"step(lr={step_lr!r}): build the preconditioner with lr=None to follow the "
