@@ -415,6 +415,9 @@ def _check_group(index: int, group: dict[str, Any]) -> None:
                                    optional=("weight_decay",) if algorithm == WHITENED else ())
     if algorithm == WHITENED:
         lr_ratio(group.get("adjust_lr_fn", "match_rms_adamw"), (1, 1))
+        if not isinstance(group.get("nesterov", True), bool):  # a string "False" would read as on
+            raise ValueError(f"WhitenedMuon: param group {index} has nesterov={group['nesterov']!r}; "
+                             f"it must be a bool")
 
 
 def _wide_output(view: MatrixView) -> bool:

@@ -331,6 +331,26 @@ def test_an_unknown_lr_adjustment_in_a_param_group_raises():
     assert torch.equal(net.a.weight, before) and not opt.state[net.a.weight]  # no momentum, no factor
 
 
+@pytest.mark.parametrize("value", ["False", 0, None])
+def test_a_non_bool_nesterov_in_a_param_group_raises(value):
+    """``nesterov`` set on a group, or loaded from a checkpoint, must be a bool as the
+    constructor's is: the string "False" would otherwise be stepped as Nesterov on. A failed
+    load and a refused step change nothing."""
+    net = make_net()
+    opt = WhitenedMuon([net.a], lr=LR, nesterov=False)
+    bad = copy.deepcopy(opt.state_dict())
+    bad["param_groups"][0]["nesterov"] = value
+    with pytest.raises(ValueError, match="nesterov"):
+        opt.load_state_dict(bad)
+    assert opt.param_groups[0]["nesterov"] is False
+    opt.param_groups[0]["nesterov"] = value
+    net.a(torch.randn(4, net.a.in_features, dtype=torch.float64)).sum().backward()
+    before = net.a.weight.detach().clone()
+    with pytest.raises(ValueError, match="nesterov"):
+        opt.step()
+    assert torch.equal(net.a.weight, before) and not opt.state[net.a.weight]
+
+
 def test_by_default_only_the_layers_without_a_bias_are_centred(monkeypatch):
     """``center_inputs=None``: the biased layer ``a`` is whitened by its inputs' second moment,
     the bias-free ``b`` by their covariance; ``True`` centres both."""
