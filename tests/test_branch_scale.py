@@ -142,3 +142,26 @@ def test_ranks_match_one_process_on_the_full_batch(world, tmp_path):
             assert all(identical), f"{name}: ranks differ"
             assert relative_gap(run, reference, initial) < 1e-10, f"{name} rank {rank}"
             torch.testing.assert_close(g_run, g_reference, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_unequal_micro_batches_under_a_loss_over_the_step_match_one_process(name):
+    """Micro-batches of 5, 8 and 11 rows, each loss summed and divided by the step's elements
+    (HF Trainer's ``num_items_in_batch``): the gradient is one process's, and so are G and the
+    parameters."""
+    kw = METHODS[name]
+    reference, g_reference, _ = train(kw, 1)
+    model = make_net()
+    precond = KronPreconditioner(model, accumulation_steps=3, inv_dtype=F64, **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad(set_to_none=True)
+        for xs, ys in zip(x.split([5, 8, 11]), y.split([5, 8, 11])):
+            (F.mse_loss(model(xs), ys, reduction="sum") / y.numel()).backward()
+        precond.step()
+        opt.step()
+        run.append(flat(model))
+    assert relative_gap(run, reference, flat(make_net())) < 1e-10
+    torch.testing.assert_close(precond.layers["b"].g_factor, g_reference, rtol=1e-10, atol=1e-14)
