@@ -152,6 +152,12 @@ class WhiteningStatistics:
         centered: ``id(param)`` of the parameters whose input side is centred.
         damping, output_damping, factor_decay, statistics_rows, root, block_size, process_group: as
             :class:`~kron_precond.WhitenedMuon` (``output_damping=None``: ``damping``).
+
+    ``loss_over_all_ranks`` (an attribute, ``False``): each rank's loss is its share of the
+    global batch's mean and the gradients are summed (torchtitan, whose container sets it),
+    rather than its own mean with the gradients averaged (DDP). The whiteners do not depend on
+    it (the damping is relative to each factor's trace); the factors' scale does, and with it
+    a running average carried into a run on another number of ranks.
     """
 
     def __init__(self, state: dict, views: dict[int, MatrixView], due: Callable[[torch.Tensor], bool], *,
@@ -165,6 +171,7 @@ class WhiteningStatistics:
         self.damping, self.factor_decay, self.statistics_rows = damping, factor_decay, statistics_rows
         self.output_damping = damping if output_damping is None else output_damping
         self.root, self.block_size, self.process_group = root, block_size, process_group
+        self.loss_over_all_ranks = False
         # (id(param), side) -> [row-product sums [k, blocks, b, b], row counts [k]] since the last refresh
         # (an output side's: [unscaled sums, row counts, each unit's step count [k]]);
         # a centred input side: [scatter about each call's mean, counts, row sums [k, width] (float64),
@@ -353,17 +360,19 @@ class WhiteningStatistics:
         return zeros
 
     # -- refresh -----------------------------------------------------------------------
-    def _all_reduce_pending(self, keys: list[tuple[int, str]]) -> None:
+    def _all_reduce_pending(self, keys: list[tuple[int, str]]) -> int:
+        """Sum the pending sums and counts of ``keys`` over the ranks; returns their number."""
         group = self.process_group
         world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         if world <= 1:
-            return
+            return world
         # the engine's bucketed all-reduce; each block is symmetric, so only its upper triangle travels
         # (counts and row sums flattened: a [k, width] sum with k == width is not a symmetric matrix)
         tensors = [t for key in keys for t in (*self.pending[key][0].flatten(0, 1).unbind(0),
                                                *(p.view(-1) for p in self.pending[key][1:3]),
                                                *(p for m in self.pending[key][3:] for p in m.flatten(0, 1).unbind(0)))]
         collectives.all_reduce(tensors, group=group, cap_bytes=ALLREDUCE_BUCKET_BYTES, symmetric=True).wait()
+        return world
 
     @torch.no_grad()
     def refresh(self, params: Iterable[torch.Tensor]) -> None:
@@ -377,11 +386,18 @@ class WhiteningStatistics:
                 if key not in self.pending:
                     self.pending[key] = self._zeros(p, side, torch.promote_types(p.dtype, torch.float32), p.device)
                 keys.append((key, p))
-                if side == "output":
-                    # each rank's rows by its own step's count, before they are summed over ranks
-                    total, count, steps = self.pending[key]
-                    self.pending[key] = [total.mul_(steps.square()[:, None, None, None]), count]
-        self._all_reduce_pending([key for key, _ in keys])
+        # the output side's counts are summed over ranks with its sums (_all_reduce_pending)
+        world = self._all_reduce_pending([key for key, _ in keys])
+        for key, _ in keys:
+            if key[1] == "output":
+                # Under a mean loss every row's gradient carries 1/N, N the rows the loss averages:
+                # the step's count summed over ranks, divided by the ranks where each rank's loss
+                # is its own mean (their gradients averaged), not where it is its share of the
+                # global mean (summed). A layer some ranks or micro-batches do not call so gets
+                # one process's scale on the full batch.
+                total, count, steps = self.pending[key]
+                scale = steps if self.loss_over_all_ranks or world == 1 else steps / world
+                self.pending[key] = [total.mul_(scale.square()[:, None, None, None]), count]
         # The factors of one layout are updated and decomposed as one batch: a refresh costs a
         # fixed number of ops per layout, not per matrix (it runs every step with statistics_every=1).
         layouts: dict[tuple, list[tuple[dict, str, torch.Tensor, torch.Tensor, MatrixView]]] = {}

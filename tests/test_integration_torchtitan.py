@@ -251,6 +251,9 @@ def test_whitened_muon_override_keeps_the_stock_adamw_settings_for_its_adamw_hal
     assert groups["whitened_muon"]["lr"] == 0.05 and groups["whitened_muon"]["momentum"] == 0.8
     assert groups["adamw"]["lr"] == 1e-2 and groups["adamw"]["param_names"] == ["0.0.bias", "1.weight", "1.bias"]
     assert groups["whitened_muon"]["param_names"] == ["0.0.weight"]
+    # torchtitan divides each rank's summed loss by the global batch's tokens: the output side's
+    # count is the one summed over ranks (tests/test_whitened_muon_rank_loss.py)
+    assert optimizer._statistics.loss_over_all_ranks is True
     with pytest.raises(ValueError, match="nope"):
         whitened_muon_optimizers(default_adamw(lr=1e-2), nope=1)
     # torchtitan's flat, FQN-keyed state resumes bitwise in a new container

@@ -257,6 +257,11 @@ class WhitenedMuonOptimizersContainer(OptimizersContainer):
 
     Checkpoints are torchtitan's own FQN-keyed optimizer state (the param groups carry
     ``param_names``): a DCP checkpoint resumes on another number of ranks.
+
+    torchtitan divides each rank's summed token loss by the tokens of the global batch, where
+    DDP's loss is each rank's own mean: the container tells the optimizer, so that the output
+    side's factors keep one process's scale at every world size (the whiteners do not depend on
+    it; a running average resumed on another number of ranks does).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -293,6 +298,9 @@ class WhitenedMuonOptimizersContainer(OptimizersContainer):
                             options[keyword] = agreed
         self.model_parts = model_parts
         optimizer = WhitenedMuon(model, skip_layers=_patterns(config.skip_layers), **options)
+        # torchtitan divides each rank's summed token loss by the tokens of the global batch: the
+        # output side's factors keep one process's scale, also into a run on another number of ranks
+        optimizer._statistics.loss_over_all_ranks = True
         if stock is not None:
             stock.split(optimizer, config.options)
         for group in optimizer.param_groups:  # as torchtitan's checkpoints spell them
