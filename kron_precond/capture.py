@@ -14,14 +14,11 @@ than a module full-backward hook) keeps working when an in-place activation foll
 module. Hooks do nothing in ``eval()`` mode, under ``no_grad``, or on steps whose statistics
 are not gathered.
 
-Each call's output-gradient rows come with its count ``n`` (the rows of the call for
-Linear-like modules, per-token means; the batch size for convolutions, per-sample means; the
-tokens of the call for routed experts: ``KFACAdapter.gradient_scale``,
-:mod:`kron_precond.experts`). The method sums the rows unscaled and the counts of the step's
-backward passes; with the passes counted here (``counts_passes``) it scales the step's sums
-once they are summed over ranks, so that for the usual mean losses the factors depend on
-neither the batch size nor the sequence length, nor on how the step's rows were split
-(docs/API.md).
+Output gradients are rescaled so that, for the usual mean losses, the factors depend on
+neither the batch size nor the sequence length: ``δ = grad · n · accumulation_steps`` with
+``n`` the rows of the call for Linear-like modules (per-token means), the batch size for
+convolutions (per-sample means) and the tokens of the call for routed experts; see
+``KFACAdapter.gradient_scale``, :mod:`kron_precond.experts` and docs/API.md.
 
 Under ``torch.compile(model)`` the observation runs outside the compiled graph
 (``torch.compiler.disable``): inductor cannot compile a graph that writes our statistics
@@ -53,8 +50,7 @@ class ActivationCapture:
             :mod:`kron_precond.modules`), ``slot`` (the unit's key in them) and ``method``
             (``observe_activations`` / ``observe_output_grads``). Layers of one module (the
             experts of a fused experts module) share one hook.
-        counts_passes: count the backward passes that read output gradients since the last
-            :meth:`take_passes` (the micro-batches of a step, on this rank).
+        accumulation_steps: backward passes per optimizer step.
         loss_scale: returns the current loss scale to divide out of output gradients, or
             ``None`` (no mixed-precision scaler).
         before_write: called before the first write of a step's statistics (so that a
@@ -67,14 +63,13 @@ class ActivationCapture:
             may read them is decided at construction; set to ``False`` later, none does.
     """
 
-    def __init__(self, layers: Sequence, *, counts_passes: bool = False,
+    def __init__(self, layers: Sequence, *, accumulation_steps: int,
                  loss_scale: Callable[[], float | torch.Tensor | None],
                  before_write: Callable[[], None],
                  before_observe: Callable[[Any], None] = lambda layer: None,
                  output_grads: bool | Callable[[Any], bool] = True) -> None:
         self.output_grads = output_grads
-        self.counts_passes = counts_passes
-        self._passes: set[int] = set()  # the graph tasks of the backward passes read since take_passes
+        self.accumulation_steps = accumulation_steps
         self._loss_scale = loss_scale
         self._before_write = before_write
         self._before_observe = before_observe
@@ -219,8 +214,6 @@ class ActivationCapture:
                 if passes[0] == 2 and not self._warned_repeated_pass:
                     self._warn_repeated_pass(units)
             _backward.pass_of_call = pass_of_call if pass_of_call >= 0 else graph_task()
-            if self.counts_passes:
-                self._passes.add(_backward.pass_of_call)
             try:
                 self._observe_output_grads(adapter, units, grad, context, calls)
             finally:
@@ -259,7 +252,7 @@ class ActivationCapture:
                 if loss_scale is not None:
                     dtype = getattr(layer.method, "statistics_dtype", None) or layer.method.factor_dtype
                     rows = rows.to(dtype) / loss_scale
-                scale = float(scale)
+                scale = float(scale * self.accumulation_steps)
                 call = calls.get(slot)
                 if call is None:
                     layer.method.observe_output_grads(rows, scale)
@@ -274,12 +267,6 @@ class ActivationCapture:
                     count_call = getattr(layer.method, "count_output_call", None)
                     if count_call is not None and slot not in scales:
                         count_call(default)
-
-    def take_passes(self) -> int:
-        """The backward passes that read output gradients since the last call (the step's
-        micro-batches on this rank, however many calls of a module each reached), and forget them."""
-        passes, self._passes = len(self._passes), set()
-        return passes
 
     def remove(self) -> None:
         for handle in self._handles:

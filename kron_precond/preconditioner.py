@@ -300,7 +300,7 @@ class KronPreconditioner:
         self._schedule.refreshes(0)
         if self._spec.captures:
             refuse_fullgraph(given, [layer.module for layer in self._layers], "KronPreconditioner")
-        self._capture = (ActivationCapture(self._layers, counts_passes=self._spec.captures_output_grads,
+        self._capture = (ActivationCapture(self._layers, accumulation_steps=self._accumulation_steps,
                                            loss_scale=loss_scale, before_write=weakly(self._wait_for_statistics),
                                            before_observe=weakly(self._follow_parameters),
                                            output_grads=self._spec.captures_output_grads)
@@ -355,6 +355,8 @@ class KronPreconditioner:
         value = validation.check_int("accumulation_steps", value)
         self._accumulation_steps = value
         self._forwards_per_step = None  # the next step's count is the new one's
+        if self._capture is not None:  # the hooks read the capture's copy
+            self._capture.accumulation_steps = value
 
     def _check_accumulation(self) -> None:
         """Warn if the model's training forwards before the first step differ from
@@ -469,7 +471,6 @@ class KronPreconditioner:
             self.discard_statistics()
             return
         self._check_accumulation()
-        passes = self._capture.take_passes() if self._capture is not None else 0
         self._report_unfrozen()
         with torch.no_grad(), autocast_disabled():
             self._health.poll()
@@ -484,8 +485,6 @@ class KronPreconditioner:
                          for layer in self._layers}
             if ctx.statistics:
                 self._statistics_steps += 1
-                for layer in self._layers:
-                    layer.method.close_window(passes, self._accumulation_steps)
                 self._fold_or_reduce(ctx, passed)
             for layer in self._layers:
                 layer.method.observe_gradients(grads[layer.name], ctx)
@@ -603,8 +602,6 @@ class KronPreconditioner:
         found an overflow."""
         self._wait_for_statistics()  # a reduction still in flight belongs to the last step
         self._forwards_since_step[0] = 0  # the abandoned iteration's forwards were no micro-batches
-        if self._capture is not None:  # nor its backward passes
-            self._capture.take_passes()
         for layer in self._layers:
             layer.method.discard_statistics()
 

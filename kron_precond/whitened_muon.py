@@ -833,7 +833,7 @@ class WhitenedMuon(torch.optim.Optimizer):
         self._undecided_attention = [a.weight for a in self._packed.values() if not a.separate]
         if isinstance(params, nn.Module):
             refuse_fullgraph(params, [layer.module for layer in layers], "WhitenedMuon")
-        self._capture = ActivationCapture(layers, loss_scale=loss_scale,
+        self._capture = ActivationCapture(layers, accumulation_steps=1, loss_scale=loss_scale,
                                           before_write=lambda: None,
                                           output_grads=lambda layer: id(layer.method.param) in outputs)
         self._capture.collecting = True

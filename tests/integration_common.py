@@ -121,7 +121,7 @@ class FactorLog:
         step = precond.step
 
         def counting_step(*args, **kwargs):  # [rows seen by A, rows seen by G] this step
-            self.rows.append([int(n) for n in layer.method.shared_statistics()[-1][:2].tolist()])
+            self.rows.append([int(n) for n in layer.method.shared_statistics()[-1].tolist()])
             return step(*args, **kwargs)
 
         def record(*_):

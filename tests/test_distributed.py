@@ -253,14 +253,13 @@ def _scenario_equivalence(world, rank, counter):
 
 def _factor_bytes(precond, symmetric: bool) -> int:
     """Bytes of one factor step's reduction: the A and G sums (upper triangles when
-    symmetric) plus each layer's four counts (the two row counts, the output-gradient count
-    and the backward passes; float32 or the factor dtype if wider)."""
+    symmetric) plus each layer's two row counts (float32 or the factor dtype if wider)."""
     total = 0
     for layer in precond.layers.values():
         for factor in (layer.a_factor, layer.g_factor):
             n = factor.shape[0]
             total += (n * (n + 1) // 2 if symmetric else n * n) * factor.element_size()
-        total += 4 * max(4, layer.a_factor.element_size())
+        total += 2 * max(4, layer.a_factor.element_size())
     return total
 
 

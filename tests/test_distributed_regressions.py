@@ -188,12 +188,8 @@ def r03_reference(name: str, world: int) -> dict:
             out = model(shard(x, r, world), r in runs_b(cfg["pattern"], step, world))
             (F.mse_loss(out, shard(y, r, world)) / world).backward()
         if kfac.factor_step:
-            # one process on the full batch, b on the rows of the ranks that run it: its δ is
-            # scaled by those rows, the others' by the whole batch's
-            routed = len(runs_b(cfg["pattern"], step, world))
             for layer_name in layers:
-                calls = routed if layer_name == "b" else world
-                kfac.observe(layer_name, *capture.rows(layer_name, grad_scale=n * calls))
+                kfac.observe(layer_name, *capture.rows(layer_name, grad_scale=n * world))
         new = kfac.precondition({k: grad_matrix(m) for k, m in layers.items()})
         for k, m in layers.items():
             write_grad_matrix(m, new[k])

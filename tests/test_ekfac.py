@@ -56,26 +56,21 @@ class DenseEKFAC:
         self.weight = 0.0
         self.statistics_seen = 0
 
-    def count(self, x: torch.Tensor) -> int:
-        """A call's n: its rows for a Linear (every leading index), its batch size for a conv."""
-        conv = isinstance(self.module, nn.modules.conv._ConvNd)
-        return x.shape[0] if conv else x[..., 0].numel()
-
-    def rows(self, x: torch.Tensor, out: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ã rows with the ones column if biased, δ rows = grad · scale) of one call."""
+    def rows(self, x: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ã rows with the ones column if biased, δ rows = grad · n · accumulation) of one call,
+        n = the call's rows for a Linear (every leading index), its batch size for a conv."""
         conv = isinstance(self.module, nn.modules.conv._ConvNd)
         a = conv_patch_rows(x, self.module) if conv else x.reshape(-1, x.shape[-1])
         if self.module.bias is not None:
             a = with_ones(a)
-        g = output_grad_rows(out.grad, conv) * scale
+        n = x.shape[0] if conv else a.shape[0]
+        g = output_grad_rows(out.grad, conv) * n * self.accumulation_steps
         return a.to(DT), g.to(DT)
 
     def step(self, step: int, calls: list[tuple[torch.Tensor, torch.Tensor]], grad: torch.Tensor) -> torch.Tensor:
         statistics = step % self.factor_every == 0
         if statistics:
-            # each call one micro-batch's backward pass: δ = grad · accumulation_steps · Σ n / passes
-            scale = self.accumulation_steps * sum(self.count(x) for x, _ in calls) / len(calls)
-            pairs = [self.rows(x, out, scale) for x, out in calls]
+            pairs = [self.rows(x, out) for x, out in calls]
             a = torch.cat([p[0] for p in pairs])
             g = torch.cat([p[1] for p in pairs])
             if self.q_a is not None:  # s in the basis the rows were projected on
@@ -290,7 +285,7 @@ def test_layers_of_one_shape_with_different_dampings_each_take_their_own():
 
 def test_accumulated_micro_batches_pool_their_rows():
     """Two backward passes per step (losses divided by 2): s is the mean over both
-    micro-batches' rows, δ scaled by their rows (the rows of the step: 2 · their mean)."""
+    micro-batches' rows, δ scaled by batch · accumulation_steps."""
     torch.manual_seed(4)
     model = _linear_net(True).to(DT)
     precond = KronPreconditioner(model, method="ekfac", kl_clip=None, damping=1e-2, factor_decay=0.7,

@@ -148,10 +148,7 @@ def _dcp_state(run: Run) -> dict:
 
 
 def _memory(run: Run) -> int:
-    """The preconditioner's state, less its statistics buffers: between steps they hold only
-    K-FAC's per-layer counts, which every rank keeps (the reduction sends the same layout
-    from every rank), so they are copied by design, not split."""
-    return sum(v for kind, v in run.precond.memory_usage().items() if kind != "statistics")
+    return sum(run.precond.memory_usage().values())
 
 
 # ----------------------------------------------------------------------------- workers

@@ -41,7 +41,7 @@ def test_registers_every_block_linear_but_lm_head(tiny):
 def test_figures_match_formulas(tiny, world):
     shapes = SHAPES * BLOCKS
     grads = sum(4 * a * g for a, g in shapes)
-    statistics = sum(4 * (a * a + g * g + 4) for a, g in shapes)  # sums + 2 row counts, the count, the passes
+    statistics = sum(4 * (a * a + g * g + 2) for a, g in shapes)  # sums + 2 row counts
     # EIGEN: per factor Q (n²) + eigenvalues (n) + validity flag (1); cached 1/(d_G d_Aᵀ+λ)
     applied = sum(4 * (a * a + a + 1 + g * g + g + 1 + a * g) for a, g in shapes)
     factors = sum(4 * (a * a + g * g) for a, g in shapes)

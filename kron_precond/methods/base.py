@@ -112,15 +112,9 @@ class LayerMethod(abc.ABC):
         raise NotImplementedError
 
     def observe_output_grads(self, rows: torch.Tensor, scale: float, call: Any = None) -> None:
-        """Output-gradient rows ``[N, out]`` of one backward call and the call's count ``scale``
-        (the rows a mean loss divides the call's gradients by); ``call`` is what
-        ``observe_activations`` returned for the same call."""
+        """Output-gradient rows ``[N, out]`` of one backward call, to be multiplied by ``scale``;
+        ``call`` is what ``observe_activations`` returned for the same call."""
         raise NotImplementedError
-
-    def close_window(self, passes: int, accumulation_steps: int) -> None:  # noqa: B027 (optional hook, a no-op by default)
-        """Called on statistics steps before :meth:`shared_statistics`: the backward passes that
-        read output gradients on this rank since the last step, and the micro-batches the
-        step's mean loss is spread over (``KronPreconditioner(accumulation_steps=)``)."""
 
     def observe_gradients(self, grads: Sequence[torch.Tensor | None], ctx: StepContext) -> None:  # noqa: B027 (optional hook, a no-op by default)
         """The raw gradients of this step (``None`` where a parameter has none), on every rank."""

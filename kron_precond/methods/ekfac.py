@@ -129,8 +129,7 @@ class EKFACLayer(KFACLayer):
 
     def observe_output_grads(self, rows: torch.Tensor, scale: float, call: Any = None) -> None:
         """Accumulate G's statistics and, paired with the same call's activation token,
-        ``Σ (Q_Gᵀ g)² (Q_Aᵀ ã)²ᵀ`` over the unscaled rows ``g``, scaled by ``c²`` at the fold
-        (``δ = c · g``, :meth:`output_scale`)."""
+        ``Σ (Q_Gᵀ δ)² (Q_Aᵀ ã)²ᵀ`` over the rows (``δ = scale · rows``)."""
         super().observe_output_grads(rows, scale)
         if call is None:  # activations of this call were not seen: nothing to pair
             return
@@ -139,7 +138,7 @@ class EKFACLayer(KFACLayer):
             raise RuntimeError(f"kron_precond: {self.name} saw {activation_rows} activation rows but "
                                f"{rows.shape[0]} output-gradient rows in one call")
         rows, usable = self.usable_rows(rows)
-        projected = (rows.to(self._work_dtype) @ self._basis("G")).square_()  # scaled by c² at the fold
+        projected = (rows.to(self._work_dtype) @ self._basis("G")).mul_(scale).square_()
         self._held_s_sum().view(self.g_dim, self.a_dim).addmm_(projected.t().to(self.scaling_dtype),
                                                          call.to(self.scaling_dtype))
         self._s_rows.add_(usable.to(self._s_rows.dtype) * rows.shape[0])
@@ -179,8 +178,7 @@ class EKFACLayer(KFACLayer):
 
     def _fold_scaling(self, decay: float) -> None:
         rows = self._s_rows[0]
-        mean = self._held_s_sum().view(self.g_dim, self.a_dim) / rows.clamp_min(1.0).to(self.scaling_dtype)
-        new = self._pooled(mean * self.output_scale().square().to(self.scaling_dtype))
+        new = self._pooled(self._held_s_sum().view(self.g_dim, self.a_dim) / rows.clamp_min(1.0).to(self.scaling_dtype))
         finite = torch.isfinite(new).all()
         has_rows = rows > 0
         # rows projected on a basis that never held data say nothing

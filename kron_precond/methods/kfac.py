@@ -4,20 +4,13 @@ For a layer with gradient matrix ``∇ = [W | b]`` of shape ``[out, in(+1)]`` th
 block is approximated by ``G ⊗ A`` with
 
     A = mean_rows(ã ãᵀ)      ã = activation row with a trailing 1 when there is a bias
-    G = mean_rows(δ δᵀ)      δ = output gradient · c,   c = k · Σ n / passes
+    G = mean_rows(δ δᵀ)      δ = output gradient · n · accumulation steps
 
-where ``n`` is the count of a call (the rows of the call for a Linear-like layer: ``B`` for
-a ``[B, D]`` input, ``B·T`` for ``[B, T, D]`` or ``[T, B, D]``; the batch size for a
-convolution; :meth:`KFACAdapter.gradient_scale`), ``Σ n`` sums the first call of the layer
-in each backward pass of the step over the step's passes and the ranks, ``passes`` counts
-those passes (every layer's, the micro-batches of every rank) and ``k`` is
-``accumulation_steps``, the micro-batches the step's mean loss is spread over. For the
-usual mean losses (per sample, per token) neither factor then depends on the batch size or
-the sequence length, and one damping value means the same at any batch size, sequence
-length or world size. And a layer that only part of the step's rows reach (a routed
-branch, an expert of its own) gets ``c`` from all the rows it saw over the step, as in one
-process on the full batch, however they fell into micro-batches or onto ranks: each call's
-rows are summed unscaled and the step's sums scaled by ``c²`` after they are summed over ranks.
+where ``n`` is the number of rows of the call for a Linear-like layer (``B`` for a
+``[B, D]`` input, ``B·T`` for ``[B, T, D]`` or ``[T, B, D]``) and the batch size for a
+convolution, so that for the usual mean losses (per sample, per token) neither factor
+depends on the batch size or the sequence length, and one damping value means the same
+at any batch size, sequence length or world size (:meth:`KFACAdapter.gradient_scale`).
 
 Preconditioning (``compute_method``):
 
@@ -45,7 +38,6 @@ from typing import TYPE_CHECKING, Any, Hashable, Sequence, cast
 import torch
 
 from kron_precond import validation as check
-from kron_precond.capture import backward_pass
 from kron_precond.enums import ComputeMethod
 from kron_precond.methods import state_checks as checks
 from kron_precond.methods.base import (
@@ -133,12 +125,7 @@ class KFACLayer(GradientMatrix, LayerMethod):
         # layer holds its factors and decompositions, nothing else.
         self._a_sum: torch.Tensor | None = None
         self._g_sum: torch.Tensor | None = None
-        # [A rows, G rows, Σ n (the first call's count per backward pass), backward passes
-        # (less those whose rows were not finite)]: summed over ranks with the sums (see the
-        # module docstring's c)
-        self._rows = torch.zeros(4, dtype=self.statistics_dtype, device=device)
-        self._counted_pass = -2  # the backward pass (graph task) whose count Σ n holds last
-        self._accumulation_steps = 1.0  # this statistics step's (close_window)
+        self._rows = torch.zeros(2, dtype=self.statistics_dtype, device=device)
         # Whether A / G hold data (on device: deciding it must not need a host sync).
         self._seen = torch.zeros(2, dtype=torch.bool, device=device)
         # Consecutive factor steps in which A / G received no rows (on device): a layer
@@ -189,48 +176,17 @@ class KFACLayer(GradientMatrix, LayerMethod):
         self._rows[0].add_(count)  # counted on the device: no host round trip
 
     def observe_output_grads(self, rows: torch.Tensor, scale: float, call: Any = None) -> None:
-        """Accumulate the unscaled ``Σ g gᵀ`` (``Σ g²`` for a diagonal G) of output-gradient rows
-        ``[N, out]``, and the call's count ``scale`` if it is the layer's first call in this
-        backward pass (``call`` is not needed here). A call whose rows are not finite is left
-        out (:meth:`usable_rows`)."""
+        """Accumulate ``Σ δ δᵀ`` (``Σ δ²`` for a diagonal G) for output-gradient rows
+        ``[N, out]``, ``δ = scale · rows`` (``call`` is not needed here). A call whose rows are
+        not finite is left out (:meth:`usable_rows`)."""
         self.check_row_width(rows, "output")
         rows, usable = self.usable_rows(rows)
         _, g_sum = self._allocate_statistics()
         if self.diagonal["G"]:
-            g_sum.add_(rows.square().sum(0))
+            g_sum.add_(rows.square().sum(0), alpha=scale * scale)
         else:
-            g_sum.addmm_(rows.t(), rows)
-        flag = usable.to(self._rows.dtype)
-        self._rows[1].add_(flag * rows.shape[0])
-        if self._first_in_pass():
-            # a pass whose rows are not finite (a micro-batch that overflowed) is left out of the
-            # count and of the passes alike: the finite ones keep the scale their loss gave them
-            self._rows[2].add_(flag * scale)
-            self._rows[3].sub_(1.0 - flag)
-
-    def count_output_call(self, scale: float) -> None:
-        """A call of the module gave this layer no rows (an expert it sent no token): its count
-        still enters ``Σ n``, as the loss averages over the call's every row."""
-        if self._first_in_pass():
-            self._rows[2].add_(scale)
-
-    def _first_in_pass(self) -> bool:
-        """Whether this is the layer's first call in the running backward pass: a pass (one
-        micro-batch) counts one call's rows, however many calls of the module it reaches (a
-        block applied several times per forward); outside a pass every call counts."""
-        task = backward_pass()
-        if task >= 0 and task == self._counted_pass:
-            return False
-        self._counted_pass = task
-        return True
-
-    def close_window(self, passes: int, accumulation_steps: int) -> None:
-        self._rows[3].add_(passes)
-        self._accumulation_steps = float(accumulation_steps)
-
-    def output_scale(self) -> torch.Tensor:
-        """``c`` of the module docstring from this step's (reduced) counts, on the device."""
-        return self._rows[2] * self._accumulation_steps / self._rows[3].clamp_min(1.0)
+            g_sum.addmm_(rows.t(), rows, alpha=scale * scale)
+        self._rows[1].add_(usable.to(self._rows.dtype) * rows.shape[0])
 
     def usable_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows, usable)``: the call's statistics rows in the statistics dtype, zeros in place
@@ -277,18 +233,14 @@ class KFACLayer(GradientMatrix, LayerMethod):
         """
         if self._a_sum is None or self._g_sum is None:  # nothing observed on this factor step
             self._missed.add_(1)
-            self._rows.zero_()  # a count an expert without tokens added, and the passes
             return
         if self.a_factor is None or self.g_factor is None:  # factors live on the owner (sharded models)
             self.discard_statistics()
             return
         decay = ctx["factor_decay"]
-        g_scale = self.output_scale().square()
         for index, (factor, total) in enumerate(((self.a_factor, self._a_sum), (self.g_factor, self._g_sum))):
             rows = self._rows[index]
             new = total / rows.clamp_min(1.0).to(total.dtype)
-            if index == 1:
-                new = new * g_scale.to(total.dtype)
             if new.dim() == 2:
                 new = (new + new.t()) * 0.5  # exact symmetry; accumulation rounding can break it
             blended = torch.where(self._seen[index], torch.lerp(factor.to(new.dtype), new, 1.0 - decay), new)
