@@ -155,9 +155,11 @@ class WhiteningStatistics:
 
     ``loss_over_all_ranks`` (an attribute, ``False``): each rank's loss is its share of the
     global batch's mean and the gradients are summed (torchtitan, whose container sets it),
-    rather than its own mean with the gradients averaged (DDP). The whiteners do not depend on
-    it (the damping is relative to each factor's trace); the factors' scale does, and with it
-    a running average carried into a run on another number of ranks.
+    rather than its own mean with the gradients averaged (DDP). The output side's sums are then
+    scaled by the count summed over ranks, after the all-reduce, where under DDP each rank
+    scales its own by its own count before it. The whiteners do not depend on the factors'
+    overall scale (the damping is relative to each factor's trace); a running average carried
+    into a run on another number of ranks does.
     """
 
     def __init__(self, state: dict, views: dict[int, MatrixView], due: Callable[[torch.Tensor], bool], *,
@@ -360,19 +362,17 @@ class WhiteningStatistics:
         return zeros
 
     # -- refresh -----------------------------------------------------------------------
-    def _all_reduce_pending(self, keys: list[tuple[int, str]]) -> int:
-        """Sum the pending sums and counts of ``keys`` over the ranks; returns their number."""
+    def _all_reduce_pending(self, keys: list[tuple[int, str]]) -> None:
         group = self.process_group
         world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         if world <= 1:
-            return world
+            return
         # the engine's bucketed all-reduce; each block is symmetric, so only its upper triangle travels
         # (counts and row sums flattened: a [k, width] sum with k == width is not a symmetric matrix)
         tensors = [t for key in keys for t in (*self.pending[key][0].flatten(0, 1).unbind(0),
                                                *(p.view(-1) for p in self.pending[key][1:3]),
                                                *(p for m in self.pending[key][3:] for p in m.flatten(0, 1).unbind(0)))]
         collectives.all_reduce(tensors, group=group, cap_bytes=ALLREDUCE_BUCKET_BYTES, symmetric=True).wait()
-        return world
 
     @torch.no_grad()
     def refresh(self, params: Iterable[torch.Tensor]) -> None:
@@ -386,18 +386,19 @@ class WhiteningStatistics:
                 if key not in self.pending:
                     self.pending[key] = self._zeros(p, side, torch.promote_types(p.dtype, torch.float32), p.device)
                 keys.append((key, p))
-        # the output side's counts are summed over ranks with its sums (_all_reduce_pending)
-        world = self._all_reduce_pending([key for key, _ in keys])
-        for key, _ in keys:
-            if key[1] == "output":
-                # Under a mean loss every row's gradient carries 1/N, N the rows the loss averages:
-                # the step's count summed over ranks, divided by the ranks where each rank's loss
-                # is its own mean (their gradients averaged), not where it is its share of the
-                # global mean (summed). A layer some ranks or micro-batches do not call so gets
-                # one process's scale on the full batch.
-                total, count, steps = self.pending[key]
-                scale = steps if self.loss_over_all_ranks or world == 1 else steps / world
-                self.pending[key] = [total.mul_(scale.square()[:, None, None, None]), count]
+                if side == "output" and not self.loss_over_all_ranks:
+                    # each rank's loss is its own mean (DDP): its rows' gradients carry 1/n of
+                    # its own count, which scales them back before they are summed over ranks
+                    total, count, steps = self.pending[key]
+                    self.pending[key] = [total.mul_(steps.square()[:, None, None, None]), count]
+        self._all_reduce_pending([key for key, _ in keys])
+        if self.loss_over_all_ranks:
+            for key, _ in keys:
+                if key[1] == "output":
+                    # each rank's loss is its share of the global batch's mean (torchtitan): every
+                    # row's gradient carries 1/N of the count over all ranks, summed with the sums
+                    total, count, steps = self.pending[key]
+                    self.pending[key] = [total.mul_(steps.square()[:, None, None, None]), count]
         # The factors of one layout are updated and decomposed as one batch: a refresh costs a
         # fixed number of ops per layout, not per matrix (it runs every step with statistics_every=1).
         layouts: dict[tuple, list[tuple[dict, str, torch.Tensor, torch.Tensor, MatrixView]]] = {}

@@ -1,13 +1,16 @@
-"""``WhitenedMuon``'s output side across ranks gives one process's factor on the full batch,
-under either convention for the loss across ranks:
+"""``WhitenedMuon``'s output side across ranks of unequal shards gives one process's factor on
+the full batch, under either convention for the loss across ranks:
 
-* each rank's loss is its own mean and the gradients are averaged (DDP, FSDP2's default);
+* each rank's loss is its own mean and the gradients are averaged (DDP, FSDP2's default): each
+  rank scales its rows by its own count, which makes every row's ``δ`` the one process's for
+  the layers every rank calls on all its rows (a layer some ranks call on part of theirs is
+  the documented exception);
 * each rank's loss is its share of the global batch's mean and the gradients are summed
-  (torchtitan, whose container tells the optimizer: ``_statistics.loss_over_all_ranks``);
+  (torchtitan, whose container tells the optimizer: ``_statistics.loss_over_all_ranks``): the
+  counts are summed over ranks with the sums, so also a layer that only some ranks call (a
+  routed branch) gets one process's factor, and the parameters are one process's.
 
-also for a layer that only some ranks call (a routed branch): its steps then weigh in the
-running average as one process's do. (The whiteners do not depend on the factors' overall
-scale; the factors are compared here, and the parameters.)
+(The whiteners do not depend on the factors' overall scale; the factors are compared here.)
 """
 from __future__ import annotations
 
@@ -60,16 +63,20 @@ def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def train(global_loss: bool, rank: int = 0, world: int = 1):
+SHARDS = {2: [8, 16], 3: [4, 8, 12]}  # unequal local batches
+
+
+def train(global_loss: bool, rank: int = 0, world: int = 1, steps: int = STEPS):
     model = make_net()
     opt = WhitenedMuon(model, lr=0.05, output_side=True, statistics_every=1, ns_dtype=F64, damping=0.3,
                        factor_decay=0.5)
     opt._statistics.loss_over_all_ranks = global_loss
+    sizes = SHARDS.get(world, [BATCH])
+    start = sum(sizes[:rank])
     trajectory, identical = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         x, y = batch(step)
-        n = BATCH // world
-        x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+        x, y = x[start:start + sizes[rank]], y[start:start + sizes[rank]]
         opt.zero_grad(set_to_none=False)
         errors = (model(x) - y) ** 2
         (errors.sum() / (BATCH * 3) if global_loss else errors.mean()).backward()
@@ -89,22 +96,25 @@ def train(global_loss: bool, rank: int = 0, world: int = 1):
 
 def _worker(rank: int, world: int, out_dir: str) -> dict:
     torch.set_num_threads(1)
-    return {mode: train(mode, rank, world) for mode in (False, True)}
+    return {"global": train(True, rank, world), "local, first step": train(False, rank, world, steps=1)}
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_output_side_matches_one_process_under_either_loss_convention(world, tmp_path):
-    reference, reference_factors, _ = train(False)
-    assert set(reference_factors) == {"a.weight", "b.weight", "c.weight"}
     initial = flat(make_net())
     results = run_workers(_worker, world, tmp_path, timeout=SPAWN_TIMEOUT)
-    for global_loss in (False, True):
-        for rank, result in enumerate(results):
-            trajectory, factors, identical = result[global_loss]
-            label = f"loss over all ranks: {global_loss}, rank {rank}"
-            assert all(identical), label
-            for name, factor in reference_factors.items():
-                torch.testing.assert_close(factors[name], factor, rtol=1e-10, atol=1e-14, msg=f"{label} {name}")
-            gap = max(((p - r).norm() / (r - initial).norm()).item() for p, r in zip(trajectory, reference))
-            assert gap < 1e-10, f"{label}: {gap:.2e}"
-
+    reference, reference_factors, _ = train(False)
+    assert set(reference_factors) == {"a.weight", "b.weight", "c.weight"}
+    _, first_factors, _ = train(False, steps=1)
+    for rank, result in enumerate(results):
+        trajectory, factors, identical = result["global"]
+        assert all(identical), f"rank {rank}"
+        for name, factor in reference_factors.items():
+            torch.testing.assert_close(factors[name], factor, rtol=1e-10, atol=1e-14, msg=f"rank {rank} {name}")
+        gap = max(((p - r).norm() / (r - initial).norm()).item() for p, r in zip(trajectory, reference))
+        assert gap < 1e-10, f"rank {rank}: {gap:.2e}"
+        # the layers every rank calls on all its rows, from the same weights
+        _, factors, _ = result["local, first step"]
+        for name in ("a.weight", "c.weight"):
+            torch.testing.assert_close(factors[name], first_factors[name], rtol=1e-10, atol=1e-14,
+                                       msg=f"DDP's convention, rank {rank} {name}")
