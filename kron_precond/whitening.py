@@ -362,6 +362,14 @@ class WhiteningStatistics:
         return zeros
 
     # -- refresh -----------------------------------------------------------------------
+    def _scale_output_sums(self, keys: list[tuple[int, str]]) -> None:
+        """Multiply the pending sums of the output sides among ``keys`` by the square of their
+        step counts; the counts are then dropped from the pending entry."""
+        for key in keys:
+            if key[1] == "output":
+                total, count, steps = self.pending[key]
+                self.pending[key] = [total.mul_(steps.square()[:, None, None, None]), count]
+
     def _all_reduce_pending(self, keys: list[tuple[int, str]]) -> None:
         group = self.process_group
         world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
@@ -386,19 +394,16 @@ class WhiteningStatistics:
                 if key not in self.pending:
                     self.pending[key] = self._zeros(p, side, torch.promote_types(p.dtype, torch.float32), p.device)
                 keys.append((key, p))
-                if side == "output" and not self.loss_over_all_ranks:
-                    # each rank's loss is its own mean (DDP): its rows' gradients carry 1/n of
-                    # its own count, which scales them back before they are summed over ranks
-                    total, count, steps = self.pending[key]
-                    self.pending[key] = [total.mul_(steps.square()[:, None, None, None]), count]
-        self._all_reduce_pending([key for key, _ in keys])
+        # Under a mean loss a row's gradient carries 1/n of the count the loss divides by: each
+        # rank's own where its loss is its own mean (DDP), scaled back before the sum over ranks;
+        # the count over all ranks where it is its share of the global mean (torchtitan), summed
+        # with the sums and scaled back after.
+        pending = [key for key, _ in keys]
+        if not self.loss_over_all_ranks:
+            self._scale_output_sums(pending)
+        self._all_reduce_pending(pending)
         if self.loss_over_all_ranks:
-            for key, _ in keys:
-                if key[1] == "output":
-                    # each rank's loss is its share of the global batch's mean (torchtitan): every
-                    # row's gradient carries 1/N of the count over all ranks, summed with the sums
-                    total, count, steps = self.pending[key]
-                    self.pending[key] = [total.mul_(steps.square()[:, None, None, None]), count]
+            self._scale_output_sums(pending)
         # The factors of one layout are updated and decomposed as one batch: a refresh costs a
         # fixed number of ops per layout, not per matrix (it runs every step with statistics_every=1).
         layouts: dict[tuple, list[tuple[dict, str, torch.Tensor, torch.Tensor, MatrixView]]] = {}
