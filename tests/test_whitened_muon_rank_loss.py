@@ -25,6 +25,7 @@ from kron_precond import WhitenedMuon
 F64 = torch.float64
 BATCH = 24
 STEPS = 4
+SHARDS = {2: [8, 16], 3: [4, 8, 12]}  # unequal local batches
 SPAWN_TIMEOUT = 120.0
 
 
@@ -61,9 +62,6 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
-
-
-SHARDS = {2: [8, 16], 3: [4, 8, 12]}  # unequal local batches
 
 
 def train(global_loss: bool, rank: int = 0, world: int = 1, steps: int = STEPS):
